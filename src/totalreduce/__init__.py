@@ -1,0 +1,242 @@
+"""totalreduce: data-parallel collectives for deep-learning training.
+
+The numpy-level API mirrors Horovod's names, so porting a script means changing the
+import.  Every collective has a blocking form that returns a new array, an in-place form
+ending in ``_`` where Horovod has one, and ``_async`` forms returning a :class:`Handle`.
+
+Ops are matched across ranks by name and call count (see ``scheduling/selfguided.py``),
+not by order of arrival, so ranks may submit async ops in different orders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import runtime as _runtime
+from .exceptions import (
+    AuthenticationError,
+    MismatchError,
+    OpTimeoutError,
+    PeerFailureError,
+    ShutdownError,
+    TotalReduceError,
+    TransportClosedError,
+)
+from .scheduling import Handle, ReduceOp
+
+__version__ = "0.1.0"
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+__all__ = [
+    "AuthenticationError", "Average", "Handle", "Max", "Min", "MismatchError",
+    "OpTimeoutError", "PeerFailureError", "Product", "ReduceOp", "ShutdownError", "Sum",
+    "TotalReduceError", "TransportClosedError", "allgather", "allgather_async", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "init",
+    "is_initialized", "local_rank", "local_size", "poll", "rank", "reducescatter",
+    "reducescatter_async", "shutdown", "size", "synchronize",
+]
+
+
+# --- lifecycle ------------------------------------------------------------------------
+
+
+def init(**config: Any) -> None:
+    """Join the job: find the other ranks and connect to them.
+
+    Reads rank and world size from totalrun, torchrun, SLURM or an MPI launcher (see
+    ``rendezvous/env.py``); with none of them the process is a world of one.  Keyword
+    arguments override ``TOTALREDUCE_*`` settings (see ``config.py``).  Calling it again
+    while initialized does nothing.
+
+    Raises:
+        ValueError: the launcher environment is incomplete (the message says what to set).
+        OSError: peers could not be reached within ``connect_timeout``.
+        TypeError: an unknown setting was passed.
+    """
+    _runtime.init(**config)
+
+
+def shutdown() -> None:
+    """Leave the job in an orderly way.  Pending ops fail; later calls need ``init()``."""
+    _runtime.shutdown()
+
+
+def is_initialized() -> bool:
+    return _runtime.is_initialized()
+
+
+def rank() -> int:
+    return _runtime.current().rank
+
+
+def size() -> int:
+    return _runtime.current().size
+
+
+def local_rank() -> int:
+    return _runtime.current().local_rank
+
+
+def local_size() -> int:
+    return _runtime.current().local_size
+
+
+def _ops() -> Any:
+    return _runtime.current().collectives
+
+
+# --- allreduce ------------------------------------------------------------------------
+
+
+def allreduce_async(x: Any, op: ReduceOp = Average, name: str | None = None,
+                    priority: int = 0) -> Handle:
+    """Start an allreduce of ``x``; ``handle.wait()`` returns a new array.
+
+    Args:
+        x: numeric array (uint8, int8, int32, int64, float16, float32, float64), any shape,
+            empty and 0-d included; non-contiguous arrays are copied.
+        op: ``Average`` (default, as in Horovod), ``Sum``, ``Min``, ``Max`` or ``Product``.
+            Integer averages are floor divisions of the wrapping sum.
+        name: matches this op across ranks; unnamed ops match by call order.
+        priority: higher runs first; a big op yields to a more urgent one between pieces.
+
+    Raises:
+        TypeError: unsupported dtype or an object array.
+        ValueError: unknown op.
+    """
+    return _ops().allreduce(x, op, name, priority, inplace=False)
+
+
+def allreduce_async_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
+                     priority: int = 0) -> Handle:
+    """In-place :func:`allreduce_async`: ``x`` holds the result once the handle is done."""
+    return _ops().allreduce(x, op, name, priority, inplace=True)
+
+
+def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
+              priority: int = 0) -> np.ndarray:
+    """Reduce ``x`` over all ranks and return the result as a new array.
+
+    Raises:
+        MismatchError: ranks disagree on the shape, dtype or op of this call.
+        PeerFailureError: a rank died.
+        OpTimeoutError: the op waited longer than ``TOTALREDUCE_OP_TIMEOUT``.
+    """
+    return allreduce_async(x, op, name, priority).wait()
+
+
+def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
+               priority: int = 0) -> np.ndarray:
+    """In-place :func:`allreduce`; returns ``x``."""
+    return allreduce_async_(x, op, name, priority).wait()
+
+
+def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
+                            name: str | None = None, priority: int = 0) -> Handle:
+    """Allreduce a list of arrays as one fused op per dtype; ``wait()`` returns a list."""
+    return _ops().grouped_allreduce(xs, op, name, priority, inplace=False)
+
+
+def grouped_allreduce(xs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
+                      priority: int = 0) -> list[np.ndarray]:
+    return grouped_allreduce_async(xs, op, name, priority).wait()
+
+
+def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
+                       name: str | None = None, priority: int = 0) -> list[np.ndarray]:
+    return _ops().grouped_allreduce(xs, op, name, priority, inplace=True).wait()
+
+
+# --- the others -----------------------------------------------------------------------
+
+
+def allgather_async(x: Any, name: str | None = None, priority: int = 0) -> Handle:
+    """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ)."""
+    return _ops().allgather(x, name, priority)
+
+
+def allgather(x: Any, name: str | None = None, priority: int = 0) -> np.ndarray:
+    return allgather_async(x, name, priority).wait()
+
+
+def broadcast_async(x: Any, root_rank: int, name: str | None = None,
+                    priority: int = 0) -> Handle:
+    """Every rank gets ``root_rank``'s ``x`` (all ranks pass the same shape and dtype).
+
+    Raises:
+        ValueError: ``root_rank`` is not a rank of the job.
+    """
+    return _ops().broadcast(x, root_rank, name, priority, inplace=False)
+
+
+def broadcast_async_(x: np.ndarray, root_rank: int, name: str | None = None,
+                     priority: int = 0) -> Handle:
+    return _ops().broadcast(x, root_rank, name, priority, inplace=True)
+
+
+def broadcast(x: Any, root_rank: int, name: str | None = None,
+              priority: int = 0) -> np.ndarray:
+    return broadcast_async(x, root_rank, name, priority).wait()
+
+
+def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
+               priority: int = 0) -> np.ndarray:
+    return broadcast_async_(x, root_rank, name, priority).wait()
+
+
+def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
+                   priority: int = 0) -> Handle:
+    """Send rows ``splits[i]`` of ``x`` (along axis 0) to rank ``i``.
+
+    ``splits=None`` divides the rows as evenly as possible, lower ranks taking the extra
+    rows.  ``wait()`` returns ``(output, received_splits)``.
+
+    Raises:
+        ValueError: ``splits`` is not one non-negative count per rank summing to
+            ``x.shape[0]``.
+    """
+    return _ops().alltoall(x, splits, name, priority)
+
+
+def alltoall(x: Any, splits: Any = None, name: str | None = None,
+             priority: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    return alltoall_async(x, splits, name, priority).wait()
+
+
+def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
+                        priority: int = 0) -> Handle:
+    """Reduce ``x`` over all ranks and keep this rank's share of axis 0.
+
+    Rows are split as evenly as possible; lower ranks take the extra rows.
+    """
+    return _ops().reducescatter(x, op, name, priority)
+
+
+def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
+                  priority: int = 0) -> np.ndarray:
+    return reducescatter_async(x, op, name, priority).wait()
+
+
+def barrier() -> None:
+    """Return once every rank has entered the barrier."""
+    _ops().barrier().wait()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Horovod's name for ``handle.wait()``."""
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """Horovod's name for ``handle.done()``."""
+    return handle.done()

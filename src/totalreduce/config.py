@@ -1,0 +1,84 @@
+"""Every knob in one place: a frozen dataclass read from ``TOTALREDUCE_*`` env vars.
+
+Precedence: keyword argument to ``init()`` > environment variable > default.  Unknown keyword
+arguments are a ``TypeError`` (a typo must not silently fall back to a default), and odd
+boolean spellings are rejected rather than guessed.
+
+=================================  ==============================================  =========
+env var                            meaning                                         default
+=================================  ==============================================  =========
+TOTALREDUCE_SEGMENT_BYTES          pipelining unit of large ops (bytes)            1 MiB
+TOTALREDUCE_FLOATING_CAP           bytes this rank accepts for ops it has not      64 MiB
+                                   submitted yet (split evenly between senders)
+TOTALREDUCE_REDUCE_THREAD_BYTES    segments at least this big are reduced on the   256 KiB
+                                   reduce thread; smaller ones inline (0 = always
+                                   thread, -1 = never)
+TOTALREDUCE_STALL_WARNING          seconds before a waiting op is reported         60
+TOTALREDUCE_OP_TIMEOUT             seconds before a waiting op fails (0 = never)   1800
+TOTALREDUCE_CONNECT_TIMEOUT        seconds to rendezvous and connect all peers     60
+TOTALREDUCE_SHUTDOWN_TIMEOUT       seconds shutdown() waits for peers to say bye   10
+TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's    1.0
+                                   view of a mismatched op before raising
+=================================  ==============================================  =========
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+_PREFIX = "TOTALREDUCE_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    segment_bytes: int = 1 << 20
+    floating_cap: int = 64 << 20
+    reduce_thread_bytes: int = 256 << 10
+    stall_warning: float = 60.0
+    op_timeout: float = 1800.0
+    connect_timeout: float = 60.0
+    shutdown_timeout: float = 10.0
+    mismatch_grace: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.segment_bytes < 64:
+            raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
+        if self.floating_cap < 0:
+            raise ValueError(f"floating_cap must be >= 0, got {self.floating_cap}")
+        for name in ("stall_warning", "op_timeout", "connect_timeout", "shutdown_timeout",
+                     "mismatch_grace"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Build a config: ``overrides`` beat ``TOTALREDUCE_*`` variables beat defaults.
+
+        Raises:
+            TypeError: an override names no known setting.
+            ValueError: a value cannot be parsed or is out of range.
+        """
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise TypeError(f"unknown totalreduce setting(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(fields))}")
+        values: dict[str, Any] = {}
+        for name, field in fields.items():
+            if name in overrides:
+                values[name] = overrides[name]
+                continue
+            raw = env.get(_PREFIX + name.upper())
+            if raw is None or raw == "":
+                continue
+            kind = int if field.type in ("int", int) else float
+            try:
+                values[name] = kind(raw)
+            except ValueError:
+                raise ValueError(f"{_PREFIX}{name.upper()}={raw!r} is not a valid "
+                                 f"{kind.__name__}") from None
+        return cls(**values)

@@ -1,0 +1,11 @@
+"""Collective algorithms as step machines: each returns a :class:`Schedule` for one rank.
+
+Schedules depend only on (rank, size, block sizes, segment size), so they are cached.
+"""
+
+from .chain import chain_broadcast
+from .pairwise import pairwise_alltoallv
+from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
+
+__all__ = ["chain_broadcast", "pairwise_alltoallv", "ring_allgatherv", "ring_allreduce",
+           "ring_reducescatter"]

@@ -1,0 +1,682 @@
+"""The progress engine: one thread that runs the "big loop" of the Total Reduce design.
+
+Ops arrive from any thread through :meth:`Engine.submit` and start at once: there is no
+negotiation.  The loop then
+
+* hands the transport the most urgent ready message for each peer when it can take one
+  (a per-peer heap keyed by op priority: a small urgent op overtakes a big one between
+  pieces — that is the preemption),
+* routes every arriving body by its self-guided header: straight into the destination
+  array when the op is known here, else into a *floating* buffer that is applied when the
+  local rank submits the op,
+* reduces (inline, or on the reduce thread for big pieces), which unlocks the next sends,
+* and watches for stalls, timeouts, mismatches and lost peers.
+
+Flow control (why floating memory is bounded): a rank may send a message for an op its
+peer has not announced only against *credit*, ``TOTALREDUCE_FLOATING_CAP / (n - 1)`` bytes
+per directed pair.  Credit comes back when the receiver consumes such a message.  When a
+rank submits an op it sends READY to each peer it still expects data from; from then on
+that op's messages need no credit.  So a rank racing ahead parks its messages in its own
+memory (they are views of its own arrays, no copy) once the lagging peer's floating budget
+is used, and an op a rank is waiting for can always proceed: no deadlock, no data loss, and
+floating memory on any rank never exceeds the cap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from ..config import Config
+from ..exceptions import (
+    OpTimeoutError,
+    PeerFailureError,
+    ShutdownError,
+    TotalReduceError,
+    TransportClosedError,
+)
+from ..transport.base import Outgoing, Transport
+from ..transport.wire import DTYPES, FLAG_CREDITED, HEADER_SIZE, Header, Kind
+from .mismatch import MismatchRecord, decode_view, encode_view
+from .payload import OpFuture, OpKey, OpSpec
+from .reducer import ReduceThread, ScratchPool, reduce_into
+from .schedule import COPY, Recv, Send
+
+logger = logging.getLogger(__name__)
+
+_HOUSEKEEPING = 0.25
+
+
+class _Op:
+    """Live state of one submitted op."""
+
+    __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
+                 "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
+                 "source_bytes", "itemsize")
+
+    def __init__(self, spec: OpSpec, future: OpFuture) -> None:
+        self.spec = spec
+        self.future = future
+        self.recvs_left = len(spec.schedule.recvs)
+        self.sends_left = spec.schedule.n_sends
+        self.got: set[tuple[int, int, int]] = set()
+        self.pending_from = spec.schedule.expected_from()
+        self.ready_peers: set[int] = set()
+        self.t_start = time.monotonic()
+        self.warned = False
+        self.finished = False
+        self.mismatch: MismatchRecord | None = None
+        self.itemsize = spec.work.itemsize
+        self.work_bytes = memoryview(spec.work).cast("B") if spec.work.size else \
+            memoryview(b"")
+        src = spec.source
+        self.source_bytes = (memoryview(src).cast("B") if src is not None and src.size
+                             else memoryview(b""))
+
+    def region(self, lo: int, hi: int, from_source: bool = False) -> memoryview:
+        view = self.source_bytes if from_source else self.work_bytes
+        return view[lo * self.itemsize:hi * self.itemsize]
+
+
+class _Msg:
+    __slots__ = ("op", "send")
+
+    def __init__(self, op: _Op, send: Send) -> None:
+        self.op = op
+        self.send = send
+
+
+class _Route:
+    """Where the body of the message being received from one peer is going."""
+
+    __slots__ = ("what", "op", "recv", "buf", "charge")
+
+    def __init__(self, what: str, op: _Op | None = None, recv: Recv | None = None,
+                 buf: Any = None, charge: int = 0) -> None:
+        self.what = what
+        self.op = op
+        self.recv = recv
+        self.buf = buf
+        self.charge = charge
+
+
+class _Floating:
+    __slots__ = ("src", "header", "buf", "charge")
+
+    def __init__(self, src: int, header: Header, buf: bytearray, charge: int) -> None:
+        self.src = src
+        self.header = header
+        self.buf = buf
+        self.charge = charge
+
+
+class _DoneSet:
+    """Which call counts of each name have finished here (a watermark plus stragglers)."""
+
+    def __init__(self) -> None:
+        self._low: dict[int, int] = {}
+        self._above: dict[int, set[int]] = {}
+
+    def add(self, key: OpKey) -> None:
+        name, seq = key
+        low = self._low.get(name, 0)
+        if seq < low:
+            return
+        above = self._above.setdefault(name, set())
+        above.add(seq)
+        while low in above:
+            above.discard(low)
+            low += 1
+        self._low[name] = low
+        if not above:
+            del self._above[name]
+
+    def __contains__(self, key: OpKey) -> bool:
+        name, seq = key
+        return seq < self._low.get(name, 0) or seq in self._above.get(name, ())
+
+
+class Engine:
+    """Runs ops over a transport.  Thread-safe: :meth:`submit` and :meth:`shutdown` may be
+    called from any thread; everything else happens on the progress thread."""
+
+    def __init__(self, transport: Transport, config: Config) -> None:
+        self.rank = transport.rank
+        self.size = transport.size
+        self._transport = transport
+        self._config = config
+        self._budget = config.floating_cap // max(1, self.size - 1)
+        self._commands: deque[tuple[str, Any, Any]] = deque()
+        self._completions: deque[Any] = deque()
+        self._active: dict[OpKey, _Op] = {}
+        self._done = _DoneSet()
+        self._floating: dict[OpKey, list[_Floating]] = {}
+        self.floating_bytes = 0
+        self.floating_peak = 0
+        self._early_ready: dict[OpKey, set[int]] = {}
+        self._mismatches: dict[OpKey, MismatchRecord] = {}
+        peers = [p for p in range(self.size) if p != self.rank]
+        self._heaps: dict[int, list[tuple[int, int, _Msg]]] = {p: [] for p in peers}
+        self._parked: dict[int, dict[OpKey, list[_Msg]]] = {p: {} for p in peers}
+        self._control: dict[int, deque[tuple[Header, bytes | None]]] = {
+            p: deque() for p in peers}
+        self._credit = dict.fromkeys(peers, self._budget)
+        self._owed = dict.fromkeys(peers, 0)
+        self._routes: dict[int, _Route] = {}
+        self._gone: set[int] = set()
+        self._bye: set[int] = set()
+        self._tiebreak = itertools.count()
+        self._scratch = ScratchPool()
+        self._discard = bytearray(1 << 16)
+        self._broken: TotalReduceError | None = None
+        self._closing = False
+        self._closed = threading.Event()
+        self._thread_error: BaseException | None = None
+        self._reducer = ReduceThread(self._completions.append, transport.wake) \
+            if config.reduce_thread_bytes >= 0 else None
+        transport.start(self)
+        self._thread = threading.Thread(target=self._run, name="totalreduce-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- public, any thread -----------------------------------------------------------
+
+    def submit(self, spec: OpSpec) -> OpFuture:
+        """Start an op.  The future resolves with None or the op's error."""
+        future = OpFuture()
+        if self._closing or self._closed.is_set():
+            future.resolve(ShutdownError("cannot submit after shutdown()"))
+            return future
+        self._commands.append(("submit", spec, future))
+        self._transport.wake()
+        return future
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Say goodbye to every peer, wait for theirs (up to ``shutdown_timeout``), close."""
+        if not self._closed.is_set():
+            self._commands.append(("shutdown", None, None))
+            self._transport.wake()
+            self._thread.join(timeout if timeout is not None
+                              else self._config.shutdown_timeout + 10.0)
+        if self._reducer is not None:
+            self._reducer.stop()
+
+    @property
+    def broken(self) -> TotalReduceError | None:
+        return self._broken
+
+    def stats(self) -> dict[str, int]:
+        return {"floating_bytes": self.floating_bytes, "floating_peak": self.floating_peak,
+                "floating_cap": self._config.floating_cap, "active_ops": len(self._active)}
+
+    # --- the loop --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_check = time.monotonic() + _HOUSEKEEPING
+        shutdown_deadline: float | None = None
+        try:
+            while True:
+                while self._commands:
+                    cmd, spec, future = self._commands.popleft()
+                    if cmd == "submit":
+                        self._start(spec, future)
+                    elif shutdown_deadline is None:
+                        shutdown_deadline = self._begin_shutdown()
+                while self._completions:
+                    self._reduced(*self._completions.popleft())
+                if shutdown_deadline is not None and self._shutdown_done(shutdown_deadline):
+                    break
+                busy = bool(self._commands or self._completions)
+                self._transport.poll(0 if busy else _HOUSEKEEPING)
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + _HOUSEKEEPING
+                    self._housekeeping(now)
+        except BaseException as exc:  # a bug: fail everything loudly rather than hang
+            logger.exception("rank %d: progress thread crashed", self.rank)
+            self._thread_error = exc
+            self._break(TotalReduceError(f"rank {self.rank}: internal error in the progress "
+                                         f"thread: {exc!r}"))
+        finally:
+            self._closing = True
+            for op in list(self._active.values()):
+                self._fail(op, self._broken or TransportClosedError(
+                    f"rank {self.rank}: {op.spec.label} was still pending at shutdown()"))
+            for _cmd, _spec, future in list(self._commands):
+                if future is not None:
+                    future.resolve(ShutdownError("cannot submit after shutdown()"))
+            self._transport.abort()
+            self._closed.set()
+
+    def _begin_shutdown(self) -> float:
+        self._closing = True
+        for peer in self._heaps:
+            if peer not in self._gone:
+                self._control[peer].append((Header(Kind.GOODBYE), None))
+                self._transport.want_send(peer)
+        return time.monotonic() + self._config.shutdown_timeout
+
+    def _shutdown_done(self, deadline: float) -> bool:
+        if time.monotonic() >= deadline:
+            waiting = sorted(set(self._heaps) - self._bye - self._gone)
+            if waiting:
+                logger.warning("rank %d: shutdown: ranks %s did not say goodbye within %.0f s;"
+                               " closing anyway", self.rank, waiting,
+                               self._config.shutdown_timeout)
+            return True
+        flushed = not self._transport.pending_output() and not any(
+            self._control[p] for p in self._control if p not in self._gone)
+        return flushed and set(self._heaps) <= (self._bye | self._gone)
+
+    def _housekeeping(self, now: float) -> None:
+        for key, record in list(self._mismatches.items()):
+            op = self._active.get(key)
+            if op is not None and op.mismatch is record and (
+                    record.complete() or now >= record.deadline):
+                self._fail(op, record.error(self.rank, op.spec.describe.get("name", "")))
+        cfg = self._config
+        for op in list(self._active.values()):
+            waited = now - op.t_start
+            if cfg.op_timeout and waited > cfg.op_timeout:
+                self._fail(op, OpTimeoutError(
+                    op.spec.describe.get("name", ""),
+                    f"rank {self.rank}: {op.spec.label} did not complete within "
+                    f"TOTALREDUCE_OP_TIMEOUT={cfg.op_timeout:g} s; {self._waiting_on(op)}. "
+                    "Check that every rank submits it, or raise TOTALREDUCE_OP_TIMEOUT."))
+            elif cfg.stall_warning and waited > cfg.stall_warning and not op.warned:
+                op.warned = True
+                logger.warning("rank %d: %s has waited %.0f s; %s. Some rank may not have "
+                               "submitted it (TOTALREDUCE_STALL_WARNING=%g)", self.rank,
+                               op.spec.label, waited, self._waiting_on(op), cfg.stall_warning)
+
+    def _waiting_on(self, op: _Op) -> str:
+        ranks = sorted(p for p, left in op.pending_from.items() if left > 0)
+        if not ranks:
+            return "all data arrived; its last sends are still leaving this rank"
+        silent = [p for p in ranks if p not in op.ready_peers]
+        return f"waiting for data from rank(s) {ranks}" + (
+            f" (of which {silent} have not announced it)" if silent else "")
+
+    # --- starting and finishing ops --------------------------------------------------
+
+    def _start(self, spec: OpSpec, future: OpFuture) -> None:
+        if self._broken is not None:
+            future.resolve(self._broken)
+            return
+        key = spec.key
+        if key in self._active or key in self._done:
+            future.resolve(TotalReduceError(
+                f"rank {self.rank}: {spec.label} was submitted twice (internal error)"))
+            return
+        op = _Op(spec, future)
+        needed = set(op.pending_from) | {s.peer for s in spec.schedule.first}
+        gone = sorted(needed & self._gone)
+        if gone:
+            self._done.add(key)
+            future.resolve(PeerFailureError(gone[0], f"rank {self.rank}: {spec.label} needs "
+                                            f"rank {gone[0]}, which has shut down"))
+            return
+        self._active[key] = op
+        op.ready_peers = self._early_ready.pop(key, set())
+        for lo, hi in spec.schedule.local_final:
+            if spec.finalize is not None and hi > lo:
+                spec.finalize(spec.work[lo:hi])
+        for item in self._floating.pop(key, ()):
+            self.floating_bytes -= item.charge
+            self._settle_credit(item.src, item.header, item.charge)
+            if not op.finished:
+                self._apply_floating(op, item)
+        if op.finished:
+            return
+        if op.mismatch is not None:
+            return  # found while applying floating pieces; housekeeping raises after grace
+        record = self._mismatches.get(key)
+        if record is not None:
+            # Peers told us before we submitted: their views are already here.
+            self._join_mismatch(op, record, fail_now=True)
+            return
+        for peer, left in op.pending_from.items():
+            if left > 0:
+                self._control[peer].append((Header(Kind.READY, name_key=key[0], seq=key[1]),
+                                            None))
+                self._transport.want_send(peer)
+        for send in spec.schedule.first:
+            self._queue(op, send)
+        self._check_done(op)
+
+    def _queue(self, op: _Op, send: Send) -> None:
+        heapq.heappush(self._heaps[send.peer],
+                       (-op.spec.priority, next(self._tiebreak), _Msg(op, send)))
+        self._transport.want_send(send.peer)
+
+    def _check_done(self, op: _Op) -> None:
+        if op.recvs_left == 0 and op.sends_left == 0 and not op.finished:
+            op.finished = True
+            del self._active[op.spec.key]
+            self._done.add(op.spec.key)
+            op.future.resolve(None)
+
+    def _fail(self, op: _Op, error: BaseException) -> None:
+        if op.finished:
+            return
+        op.finished = True
+        key = op.spec.key
+        self._active.pop(key, None)
+        self._done.add(key)
+        self._mismatches.pop(key, None)
+        for parked in self._parked.values():
+            parked.pop(key, None)
+        op.future.resolve(error)
+
+    def _break(self, error: TotalReduceError, lost: int | None = None) -> None:
+        if self._broken is not None:
+            return
+        self._broken = error
+        logger.error("%s", error)
+        body = str(error).encode()[:4096]
+        for peer in self._heaps:
+            if peer not in self._gone and peer != lost:
+                self._heaps[peer].clear()
+                self._parked[peer].clear()
+                self._control[peer].append(
+                    (Header(Kind.ABORT, step=0 if lost is None else lost + 1,
+                            nbytes=len(body)), body))
+                self._transport.want_send(peer)
+        for op in list(self._active.values()):
+            self._fail(op, error)
+        for items in self._floating.values():
+            for item in items:
+                self.floating_bytes -= item.charge
+        self._floating.clear()
+
+    # --- sending (called by the transport) ------------------------------------------
+
+    def next_outgoing(self, peer: int) -> Outgoing | None:
+        control = self._control[peer]
+        if control:
+            header, body = control.popleft()
+            header = header._replace(credit=self._take_owed(peer))
+            return Outgoing(header.pack(), memoryview(body) if body else None, None)
+        heap = self._heaps[peer]
+        while heap:
+            _prio, _tie, msg = heapq.heappop(heap)
+            op = msg.op
+            if op.finished:
+                continue
+            send = msg.send
+            body = op.region(send.lo, send.hi, send.from_source)
+            flags = 0
+            if peer not in op.ready_peers:
+                charge = max(body.nbytes, HEADER_SIZE)
+                if self._credit[peer] < charge:
+                    self._parked[peer].setdefault(op.spec.key, []).append(msg)
+                    continue
+                self._credit[peer] -= charge
+                flags = FLAG_CREDITED
+            spec = op.spec
+            header = Header(Kind.DATA, spec.dtype, flags, send.step, spec.key[0], spec.key[1],
+                            spec.sig, send.piece, body.nbytes, spec.count,
+                            self._take_owed(peer))
+            return Outgoing(header.pack(), body, msg)
+        if self._owed[peer] >= max(1, self._budget // 4):
+            return Outgoing(Header(Kind.CREDIT, credit=self._take_owed(peer)).pack(), None,
+                            None)
+        return None
+
+    def _take_owed(self, peer: int) -> int:
+        owed = self._owed[peer]
+        self._owed[peer] = 0
+        return owed
+
+    def sent(self, peer: int, token: object) -> None:
+        if isinstance(token, _Msg) and not token.op.finished:
+            op = token.op
+            op.sends_left -= 1
+            self._check_done(op)
+
+    def _unpark(self, peer: int, key: OpKey | None = None) -> None:
+        parked = self._parked[peer]
+        if key is not None:
+            msgs = parked.pop(key, ())
+        else:
+            msgs = [m for lst in parked.values() for m in lst]
+            parked.clear()
+        for msg in msgs:
+            heapq.heappush(self._heaps[peer],
+                           (-msg.op.spec.priority, next(self._tiebreak), msg))
+        if msgs:
+            self._transport.want_send(peer)
+
+    # --- receiving (called by the transport) ----------------------------------------
+
+    def body_buffer(self, peer: int, header: Header) -> memoryview:
+        n = header.nbytes
+        if header.kind != Kind.DATA:
+            if n > (64 << 10):
+                # Control bodies are small JSON/text; anything bigger is not ours to keep.
+                self._routes[peer] = _Route("discard")
+                return self._discard_view(n)
+            buf = bytearray(n)
+            self._routes[peer] = _Route("control", buf=buf)
+            return memoryview(buf)
+        charge = max(n, HEADER_SIZE) if header.flags & FLAG_CREDITED else 0
+        key = header.op_key
+        op = self._active.get(key)
+        if op is not None:
+            recv = self._check_message(op, peer, header)
+            if recv is None:
+                self._routes[peer] = _Route("discard", charge=charge)
+                return self._discard_view(n)
+            if recv.mode == COPY:
+                self._routes[peer] = _Route("direct", op, recv, charge=charge)
+                return op.region(recv.lo, recv.hi)
+            buf = self._scratch.get(n)
+            self._routes[peer] = _Route("reduce", op, recv, buf, charge)
+            return memoryview(buf)
+        if key in self._done or self._broken is not None:
+            self._routes[peer] = _Route("discard", charge=charge)
+            return self._discard_view(n)
+        buf = bytearray(n)
+        self._routes[peer] = _Route("float", buf=buf, charge=charge)
+        self.floating_bytes += charge
+        self.floating_peak = max(self.floating_peak, self.floating_bytes)
+        return memoryview(buf)
+
+    def _discard_view(self, n: int) -> memoryview:
+        if len(self._discard) < n:
+            self._discard = bytearray(n)
+        return memoryview(self._discard)[:n]
+
+    def _check_message(self, op: _Op, peer: int, header: Header) -> Recv | None:
+        """The schedule entry this message fills, or None (after starting a mismatch)."""
+        if op.mismatch is not None:
+            return None
+        spec = op.spec
+        problem = None
+        if header.sig != spec.sig or header.dtype != spec.dtype or header.count != spec.count:
+            problem = "header"
+        else:
+            rkey = (peer, header.step, header.piece)
+            recv = spec.schedule.recvs.get(rkey)
+            if (recv is not None and rkey not in op.got
+                    and header.nbytes == (recv.hi - recv.lo) * op.itemsize):
+                return recv
+            problem = "layout"
+        seen: dict[str, Any] = {"count": header.count}
+        dtype = DTYPES.get(header.dtype)
+        if dtype is not None:
+            seen["dtype"] = str(dtype)
+        if problem == "layout":
+            seen["detail"] = (f"sent step {header.step} piece {header.piece} of "
+                              f"{header.nbytes} bytes, which rank {self.rank} does not expect")
+        record = self._mismatches.get(spec.key)
+        if record is None:
+            record = self._new_record(spec)
+        record.add(peer, seen, partial=True)
+        self._join_mismatch(op, record, fail_now=False)
+        return None
+
+    def _new_record(self, spec: OpSpec) -> MismatchRecord:
+        record = MismatchRecord(spec.label, self.size,
+                                time.monotonic() + self._config.mismatch_grace)
+        self._mismatches[spec.key] = record
+        return record
+
+    def _join_mismatch(self, op: _Op, record: MismatchRecord, fail_now: bool) -> None:
+        op.mismatch = record
+        record.label = op.spec.label
+        record.add(self.rank, {k: v for k, v in op.spec.describe.items() if k != "name"})
+        if not record.announced:
+            record.announced = True
+            body = encode_view(op.spec.describe)
+            key = op.spec.key
+            for peer in self._heaps:
+                if peer not in self._gone:
+                    self._control[peer].append(
+                        (Header(Kind.MISMATCH, name_key=key[0], seq=key[1],
+                                nbytes=len(body)), body))
+                    self._transport.want_send(peer)
+        if fail_now or record.complete():
+            self._fail(op, record.error(self.rank, op.spec.describe.get("name", "")))
+
+    def received(self, peer: int, header: Header, body: memoryview) -> None:
+        if header.credit:
+            self._credit[peer] += header.credit
+            self._unpark(peer)
+        route = self._routes.pop(peer)
+        what = route.what
+        if what == "direct":
+            self._settle_credit(peer, header, route.charge)
+            op = route.op
+            assert op is not None and route.recv is not None
+            self._apply(op, (peer, header.step, header.piece), route.recv)
+        elif what == "reduce":
+            self._settle_credit(peer, header, route.charge)
+            op = route.op
+            assert op is not None and route.recv is not None
+            self._reduce(op, (peer, header.step, header.piece), route.recv, route.buf, True)
+        elif what == "float":
+            self._floating.setdefault(header.op_key, []).append(
+                _Floating(peer, header, route.buf, route.charge))
+        elif what == "discard":
+            self._settle_credit(peer, header, route.charge)
+        else:
+            self._control_message(peer, header, bytes(route.buf))
+
+    def _settle_credit(self, peer: int, header: Header, charge: int) -> None:
+        if charge:
+            self._owed[peer] += charge
+            if self._owed[peer] >= max(1, self._budget // 4):
+                self._transport.want_send(peer)
+
+    def _apply_floating(self, op: _Op, item: _Floating) -> None:
+        recv = self._check_message(op, item.src, item.header)
+        if recv is None:
+            return
+        rkey = (item.src, item.header.step, item.header.piece)
+        if recv.mode == COPY:
+            op.region(recv.lo, recv.hi)[:] = item.buf
+            self._apply(op, rkey, recv)
+        else:
+            self._reduce(op, rkey, recv, item.buf, False)
+
+    def _reduce(self, op: _Op, rkey: tuple[int, int, int], recv: Recv, buf: bytearray,
+                pooled: bool) -> None:
+        op.got.add(rkey)
+        spec = op.spec
+        assert spec.ufunc is not None
+        dest = spec.work[recv.lo:recv.hi]
+        token = (op, rkey, recv, buf if pooled else None)
+        threshold = self._config.reduce_thread_bytes
+        if self._reducer is not None and dest.nbytes >= threshold:
+            self._reducer.submit(spec.ufunc, dest, buf, token)
+            return
+        reduce_into(spec.ufunc, dest, buf)
+        self._reduced(token, None)
+
+    def _reduced(self, token: Any, error: BaseException | None) -> None:
+        op, rkey, recv, pooled = token
+        if pooled is not None:
+            self._scratch.put(pooled)
+        if op.finished:
+            return
+        if error is not None:
+            self._fail(op, TotalReduceError(f"rank {self.rank}: reduction failed in "
+                                            f"{op.spec.label}: {error!r}"))
+            return
+        self._after_recv(op, rkey, recv)
+
+    def _apply(self, op: _Op, rkey: tuple[int, int, int], recv: Recv) -> None:
+        op.got.add(rkey)
+        self._after_recv(op, rkey, recv)
+
+    def _after_recv(self, op: _Op, rkey: tuple[int, int, int], recv: Recv) -> None:
+        spec = op.spec
+        if recv.final and spec.finalize is not None and recv.hi > recv.lo:
+            spec.finalize(spec.work[recv.lo:recv.hi])
+        op.recvs_left -= 1
+        op.pending_from[rkey[0]] -= 1
+        for send in recv.then:
+            self._queue(op, send)
+        self._check_done(op)
+
+    def _control_message(self, peer: int, header: Header, body: bytes) -> None:
+        kind = header.kind
+        key = header.op_key
+        if kind == Kind.READY:
+            op = self._active.get(key)
+            if op is not None:
+                op.ready_peers.add(peer)
+                self._unpark(peer, key)
+            elif key not in self._done:
+                self._early_ready.setdefault(key, set()).add(peer)
+        elif kind == Kind.MISMATCH:
+            view = decode_view(body) or {"detail": "unreadable description"}
+            op = self._active.get(key)
+            if op is None and key in self._done:
+                return
+            record = self._mismatches.get(key)
+            if record is None:
+                label = op.spec.label if op is not None else f"op {key}"
+                record = MismatchRecord(label, self.size,
+                                        time.monotonic() + self._config.mismatch_grace)
+                self._mismatches[key] = record
+            record.add(peer, view)
+            if op is not None:
+                self._join_mismatch(op, record, fail_now=False)
+        elif kind == Kind.ABORT:
+            lost = header.step - 1
+            reason = body.decode(errors="replace")
+            if lost >= 0:
+                self._break(PeerFailureError(lost, f"rank {self.rank}: rank {lost} failed "
+                                             f"(reported by rank {peer}): {reason}"), lost)
+            else:
+                self._break(TotalReduceError(f"rank {self.rank}: rank {peer} aborted the "
+                                             f"job: {reason}"))
+        elif kind == Kind.GOODBYE:
+            self._bye.add(peer)
+
+    def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
+        self._gone.add(peer)
+        self._heaps[peer].clear()
+        self._parked[peer].clear()
+        self._control[peer].clear()
+        self._routes.pop(peer, None)
+        if orderly or peer in self._bye:
+            for op in list(self._active.values()):
+                if op.pending_from.get(peer, 0) > 0 or any(
+                        s.peer == peer for s in op.spec.schedule.first):
+                    self._fail(op, PeerFailureError(
+                        peer, f"rank {self.rank}: rank {peer} shut down while "
+                        f"{op.spec.label} still needed it"))
+            return
+        if self._closing:
+            return
+        self._break(PeerFailureError(peer, f"rank {self.rank}: lost rank {peer} "
+                                     f"({self._transport.peer_description(peer)}): {reason}. "
+                                     f"Its own output should say why it stopped."), peer)

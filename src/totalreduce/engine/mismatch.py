@@ -1,0 +1,75 @@
+"""Collecting every rank's view of an op the ranks disagree on, and saying so clearly.
+
+When a rank sees a header that does not match its own op, it sends its own description of
+the op (JSON) to every rank, and so does every rank that hears of it, so each can name all
+ranks and what differed before raising :class:`MismatchError`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..exceptions import MismatchError
+
+_FIELDS = ("kind", "dtype", "shape", "op", "root", "count", "splits")
+_MAX_DESC = 64 << 10
+
+
+class MismatchRecord:
+    def __init__(self, label: str, size: int, deadline: float) -> None:
+        self.label = label
+        self.size = size
+        self.deadline = deadline
+        self.views: dict[int, dict[str, Any]] = {}
+        self.announced = False
+
+    def add(self, rank: int, view: dict[str, Any], partial: bool = False) -> None:
+        if partial and rank in self.views:
+            return
+        self.views[rank] = dict(view, partial=partial)
+
+    def complete(self) -> bool:
+        return len(self.views) >= self.size and not any(
+            v.get("partial") for v in self.views.values())
+
+    def error(self, rank: int, op_name: str) -> MismatchError:
+        differing = [f for f in _FIELDS
+                     if len({json.dumps(v.get(f), sort_keys=True) for v in self.views.values()
+                             if f in v}) > 1]
+        lines = [f"rank {rank}: ranks disagree on {self.label}"
+                 + (f" ({', '.join(differing)} differ)" if differing else "") + ":"]
+        for r in sorted(self.views):
+            v = self.views[r]
+            shown = ", ".join(f"{f}={_fmt(v[f])}" for f in _FIELDS if f in v)
+            suffix = " (as seen in its message header)" if v.get("partial") else ""
+            lines.append(f"  rank {r}: {shown}{suffix}")
+        missing = sorted(set(range(self.size)) - set(self.views))
+        if missing:
+            lines.append(f"  ranks {missing}: not heard from (not submitted yet?)")
+        lines.append("Every rank must call the same collectives, with the same names, "
+                     "shapes, dtypes and arguments, in a matching sequence.")
+        return MismatchError(op_name, "\n".join(lines))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, list) and all(isinstance(x, int) for x in value):
+        return "(" + ", ".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
+    return str(value)
+
+
+def encode_view(view: dict[str, Any]) -> bytes:
+    return json.dumps(view, sort_keys=True).encode()
+
+
+def decode_view(body: bytes) -> dict[str, Any] | None:
+    """Parse a peer's view; None for anything that is not a small JSON object."""
+    if len(body) > _MAX_DESC:
+        return None
+    try:
+        view = json.loads(bytes(body))
+    except ValueError:
+        return None
+    if not isinstance(view, dict):
+        return None
+    return {k: v for k, v in view.items() if k in _FIELDS or k == "name"}

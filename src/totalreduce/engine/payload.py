@@ -1,0 +1,69 @@
+"""An op as the engine sees it: its spec (what every rank must agree on, where its bytes
+live, how to reduce) and its future (how the submitter learns the outcome)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .schedule import Schedule
+
+OpKey = tuple[int, int]  # (name hash, per-name call count)
+
+
+@dataclasses.dataclass(eq=False)
+class OpSpec:
+    key: OpKey
+    label: str                 # for messages: "allreduce 'grad.w' (call #3)"
+    sig: int                   # hash of everything ranks must agree on but dtype/count
+    dtype: int                 # wire dtype code
+    count: int                 # element count every rank must agree on (0: not checked)
+    describe: dict[str, Any]   # this rank's view, exchanged (as JSON) on a mismatch
+    schedule: Schedule
+    work: np.ndarray           # flat, contiguous: receives land here, most sends read here
+    source: np.ndarray | None = None   # sends marked from_source read here (alltoall)
+    ufunc: np.ufunc | None = None      # reduction for REDUCE receives
+    finalize: Callable[[np.ndarray], None] | None = None  # applied to each finished region
+    priority: int = 0
+
+
+class OpFuture:
+    """Completion of one op; resolved on the progress thread, waited on anywhere."""
+
+    __slots__ = ("_event", "_error", "_callbacks", "_lock")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[OpFuture], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def add_done_callback(self, fn: Callable[[OpFuture], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def resolve(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._error = error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)

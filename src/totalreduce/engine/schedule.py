@@ -1,0 +1,73 @@
+"""What an algorithm produces: a schedule of sends and receives for one rank.
+
+A schedule is the "step machine" of the Total Reduce design made concrete.  Every message
+of an op is named by ``(step, piece)``; the receiver looks up ``(source, step, piece)`` to
+learn where the body goes and whether to copy or reduce it, and which sends that unlocks.
+Pieces are the pipelining unit: step ``s + 1`` of piece ``j`` may travel while piece
+``j + 1`` of step ``s`` is still on the wire.
+
+All offsets are element offsets into the op's flat working buffer (sends marked
+``from_source`` read the op's separate source buffer instead, as alltoall does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+COPY = 0
+REDUCE = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send:
+    peer: int
+    step: int
+    piece: int
+    lo: int
+    hi: int
+    from_source: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recv:
+    lo: int
+    hi: int
+    mode: int
+    final: bool
+    then: tuple[Send, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Schedule:
+    first: tuple[Send, ...]
+    recvs: dict[tuple[int, int, int], Recv]   # (source rank, step, piece) -> Recv
+    local_final: tuple[tuple[int, int], ...]  # regions finished without any receive
+
+    @property
+    def n_sends(self) -> int:
+        return len(self.first) + sum(len(r.then) for r in self.recvs.values())
+
+    def expected_from(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for src, _step, _piece in self.recvs:
+            counts[src] = counts.get(src, 0) + 1
+        return counts
+
+
+def even_bounds(total: int, parts: int) -> list[int]:
+    """Boundaries that split ``total`` into ``parts`` ranges, the first ones one longer."""
+    base, extra = divmod(total, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def pieces(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
+    """Split ``[lo, hi)`` into ``count`` contiguous pieces (some may be empty)."""
+    b = even_bounds(hi - lo, count)
+    return [(lo + b[i], lo + b[i + 1]) for i in range(count)]
+
+
+def piece_count(longest: int, seg_elems: int) -> int:
+    return max(1, -(-longest // max(1, seg_elems)))

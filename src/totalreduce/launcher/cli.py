@@ -1,0 +1,88 @@
+"""totalrun — start N workers on this host and supervise them.
+
+Usage::
+
+    totalrun -np 4 python train.py --epochs 3
+    python -m totalreduce.run -np 4 python train.py
+
+Every worker gets these environment variables (``init()`` reads them):
+
+=========================  ==============================================================
+TOTALREDUCE_RANK           0 .. N-1
+TOTALREDUCE_SIZE           N
+TOTALREDUCE_LOCAL_RANK     same as the rank (all workers are on this host)
+TOTALREDUCE_LOCAL_SIZE     N
+TOTALREDUCE_RENDEZVOUS     host:port of the launcher's authenticated address store
+TOTALREDUCE_SECRET         a fresh random job secret; every connection must prove it
+TOTALREDUCE_JOB_ID         a fresh random job id
+=========================  ==============================================================
+
+Output: each line a worker prints appears on the launcher's stdout/stderr prefixed with
+``[rank]``; with ``--output-dir DIR`` it is also written to ``DIR/rank.NN/stdout|stderr``.
+
+Failure: when a worker exits non-zero or is killed by a signal, totalrun names it at once,
+gives the others ``--grace`` seconds to notice (they raise ``PeerFailureError``) and exit,
+then sends SIGTERM and, 3 s later, SIGKILL to their whole process groups.  It then prints a
+table of every rank's exit status with the first failure marked as the root cause, and
+exits with that worker's exit code (128 + signal number for a signal).  Ctrl-C or SIGTERM
+sent to totalrun is forwarded to every worker the same way.  Workers die with totalrun
+even if it is killed outright (Linux parent-death signal), so no orphans remain.
+
+Ranks are not stable across restarts: a restarted job may place workers differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+
+from ..rendezvous import KVServer
+from .supervisor import Supervisor
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="totalrun", description="Start N totalreduce workers on this host.",
+        epilog="Everything after the options is the command each worker runs.")
+    p.add_argument("-np", "--num-proc", dest="np", type=int,
+                   default=int(os.environ.get("TOTALRUN_NP", "1")),
+                   help="number of workers (env TOTALRUN_NP)")
+    p.add_argument("--grace", type=float, default=float(os.environ.get("TOTALRUN_GRACE", "5")),
+                   help="seconds the other workers get to exit after one fails "
+                        "(env TOTALRUN_GRACE, default 5)")
+    p.add_argument("--output-dir", default=os.environ.get("TOTALRUN_OUTPUT_DIR"),
+                   help="also write each rank's output to DIR/rank.NN/ "
+                        "(env TOTALRUN_OUTPUT_DIR)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.command:
+        _parser().error("no command given (e.g. totalrun -np 2 python train.py)")
+    if args.np < 1:
+        _parser().error(f"-np must be at least 1, got {args.np}")
+    secret = secrets.token_hex(32)
+    job_id = secrets.token_hex(8)
+    store = KVServer("127.0.0.1", 0, secret.encode(), job_id)
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update({
+        "TOTALREDUCE_SIZE": str(args.np),
+        "TOTALREDUCE_LOCAL_SIZE": str(args.np),
+        "TOTALREDUCE_RENDEZVOUS": store.address,
+        "TOTALREDUCE_SECRET": secret,
+        "TOTALREDUCE_JOB_ID": job_id,
+    })
+    try:
+        supervisor = Supervisor(args.command, args.np, env, args.grace, args.output_dir)
+        return supervisor.run()
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Runs the workers, relays their output, and ends the job on the first failure."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import IO, Any
+
+_KILL_AFTER_TERM = 3.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: a SIGKILLed launcher takes its workers along.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _status(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Worker:
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.code: int | None = None
+        self.tail: deque[str] = deque(maxlen=8)
+        self.pumps: list[threading.Thread] = []
+
+
+class Supervisor:
+    def __init__(self, command: list[str], n: int, env: dict[str, str], grace: float,
+                 output_dir: str | None) -> None:
+        self._command = command
+        self._n = n
+        self._env = env
+        self._grace = grace
+        self._output_dir = output_dir
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._first_failure: _Worker | None = None
+        self._signalled: int | None = None
+        self._width = len(str(n - 1))
+
+    # --- output ---------------------------------------------------------------------
+
+    def _pump(self, worker: _Worker, stream: IO[bytes], out: Any, name: str) -> None:
+        copy = None
+        if self._output_dir:
+            folder = os.path.join(self._output_dir, f"rank.{worker.rank:0{self._width}d}")
+            os.makedirs(folder, exist_ok=True)
+            copy = open(os.path.join(folder, name), "wb")  # noqa: SIM115
+        prefix = f"[{worker.rank}]: ".encode()
+        try:
+            for line in iter(stream.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                if name == "stderr":
+                    worker.tail.append(line.decode(errors="replace").rstrip())
+                with self._lock:
+                    out.buffer.write(prefix + line)
+                    out.flush()
+                if copy is not None:
+                    copy.write(line)
+        finally:
+            stream.close()
+            if copy is not None:
+                copy.close()
+
+    def _say(self, text: str) -> None:
+        with self._lock:
+            sys.stderr.write(f"totalrun: {text}\n")
+            sys.stderr.flush()
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def _start(self) -> None:
+        for rank in range(self._n):
+            env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank))
+            proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+            worker = _Worker(rank, proc)
+            for stream, out, name in ((proc.stdout, sys.stdout, "stdout"),
+                                      (proc.stderr, sys.stderr, "stderr")):
+                t = threading.Thread(target=self._pump, args=(worker, stream, out, name),
+                                     daemon=True)
+                t.start()
+                worker.pumps.append(t)
+            self._workers.append(worker)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signalled = signum
+
+    def _signal_all(self, sig: int) -> None:
+        for w in self._workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, sig)
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start()
+            self._supervise()
+        finally:
+            # Whatever happened, nothing of ours outlives us: kill every worker's group.
+            self._signal_all(signal.SIGKILL)
+            for w in self._workers:
+                with contextlib.suppress(Exception):
+                    w.proc.wait(timeout=5)
+                for t in w.pumps:
+                    t.join(timeout=2)
+            for s, h in old.items():
+                signal.signal(s, h)
+        return self._report()
+
+    def _supervise(self) -> None:
+        stop_at: float | None = None   # when to send SIGTERM
+        kill_at: float | None = None   # when to send SIGKILL
+        forwarded = False
+        while True:
+            now = time.monotonic()
+            running = 0
+            for w in self._workers:
+                if w.code is None:
+                    w.code = w.proc.poll()
+                    if w.code is not None and w.code != 0 and self._first_failure is None \
+                            and self._signalled is None:
+                        self._first_failure = w
+                        self._say(f"rank {w.rank} (pid {w.proc.pid}) failed: "
+                                  f"{_status(w.code)}; stopping the other ranks")
+                        stop_at = now + self._grace
+                if w.code is None:
+                    running += 1
+            if running == 0:
+                return
+            if self._signalled is not None and not forwarded:
+                forwarded = True
+                self._say(f"received {signal.Signals(self._signalled).name}; forwarding it "
+                          "to every rank")
+                self._signal_all(self._signalled)
+                kill_at = now + _KILL_AFTER_TERM + self._grace
+            if stop_at is not None and now >= stop_at and kill_at is None:
+                self._signal_all(signal.SIGTERM)
+                kill_at = now + _KILL_AFTER_TERM
+            if kill_at is not None and now >= kill_at:
+                self._signal_all(signal.SIGKILL)
+                kill_at = now + 3600
+            time.sleep(0.05)
+
+    def _report(self) -> int:
+        failed = [w for w in self._workers if w.code]
+        if not failed and self._signalled is None:
+            return 0
+        root = self._first_failure
+        lines = ["", "totalrun: job failed", f"  {'rank':>4}  {'pid':>7}  status"]
+        for w in self._workers:
+            mark = "  <- first failure (root cause)" if w is root else ""
+            lines.append(f"  {w.rank:>4}  {w.proc.pid:>7}  {_status(w.code)}{mark}")
+        if root is not None and root.tail:
+            lines.append(f"  last stderr lines of rank {root.rank}:")
+            lines.extend(f"    {t}" for t in root.tail)
+        self._say("\n".join(lines))
+        if self._signalled is not None and root is None:
+            return 128 + self._signalled
+        assert root is not None and root.code is not None
+        return root.code if root.code > 0 else 128 - root.code

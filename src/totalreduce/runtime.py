@@ -1,0 +1,139 @@
+"""The process-wide context: wires rendezvous -> transport -> engine -> scheduling.
+
+One :class:`Runtime` exists between ``init()`` and ``shutdown()``; the public functions
+reach it through :func:`current`.  It is registered with ``atexit`` so an interpreter that
+exits without ``shutdown()`` still says goodbye to its peers (otherwise they would report
+it as failed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+import threading
+from typing import Any
+
+from .config import Config
+from .engine.engine import Engine
+from .exceptions import ShutdownError
+from .rendezvous import KVClient, KVServer, LaunchInfo, detect_launch
+from .scheduling import SelfGuided
+from .transport.tcp import connect_mesh
+
+logger = logging.getLogger(__name__)
+
+
+def _route_ip(host: str) -> str:
+    """The local address the kernel would use to reach ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class Runtime:
+    def __init__(self, launch: LaunchInfo, config: Config) -> None:
+        self.launch = launch
+        self.config = config
+        self.rank = launch.rank
+        self.size = launch.size
+        self._kv_server: KVServer | None = None
+        kv: KVClient | None = None
+        local = launch.launcher == "totalrun"
+        try:
+            if launch.size > 1:
+                assert launch.rendezvous is not None
+                host, _, port = launch.rendezvous.rpartition(":")
+                if launch.serve_rendezvous:
+                    self._kv_server = KVServer("0.0.0.0", int(port), launch.secret,
+                                               launch.job_id)
+                kv = KVClient(launch.rendezvous, launch.secret, launch.job_id,
+                              config.connect_timeout)
+                me = "127.0.0.1" if local else _route_ip(host)
+                job = launch.job_id
+                kv.set(f"{job}/host/{self.rank}", socket.gethostname().encode())
+
+                def lookup(peer: int, timeout: float) -> str:
+                    assert kv is not None
+                    return kv.get(f"{job}/addr/{peer}", timeout).decode()
+
+                transport = connect_mesh(
+                    launch.rank, launch.size, launch.secret, job,
+                    "127.0.0.1" if local else "0.0.0.0", me,
+                    lambda addr: kv.set(f"{job}/addr/{self.rank}", addr.encode()),  # type: ignore[union-attr]
+                    lookup, config.connect_timeout)
+                self.local_rank, self.local_size = self._locality(kv, launch)
+            else:
+                from .transport.loopback import LoopbackTransport
+                transport = LoopbackTransport()
+                self.local_rank, self.local_size = 0, 1
+        except BaseException:
+            if self._kv_server is not None:
+                self._kv_server.close()
+            raise
+        finally:
+            if kv is not None:
+                kv.close()
+        self.engine = Engine(transport, config)
+        self.collectives = SelfGuided(self.engine, config)
+
+    def _locality(self, kv: KVClient, launch: LaunchInfo) -> tuple[int, int]:
+        if launch.local_rank is not None and launch.local_size is not None:
+            return launch.local_rank, launch.local_size
+        hosts = [kv.get(f"{launch.job_id}/host/{r}", self.config.connect_timeout)
+                 for r in range(self.size)]
+        mine = hosts[self.rank]
+        same = [r for r in range(self.size) if hosts[r] == mine]
+        return same.index(self.rank), len(same)
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            if self._kv_server is not None:
+                self._kv_server.close()
+
+
+class _Holder:
+    """Holds the one live runtime; a lock makes init/shutdown race-free."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runtime: Runtime | None = None
+
+
+_HOLDER = _Holder()
+
+
+def init(**overrides: Any) -> Runtime:
+    with _HOLDER.lock:
+        if _HOLDER.runtime is not None:
+            return _HOLDER.runtime
+        config = Config.from_env(**overrides)
+        runtime = Runtime(detect_launch(), config)
+        _HOLDER.runtime = runtime
+        return runtime
+
+
+def shutdown() -> None:
+    with _HOLDER.lock:
+        runtime, _HOLDER.runtime = _HOLDER.runtime, None
+    if runtime is not None:
+        runtime.shutdown()
+
+
+def current() -> Runtime:
+    runtime = _HOLDER.runtime
+    if runtime is None:
+        raise ShutdownError("totalreduce is not initialized: call totalreduce.init() first")
+    return runtime
+
+
+def is_initialized() -> bool:
+    return _HOLDER.runtime is not None
+
+
+atexit.register(shutdown)

@@ -1,0 +1,53 @@
+"""What async collectives return: a handle to wait on, as in Horovod."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.payload import OpFuture
+
+
+class Handle:
+    """The pending result of an async collective.
+
+    ``wait()`` returns what the blocking form of the call would have returned, or raises
+    its error; ``done()`` never blocks.
+    """
+
+    __slots__ = ("_futures", "_finish", "_result", "_finished", "label")
+
+    def __init__(self, futures: list[OpFuture], finish: Callable[[], Any], label: str) -> None:
+        self._futures = futures
+        self._finish = finish
+        self._result: Any = None
+        self._finished = False
+        self.label = label
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the op completes and return its result.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the op keeps running).
+            TotalReduceError: the op failed (mismatch, lost peer, op timeout, shutdown).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for future in self._futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not future.wait(left):
+                raise TimeoutError(f"{self.label} is not done after {timeout} s")
+        for future in self._futures:
+            error = future.error()
+            if error is not None:
+                raise error
+        if not self._finished:
+            self._result = self._finish()
+            self._finished = True
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"<Handle {self.label} {'done' if self.done() else 'pending'}>"

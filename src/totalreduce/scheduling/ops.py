@@ -1,0 +1,50 @@
+"""Reduction operators, with Horovod's names."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import numpy as np
+
+
+class ReduceOp(enum.IntEnum):
+    AVERAGE = 0
+    SUM = 1
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+    @property
+    def label(self) -> str:
+        return self.name.capitalize()
+
+
+UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+
+
+def averager(dtype: np.dtype, size: int) -> Callable[[np.ndarray], None] | None:
+    """Divides a finished region by the world size, in place.
+
+    Integers use floor division of the (wrapping) sum, so every rank gets the same exact
+    integers; floats use true division in their own precision, as numpy would.
+    """
+    if size == 1:
+        return None
+    if np.issubdtype(dtype, np.integer):
+        return lambda region: np.floor_divide(region, size, out=region)
+    return lambda region: np.divide(region, size, out=region)
+
+
+def as_reduce_op(op: object) -> ReduceOp:
+    try:
+        return ReduceOp(op)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"unknown reduction op {op!r}; use Sum, Average, Min, Max or "
+                         "Product") from None

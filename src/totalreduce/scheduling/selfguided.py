@@ -1,0 +1,344 @@
+"""Self-guided scheduling (Total Reduce): every rank names its ops alone and starts them
+the moment they are submitted.
+
+Op identity: ``(hash(name), n)`` where ``n`` counts this rank's earlier submissions of that
+name.  Unnamed ops all share one name and one counter, so they match when every rank makes
+the same calls in the same order — and a rank that skips or swaps a call is caught as a
+mismatch instead of hanging.  Collectives whose sizes are not known everywhere
+(allgather, alltoall) run as two ops, sizes first; both identities are taken at call time
+so later calls cannot overtake them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..config import Config
+from ..engine.algorithms import (
+    chain_broadcast,
+    pairwise_alltoallv,
+    ring_allgatherv,
+    ring_allreduce,
+    ring_reducescatter,
+)
+from ..engine.engine import Engine
+from ..engine.payload import OpFuture, OpKey, OpSpec
+from ..engine.schedule import Schedule, even_bounds
+from ..transport.wire import dtype_code
+from .handle import Handle
+from .ops import UFUNCS, ReduceOp, as_reduce_op, averager
+
+_UNNAMED = "\x00unnamed"
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _check_array(x: Any, kind: str, name: str | None) -> np.ndarray:
+    arr = np.asarray(x)
+    what = f"{kind}" + (f" '{name}'" if name else "")
+    if arr.dtype == object:
+        raise TypeError(f"{what}: object arrays cannot be communicated; pass a numeric array")
+    try:
+        dtype_code(arr.dtype)
+    except TypeError as exc:
+        raise TypeError(f"{what}: {exc}") from None
+    return arr
+
+
+def _bounds(counts: Sequence[int], scale: int) -> tuple[int, ...]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + int(c) * scale)
+    return tuple(out)
+
+
+class _Ident:
+    __slots__ = ("key", "name", "label")
+
+    def __init__(self, key: OpKey, name: str, label: str) -> None:
+        self.key = key
+        self.name = name
+        self.label = label
+
+
+class SelfGuided:
+    """Builds op specs from numpy arrays and submits them to the engine."""
+
+    def __init__(self, engine: Engine, config: Config) -> None:
+        self._engine = engine
+        self._config = config
+        self.rank = engine.rank
+        self.size = engine.size
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # --- identity ---------------------------------------------------------------------
+
+    def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
+        base = _UNNAMED if name is None else name
+        with self._lock:
+            seq = self._counts.get(base + phase, 0)
+            self._counts[base + phase] = seq + 1
+        shown = f"{kind} '{name}'" if name is not None else f"{kind} (unnamed)"
+        label = f"{shown} (call #{seq})" if name is None or seq else shown
+        return _Ident((_hash64(base + phase), seq), "" if name is None else name, label)
+
+    def _spec(self, ident: _Ident, view: dict[str, Any], dtype: np.dtype, count: int,
+              schedule: Schedule, work: np.ndarray, priority: int, **kw: Any) -> OpSpec:
+        view = dict(view, name=ident.name)
+        sig = _hash64(json.dumps(view, sort_keys=True))
+        return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
+                      work, priority=priority, **kw)
+
+    def _seg(self, dtype: np.dtype) -> int:
+        return max(1, self._config.segment_bytes // np.dtype(dtype).itemsize)
+
+    # --- allreduce ------------------------------------------------------------------
+
+    def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
+                  inplace: bool) -> Handle:
+        rop = as_reduce_op(op)
+        arr = _check_array(x, "allreduce", name)
+        if inplace and not isinstance(x, np.ndarray):
+            raise TypeError("allreduce_: the in-place form needs a numpy array")
+        ident = self._ident("allreduce", name)
+        work, writeback = self._working_copy(arr, inplace)
+        view = {"kind": "allreduce", "dtype": str(arr.dtype), "shape": list(arr.shape),
+                "op": rop.label}
+        future = self._submit_reduce(ident, view, arr.dtype, work, rop, priority)
+
+        def finish() -> np.ndarray:
+            if writeback:
+                arr[...] = work.reshape(arr.shape)
+                return arr
+            return work.reshape(arr.shape)
+
+        return Handle([future], finish, ident.label)
+
+    def _working_copy(self, arr: np.ndarray, inplace: bool) -> tuple[np.ndarray, bool]:
+        """A flat contiguous buffer; in place when the array allows it."""
+        if inplace and arr.flags.c_contiguous and arr.flags.writeable:
+            return arr.reshape(-1), False
+        if inplace and not arr.flags.writeable:
+            raise ValueError("in-place collective on a read-only array")
+        return np.array(arr, copy=True, order="C").reshape(-1), inplace
+
+    def _submit_reduce(self, ident: _Ident, view: dict[str, Any], dtype: np.dtype,
+                       work: np.ndarray, rop: ReduceOp, priority: int) -> OpFuture:
+        schedule = ring_allreduce(self.rank, self.size, work.size, self._seg(dtype))
+        finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
+        spec = self._spec(ident, view, dtype, work.size, schedule, work, priority,
+                          ufunc=UFUNCS[rop], finalize=finalize)
+        return self._engine.submit(spec)
+
+    def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
+                          priority: int, inplace: bool) -> Handle:
+        """One fused op per dtype present (in order of first appearance)."""
+        rop = as_reduce_op(op)
+        arrs = [_check_array(x, "grouped_allreduce", name) for x in xs]
+        if inplace and not all(isinstance(x, np.ndarray) for x in xs):
+            raise TypeError("grouped_allreduce_: the in-place form needs numpy arrays")
+        groups: dict[np.dtype, list[int]] = {}
+        for i, a in enumerate(arrs):
+            groups.setdefault(a.dtype, []).append(i)
+        futures: list[OpFuture] = []
+        outputs: list[tuple[list[int], np.ndarray]] = []
+        for g, (dtype, idx) in enumerate(groups.items()):
+            gname = None if name is None else (name if len(groups) == 1 else f"{name}.{g}")
+            ident = self._ident("grouped_allreduce", gname)
+            fused = np.concatenate([arrs[i].reshape(-1) for i in idx]) if idx else \
+                np.empty(0, dtype)
+            view = {"kind": "grouped_allreduce", "dtype": str(dtype),
+                    "shape": [list(arrs[i].shape) for i in idx], "op": rop.label}
+            futures.append(self._submit_reduce(ident, view, dtype, fused, rop, priority))
+            outputs.append((idx, fused))
+
+        def finish() -> list[np.ndarray]:
+            result: list[np.ndarray] = [np.empty(0)] * len(arrs)
+            for idx, fused in outputs:
+                offset = 0
+                for i in idx:
+                    a = arrs[i]
+                    part = fused[offset:offset + a.size].reshape(a.shape)
+                    offset += a.size
+                    if inplace:
+                        a[...] = part
+                        result[i] = a
+                    else:
+                        result[i] = part
+            return result
+
+        return Handle(futures, finish, f"grouped_allreduce of {len(arrs)} arrays")
+
+    # --- broadcast ------------------------------------------------------------------
+
+    def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
+                  inplace: bool) -> Handle:
+        arr = _check_array(x, "broadcast", name)
+        self._check_root(root_rank, "broadcast", name)
+        if inplace and not isinstance(x, np.ndarray):
+            raise TypeError("broadcast_: the in-place form needs a numpy array")
+        ident = self._ident("broadcast", name)
+        if self.rank == root_rank or inplace:
+            work, writeback = self._working_copy(arr, inplace)
+        else:
+            work, writeback = np.empty(arr.size, arr.dtype), False
+        view = {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
+                "root": int(root_rank)}
+        schedule = chain_broadcast(self.rank, self.size, int(root_rank), work.size,
+                                   self._seg(arr.dtype))
+        future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
+                                                work, priority))
+
+        def finish() -> np.ndarray:
+            if writeback:
+                arr[...] = work.reshape(arr.shape)
+                return arr
+            return work.reshape(arr.shape)
+
+        return Handle([future], finish, ident.label)
+
+    def _check_root(self, root: int, kind: str, name: str | None) -> None:
+        if not isinstance(root, int | np.integer) or not 0 <= root < self.size:
+            raise ValueError(f"{kind}" + (f" '{name}'" if name else "") +
+                             f": root_rank {root!r} is not a rank of this job (0..{self.size - 1})")
+
+    # --- reducescatter --------------------------------------------------------------
+
+    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
+        rop = as_reduce_op(op)
+        arr = _check_array(x, "reducescatter", name)
+        if arr.ndim == 0:
+            raise ValueError("reducescatter needs an array with at least one dimension")
+        ident = self._ident("reducescatter", name)
+        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        rows = even_bounds(arr.shape[0], self.size)
+        bounds = tuple(b * row for b in rows)
+        work = np.array(arr, copy=True, order="C").reshape(-1)
+        view = {"kind": "reducescatter", "dtype": str(arr.dtype), "shape": list(arr.shape),
+                "op": rop.label}
+        schedule = ring_reducescatter(self.rank, self.size, bounds, self._seg(arr.dtype))
+        finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
+        future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
+                                                work, priority, ufunc=UFUNCS[rop],
+                                                finalize=finalize))
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
+        return Handle([future], lambda: work[lo:hi].reshape(shape), ident.label)
+
+    # --- two-phase ops: allgather and alltoall ----------------------------------------
+
+    def _two_phase(self, first: OpFuture, then: Callable[[], OpFuture]) -> OpFuture:
+        """A future for ``then()``'s op, started once ``first`` succeeds."""
+        outer = OpFuture()
+
+        def start_second(f: OpFuture) -> None:
+            if f.error() is not None:
+                outer.resolve(f.error())
+                return
+            try:
+                second = then()
+            except BaseException as exc:
+                outer.resolve(exc)
+                return
+            second.add_done_callback(lambda s: outer.resolve(s.error()))
+
+        first.add_done_callback(start_second)
+        return outer
+
+    def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
+        arr = _check_array(x, "allgather", name)
+        if arr.ndim == 0:
+            raise ValueError("allgather needs an array with at least one dimension")
+        sizes_id = self._ident("allgather", name)
+        data_id = self._ident("allgather", name, "\x00data")
+        view = {"kind": "allgather", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
+        n, rank = self.size, self.rank
+        sizes = np.zeros(n, np.int64)
+        sizes[rank] = arr.shape[0]
+        sched = ring_allgatherv(rank, n, tuple(range(n + 1)), 1)
+        first = self._engine.submit(self._spec(sizes_id, dict(view, phase="sizes"),
+                                               sizes.dtype, n, sched, sizes, priority))
+        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        state: dict[str, np.ndarray] = {}
+
+        def second() -> OpFuture:
+            bounds = _bounds(sizes, row)
+            out = np.empty(bounds[-1], arr.dtype)
+            out[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
+            state["out"] = out
+            schedule = ring_allgatherv(rank, n, bounds, self._seg(arr.dtype))
+            return self._engine.submit(self._spec(data_id, view, arr.dtype, bounds[-1],
+                                                  schedule, out, priority))
+
+        future = self._two_phase(first, second)
+        return Handle([future],
+                      lambda: state["out"].reshape((int(sizes.sum()), *arr.shape[1:])),
+                      sizes_id.label)
+
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
+        arr = _check_array(x, "alltoall", name)
+        what = "alltoall" + (f" '{name}'" if name else "")
+        if arr.ndim == 0:
+            raise ValueError(f"{what} needs an array with at least one dimension")
+        n, rank = self.size, self.rank
+        if splits is None:
+            b = even_bounds(arr.shape[0], n)
+            send_rows = np.array([b[i + 1] - b[i] for i in range(n)], np.int64)
+        else:
+            send_rows = np.asarray(splits)
+            if (send_rows.ndim != 1 or send_rows.size != n
+                    or not np.issubdtype(send_rows.dtype, np.integer)):
+                raise ValueError(f"{what}: splits must be {n} integers (one per rank), got "
+                                 f"{splits!r}")
+            send_rows = send_rows.astype(np.int64)
+            if (send_rows < 0).any() or int(send_rows.sum()) != arr.shape[0]:
+                raise ValueError(f"{what}: splits {send_rows.tolist()} must be non-negative "
+                                 f"and sum to the first dimension {arr.shape[0]}")
+        splits_id = self._ident("alltoall", name)
+        data_id = self._ident("alltoall", name, "\x00data")
+        view = {"kind": "alltoall", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
+        recv_rows = np.zeros(n, np.int64)
+        recv_rows[rank] = send_rows[rank]
+        unit = tuple(range(n + 1))
+        sched = pairwise_alltoallv(rank, n, unit, unit, 1)
+        first = self._engine.submit(self._spec(splits_id, dict(view, phase="splits"),
+                                               recv_rows.dtype, 0, sched, recv_rows, priority,
+                                               source=send_rows))
+        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        state: dict[str, np.ndarray] = {}
+
+        def second() -> OpFuture:
+            sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
+            out = np.empty(rb[-1], arr.dtype)
+            out[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
+            state["out"] = out
+            schedule = pairwise_alltoallv(rank, n, sb, rb, self._seg(arr.dtype))
+            return self._engine.submit(self._spec(data_id, view, arr.dtype, 0, schedule,
+                                                  out, priority, source=flat))
+
+        future = self._two_phase(first, second)
+
+        def finish() -> tuple[np.ndarray, np.ndarray]:
+            out = state["out"].reshape((int(recv_rows.sum()), *arr.shape[1:]))
+            return out, recv_rows.copy()
+
+        return Handle([future], finish, splits_id.label)
+
+    # --- barrier --------------------------------------------------------------------
+
+    def barrier(self) -> Handle:
+        ident = self._ident("barrier", None)
+        work = np.zeros(1, np.uint8)
+        view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
+        future = self._submit_reduce(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
+        return Handle([future], lambda: None, ident.label)

@@ -1,0 +1,91 @@
+"""The transport interface: move (header, bytes) between ranks, nothing more.
+
+A transport is driven by exactly one thread, the engine's progress loop, through
+:meth:`Transport.poll`.  It does not queue on its own: when a peer can take more bytes it
+*pulls* the next message from the handler, so the engine, which knows priorities, decides
+what goes next (that is where preemption between ops happens).  When a header arrives it
+asks the handler where the body should land, so bodies go straight into their destination
+array whenever the op is known.  Only :meth:`Transport.wake` may be called from another
+thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+from .wire import Header
+
+
+class Outgoing(NamedTuple):
+    """One message to send.  ``token`` comes back in :meth:`MessageHandler.sent`."""
+
+    header: bytes
+    body: memoryview | None
+    token: object
+
+
+class MessageHandler(Protocol):
+    def next_outgoing(self, peer: int) -> Outgoing | None:
+        """The next message for ``peer``, or None when there is nothing to send now."""
+
+    def sent(self, peer: int, token: object) -> None:
+        """The whole message has left this process (it sits in the kernel or on the wire)."""
+
+    def body_buffer(self, peer: int, header: Header) -> memoryview:
+        """A writable byte buffer of exactly ``header.nbytes`` for the body to land in."""
+
+    def received(self, peer: int, header: Header, body: memoryview) -> None:
+        """A whole message arrived; ``body`` is the buffer returned by body_buffer."""
+
+    def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
+        """The link to ``peer`` ended.  ``orderly`` is True after the peer said goodbye."""
+
+
+class Transport(abc.ABC):
+    """Abstract base of tcp (and later shm/mpi) transports."""
+
+    rank: int
+    size: int
+
+    @abc.abstractmethod
+    def start(self, handler: MessageHandler) -> None:
+        """Attach the handler; after this, poll() may call it."""
+
+    @abc.abstractmethod
+    def want_send(self, peer: int) -> None:
+        """The handler has something for ``peer``: pull it when the link can take it.
+
+        Progress-thread only.
+        """
+
+    @abc.abstractmethod
+    def poll(self, timeout: float | None) -> None:
+        """Do all I/O that is possible now, blocking up to ``timeout`` if there is none.
+
+        Errors of one link are reported through ``handler.peer_lost``; poll() itself raises
+        only on a bug.
+        """
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Make a blocked poll() return soon.  Safe from any thread."""
+
+    @abc.abstractmethod
+    def pending_output(self) -> bool:
+        """True while some message is partly written."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flushed, orderly close of every link (call after GOODBYE was sent and drained)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Immediate close, safe in ``finally`` blocks and from ``__del__``."""
+
+    def peer_description(self, peer: int) -> str:
+        return f"rank {peer}"
+
+
+TransportFactory = Callable[..., Transport]

@@ -1,0 +1,108 @@
+"""The fixed-format message header that every transport carries.
+
+A header is 64 bytes, little-endian, and self-guiding: it names the op (a hash of its name
+plus the per-name call count), the step and piece of the op's schedule, the body length,
+the dtype and element count the sender believes the op has, and a signature of everything
+else the ranks must agree on.  The receiver routes the body with nothing but this header.
+Bodies are raw array bytes or, for the few control messages that need them, UTF-8 JSON.
+Nothing on the wire is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+MAGIC = 0x5452  # "TR"
+PROTOCOL_VERSION = 1
+
+# magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, pad, nbytes, count, credit
+_HEADER = struct.Struct("<HBBBBHQQQIIQQQ")
+HEADER_SIZE = _HEADER.size
+assert HEADER_SIZE == 64
+
+FLAG_CREDITED = 1
+
+
+class Kind(enum.IntEnum):
+    DATA = 1       # a piece of an op's payload
+    READY = 2      # "I have submitted this op: send me its pieces without credit"
+    CREDIT = 3     # returns floating-buffer credit to the sender (value in .credit)
+    MISMATCH = 4   # body: JSON description of the sender's view of a mismatched op
+    ABORT = 5      # the job is broken; .step holds the lost rank + 1 (0: none), body: reason
+    GOODBYE = 6    # orderly shutdown: EOF after this is not a failure
+
+
+# Codes are part of the wire format: never renumber.
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int32),
+    4: np.dtype(np.int64),
+    5: np.dtype(np.float16),
+    6: np.dtype(np.float32),
+    7: np.dtype(np.float64),
+}
+DTYPE_CODES: dict[np.dtype, int] = {dt: code for code, dt in DTYPES.items()}
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """Wire code of a supported dtype.
+
+    Raises:
+        TypeError: the dtype is not one totalreduce moves.
+    """
+    try:
+        return DTYPE_CODES[np.dtype(dtype).newbyteorder("=")]
+    except KeyError:
+        supported = ", ".join(str(d) for d in DTYPES.values())
+        raise TypeError(f"dtype {np.dtype(dtype)} is not supported; use one of {supported}") \
+            from None
+
+
+class Header(NamedTuple):
+    kind: int
+    dtype: int = 0
+    flags: int = 0
+    step: int = 0
+    name_key: int = 0
+    seq: int = 0
+    sig: int = 0
+    piece: int = 0
+    nbytes: int = 0
+    count: int = 0
+    credit: int = 0
+
+    @property
+    def op_key(self) -> tuple[int, int]:
+        return (self.name_key, self.seq)
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(MAGIC, self.kind, self.dtype, self.flags, 0, self.step,
+                            self.name_key, self.seq, self.sig, self.piece, 0, self.nbytes,
+                            self.count, self.credit)
+
+
+class WireError(ValueError):
+    """Bytes that are not a totalreduce header: the stream is corrupt or foreign."""
+
+
+def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
+    """Parse one header.
+
+    Raises:
+        WireError: bad magic or unknown message kind.
+    """
+    (magic, kind, dtype, flags, _pad, step, name_key, seq, sig, piece, _pad2, nbytes, count,
+     credit) = _HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise WireError(f"bad magic 0x{magic:04x} in message header")
+    if kind not in _KINDS:
+        raise WireError(f"unknown message kind {kind}")
+    return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit)
+
+
+_KINDS = frozenset(int(k) for k in Kind)
