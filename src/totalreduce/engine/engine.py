@@ -32,6 +32,8 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from ..config import Config
 from ..exceptions import (
     OpTimeoutError,
@@ -72,15 +74,19 @@ class _Op:
         self.finished = False
         self.mismatch: MismatchRecord | None = None
         self.itemsize = spec.work.itemsize
-        self.work_bytes = memoryview(spec.work).cast("B") if spec.work.size else \
-            memoryview(b"")
-        src = spec.source
-        self.source_bytes = (memoryview(src).cast("B") if src is not None and src.size
-                             else memoryview(b""))
+        self.work_bytes = _bytes_view(spec.work)
+        self.source_bytes = _bytes_view(spec.source)
 
     def region(self, lo: int, hi: int, from_source: bool = False) -> memoryview:
         view = self.source_bytes if from_source else self.work_bytes
         return view[lo * self.itemsize:hi * self.itemsize]
+
+
+def _bytes_view(arr: np.ndarray | None) -> memoryview:
+    # An empty writable view for empty arrays, so zero-byte pieces need no special case.
+    if arr is None or arr.size == 0:
+        return memoryview(bytearray(0))
+    return memoryview(arr).cast("B")
 
 
 class _Msg:
@@ -298,9 +304,7 @@ class Engine:
         ranks = sorted(p for p, left in op.pending_from.items() if left > 0)
         if not ranks:
             return "all data arrived; its last sends are still leaving this rank"
-        silent = [p for p in ranks if p not in op.ready_peers]
-        return f"waiting for data from rank(s) {ranks}" + (
-            f" (of which {silent} have not announced it)" if silent else "")
+        return f"waiting for data from rank(s) {ranks}"
 
     # --- starting and finishing ops --------------------------------------------------
 
@@ -337,8 +341,10 @@ class Engine:
             return  # found while applying floating pieces; housekeeping raises after grace
         record = self._mismatches.get(key)
         if record is not None:
-            # Peers told us before we submitted: their views are already here.
-            self._join_mismatch(op, record, fail_now=True)
+            # Peers told us before we submitted; give the rest a grace period to answer.
+            record.deadline = max(record.deadline,
+                                  time.monotonic() + self._config.mismatch_grace)
+            self._join_mismatch(op, record, fail_now=False)
             return
         for peer, left in op.pending_from.items():
             if left > 0:
@@ -550,19 +556,30 @@ class Engine:
             self._unpark(peer)
         route = self._routes.pop(peer)
         what = route.what
-        if what == "direct":
+        if what in ("direct", "reduce"):
             self._settle_credit(peer, header, route.charge)
             op = route.op
             assert op is not None and route.recv is not None
-            self._apply(op, (peer, header.step, header.piece), route.recv)
-        elif what == "reduce":
-            self._settle_credit(peer, header, route.charge)
-            op = route.op
-            assert op is not None and route.recv is not None
-            self._reduce(op, (peer, header.step, header.piece), route.recv, route.buf, True)
+            rkey = (peer, header.step, header.piece)
+            if op.finished:  # failed while the body was arriving
+                if what == "reduce":
+                    self._scratch.put(route.buf)
+            elif what == "direct":
+                self._apply(op, rkey, route.recv)
+            else:
+                self._reduce(op, rkey, route.recv, route.buf, True)
         elif what == "float":
-            self._floating.setdefault(header.op_key, []).append(
-                _Floating(peer, header, route.buf, route.charge))
+            item = _Floating(peer, header, route.buf, route.charge)
+            key = header.op_key
+            op = self._active.get(key)
+            if op is None and key not in self._done:
+                self._floating.setdefault(key, []).append(item)
+                return
+            # The op was submitted (or even failed) while this body was still arriving.
+            self.floating_bytes -= item.charge
+            self._settle_credit(peer, header, item.charge)
+            if op is not None and not op.finished:
+                self._apply_floating(op, item)
         elif what == "discard":
             self._settle_credit(peer, header, route.charge)
         else:
@@ -677,6 +694,5 @@ class Engine:
             return
         if self._closing:
             return
-        self._break(PeerFailureError(peer, f"rank {self.rank}: lost rank {peer} "
-                                     f"({self._transport.peer_description(peer)}): {reason}. "
+        self._break(PeerFailureError(peer, f"rank {self.rank}: lost rank {peer}: {reason}. "
                                      f"Its own output should say why it stopped."), peer)

@@ -38,7 +38,7 @@ class MismatchRecord:
                      if len({json.dumps(v.get(f), sort_keys=True) for v in self.views.values()
                              if f in v}) > 1]
         lines = [f"rank {rank}: ranks disagree on {self.label}"
-                 + (f" ({', '.join(differing)} differ)" if differing else "") + ":"]
+                 + (f" (differs: {', '.join(differing)})" if differing else "") + ":"]
         for r in sorted(self.views):
             v = self.views[r]
             shown = ", ".join(f"{f}={_fmt(v[f])}" for f in _FIELDS if f in v)

@@ -39,6 +39,7 @@ class _Worker:
         self.rank = rank
         self.proc = proc
         self.code: int | None = None
+        self.exited_at = float("inf")
         self.tail: deque[str] = deque(maxlen=8)
         self.pumps: list[threading.Thread] = []
 
@@ -51,10 +52,12 @@ class Supervisor:
         self._env = env
         self._grace = grace
         self._output_dir = output_dir
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()    # one output line at a time
+        self._state = threading.Lock()   # exit codes and times
         self._workers: list[_Worker] = []
         self._first_failure: _Worker | None = None
         self._signalled: int | None = None
+        self._changed = threading.Event()
         self._width = len(str(n - 1))
 
     # --- output ---------------------------------------------------------------------
@@ -96,6 +99,9 @@ class Supervisor:
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
             worker = _Worker(rank, proc)
+            # A waiter per worker stamps the exact exit time, so the root cause is the
+            # worker that died first, not the first one a polling sweep happens to see.
+            threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
             for stream, out, name in ((proc.stdout, sys.stdout, "stdout"),
                                       (proc.stderr, sys.stderr, "stderr")):
                 t = threading.Thread(target=self._pump, args=(worker, stream, out, name),
@@ -103,6 +109,13 @@ class Supervisor:
                 t.start()
                 worker.pumps.append(t)
             self._workers.append(worker)
+
+    def _wait(self, worker: _Worker) -> None:
+        code = worker.proc.wait()
+        with self._state:
+            worker.exited_at = time.monotonic()
+            worker.code = code
+        self._changed.set()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._signalled = signum
@@ -135,18 +148,15 @@ class Supervisor:
         forwarded = False
         while True:
             now = time.monotonic()
-            running = 0
-            for w in self._workers:
-                if w.code is None:
-                    w.code = w.proc.poll()
-                    if w.code is not None and w.code != 0 and self._first_failure is None \
-                            and self._signalled is None:
-                        self._first_failure = w
-                        self._say(f"rank {w.rank} (pid {w.proc.pid}) failed: "
-                                  f"{_status(w.code)}; stopping the other ranks")
-                        stop_at = now + self._grace
-                if w.code is None:
-                    running += 1
+            with self._state:
+                failed = [w for w in self._workers if w.code]
+                running = sum(1 for w in self._workers if w.code is None)
+            if failed and self._first_failure is None and self._signalled is None:
+                first = min(failed, key=lambda w: w.exited_at)
+                self._first_failure = first
+                self._say(f"rank {first.rank} (pid {first.proc.pid}) failed: "
+                          f"{_status(first.code)}; stopping the other ranks")
+                stop_at = now + self._grace
             if running == 0:
                 return
             if self._signalled is not None and not forwarded:
@@ -161,7 +171,8 @@ class Supervisor:
             if kill_at is not None and now >= kill_at:
                 self._signal_all(signal.SIGKILL)
                 kill_at = now + 3600
-            time.sleep(0.05)
+            self._changed.wait(0.05)
+            self._changed.clear()
 
     def _report(self) -> int:
         failed = [w for w in self._workers if w.code]

@@ -118,8 +118,7 @@ class SelfGuided:
         def finish() -> np.ndarray:
             if writeback:
                 arr[...] = work.reshape(arr.shape)
-                return arr
-            return work.reshape(arr.shape)
+            return arr if inplace else work.reshape(arr.shape)
 
         return Handle([future], finish, ident.label)
 
@@ -201,8 +200,7 @@ class SelfGuided:
         def finish() -> np.ndarray:
             if writeback:
                 arr[...] = work.reshape(arr.shape)
-                return arr
-            return work.reshape(arr.shape)
+            return arr if inplace else work.reshape(arr.shape)
 
         return Handle([future], finish, ident.label)
 

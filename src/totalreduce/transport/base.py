@@ -84,8 +84,5 @@ class Transport(abc.ABC):
     def abort(self) -> None:
         """Immediate close, safe in ``finally`` blocks and from ``__del__``."""
 
-    def peer_description(self, peer: int) -> str:
-        return f"rank {peer}"
-
 
 TransportFactory = Callable[..., Transport]

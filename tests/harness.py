@@ -1,0 +1,73 @@
+"""Run a worker function on N real ranks through totalrun, with a timeout.
+
+``launch(n, "workers:check_collectives", arg=...)`` starts ``totalrun -np n`` running
+``tests/run_worker.py``, which imports ``tests/workers.py`` and calls the function on every
+rank.  A hung job is killed after ``timeout`` seconds, but first every rank dumps its
+Python stacks (faulthandler) so the failure says where it hung.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+
+    def lines(self, rank: int) -> list[str]:
+        prefix = f"[{rank}]: "
+        return [ln[len(prefix):] for ln in (self.stdout + self.stderr).splitlines()
+                if ln.startswith(prefix)]
+
+    def explain(self) -> str:
+        return (f"rc={self.returncode} after {self.elapsed:.1f}s\n--- stdout ---\n"
+                f"{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}")
+
+
+def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
+           env: dict[str, str] | None = None, launcher_args: tuple[str, ...] = ()) -> Result:
+    full_env = dict(os.environ)
+    for key in list(full_env):
+        if key.startswith("TOTALREDUCE_"):
+            del full_env[key]
+    full_env["PYTHONPATH"] = str(HERE) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env["WORKER_STACK_DUMP_AFTER"] = str(max(1.0, timeout - 5))
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "totalreduce.run", "-np", str(n), *launcher_args,
+           sys.executable, str(HERE / "run_worker.py"), target, json.dumps(arg)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise AssertionError(f"job timed out after {timeout}s\n" + Result(
+            proc.returncode, out, err, time.monotonic() - start).explain()) from None
+    return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+def run_ok(n: int, target: str, arg: object = None, **kw: object) -> Result:
+    result = launch(n, target, arg, **kw)  # type: ignore[arg-type]
+    assert result.returncode == 0, result.explain()
+    return result

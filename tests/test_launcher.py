@@ -1,0 +1,69 @@
+"""totalrun: environment, output prefixes, failure reporting, signals, no orphans."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import HERE, launch
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_env_and_prefixed_output_and_exit_code() -> None:
+    result = launch(3, "workers:exit_with", {"rank": 2, "code": 7, "others_sleep": 0.2},
+                    timeout=30)
+    assert result.returncode == 7, result.explain()
+    for r in range(3):
+        assert f"env rank={r} size=3" in result.lines(r), result.explain()
+    assert re.search(r"rank 2 \(pid \d+\) failed: exit code 7", result.stderr)
+
+
+def test_worker_failure_stops_the_others() -> None:
+    # Ranks 0 and 1 would sleep 100 s; rank 1 failing must end the job within grace + kill.
+    result = launch(3, "workers:exit_with", {"rank": 1, "code": 2, "others_sleep": 100},
+                    timeout=30, launcher_args=("--grace", "1"))
+    assert result.returncode == 2, result.explain()
+    assert result.elapsed < 10, result.explain()
+    assert "<- first failure (root cause)" in result.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_sigterm_is_forwarded_and_no_orphans_remain(ignore_term: bool) -> None:
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "totalreduce.run", "-np", "2", "--grace", "0.5",
+         sys.executable, str(HERE / "run_worker.py"), "workers:sleep_forever",
+         '{"ignore_term": %s}' % ("true" if ignore_term else "false")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
+    deadline = time.monotonic() + 20
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = re.search(r"PID (\d+)", line)
+        if m:
+            pids.append(int(m.group(1)))
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _out, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode != 0
+    assert "received SIGTERM; forwarding it" in err
+    time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "orphan workers remain"

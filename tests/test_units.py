@@ -1,0 +1,143 @@
+"""Pure logic in one process: wire format, handshake, config, launcher environments, and
+the world-of-one API including local misuse errors."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import totalreduce as tr
+from totalreduce.config import Config
+from totalreduce.exceptions import AuthenticationError
+from totalreduce.rendezvous.auth import client_handshake, server_handshake
+from totalreduce.rendezvous.env import detect_launch
+from totalreduce.transport.wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
+
+
+def test_header_round_trip_and_rejects_garbage() -> None:
+    h = Header(Kind.DATA, 6, 1, 3, 2**64 - 1, 12345, 99, 7, 1 << 40, 5, 17)
+    packed = h.pack()
+    assert len(packed) == HEADER_SIZE
+    assert unpack_header(packed) == h
+    with pytest.raises(WireError, match="bad magic"):
+        unpack_header(b"\0" * HEADER_SIZE)
+    bad_kind = bytearray(packed)
+    bad_kind[2] = 200
+    with pytest.raises(WireError, match="unknown message kind"):
+        unpack_header(bytes(bad_kind))
+
+
+def _pair(server_secret: bytes, client_secret: bytes) -> tuple[object, object]:
+    a, b = socket.socketpair()
+    out: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            out["server"] = server_handshake(a, server_secret, {"rank": 0}, 5)
+        except Exception as exc:
+            out["server"] = exc
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        client: object = client_handshake(b, client_secret, {"rank": 1}, 5)
+    except Exception as exc:
+        client = exc
+    finally:
+        b.close()
+    t.join()
+    a.close()
+    return out["server"], client
+
+
+def test_handshake_accepts_the_secret_and_refuses_others() -> None:
+    server, client = _pair(b"s3cret", b"s3cret")
+    assert server == {"rank": 1} and client == {"rank": 0}
+    server, client = _pair(b"s3cret", b"wrong")
+    assert isinstance(server, AuthenticationError)
+    assert isinstance(client, AuthenticationError | OSError)
+
+
+def test_config_precedence_and_typos() -> None:
+    env = {"TOTALREDUCE_SEGMENT_BYTES": "4096", "TOTALREDUCE_OP_TIMEOUT": "5"}
+    cfg = Config.from_env(env, op_timeout=7.0)
+    assert cfg.segment_bytes == 4096 and cfg.op_timeout == 7.0
+    with pytest.raises(TypeError, match="segmnt_bytes"):
+        Config.from_env({}, segmnt_bytes=1)
+    with pytest.raises(ValueError, match="TOTALREDUCE_SEGMENT_BYTES"):
+        Config.from_env({"TOTALREDUCE_SEGMENT_BYTES": "big"})
+    with pytest.raises(ValueError, match="op_timeout"):
+        Config(op_timeout=-1)
+
+
+@pytest.mark.parametrize("env,launcher,rank,size,address", [
+    ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+      "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, "torchrun", 2, 4, "node1:29501"),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+      "TOTALREDUCE_RENDEZVOUS": "h:5"}, "slurm", 1, 2, "h:5"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3",
+      "TOTALREDUCE_RENDEZVOUS": "h:6"}, "openmpi", 0, 3, "h:6"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "TOTALREDUCE_RENDEZVOUS": "h:7"}, "mpich", 1, 2,
+     "h:7"),
+])
+def test_external_launchers(env: dict, launcher: str, rank: int, size: int,
+                            address: str) -> None:
+    info = detect_launch(dict(env, TOTALREDUCE_SECRET="abc"))
+    assert (info.launcher, info.rank, info.size, info.rendezvous) == (launcher, rank, size,
+                                                                      address)
+    assert info.serve_rendezvous == (rank == 0)
+    with pytest.raises(ValueError, match="TOTALREDUCE_SECRET"):
+        detect_launch(env)
+
+
+def test_missing_rendezvous_address_says_what_to_set() -> None:
+    with pytest.raises(ValueError, match="TOTALREDUCE_RENDEZVOUS=host:port"):
+        detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "TOTALREDUCE_SECRET": "x"})
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch):
+    for var in ("TOTALREDUCE_RANK", "RANK", "SLURM_PROCID", "PMI_RANK",
+                "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    tr.init()
+    yield
+    tr.shutdown()
+
+
+def test_world_of_one(world_of_one: None) -> None:
+    assert (tr.rank(), tr.size(), tr.local_rank(), tr.local_size()) == (0, 1, 0, 1)
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    assert np.array_equal(tr.allreduce(x), x)
+    assert np.array_equal(tr.allgather(x), x)
+    out, splits = tr.alltoall(x)
+    assert np.array_equal(out, x) and splits.tolist() == [2]
+    assert np.array_equal(tr.reducescatter(x, op=tr.Sum), x)
+    assert tr.allreduce(np.float64(3.5)).shape == ()
+    tr.barrier()
+
+
+def test_local_misuse_is_a_plain_error(world_of_one: None) -> None:
+    with pytest.raises(TypeError, match="object arrays"):
+        tr.allreduce(np.array([object()]))
+    with pytest.raises(TypeError, match="dtype <U1 is not supported"):
+        tr.allreduce(np.array(["a"]))
+    with pytest.raises(TypeError, match="bool is not supported"):
+        tr.allreduce(np.array([True]))
+    with pytest.raises(ValueError, match="root_rank 3 is not a rank"):
+        tr.broadcast(np.ones(2), root_rank=3)
+    with pytest.raises(ValueError, match="splits"):
+        tr.alltoall(np.ones(4), splits=[1, 2])
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        tr.allreduce(np.ones(2), op=42)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        tr.allgather(np.float32(1))
+
+
+def test_calls_before_init_and_after_shutdown() -> None:
+    assert not tr.is_initialized()
+    with pytest.raises(tr.ShutdownError, match="init"):
+        tr.allreduce(np.ones(2))

@@ -1,0 +1,368 @@
+"""Worker functions run on every rank by the multi-process tests (see harness.py).
+
+Each rank derives every other rank's input from a shared seed, so it computes the numpy
+reference for the whole job locally and compares its own result with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+
+import totalreduce as tr
+
+DTYPES = [np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64]
+OPS = {"Sum": tr.Sum, "Average": tr.Average, "Min": tr.Min, "Max": tr.Max,
+       "Product": tr.Product}
+TOL = {np.dtype(np.float16): 2e-2, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+
+
+def data(seed: int, rank: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank])
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return np.array(rng.random(shape) + 0.5, dtype=dt)
+    info = np.iinfo(dt)
+    # Values spread over the whole range, so sums and products overflow and wrap.
+    return np.array(rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True))
+
+
+def reference_reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    fn = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
+          "Product": np.multiply}[op]
+    with np.errstate(over="ignore"):
+        out = functools.reduce(lambda a, b: fn(a, b, dtype=a.dtype), arrays)
+        if op == "Average":
+            out = out // len(arrays) if out.dtype.kind in "iu" else \
+                (out / np.array(len(arrays), out.dtype)).astype(out.dtype)
+    return out
+
+
+def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    tol = TOL.get(got.dtype)
+    if tol is None:
+        assert np.array_equal(got, want), f"{what}: values differ\n{got}\n{want}"
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                             atol=tol, equal_nan=True)
+        assert ok, f"{what}: values differ beyond {tol}\n{got}\n{want}"
+
+
+SHAPES = [(0,), (1,), (), (7,), (3, 5), (1031,), (4099, 3)]
+
+
+def check_collectives(arg: dict) -> None:
+    """Every collective, op and dtype against numpy, sizes 0/1/0-d/prime/multi-segment."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    seed = 11
+    checked = 0
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            seed += 1
+            inputs = [data(seed, r, shape, dtype) for r in range(n)]
+            mine = inputs[rank]
+            for opname, op in OPS.items():
+                if opname == "Product" and shape == (4099, 3) and dtype != np.float64:
+                    continue  # products of 4 random floats in (0.5, 1.5): fine, just slow
+                want = reference_reduce(inputs, opname)
+                got = tr.allreduce(mine, op=op, name=f"ar.{dtype.__name__}.{shape}.{opname}")
+                assert_same(got, want, f"allreduce {opname} {np.dtype(dtype)} {shape}")
+                inplace = mine.copy()
+                assert tr.allreduce_(inplace, op=op) is inplace
+                assert_same(inplace, want, f"allreduce_ {opname} {np.dtype(dtype)} {shape}")
+                checked += 2
+            # Non-contiguous input (a transposed or strided view) is copied.
+            if len(shape) == 2:
+                view = np.asfortranarray(mine).T
+                want_t = reference_reduce([a.T for a in inputs], "Sum")
+                assert_same(tr.allreduce(view, op=tr.Sum), want_t, "allreduce transposed")
+                strided = np.ascontiguousarray(inputs[rank])[:, ::2]
+                buf = np.array(mine)
+                target = buf[:, ::2]
+                tr.allreduce_(target, op=tr.Max)
+                assert_same(buf[:, ::2], reference_reduce([a[:, ::2] for a in inputs], "Max"),
+                            "allreduce_ strided")
+                assert_same(strided, inputs[rank][:, ::2], "input untouched")
+            if shape == ():
+                continue
+            # allgather: first dimensions differ per rank (rank 1 contributes none).
+            rows = [(r * 3 + shape[0]) % 5 if r != 1 else 0 for r in range(n)]
+            parts = [data(seed, r, (rows[r], *shape[1:]), dtype) for r in range(n)]
+            assert_same(tr.allgather(parts[rank]), np.concatenate(parts), "allgather")
+            # broadcast from every root
+            for root in range(n):
+                got = tr.broadcast(mine, root_rank=root)
+                assert_same(got, inputs[root], f"broadcast root {root}")
+                buf = mine.copy()
+                tr.broadcast_(buf, root_rank=root)
+                assert_same(buf, inputs[root], f"broadcast_ root {root}")
+            # reducescatter: lower ranks take the extra rows
+            for opname in ("Sum", "Average", "Max"):
+                full = reference_reduce(inputs, opname)
+                b = [0]
+                for r in range(n):
+                    b.append(b[-1] + shape[0] // n + (1 if r < shape[0] % n else 0))
+                got = tr.reducescatter(mine, op=OPS[opname])
+                assert_same(got, full[b[rank]:b[rank + 1]], f"reducescatter {opname}")
+            # alltoall: default even splits, and random splits known to every rank
+            rng = np.random.default_rng(seed)
+            splits = [rng.multinomial(shape[0], [1 / n] * n) for _ in range(n)]
+            for use_splits in (False, True):
+                if use_splits:
+                    sp = splits
+                else:
+                    b = [shape[0] // n + (1 if r < shape[0] % n else 0) for r in range(n)]
+                    sp = [np.array(b) for _ in range(n)]
+                out, recv = tr.alltoall(mine, splits=splits[rank] if use_splits else None)
+                offs = [np.concatenate([[0], np.cumsum(s)]) for s in sp]
+                want = np.concatenate([inputs[src][offs[src][rank]:offs[src][rank + 1]]
+                                       for src in range(n)])
+                assert_same(out, want, f"alltoall splits={use_splits}")
+                assert recv.tolist() == [int(sp[src][rank]) for src in range(n)]
+            checked += 4 + 2 * n + 3
+    # grouped allreduce with mixed dtypes and an empty member
+    arrays = [data(5, rank, s, d) for s, d in (((3,), np.float32), ((0,), np.float32),
+                                               ((2, 2), np.int64), ((9,), np.float32))]
+    want = [reference_reduce([data(5, r, a.shape, a.dtype.type) for r in range(n)], "Sum")
+            for a in arrays]
+    for got, w in zip(tr.grouped_allreduce(arrays, op=tr.Sum), want, strict=True):
+        assert_same(got, w, "grouped_allreduce")
+    tr.barrier()
+    tr.shutdown()
+    print(f"checked {checked} results on {n} ranks")
+
+
+def out_of_order(arg: dict) -> None:
+    """50 async ops, each rank submitting them in its own random order at random times."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    rng = random.Random(1000 + rank)
+    specs = list(range(50))
+    rng.shuffle(specs)
+    handles = {}
+    for i in specs:
+        time.sleep(rng.uniform(0, 0.02))
+        kind = i % 5
+        x = data(i, rank, (i * 37 % 200 + 1, 3), np.float32 if i % 2 else np.int32)
+        name = f"op{i}"
+        if kind == 0:
+            handles[i] = tr.allreduce_async(x, op=tr.Sum, name=name, priority=i % 3)
+        elif kind == 1:
+            handles[i] = tr.allgather_async(x[: rank + i % 4], name=name)
+        elif kind == 2:
+            handles[i] = tr.broadcast_async(x, root_rank=i % n, name=name)
+        elif kind == 3:
+            handles[i] = tr.alltoall_async(x, name=name)
+        else:
+            handles[i] = tr.reducescatter_async(x, op=tr.Max, name=name)
+    for i in sorted(handles):
+        got = handles[i].wait(timeout=60)
+        kind = i % 5
+        ins = [data(i, r, (i * 37 % 200 + 1, 3), np.float32 if i % 2 else np.int32)
+               for r in range(n)]
+        if kind == 0:
+            assert_same(got, reference_reduce(ins, "Sum"), f"op{i}")
+        elif kind == 1:
+            assert_same(got, np.concatenate([a[: r + i % 4] for r, a in enumerate(ins)]),
+                        f"op{i}")
+        elif kind == 2:
+            assert_same(got, ins[i % n], f"op{i}")
+        elif kind == 3:
+            rows = ins[0].shape[0]
+            b = np.cumsum([0] + [rows // n + (1 if r < rows % n else 0) for r in range(n)])
+            assert_same(got[0], np.concatenate([a[b[rank]:b[rank + 1]] for a in ins]), f"op{i}")
+        else:
+            full = reference_reduce(ins, "Max")
+            rows = full.shape[0]
+            b = np.cumsum([0] + [rows // n + (1 if r < rows % n else 0) for r in range(n)])
+            assert_same(got, full[b[rank]:b[rank + 1]], f"op{i}")
+    tr.shutdown()
+    print("out-of-order ok")
+
+
+def lagging_rank(arg: dict) -> None:
+    """Rank 0 starts a second late while the others race 200 ops ahead."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    if rank == 0:
+        time.sleep(1.0)
+    handles = []
+    for i in range(200):
+        x = data(i, rank, (arg["elems"],), np.float32)
+        handles.append(tr.allreduce_async(x, op=tr.Sum, name=f"lag{i}"))
+    for i, h in enumerate(handles):
+        want = reference_reduce([data(i, r, (arg["elems"],), np.float32) for r in range(n)],
+                                "Sum")
+        assert_same(h.wait(timeout=60), want, f"lag{i}")
+    stats = current().engine.stats()
+    assert stats["floating_peak"] <= stats["floating_cap"], stats
+    print(f"floating peak {stats['floating_peak']} cap {stats['floating_cap']}")
+    tr.shutdown()
+
+
+def mismatch(arg: dict) -> None:
+    tr.init()
+    rank = tr.rank()
+    what = arg["what"]
+    if what == "shape":
+        x = np.ones(5 if rank == 1 else 4, np.float32)
+    elif what == "dtype":
+        x = np.ones(4, np.float64 if rank == 1 else np.float32)
+    else:  # same element count, different shape
+        x = np.ones((2, 3) if rank == 1 else (3, 2), np.float32)
+    start = time.monotonic()
+    try:
+        tr.allreduce(x, name="grad.w")
+    except tr.MismatchError as exc:
+        print(f"MISMATCH after {time.monotonic() - start:.2f}s: {exc}".replace("\n", " | "))
+    else:
+        raise AssertionError("no MismatchError")
+    # The job goes on after a mismatch.
+    y = tr.allreduce(np.full(3, rank, np.int64), op=tr.Sum, name="after")
+    assert y.tolist() == [sum(range(tr.size()))] * 3
+    tr.shutdown()
+
+
+def killed_peer(arg: dict) -> None:
+    tr.init()
+    rank = tr.rank()
+    x = np.ones(1 << 16, np.float32)
+    for _ in range(5):
+        tr.allreduce(x)
+    if rank == arg["victim"]:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        while True:
+            tr.allreduce(x)
+    except tr.PeerFailureError as exc:
+        print(f"CAUGHT rank={exc.rank} after {time.monotonic() - start:.2f}s: {exc}")
+        sys.exit(3)
+
+
+def strangers(arg: dict) -> None:
+    from totalreduce.exceptions import AuthenticationError
+    from totalreduce.rendezvous.auth import client_handshake
+    from totalreduce.rendezvous.kvstore import KVClient
+
+    env = os.environ
+    rdv = env["TOTALREDUCE_RENDEZVOUS"]
+
+    def poke(address: str) -> None:
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.settimeout(15)
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(200))
+            try:
+                while s.recv(4096):
+                    pass
+            except OSError:
+                pass
+        with socket.create_connection((host, int(port))) as s:
+            try:
+                client_handshake(s, b"not the secret", {"rank": 0, "job": "x"}, 15)
+            except (AuthenticationError, OSError) as exc:
+                print(f"wrong secret refused at {address}: {type(exc).__name__}")
+            else:
+                raise AssertionError("a wrong secret was accepted")
+
+    if tr_rank() == 0:
+        poke(rdv)
+    tr.init()
+    if tr.rank() == 0:
+        kv = KVClient(rdv, env["TOTALREDUCE_SECRET"].encode(), env["TOTALREDUCE_JOB_ID"], 10)
+        poke(kv.get(f"{env['TOTALREDUCE_JOB_ID']}/addr/1", 10).decode())
+        kv.close()
+    tr.barrier()
+    got = tr.allreduce(np.arange(10, dtype=np.float64) * (tr.rank() + 1), op=tr.Sum)
+    assert np.array_equal(got, np.arange(10) * sum(range(1, tr.size() + 1)))
+    tr.shutdown()
+    print("job finished correctly")
+
+
+def tr_rank() -> int:
+    return int(os.environ["TOTALREDUCE_RANK"])
+
+
+def priority(arg: dict) -> None:
+    tr.init()
+    big = np.ones(16 << 20, np.float32)          # 64 MB
+    small = np.ones(10, np.float32)
+    hbig = tr.allreduce_async(big, op=tr.Sum, name="big", priority=0)
+    hsmall = tr.allreduce_async(small, op=tr.Sum, name="small", priority=10)
+    hsmall.wait(timeout=60)
+    big_done_first = hbig.done()
+    assert hbig.wait(timeout=60)[0] == tr.size()
+    assert hsmall.wait()[0] == tr.size()
+    print(f"small first: {not big_done_first}")
+    assert not big_done_first, "the 64 MB op finished before the urgent small one"
+    tr.shutdown()
+
+
+def op_timeout(arg: dict) -> None:
+    tr.init()
+    if tr.rank() == 1:
+        time.sleep(arg["late"])
+    start = time.monotonic()
+    try:
+        tr.allreduce(np.ones(3), name=f"late{tr.rank()}")
+    except tr.OpTimeoutError as exc:
+        print(f"TIMEOUT after {time.monotonic() - start:.2f}s: {exc}")
+    else:
+        raise AssertionError("no OpTimeoutError")
+    tr.shutdown()
+
+
+def stall(arg: dict) -> None:
+    tr.init()
+    if tr.rank() == 1:
+        time.sleep(2.5)
+    tr.allreduce(np.ones(3), name="slowpoke")
+    tr.shutdown()
+
+
+def sleep_forever(arg: dict) -> None:
+    print(f"PID {os.getpid()}", flush=True)
+    if arg and arg.get("ignore_term"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(300)
+
+
+def exit_with(arg: dict) -> None:
+    rank = tr_rank()
+    print(f"env rank={rank} size={os.environ['TOTALREDUCE_SIZE']}")
+    if rank == arg["rank"]:
+        sys.exit(arg["code"])
+    time.sleep(arg.get("others_sleep", 0))
+
+
+def submit_while_streaming(arg: dict) -> None:
+    """Large ops submitted at jittered times, so a piece's body is often still arriving
+    (as a floating message) at the moment the local rank submits its op."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    rng = random.Random(rank)
+    for i in range(arg["iters"]):
+        x = data(i, rank, (arg["elems"],), np.float32)
+        tr.barrier()
+        time.sleep(rng.uniform(0, 0.002))
+        got = tr.allreduce(x, op=tr.Sum, name=f"s{i}")
+        want = reference_reduce([data(i, r, (arg["elems"],), np.float32) for r in range(n)],
+                                "Sum")
+        assert_same(got, want, f"s{i}")
+    tr.shutdown()
+    print("streaming ok")
