@@ -7,11 +7,13 @@ from harness import run_ok
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_collective_matches_numpy(n: int) -> None:
-    # 4 KiB segments make the larger arrays travel as many pipelined pieces.
+@pytest.mark.parametrize("n,reduce_thread", [(1, -1), (2, -1), (3, -1), (4, -1), (3, 0)])
+def test_every_collective_matches_numpy(n: int, reduce_thread: int) -> None:
+    # 4 KiB segments make the larger arrays travel as many pipelined pieces; one run
+    # sends every reduction through the reduce thread.
     result = run_ok(n, "workers:check_collectives", {},
-                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096"}, timeout=150)
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096",
+                         "TOTALREDUCE_REDUCE_THREAD_BYTES": str(reduce_thread)}, timeout=150)
     for r in range(n):
         assert any(line.startswith("checked ") for line in result.lines(r)), result.explain()
 

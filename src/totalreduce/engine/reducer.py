@@ -4,7 +4,8 @@ Small reductions run inline on the progress thread: handing them to another thre
 GIL hand-off (~100 us on a loaded 2-core host), more than the add itself.  Large ones go to
 the reduce thread, so the progress loop keeps reading the next piece off the socket while
 numpy (which releases the GIL) adds this one.  ``TOTALREDUCE_REDUCE_THREAD_BYTES`` sets the
-cut-over.  Every reduction writes into the destination with ``out=``: no temporaries.
+cut-over; it is off by default because on 2 cores the hand-off lost (numbers in config.py).
+Every reduction writes into the destination with ``out=``: no temporaries.
 """
 
 from __future__ import annotations
