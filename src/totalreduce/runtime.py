@@ -19,6 +19,8 @@ from .engine.engine import Engine
 from .exceptions import ShutdownError
 from .rendezvous import KVClient, KVServer, LaunchInfo, detect_launch
 from .scheduling import SelfGuided
+from .transport.base import Transport
+from .transport.loopback import LoopbackTransport
 from .transport.tcp import connect_mesh
 
 logger = logging.getLogger(__name__)
@@ -60,14 +62,13 @@ class Runtime:
                     assert kv is not None
                     return kv.get(f"{job}/addr/{peer}", timeout).decode()
 
-                transport = connect_mesh(
+                transport: Transport = connect_mesh(
                     launch.rank, launch.size, launch.secret, job,
                     "127.0.0.1" if local else "0.0.0.0", me,
                     lambda addr: kv.set(f"{job}/addr/{self.rank}", addr.encode()),  # type: ignore[union-attr]
                     lookup, config.connect_timeout)
                 self.local_rank, self.local_size = self._locality(kv, launch)
             else:
-                from .transport.loopback import LoopbackTransport
                 transport = LoopbackTransport()
                 self.local_rank, self.local_size = 0, 1
         except BaseException:

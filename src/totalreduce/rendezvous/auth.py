@@ -25,12 +25,17 @@ _MAX_HELLO = 4096
 _PREAMBLE = b"TRAUTH1\n"
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Read exactly ``n`` bytes.
+
+    Raises:
+        AuthenticationError: the peer closed the connection first.
+    """
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise AuthenticationError("connection closed during handshake")
+            raise AuthenticationError("connection closed by peer")
         buf += chunk
     return bytes(buf)
 
@@ -48,11 +53,11 @@ def _send_hello(sock: socket.socket, secret: bytes, role: bytes, nonce_peer: byt
 
 def _recv_hello(sock: socket.socket, secret: bytes, role: bytes, nonce_own: bytes,
                 nonce_peer: bytes) -> dict[str, Any]:
-    (length,) = struct.unpack("<I", _recv_exact(sock, 4))
+    (length,) = struct.unpack("<I", recv_exact(sock, 4))
     if length > _MAX_HELLO:
         raise AuthenticationError(f"handshake hello of {length} bytes is too long")
-    body = _recv_exact(sock, length)
-    mac = _recv_exact(sock, _MAC)
+    body = recv_exact(sock, length)
+    mac = recv_exact(sock, _MAC)
     if not hmac.compare_digest(mac, _mac(secret, role, nonce_own, nonce_peer, body)):
         raise AuthenticationError("peer does not hold the job secret (HMAC mismatch)")
     try:
@@ -74,9 +79,9 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict[str, Any],
     """
     sock.settimeout(timeout)
     sock.sendall(_PREAMBLE)
-    if _recv_exact(sock, len(_PREAMBLE)) != _PREAMBLE:
+    if recv_exact(sock, len(_PREAMBLE)) != _PREAMBLE:
         raise AuthenticationError("peer did not answer with the totalreduce preamble")
-    nonce_server = _recv_exact(sock, _NONCE)
+    nonce_server = recv_exact(sock, _NONCE)
     nonce_client = os.urandom(_NONCE)
     sock.sendall(nonce_client)
     _send_hello(sock, secret, b"client", nonce_server, nonce_client, hello)
@@ -95,12 +100,12 @@ def server_handshake(sock: socket.socket, secret: bytes, hello: dict[str, Any],
         OSError: the connection broke or timed out.
     """
     sock.settimeout(timeout)
-    if _recv_exact(sock, len(_PREAMBLE)) != _PREAMBLE:
+    if recv_exact(sock, len(_PREAMBLE)) != _PREAMBLE:
         raise AuthenticationError("client did not start with the totalreduce preamble")
     sock.sendall(_PREAMBLE)
     nonce_server = os.urandom(_NONCE)
     sock.sendall(nonce_server)
-    nonce_client = _recv_exact(sock, _NONCE)
+    nonce_client = recv_exact(sock, _NONCE)
     peer = _recv_hello(sock, secret, b"client", nonce_server, nonce_client)
     _send_hello(sock, secret, b"server", nonce_client, nonce_server, hello)
     return peer

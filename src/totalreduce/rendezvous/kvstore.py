@@ -17,7 +17,7 @@ import threading
 import time
 
 from ..exceptions import AuthenticationError
-from .auth import client_handshake, server_handshake
+from .auth import client_handshake, recv_exact, server_handshake
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +28,6 @@ _OK, _MISSING = 1, 2
 _MAX_KEY = 1024
 _MAX_VALUE = 1 << 20
 _HANDSHAKE_TIMEOUT = 10.0
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed")
-        buf += chunk
-    return bytes(buf)
 
 
 class KVServer:
@@ -80,12 +70,12 @@ class KVServer:
             sock.settimeout(None)
             try:
                 while True:
-                    op, klen, vlen, wait = _REQ.unpack(_recv_exact(sock, _REQ.size))
+                    op, klen, vlen, wait = _REQ.unpack(recv_exact(sock, _REQ.size))
                     if klen > _MAX_KEY or vlen > _MAX_VALUE or op not in (_SET, _GET):
                         logger.warning("rendezvous: bad request from %s", addr)
                         return
-                    key = _recv_exact(sock, klen)
-                    value = _recv_exact(sock, vlen)
+                    key = recv_exact(sock, klen)
+                    value = recv_exact(sock, vlen)
                     if op == _SET:
                         with self._cond:
                             self._data[key] = value
@@ -97,7 +87,7 @@ class KVServer:
                             sock.sendall(_RESP.pack(_MISSING, 0))
                         else:
                             sock.sendall(_RESP.pack(_OK, len(found)) + found)
-            except (OSError, ConnectionError, struct.error):
+            except (OSError, AuthenticationError, struct.error):
                 return
 
     def _wait(self, key: bytes, timeout: float) -> bytes | None:
@@ -148,7 +138,7 @@ class KVClient:
     def set(self, key: str, value: bytes) -> None:
         k = key.encode()
         self._sock.sendall(_REQ.pack(_SET, len(k), len(value), 0.0) + k + value)
-        status, _ = _RESP.unpack(_recv_exact(self._sock, _RESP.size))
+        status, _ = _RESP.unpack(recv_exact(self._sock, _RESP.size))
         if status != _OK:
             raise OSError(f"rendezvous store refused to set {key!r}")
 
@@ -161,8 +151,8 @@ class KVClient:
         k = key.encode()
         self._sock.settimeout(timeout + 30.0)
         self._sock.sendall(_REQ.pack(_GET, len(k), 0, timeout) + k)
-        status, vlen = _RESP.unpack(_recv_exact(self._sock, _RESP.size))
-        value = _recv_exact(self._sock, vlen)
+        status, vlen = _RESP.unpack(recv_exact(self._sock, _RESP.size))
+        value = recv_exact(self._sock, vlen)
         self._sock.settimeout(None)
         if status != _OK:
             raise TimeoutError(f"rendezvous key {key!r} was not set within {timeout:.0f} s")

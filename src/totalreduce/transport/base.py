@@ -12,7 +12,6 @@ thread.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from .wire import Header
@@ -84,5 +83,3 @@ class Transport(abc.ABC):
     def abort(self) -> None:
         """Immediate close, safe in ``finally`` blocks and from ``__del__``."""
 
-
-TransportFactory = Callable[..., Transport]
