@@ -40,7 +40,6 @@ class KVServer:
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()
         self._closed = False
-        self.refused = 0
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._thread = threading.Thread(target=self._accept, name="totalreduce-kv",
@@ -63,8 +62,6 @@ class KVServer:
                 if hello.get("job") != self._job:
                     raise AuthenticationError(f"job id {hello.get('job')!r} is not ours")
             except (AuthenticationError, OSError, ValueError) as exc:
-                with self._cond:
-                    self.refused += 1
                 logger.warning("rendezvous: refused connection from %s: %s", addr, exc)
                 return
             sock.settimeout(None)

@@ -320,7 +320,6 @@ class _Acceptor:
         self._cond = threading.Condition()
         self._accepted: dict[int, socket.socket] = {}
         self._stopped = False
-        self.refused = 0
         self._thread = threading.Thread(target=self._run, name="totalreduce-accept",
                                         daemon=True)
         self._thread.start()
@@ -352,8 +351,6 @@ class _Acceptor:
                     return
             raise AuthenticationError(problem)
         except (AuthenticationError, OSError, ValueError) as exc:
-            with self._cond:
-                self.refused += 1
             logger.warning("rank %d: refused connection from %s: %s", self._rank, addr, exc)
             with contextlib.suppress(OSError):
                 sock.close()
