@@ -1,16 +1,21 @@
-"""Run a worker function on N real ranks through totalrun, with a timeout.
+"""Run a worker function on N real ranks, with a timeout, over a chosen transport.
 
 ``launch(n, "workers:check_collectives", arg=...)`` starts ``totalrun -np n`` running
 ``tests/run_worker.py``, which imports ``tests/workers.py`` and calls the function on every
 rank.  A hung job is killed after ``timeout`` seconds, but first every rank dumps its
 Python stacks (faulthandler) so the failure says where it hung.
+
+``transport`` picks the data path: ``shm`` (totalrun, TCP plus shared-memory rings, the
+default), ``tcp`` (totalrun, sockets only) or ``mpi`` (mpiexec, the MPI transport).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TRANSPORTS = ("shm", "tcp", "mpi")
+
+
+def mpiexec() -> str | None:
+    """The mpiexec next to this interpreter (the mpich wheel's), else one on PATH."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
 @dataclass
@@ -29,9 +43,14 @@ class Result:
     elapsed: float
 
     def lines(self, rank: int) -> list[str]:
-        prefix = f"[{rank}]: "
-        return [ln[len(prefix):] for ln in (self.stdout + self.stderr).splitlines()
-                if ln.startswith(prefix)]
+        out = []
+        for ln in (self.stdout + self.stderr).splitlines():
+            # totalrun prefixes "[r]: ", run_worker.py under mpiexec "[r] ".
+            for prefix in (f"[{rank}]: ", f"[{rank}] "):
+                if ln.startswith(prefix):
+                    out.append(ln[len(prefix):])
+                    break
+        return out
 
     def explain(self) -> str:
         return (f"rc={self.returncode} after {self.elapsed:.1f}s\n--- stdout ---\n"
@@ -39,7 +58,8 @@ class Result:
 
 
 def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
-           env: dict[str, str] | None = None, launcher_args: tuple[str, ...] = ()) -> Result:
+           env: dict[str, str] | None = None, launcher_args: tuple[str, ...] = (),
+           transport: str = "shm") -> Result:
     full_env = dict(os.environ)
     for key in list(full_env):
         if key.startswith("TOTALREDUCE_"):
@@ -47,8 +67,17 @@ def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
     full_env["PYTHONPATH"] = str(HERE) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env["WORKER_STACK_DUMP_AFTER"] = str(max(1.0, timeout - 5))
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "totalreduce.run", "-np", str(n), *launcher_args,
-           sys.executable, str(HERE / "run_worker.py"), target, json.dumps(arg)]
+    worker = [sys.executable, str(HERE / "run_worker.py"), target, json.dumps(arg)]
+    if transport == "mpi":
+        exe = mpiexec()
+        assert exe is not None, "the mpi transport needs mpi4py and mpiexec"
+        full_env["TOTALREDUCE_TRANSPORT"] = "mpi"
+        full_env["WORKER_TAG_LINES"] = "1"
+        cmd = [exe, "-n", str(n), *launcher_args, *worker]
+    else:
+        if transport == "tcp":
+            full_env["TOTALREDUCE_SHM_BYTES"] = "0"
+        cmd = [sys.executable, "-m", "totalreduce.run", "-np", str(n), *launcher_args, *worker]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, text=True)

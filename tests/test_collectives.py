@@ -1,5 +1,7 @@
 """Every collective, op and dtype on real ranks against a numpy reference."""
 
+import os
+
 import pytest
 
 from harness import run_ok
@@ -7,35 +9,70 @@ from harness import run_ok
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("n,reduce_thread", [(1, -1), (2, -1), (3, -1), (4, -1), (3, 0)])
-def test_every_collective_matches_numpy(n: int, reduce_thread: int) -> None:
-    # 4 KiB segments make the larger arrays travel as many pipelined pieces; one run
-    # sends every reduction through the reduce thread.
-    result = run_ok(n, "workers:check_collectives", {},
-                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096",
-                         "TOTALREDUCE_REDUCE_THREAD_BYTES": str(reduce_thread)}, timeout=150)
+def _check(result, n: int, transport: str = "") -> None:
     for r in range(n):
-        assert any(line.startswith("checked ") for line in result.lines(r)), result.explain()
+        lines = [ln for ln in result.lines(r) if ln.startswith("checked ")]
+        assert len(lines) == 1, result.explain()
+        # The shm runs really used rings with every other rank; the others used none.
+        want = [p for p in range(n) if p != r] if transport == "shm" else []
+        assert lines[0].endswith(f"rings with {want}"), lines[0]
 
 
-@pytest.mark.parametrize("n", [3])
-def test_out_of_order_async_ops(n: int) -> None:
-    run_ok(n, "workers:out_of_order", {}, env={"TOTALREDUCE_SEGMENT_BYTES": "1024"},
-           timeout=90)
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("totalreduce-")} \
+        if os.path.isdir("/dev/shm") else set()
 
 
-def test_lagging_rank_stays_under_floating_cap() -> None:
+def test_single_rank_matches_numpy() -> None:
+    _check(run_ok(1, "workers:check_collectives", {}), 1)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_collective_matches_numpy(n: int, transport: str) -> None:
+    # 4 KiB segments make the larger arrays travel as many pipelined pieces.
+    before = _shm_files()
+    result = run_ok(n, "workers:check_collectives", {},
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096"}, timeout=150,
+                    transport=transport)
+    _check(result, n, transport)
+    assert _shm_files() <= before, "shared-memory files were left in /dev/shm"
+
+
+def test_reduce_thread_matches_numpy() -> None:
+    # Every reduction goes through the reduce thread (and so never out of a ring slot).
+    result = run_ok(3, "workers:check_collectives", {},
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096",
+                         "TOTALREDUCE_REDUCE_THREAD_BYTES": "0"}, timeout=150)
+    _check(result, 3, "shm")
+
+
+def test_tiny_shared_memory_ring_wraps_and_fills() -> None:
+    # A 16 KiB ring holds at most two or three 4 KiB bodies: writers keep finding it full
+    # and wrapping around, while every result must still match numpy.
+    result = run_ok(3, "workers:check_collectives", {},
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096",
+                         "TOTALREDUCE_SHM_BYTES": str(16 << 10)}, timeout=150)
+    _check(result, 3, "shm")
+
+
+def test_out_of_order_async_ops(transport: str) -> None:
+    run_ok(3, "workers:out_of_order", {}, env={"TOTALREDUCE_SEGMENT_BYTES": "1024"},
+           timeout=90, transport=transport)
+
+
+def test_lagging_rank_stays_under_floating_cap(transport: str) -> None:
     cap = 256 << 10
     result = run_ok(3, "workers:lagging_rank", {"elems": 4096},
-                    env={"TOTALREDUCE_FLOATING_CAP": str(cap)}, timeout=90)
+                    env={"TOTALREDUCE_FLOATING_CAP": str(cap)}, timeout=90,
+                    transport=transport)
     # 200 ops x 16 KiB raced ahead: far more than the cap, so flow control had to work.
     peaks = [int(line.split()[2]) for r in range(3) for line in result.lines(r)
              if line.startswith("floating peak")]
     assert len(peaks) == 3 and max(peaks) <= cap and max(peaks) > 0, result.explain()
 
 
-def test_priority_overtakes_big_op() -> None:
-    result = run_ok(2, "workers:priority", {}, timeout=90)
+def test_priority_overtakes_big_op(transport: str) -> None:
+    result = run_ok(2, "workers:priority", {}, timeout=90, transport=transport)
     assert all("small first: True" in result.lines(r) for r in range(2)), result.explain()
 
 

@@ -14,9 +14,10 @@ pytestmark = pytest.mark.multiprocess
     ("dtype", ("float32", "float64")),
     ("layout", ("(3, 2)", "(2, 3)")),
 ])
-def test_mismatch_raises_on_every_rank(what: str, values: tuple[str, str]) -> None:
+def test_mismatch_raises_on_every_rank(what: str, values: tuple[str, str],
+                                       transport: str) -> None:
     n = 3
-    result = run_ok(n, "workers:mismatch", {"what": what}, timeout=60)
+    result = run_ok(n, "workers:mismatch", {"what": what}, timeout=60, transport=transport)
     for r in range(n):
         lines = [ln for ln in result.lines(r) if ln.startswith("MISMATCH")]
         assert len(lines) == 1, result.explain()

@@ -139,8 +139,12 @@ def check_collectives(arg: dict) -> None:
     for got, w in zip(tr.grouped_allreduce(arrays, op=tr.Sum), want, strict=True):
         assert_same(got, w, "grouped_allreduce")
     tr.barrier()
+    from totalreduce.runtime import current
+
+    transport = current().transport
+    rings = transport.ring_peers() if hasattr(transport, "ring_peers") else []
     tr.shutdown()
-    print(f"checked {checked} results on {n} ranks")
+    print(f"checked {checked} results on {n} ranks; rings with {rings}")
 
 
 def out_of_order(arg: dict) -> None:

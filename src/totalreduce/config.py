@@ -19,6 +19,10 @@ TOTALREDUCE_CONNECT_TIMEOUT        seconds to rendezvous and connect all peers  
 TOTALREDUCE_SHUTDOWN_TIMEOUT       seconds shutdown() waits for peers to say bye   10
 TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's    1.0
                                    view of a mismatched op before raising
+TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI    auto
+                                   launcher and mpi4py imports, else tcp)
+TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    8 MiB
+                                   ranks on one host (tcp transport; 0 = off)
 =================================  ==============================================  =========
 
 Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
@@ -48,10 +52,16 @@ class Config:
     connect_timeout: float = 60.0
     shutdown_timeout: float = 10.0
     mismatch_grace: float = 1.0
+    transport: str = "auto"
+    shm_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
             raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
+        if self.transport not in ("auto", "tcp", "mpi"):
+            raise ValueError(f"transport must be one of auto, tcp, mpi; got {self.transport!r}")
+        if self.shm_bytes < 0:
+            raise ValueError(f"shm_bytes must be >= 0, got {self.shm_bytes}")
         if self.floating_cap < 0:
             raise ValueError(f"floating_cap must be >= 0, got {self.floating_cap}")
         for name in ("stall_warning", "op_timeout", "connect_timeout", "shutdown_timeout",
@@ -81,7 +91,7 @@ class Config:
             raw = env.get(_PREFIX + name.upper())
             if raw is None or raw == "":
                 continue
-            kind = int if field.type in ("int", int) else float
+            kind = {"int": int, "str": str}.get(str(field.type), float)
             try:
                 values[name] = kind(raw)
             except ValueError:

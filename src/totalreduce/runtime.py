@@ -9,6 +9,7 @@ it as failed).
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import socket
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 from .config import Config
 from .engine.engine import Engine
 from .exceptions import ShutdownError
-from .rendezvous import KVClient, KVServer, LaunchInfo, detect_launch
+from .rendezvous import KVClient, KVServer, LaunchInfo, detect_launch, mpi_launched
 from .scheduling import SelfGuided
 from .transport.base import Transport
 from .transport.loopback import LoopbackTransport
@@ -36,41 +37,64 @@ def _route_ip(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def choose_transport(config: Config) -> str:
+    """``tcp`` or ``mpi``: the setting, or for ``auto`` MPI under an MPI launcher."""
+    if config.transport != "auto":
+        return config.transport
+    if mpi_launched() and importlib.util.find_spec("mpi4py") is not None:
+        return "mpi"
+    return "tcp"
+
+
 class Runtime:
-    def __init__(self, launch: LaunchInfo, config: Config) -> None:
-        self.launch = launch
+    def __init__(self, config: Config) -> None:
         self.config = config
+        self._kv_server: KVServer | None = None
+        self.transport_name = choose_transport(config)
+        if self.transport_name == "mpi":
+            from .transport.mpi import MpiTransport, mpi_world
+
+            world, self.local_rank, self.local_size = mpi_world()
+            transport: Transport = MpiTransport(world)
+            self.rank, self.size = transport.rank, transport.size
+        else:
+            transport = self._connect_tcp(detect_launch(), config)
+        self.transport = transport
+        self.engine = Engine(transport, config)
+        self.collectives = SelfGuided(self.engine, config)
+
+    def _connect_tcp(self, launch: LaunchInfo, config: Config) -> Transport:
         self.rank = launch.rank
         self.size = launch.size
-        self._kv_server: KVServer | None = None
+        if launch.size == 1:
+            self.local_rank, self.local_size = 0, 1
+            return LoopbackTransport()
         kv: KVClient | None = None
         local = launch.launcher == "totalrun"
         try:
-            if launch.size > 1:
-                assert launch.rendezvous is not None
-                host, _, port = launch.rendezvous.rpartition(":")
-                if launch.serve_rendezvous:
-                    self._kv_server = KVServer("0.0.0.0", int(port), launch.secret,
-                                               launch.job_id)
-                kv = KVClient(launch.rendezvous, launch.secret, launch.job_id,
-                              config.connect_timeout)
-                me = "127.0.0.1" if local else _route_ip(host)
-                job = launch.job_id
-                kv.set(f"{job}/host/{self.rank}", socket.gethostname().encode())
+            assert launch.rendezvous is not None
+            host, _, port = launch.rendezvous.rpartition(":")
+            if launch.serve_rendezvous:
+                self._kv_server = KVServer("0.0.0.0", int(port), launch.secret, launch.job_id)
+            kv = KVClient(launch.rendezvous, launch.secret, launch.job_id,
+                          config.connect_timeout)
+            me = "127.0.0.1" if local else _route_ip(host)
+            job = launch.job_id
+            kv.set(f"{job}/host/{self.rank}", socket.gethostname().encode())
 
-                def lookup(peer: int, timeout: float) -> str:
-                    assert kv is not None
-                    return kv.get(f"{job}/addr/{peer}", timeout).decode()
+            def lookup(peer: int, timeout: float) -> str:
+                assert kv is not None
+                return kv.get(f"{job}/addr/{peer}", timeout).decode()
 
-                transport: Transport = connect_mesh(
-                    launch.rank, launch.size, launch.secret, job,
-                    "127.0.0.1" if local else "0.0.0.0", me,
-                    lambda addr: kv.set(f"{job}/addr/{self.rank}", addr.encode()),  # type: ignore[union-attr]
-                    lookup, config.connect_timeout)
-                self.local_rank, self.local_size = self._locality(kv, launch)
-            else:
-                transport = LoopbackTransport()
-                self.local_rank, self.local_size = 0, 1
+            def publish(addr: str) -> None:
+                assert kv is not None
+                kv.set(f"{job}/addr/{self.rank}", addr.encode())
+
+            transport = connect_mesh(launch.rank, launch.size, launch.secret, job,
+                                     "127.0.0.1" if local else "0.0.0.0", me, publish,
+                                     lookup, config.connect_timeout, config.shm_bytes)
+            self.local_rank, self.local_size = self._locality(kv, launch)
+            return transport
         except BaseException:
             if self._kv_server is not None:
                 self._kv_server.close()
@@ -78,8 +102,6 @@ class Runtime:
         finally:
             if kv is not None:
                 kv.close()
-        self.engine = Engine(transport, config)
-        self.collectives = SelfGuided(self.engine, config)
 
     def _locality(self, kv: KVClient, launch: LaunchInfo) -> tuple[int, int]:
         if launch.local_rank is not None and launch.local_size is not None:
@@ -114,7 +136,7 @@ def init(**overrides: Any) -> Runtime:
         if _HOLDER.runtime is not None:
             return _HOLDER.runtime
         config = Config.from_env(**overrides)
-        runtime = Runtime(detect_launch(), config)
+        runtime = Runtime(config)
         _HOLDER.runtime = runtime
         return runtime
 

@@ -556,7 +556,7 @@ class Engine:
             self._unpark(peer)
         route = self._routes.pop(peer)
         what = route.what
-        if what in ("direct", "reduce"):
+        if what in ("direct", "reduce", "reduce-view"):
             self._settle_credit(peer, header, route.charge)
             op = route.op
             assert op is not None and route.recv is not None
@@ -567,7 +567,7 @@ class Engine:
             elif what == "direct":
                 self._apply(op, rkey, route.recv)
             else:
-                self._reduce(op, rkey, route.recv, route.buf, True)
+                self._reduce(op, rkey, route.recv, route.buf, what == "reduce")
         elif what == "float":
             item = _Floating(peer, header, route.buf, route.charge)
             key = header.op_key
@@ -584,6 +584,18 @@ class Engine:
             self._settle_credit(peer, header, route.charge)
         else:
             self._control_message(peer, header, bytes(route.buf))
+
+    def received_view(self, peer: int, header: Header, body: memoryview) -> None:
+        dest = self.body_buffer(peer, header)
+        route = self._routes[peer]
+        if route.what == "reduce" and self._reducer is None:
+            # Reduce straight out of the sender's slot: one pass over the bytes, no copy.
+            self._scratch.put(route.buf)
+            route.what = "reduce-view"
+            route.buf = body
+        elif body.nbytes:
+            dest[:] = body
+        self.received(peer, header, dest)
 
     def _settle_credit(self, peer: int, header: Header, charge: int) -> None:
         if charge:

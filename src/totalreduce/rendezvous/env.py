@@ -67,6 +67,12 @@ _EXTERNAL = (
 )
 
 
+def mpi_launched(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an MPI launcher (Open MPI, MPICH/Hydra, PMIx) started this process."""
+    env = os.environ if environ is None else environ
+    return any(v in env for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
 def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     """Work out rank, size and rendezvous from the environment.
 

@@ -38,6 +38,11 @@ class MessageHandler(Protocol):
     def received(self, peer: int, header: Header, body: memoryview) -> None:
         """A whole message arrived; ``body`` is the buffer returned by body_buffer."""
 
+    def received_view(self, peer: int, header: Header, body: memoryview) -> None:
+        """A whole message whose body stays in the transport's memory (a shared-memory
+        slot).  ``body`` is valid only during the call: reduce or copy it before returning.
+        """
+
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         """The link to ``peer`` ended.  ``orderly`` is True after the peer said goodbye."""
 

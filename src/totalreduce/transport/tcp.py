@@ -8,15 +8,23 @@ sends and receives (a thread per direction costs a GIL hand-off per message: see
 DESIGN.md).  Small messages are batched into one ``sendmsg``; headers are read through a
 staging buffer so that many small messages cost one ``recv``; large bodies are read with
 ``recv_into`` straight into the destination the handler names, with no copy.
+
+Peers on the same host also get a shared-memory ring per direction (:mod:`.shmring`):
+bodies of at least ``_RING_MIN_BYTES`` are copied into the ring and only their header goes
+over the socket, so the kernel copies nothing and the receiver reduces straight out of the
+sender's slot.  The socket still carries every header, which keeps one ordering, one
+wake-up mechanism and one failure detector for both paths.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -24,9 +32,18 @@ from collections.abc import Callable
 from typing import Any
 
 from ..exceptions import AuthenticationError
-from ..rendezvous.auth import client_handshake, server_handshake
-from .base import MessageHandler, Transport
-from .wire import HEADER_SIZE, PROTOCOL_VERSION, Kind, WireError, unpack_header
+from ..rendezvous.auth import client_handshake, recv_exact, server_handshake
+from .base import MessageHandler, Outgoing, Transport
+from .shmring import RingReader, RingWriter, shm_available
+from .wire import (
+    FLAG_RING,
+    HEADER_SIZE,
+    PROTOCOL_VERSION,
+    Kind,
+    WireError,
+    in_ring,
+    unpack_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +51,8 @@ _STAGING = 256 << 10
 _BATCH_BYTES = 256 << 10
 _BATCH_MESSAGES = 64
 _READ_BUDGET = 8 << 20  # bytes read from one link before others get a turn
+_RING_MIN_BYTES = 4096  # smaller bodies ride with their header in one sendmsg
+_RING_RETRY = 0.0005  # poll interval while a ring is full (the reader frees it silently)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -48,7 +67,8 @@ def _tune(sock: socket.socket) -> None:
 
 class _Link:
     __slots__ = ("peer", "sock", "out", "marks", "writing", "staging", "rstart", "rend",
-                 "header", "body", "body_off", "goodbye", "closed")
+                 "header", "body", "body_off", "goodbye", "closed", "ring_out", "ring_in",
+                 "blocked")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
@@ -64,16 +84,24 @@ class _Link:
         self.body_off = 0
         self.goodbye = False
         self.closed = False
+        self.ring_out: RingWriter | None = None
+        self.ring_in: RingReader | None = None
+        self.blocked: Outgoing | None = None  # waiting for room in ring_out
 
 
 class TcpTransport(Transport):
     """See the module docstring.  Build it with :func:`connect_mesh`."""
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
-                 acceptor: _Acceptor | None) -> None:
+                 acceptor: _Acceptor | None,
+                 rings: dict[int, tuple[RingWriter | None, RingReader | None]] | None = None
+                 ) -> None:
         self.rank = rank
         self.size = size
         self._links = {p: _Link(p, s) for p, s in socks.items()}
+        for peer, (ring_out, ring_in) in (rings or {}).items():
+            self._links[peer].ring_out = ring_out
+            self._links[peer].ring_in = ring_in
         self._acceptor = acceptor
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -99,12 +127,22 @@ class TcpTransport(Transport):
             self._wake_w.send(b"\0")
 
     def pending_output(self) -> bool:
-        return any(link.out for link in self._links.values() if not link.closed)
+        return any(link.out or link.blocked for link in self._links.values()
+                   if not link.closed)
+
+    def ring_peers(self) -> list[int]:
+        """Peers whose bodies travel through shared memory (in at least one direction)."""
+        return sorted(p for p, link in self._links.items() if link.ring_out or link.ring_in)
 
     def poll(self, timeout: float | None) -> None:
+        for link in self._links.values():
+            if link.blocked is not None:
+                self._pending.add(link.peer)
         self._flush_pending()
         if self._pending:
             timeout = 0
+        elif any(link.blocked is not None for link in self._links.values()):
+            timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
         for key, mask in self._selector.select(timeout):
             link = key.data
             if link is None:
@@ -135,6 +173,12 @@ class TcpTransport(Transport):
                 link.sock.close()
         with contextlib.suppress(Exception):
             self._selector.close()
+        for link in self._links.values():
+            link.blocked = None
+            for ring in (link.ring_out, link.ring_in):
+                if ring is not None:
+                    ring.close()
+            link.ring_out = link.ring_in = None
         for s in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 s.close()
@@ -151,15 +195,27 @@ class TcpTransport(Transport):
         assert self._handler is not None
         total = 0
         count = 0
+        ring = link.ring_out
         while total < _BATCH_BYTES and count < _BATCH_MESSAGES:
-            msg = self._handler.next_outgoing(link.peer)
+            msg = link.blocked
+            link.blocked = None
             if msg is None:
-                break
-            size = len(msg.header)
-            link.out.append(memoryview(msg.header))
-            if msg.body is not None and msg.body.nbytes:
-                link.out.append(msg.body)
-                size += msg.body.nbytes
+                msg = self._handler.next_outgoing(link.peer)
+                if msg is None:
+                    break
+            header, body = msg.header, msg.body
+            if ring is not None and body is not None and body.nbytes >= _RING_MIN_BYTES \
+                    and ring.fits(body.nbytes):
+                offset = ring.put(body)
+                if offset is None:
+                    link.blocked = msg  # the reader frees room without telling us: poll
+                    break
+                header, body = in_ring(header, offset), None
+            size = len(header)
+            link.out.append(memoryview(header))
+            if body is not None and body.nbytes:
+                link.out.append(body)
+                size += body.nbytes
             link.marks.append([size, msg.token])
             total += size
             count += 1
@@ -260,6 +316,9 @@ class TcpTransport(Transport):
             link.rstart += HEADER_SIZE
             if header.kind == Kind.GOODBYE:
                 link.goodbye = True
+            if header.flags & FLAG_RING:
+                self._ring_deliver(link, header)
+                continue
             link.header = header
             dest = self._handler.body_buffer(link.peer, header)
             if dest.nbytes != header.nbytes:
@@ -272,6 +331,15 @@ class TcpTransport(Transport):
             link.body_off = avail
             if avail == header.nbytes:
                 self._deliver(link)
+
+    def _ring_deliver(self, link: _Link, header: Any) -> None:
+        assert self._handler is not None
+        ring = link.ring_in
+        if ring is None:
+            raise WireError("a ring message arrived on a link without a ring")
+        offset, n = header.ring_offset, header.nbytes
+        self._handler.received_view(link.peer, header, ring.body(offset, n))
+        ring.release(offset, n)
 
     def _deliver(self, link: _Link) -> None:
         assert self._handler is not None and link.body is not None
@@ -294,6 +362,7 @@ class TcpTransport(Transport):
             link.sock.close()
         link.out.clear()
         link.marks.clear()
+        link.blocked = None
         if self._handler is not None:
             self._handler.peer_lost(link.peer, reason, orderly)
 
@@ -416,13 +485,91 @@ def _dial(address: str, secret: bytes, hello: dict[str, Any], expect_rank: int,
         return sock
 
 
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
+    body = json.dumps(obj).encode()
+    sock.sendall(struct.pack("<I", len(body)) + body)
+
+
+def _recv_json(sock: socket.socket) -> dict[str, Any]:
+    (n,) = struct.unpack("<I", recv_exact(sock, 4))
+    if n > 4096:
+        raise AuthenticationError(f"set-up message of {n} bytes is too long")
+    obj = json.loads(recv_exact(sock, n))
+    if not isinstance(obj, dict):
+        raise AuthenticationError("set-up message is not a JSON object")
+    return obj
+
+
+def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
+                 ) -> dict[int, tuple[RingWriter | None, RingReader | None]]:
+    """Set up shared-memory rings with every peer on this host, over the fresh sockets.
+
+    Three rounds, each "send to all, then read from all" so none can deadlock: host
+    identities, ring names, and whether the name could be opened.  The writer unlinks its
+    file after the last round whatever happened, so nothing outlives the set-up in
+    /dev/shm.  A pair that fails any step falls back to the socket, with a warning.
+    """
+    want = ring_bytes if ring_bytes > 0 and shm_available() else 0
+    me = {"host": _host_id(), "ring_bytes": want}
+    for sock in socks.values():
+        _send_json(sock, me)
+    local = [p for p, sock in socks.items() if _recv_json(sock) == me and want]
+    writers: dict[int, RingWriter] = {}
+    readers: dict[int, RingReader] = {}
+    acks: dict[int, bool] = {}
+    try:
+        for peer in local:
+            try:
+                writers[peer] = RingWriter(ring_bytes)
+            except OSError as exc:
+                logger.warning("rank %d: no shared-memory ring to rank %d: %s", rank, peer, exc)
+            _send_json(socks[peer], {"ring": writers[peer].name if peer in writers else ""})
+        for peer in local:
+            name = _recv_json(socks[peer]).get("ring")
+            if name:
+                try:
+                    readers[peer] = RingReader(str(name), ring_bytes)
+                except (OSError, ValueError) as exc:
+                    logger.warning("rank %d: cannot open rank %d's shared-memory ring: %s",
+                                   rank, peer, exc)
+            _send_json(socks[peer], {"ok": peer in readers})
+        for peer in local:
+            acks[peer] = _recv_json(socks[peer]).get("ok") is True
+    except BaseException:
+        for ring in [*writers.values(), *readers.values()]:
+            ring.close()
+        raise
+    finally:
+        for writer in writers.values():
+            writer.unlink()
+    rings: dict[int, tuple[RingWriter | None, RingReader | None]] = {}
+    for peer in local:
+        writer = writers.get(peer)
+        if writer is not None and not acks[peer]:
+            writer.close()
+            writer = None
+        rings[peer] = (writer, readers.get(peer))
+    return rings
+
+
 def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: str,
                  advertise_host: str, publish: Callable[[str], None],
-                 lookup: Callable[[int, float], str], timeout: float) -> TcpTransport:
+                 lookup: Callable[[int, float], str], timeout: float,
+                 ring_bytes: int = 0) -> TcpTransport:
     """Connect this rank to every other rank and return the transport.
 
     ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
-    returns another rank's (both come from the rendezvous store).
+    returns another rank's (both come from the rendezvous store).  Peers on this host get
+    shared-memory rings of ``ring_bytes`` per direction (0: sockets only).
 
     Raises:
         OSError / TimeoutError: a peer could not be reached before ``timeout``.
@@ -442,7 +589,12 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
         for peer, sock in accepted.items():
             _tune(sock)
             socks[peer] = sock
+        for sock in socks.values():
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+        rings = _share_rings(rank, socks, ring_bytes)
+        for sock in socks.values():
+            sock.settimeout(None)
     except BaseException:
         acceptor.stop()
         raise
-    return TcpTransport(rank, size, socks, acceptor)
+    return TcpTransport(rank, size, socks, acceptor, rings)

@@ -19,12 +19,14 @@ import numpy as np
 MAGIC = 0x5452  # "TR"
 PROTOCOL_VERSION = 1
 
-# magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, pad, nbytes, count, credit
+# magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, ring_offset, nbytes, count,
+# credit
 _HEADER = struct.Struct("<HBBBBHQQQIIQQQ")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
 
 FLAG_CREDITED = 1
+FLAG_RING = 2  # the body is in the shared-memory ring at ``ring_offset``, not on the socket
 
 
 class Kind(enum.IntEnum):
@@ -75,6 +77,7 @@ class Header(NamedTuple):
     nbytes: int = 0
     count: int = 0
     credit: int = 0
+    ring_offset: int = 0
 
     @property
     def op_key(self) -> tuple[int, int]:
@@ -82,8 +85,20 @@ class Header(NamedTuple):
 
     def pack(self) -> bytes:
         return _HEADER.pack(MAGIC, self.kind, self.dtype, self.flags, 0, self.step,
-                            self.name_key, self.seq, self.sig, self.piece, 0, self.nbytes,
-                            self.count, self.credit)
+                            self.name_key, self.seq, self.sig, self.piece, self.ring_offset,
+                            self.nbytes, self.count, self.credit)
+
+
+_FLAGS_AT = 4
+_RING_OFFSET_AT = 36
+
+
+def in_ring(header: bytes, offset: int) -> bytes:
+    """A packed header re-marked as having its body in the shared-memory ring."""
+    out = bytearray(header)
+    out[_FLAGS_AT] |= FLAG_RING
+    struct.pack_into("<I", out, _RING_OFFSET_AT, offset)
+    return bytes(out)
 
 
 class WireError(ValueError):
@@ -96,13 +111,14 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
     Raises:
         WireError: bad magic or unknown message kind.
     """
-    (magic, kind, dtype, flags, _pad, step, name_key, seq, sig, piece, _pad2, nbytes, count,
-     credit) = _HEADER.unpack_from(buf)
+    (magic, kind, dtype, flags, _pad, step, name_key, seq, sig, piece, ring_offset, nbytes,
+     count, credit) = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic 0x{magic:04x} in message header")
     if kind not in _KINDS:
         raise WireError(f"unknown message kind {kind}")
-    return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit)
+    return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit,
+                  ring_offset)
 
 
 _KINDS = frozenset(int(k) for k in Kind)

@@ -1,0 +1,245 @@
+"""MPI transport: the engine's messages over mpi4py point-to-point calls.
+
+Used when the job was started by ``mpiexec``/``mpirun`` (or ``TOTALREDUCE_TRANSPORT=mpi``):
+MPI then already knows every rank, so there is no rendezvous store, no listening socket and
+no job secret to set — MPI's own launcher is the trust boundary.
+
+All traffic runs on a private duplicate of ``COMM_WORLD`` so that the application's own MPI
+messages can never match ours.  Each message is a header (tag ``_HEADER_TAG``); a body of
+up to ``_INLINE`` bytes travels in the same MPI message as its header, a bigger one follows
+as a second message (tag ``_BODY_TAG``) received straight into the buffer the handler
+names.  MPI keeps messages of one (source, tag) in order, which is all the pairing needs.
+
+MPI has no call that waits for "a request completed *or* another thread wants attention",
+so :meth:`MpiTransport.poll` tests its requests, spins briefly, then backs off in short
+sleeps that :meth:`wake` cuts short.  Bytes are only ever moved as raw buffers: nothing is
+pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+from .base import MessageHandler, Transport
+from .wire import HEADER_SIZE, unpack_header
+
+_HEADER_TAG = 1
+_BODY_TAG = 2
+_INLINE = 16 << 10
+_MAX_SENDS_PER_PEER = 16  # messages in flight to one peer before we stop pulling
+_SPIN = 50e-6             # keep testing this long before the first sleep
+_MAX_NAP = 1e-3           # longest sleep between tests while idle
+
+
+def import_mpi() -> Any:
+    """Import mpi4py's MPI module with thread support for the progress thread.
+
+    Raises:
+        ImportError: mpi4py is not installed (``pip install "totalreduce[mpi]"``).
+        RuntimeError: MPI was initialized before us without thread support.
+    """
+    try:
+        import mpi4py
+    except ImportError as exc:
+        raise ImportError("TOTALREDUCE_TRANSPORT=mpi needs mpi4py: "
+                          "pip install 'totalreduce[mpi]'") from exc
+    mpi4py.rc.thread_level = "multiple"  # takes effect only if MPI is not yet initialized
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise RuntimeError(
+            "MPI was initialized without thread support (level "
+            f"{MPI.Query_thread()}); totalreduce calls MPI from its progress thread. "
+            "Import totalreduce before mpi4py.MPI, or set mpi4py.rc.thread_level = "
+            "'multiple' before importing it")
+    return MPI
+
+
+class _Send:
+    __slots__ = ("peer", "left", "token", "keep")
+
+    def __init__(self, peer: int, left: int, token: object, keep: tuple[Any, ...]) -> None:
+        self.peer = peer
+        self.left = left
+        self.token = token
+        self.keep = keep  # buffers MPI reads from until the request completes
+
+
+class MpiTransport(Transport):
+    def __init__(self, comm: Any) -> None:
+        self._mpi = import_mpi()
+        self._comm = comm.Dup()
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+        self._handler: MessageHandler | None = None
+        self._event = threading.Event()
+        self._pending: set[int] = set()
+        self._in_flight = dict.fromkeys(range(self.size), 0)
+        self._reqs: list[Any] = []
+        self._what: list[tuple[str, Any]] = []
+        self._hdr_bufs: dict[int, bytearray] = {}
+        self._closed = False
+        self._sends_open = 0
+
+    def start(self, handler: MessageHandler) -> None:
+        self._handler = handler
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._hdr_bufs[peer] = bytearray(HEADER_SIZE + _INLINE)
+                self._post_header(peer)
+
+    def want_send(self, peer: int) -> None:
+        self._pending.add(peer)
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def pending_output(self) -> bool:
+        return self._sends_open > 0
+
+    def poll(self, timeout: float | None) -> None:
+        start = time.monotonic()
+        nap = 5e-6
+        while True:
+            if self._progress() or timeout == 0 or self._closed:
+                return
+            if self._event.is_set():
+                self._event.clear()
+                return
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
+                return
+            if waited < _SPIN:
+                continue
+            nap = min(nap * 2, _MAX_NAP)
+            if timeout is not None:
+                nap = min(nap, timeout - waited)
+            if self._event.wait(nap):
+                self._event.clear()
+                return
+
+    def close(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req, (what, _) in zip(self._reqs, self._what, strict=True):
+            if what != "send":
+                with contextlib.suppress(Exception):
+                    req.Cancel()
+                    req.Wait()
+        self._reqs.clear()
+        self._what.clear()
+
+    # --- internals -----------------------------------------------------------------
+
+    def _post_header(self, peer: int) -> None:
+        buf = self._hdr_bufs[peer]
+        self._reqs.append(self._comm.Irecv([buf, self._mpi.BYTE], source=peer,
+                                           tag=_HEADER_TAG))
+        self._what.append(("header", peer))
+
+    def _progress(self) -> bool:
+        did = self._pull_sends()
+        if not self._reqs:
+            return did
+        try:
+            done = self._mpi.Request.Testsome(self._reqs)
+        except self._mpi.Exception as exc:
+            self._fail_all(f"MPI error: {exc}")
+            return True
+        if not done:
+            return did
+        finished = [(self._reqs[i], self._what[i]) for i in done]
+        keep = set(done)
+        self._reqs = [r for i, r in enumerate(self._reqs) if i not in keep]
+        self._what = [w for i, w in enumerate(self._what) if i not in keep]
+        for _req, (what, data) in finished:
+            if what == "send":
+                self._send_done(data)
+            elif what == "header":
+                self._header_arrived(data)
+            else:
+                peer, header, body = data
+                assert self._handler is not None
+                self._handler.received(peer, header, body)
+                self._post_header(peer)
+        return True
+
+    def _pull_sends(self) -> bool:
+        assert self._handler is not None
+        did = False
+        for peer in list(self._pending):
+            while self._in_flight[peer] < _MAX_SENDS_PER_PEER:
+                msg = self._handler.next_outgoing(peer)
+                if msg is None:
+                    self._pending.discard(peer)
+                    break
+                did = True
+                body = msg.body
+                if body is None or body.nbytes <= _INLINE:
+                    data = msg.header + (bytes(body) if body is not None else b"")
+                    reqs = [self._comm.Isend([data, self._mpi.BYTE], peer, _HEADER_TAG)]
+                    keep: tuple[Any, ...] = (data,)
+                else:
+                    reqs = [self._comm.Isend([msg.header, self._mpi.BYTE], peer, _HEADER_TAG),
+                            self._comm.Isend([body, self._mpi.BYTE], peer, _BODY_TAG)]
+                    keep = (msg.header, body)
+                send = _Send(peer, len(reqs), msg.token, keep)
+                self._in_flight[peer] += 1
+                self._sends_open += 1
+                for req in reqs:
+                    self._reqs.append(req)
+                    self._what.append(("send", send))
+        return did
+
+    def _send_done(self, send: _Send) -> None:
+        send.left -= 1
+        if send.left:
+            return
+        send.keep = ()
+        self._in_flight[send.peer] -= 1
+        self._sends_open -= 1
+        if self._in_flight[send.peer] == _MAX_SENDS_PER_PEER - 1:
+            self._pending.add(send.peer)
+        assert self._handler is not None
+        self._handler.sent(send.peer, send.token)
+
+    def _header_arrived(self, peer: int) -> None:
+        assert self._handler is not None
+        buf = self._hdr_bufs[peer]
+        header = unpack_header(buf)
+        n = header.nbytes
+        dest = self._handler.body_buffer(peer, header)
+        if n <= _INLINE:
+            if n:
+                dest[:] = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + n]
+            self._handler.received(peer, header, dest)
+            self._post_header(peer)
+            return
+        self._reqs.append(self._comm.Irecv([dest, self._mpi.BYTE], source=peer,
+                                           tag=_BODY_TAG))
+        self._what.append(("body", (peer, header, dest)))
+
+    def _fail_all(self, reason: str) -> None:
+        self._closed = True
+        assert self._handler is not None
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._handler.peer_lost(peer, reason, orderly=False)
+
+
+def mpi_world() -> tuple[Any, int, int]:
+    """COMM_WORLD plus this rank's (local rank, local size) among ranks on its node."""
+    MPI = import_mpi()
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        return world, node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
