@@ -10,6 +10,7 @@ import pytest
 
 from totalreduce.engine.algorithms import (
     chain_broadcast,
+    doubling_allreduce,
     pairwise_alltoallv,
     ring_allgatherv,
     ring_allreduce,
@@ -20,29 +21,57 @@ from totalreduce.engine.schedule import COPY, Schedule, even_bounds
 
 def simulate(schedules: list[Schedule], works: list[np.ndarray],
              sources: list[np.ndarray] | None = None, seed: int = 0) -> None:
-    """Deliver every message in a random order, honouring only the unlock rules."""
+    """Run every rank's step machine with adversarial timing.
+
+    A queued send reads its buffer only when it "leaves", at a random later moment, and
+    messages arrive in a random order, honouring only the unlock rules and ``Recv.after``
+    (a reduce waits until the named sends have left, as the engine holds it).  A schedule
+    that overwrote a region before its send of that region had left would compute garbage
+    here.
+    """
     n = len(schedules)
     rng = random.Random(seed)
-    inflight: list[tuple[int, object]] = []
+    queued: list[tuple[int, object]] = []
     for r, s in enumerate(schedules):
-        inflight += [(r, send) for send in s.first]
+        queued += [(r, send) for send in s.first]
+    inflight: list[tuple[int, object, np.ndarray]] = []
     got = [set() for _ in range(n)]
-    while inflight:
-        src, send = inflight.pop(rng.randrange(len(inflight)))
-        buf = (sources[src] if send.from_source else works[src])[send.lo:send.hi].copy()
+    left = [set() for _ in range(n)]
+    held: list[list[tuple[object, np.ndarray]]] = [[] for _ in range(n)]
+
+    def apply(dst: int, recv, buf: np.ndarray) -> None:
+        if recv.mode == COPY:
+            works[dst][recv.lo:recv.hi] = buf
+        else:
+            works[dst][recv.lo:recv.hi] += buf
+        queued.extend((dst, s) for s in recv.then)
+
+    while queued or inflight:
+        if queued and (not inflight or rng.random() < 0.5):
+            src, send = queued.pop(rng.randrange(len(queued)))
+            buf = (sources[src] if send.from_source else works[src])[send.lo:send.hi].copy()
+            inflight.append((src, send, buf))
+            left[src].add((send.peer, send.step, send.piece))
+            for item in list(held[src]):
+                if set(item[0].after) <= left[src]:
+                    held[src].remove(item)
+                    apply(src, *item)
+            continue
+        src, send, buf = inflight.pop(rng.randrange(len(inflight)))
         dst = send.peer
         key = (src, send.step, send.piece)
         recv = schedules[dst].recvs[key]
         assert key not in got[dst], f"duplicate {key}"
         got[dst].add(key)
         assert recv.hi - recv.lo == buf.size
-        if recv.mode == COPY:
-            works[dst][recv.lo:recv.hi] = buf
+        assert not recv.after or recv.mode != COPY, "only reduces may wait for sends"
+        if set(recv.after) <= left[dst]:
+            apply(dst, recv, buf)
         else:
-            works[dst][recv.lo:recv.hi] += buf
-        inflight += [(dst, s) for s in recv.then]
+            held[dst].append((recv, buf))
     for r in range(n):
         assert got[r] == set(schedules[r].recvs), f"rank {r} missed messages"
+        assert not held[r], f"rank {r} still holds reduces"
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -55,6 +84,25 @@ def test_ring_allreduce(n: int, count: int, seg: int) -> None:
     simulate([ring_allreduce(r, n, count, seg) for r in range(n)], works, seed=count)
     for w in works:
         assert np.array_equal(w, sum(inputs))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("count", [0, 1, 7])
+@pytest.mark.parametrize("seed", range(5))
+def test_doubling_allreduce(n: int, count: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(0, 100, count) for _ in range(n)]
+    works = [x.copy() for x in inputs]
+    simulate([doubling_allreduce(r, n, count) for r in range(n)], works, seed=seed)
+    for w in works:
+        assert np.array_equal(w, sum(inputs))
+
+
+def test_doubling_takes_log_n_steps() -> None:
+    # 8 ranks: 3 exchanges, each rank sends 3 messages; 6 ranks: folds add 2 steps.
+    s = doubling_allreduce(5, 8, 10)
+    assert len(s.first) == 1 and sorted(k[1] for k in s.recvs) == [1, 2, 3]
+    assert sorted(k[1] for k in doubling_allreduce(0, 6, 10).recvs) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -106,3 +154,21 @@ def test_ring_sends_two_n_minus_one_over_n_of_the_buffer() -> None:
         x.hi - x.lo for r in s.recvs.values() for x in r.then)
     assert sent == 2 * (n - 1) * count // n
     assert deque(s.expected_from().keys()) == deque([n - 1])
+
+
+def test_simulator_catches_a_reduce_that_does_not_wait_for_its_send() -> None:
+    # The same schedules without Recv.after: some timing reduces into the buffer before
+    # the partner's copy left, and the sums come out wrong.
+    import dataclasses
+
+    def strip(s: Schedule) -> Schedule:
+        return dataclasses.replace(s, recvs={k: dataclasses.replace(r, after=())
+                                             for k, r in s.recvs.items()})
+
+    wrong = 0
+    for seed in range(20):
+        inputs = [np.arange(5) + 10 * r for r in range(4)]
+        works = [x.copy() for x in inputs]
+        simulate([strip(doubling_allreduce(r, 4, 5)) for r in range(4)], works, seed=seed)
+        wrong += any(not np.array_equal(w, sum(inputs)) for w in works)
+    assert wrong > 0

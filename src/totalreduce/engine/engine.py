@@ -59,7 +59,7 @@ class _Op:
 
     __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
                  "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
-                 "source_bytes", "itemsize")
+                 "source_bytes", "itemsize", "left", "held")
 
     def __init__(self, spec: OpSpec, future: OpFuture) -> None:
         self.spec = spec
@@ -76,6 +76,8 @@ class _Op:
         self.itemsize = spec.work.itemsize
         self.work_bytes = _bytes_view(spec.work)
         self.source_bytes = _bytes_view(spec.source)
+        self.left: set[tuple[int, int, int]] = set()  # sends gone: (peer, step, piece)
+        self.held: list[tuple[tuple[int, int, int], Recv, Any, bool]] = []
 
     def region(self, lo: int, hi: int, from_source: bool = False) -> memoryview:
         view = self.source_bytes if from_source else self.work_bytes
@@ -443,6 +445,12 @@ class Engine:
         if isinstance(token, _Msg) and not token.op.finished:
             op = token.op
             op.sends_left -= 1
+            send = token.send
+            op.left.add((send.peer, send.step, send.piece))
+            if op.held:
+                held, op.held = op.held, []
+                for item in held:
+                    self._reduce(op, *item)
             self._check_done(op)
 
     def _unpark(self, peer: int, key: OpKey | None = None) -> None:
@@ -617,6 +625,12 @@ class Engine:
     def _reduce(self, op: _Op, rkey: tuple[int, int, int], recv: Recv, buf: bytearray,
                 pooled: bool) -> None:
         op.got.add(rkey)
+        if recv.after and not op.left.issuperset(recv.after):
+            # This body would overwrite bytes that a send of ours has yet to read.
+            if isinstance(buf, memoryview):
+                buf = bytearray(buf)  # a ring slot is only ours during this call
+            op.held.append((rkey, recv, buf, pooled))
+            return
         spec = op.spec
         assert spec.ufunc is not None
         dest = spec.work[recv.lo:recv.hi]

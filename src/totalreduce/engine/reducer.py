@@ -23,7 +23,10 @@ def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any) -> None:
     if dest.size == 0:
         return
     src = np.frombuffer(incoming, dtype=dest.dtype, count=dest.size)
-    ufunc(dest, src, out=dest)
+    # Overflow to inf or a wrapped integer is the defined result (as in MPI), not an error
+    # to print from a background thread.
+    with np.errstate(all="ignore"):
+        ufunc(dest, src, out=dest)
 
 
 class ScratchPool:

@@ -35,6 +35,9 @@ class Recv:
     mode: int
     final: bool
     then: tuple[Send, ...]
+    # Sends, as (peer, step, piece), that must have left before this body is reduced in:
+    # they read the region it writes.  Only REDUCE receives may name any.
+    after: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ import numpy as np
 from ..config import Config
 from ..engine.algorithms import (
     chain_broadcast,
+    doubling_allreduce,
     pairwise_alltoallv,
     ring_allgatherv,
     ring_allreduce,
@@ -132,7 +133,11 @@ class SelfGuided:
 
     def _submit_reduce(self, ident: _Ident, view: dict[str, Any], dtype: np.dtype,
                        work: np.ndarray, rop: ReduceOp, priority: int) -> OpFuture:
-        schedule = ring_allreduce(self.rank, self.size, work.size, self._seg(dtype))
+        if work.nbytes <= self._config.small_bytes:
+            view = dict(view, algorithm="doubling")
+            schedule = doubling_allreduce(self.rank, self.size, work.size)
+        else:
+            schedule = ring_allreduce(self.rank, self.size, work.size, self._seg(dtype))
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, dtype, work.size, schedule, work, priority,
                           ufunc=UFUNCS[rop], finalize=finalize)

@@ -52,6 +52,7 @@ _BATCH_BYTES = 256 << 10
 _BATCH_MESSAGES = 64
 _READ_BUDGET = 8 << 20  # bytes read from one link before others get a turn
 _RING_MIN_BYTES = 4096  # smaller bodies ride with their header in one sendmsg
+_SPIN = 50e-6  # busy-poll this long before a blocking select (see poll)
 _RING_RETRY = 0.0005  # poll interval while a ring is full (the reader frees it silently)
 
 
@@ -143,7 +144,16 @@ class TcpTransport(Transport):
             timeout = 0
         elif any(link.blocked is not None for link in self._links.values()):
             timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
-        for key, mask in self._selector.select(timeout):
+        events = self._selector.select(0)
+        if not events and timeout != 0:
+            # Spin briefly before sleeping: a blocked select() costs a scheduler wake-up
+            # (tens of us on a loaded host) on every hop of a small op's critical path.
+            spin_until = time.monotonic() + _SPIN
+            while not events and time.monotonic() < spin_until and not self._pending:
+                events = self._selector.select(0)
+            if not events:
+                events = self._selector.select(timeout)
+        for key, mask in events:
             link = key.data
             if link is None:
                 with contextlib.suppress(OSError):

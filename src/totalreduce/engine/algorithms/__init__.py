@@ -4,8 +4,9 @@ Schedules depend only on (rank, size, block sizes, segment size), so they are ca
 """
 
 from .chain import chain_broadcast
+from .doubling import doubling_allreduce
 from .pairwise import pairwise_alltoallv
 from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
 
-__all__ = ["chain_broadcast", "pairwise_alltoallv", "ring_allgatherv", "ring_allreduce",
-           "ring_reducescatter"]
+__all__ = ["chain_broadcast", "doubling_allreduce", "pairwise_alltoallv", "ring_allgatherv",
+           "ring_allreduce", "ring_reducescatter"]
