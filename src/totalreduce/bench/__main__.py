@@ -1,0 +1,184 @@
+"""``python -m totalreduce.bench {collectives,replay,skew,preempt}``: side-by-side numbers.
+
+Each subcommand launches one job per (backend, world size) — totalreduce's under
+``totalrun`` or ``mpiexec``, MPI's under ``mpiexec``, gloo's under ``totalrun`` — with the
+backends interleaved round by round (``--rounds``) so that a noisy host slows them alike,
+then merges the ranks' raw timings and prints a table.  Ratios are always against
+``mpi`` (mpi4py's own collective) measured in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .report import plot, print_table, summarize
+
+BACKENDS = ("totalreduce-shm", "totalreduce-tcp", "totalreduce-mpi", "mpi", "gloo")
+OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+DEFAULT_SIZES = ("4", "64", "1K", "16K", "256K", "1M", "4M", "16M", "64M", "256M")
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _mpiexec() -> str | None:
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot run here, or None."""
+    if backend in ("mpi", "totalreduce-mpi") and _mpiexec() is None:
+        return "needs mpi4py and mpiexec: pip install 'totalreduce[mpi]'"
+    if backend == "gloo" and importlib.util.find_spec("torch") is None:
+        return "needs torch: pip install torch==2.13.0"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Run one job; return every rank's output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOTALREDUCE_")}
+    worker = [sys.executable, "-m", "totalreduce.bench.worker",
+              json.dumps(dict(cfg, backend=backend))]
+    if backend in ("mpi", "totalreduce-mpi"):
+        launcher = [_mpiexec() or "mpiexec", "-n", str(n)]
+        env["TOTALREDUCE_TRANSPORT"] = "mpi"
+    else:
+        launcher = [sys.executable, "-m", "totalreduce.run", "-np", str(n)]
+        env["TOTALREDUCE_TRANSPORT"] = "tcp"
+        if backend == "totalreduce-tcp":
+            env["TOTALREDUCE_SHM_BYTES"] = "0"
+        if backend == "gloo":
+            env["BENCH_GLOO_INIT"] = f"tcp://127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory(prefix="trbench-") as tmp:
+        out = os.path.join(tmp, "out")
+        proc = subprocess.run([*launcher, *worker, out], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{backend} at {n} ranks failed (exit {proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        ranks = []
+        for r in range(n):
+            with open(f"{out}.{r}") as f:
+                ranks.append(json.load(f))
+        return ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m totalreduce.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="test", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-n", "--ranks", default="2", help="world sizes, e.g. 2,4")
+    common.add_argument("--backends", default=",".join(BACKENDS))
+    common.add_argument("--rounds", type=int, default=1,
+                        help="repeat every job this many times, interleaved")
+    common.add_argument("--json", metavar="FILE", help="write raw and summary results")
+    common.add_argument("--plot", metavar="FILE.png", help="draw a chart with matplotlib")
+    common.add_argument("--timeout", type=float, default=1800)
+    p = sub.add_parser("collectives", parents=[common], help="op x size x ranks x backend")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
+                   help="message sizes in bytes (K/M suffixes)")
+    p.add_argument("--reps-scale", type=float, default=1.0,
+                   help="multiply the per-size repetition counts")
+    p = sub.add_parser("replay", parents=[common], help="one iteration of real gradients")
+    p.add_argument("--models", default="resnet50,bert-base")
+    p.add_argument("--buckets-mb", default="4,25", help="bucket sizes for grouped mode")
+    p.add_argument("--reps", type=int, default=10)
+    p = sub.add_parser("skew", parents=[common], help="ranks ready at random times")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--max-delay", type=float, default=0.05, help="seconds")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("preempt", parents=[common], help="small op during a big one")
+    p.add_argument("--big", default="64M")
+    p.add_argument("--small", default="1K")
+    p.add_argument("--delay", type=float, default=0.002, help="seconds after the big op")
+    p.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+
+    cfg: dict[str, Any] = {"test": args.test}
+    if args.test == "collectives":
+        cfg.update(ops=args.ops.split(","), reps_scale=args.reps_scale,
+                   sizes=[parse_size(s) for s in args.sizes.split(",")])
+    elif args.test == "replay":
+        cfg.update(models=args.models.split(","), reps=args.reps,
+                   buckets_mb=[int(b) for b in args.buckets_mb.split(",")])
+    elif args.test == "skew":
+        cfg.update(model=args.model, max_delay=args.max_delay, reps=args.reps,
+                   seed=args.seed)
+    else:
+        cfg.update(big_bytes=parse_size(args.big), small_bytes=parse_size(args.small),
+                   delay=args.delay, reps=args.reps)
+
+    backends = []
+    for b in args.backends.split(","):
+        if b not in BACKENDS:
+            ap.error(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+        why = unavailable(b)
+        if why:
+            print(f"skipping {b}: {why}", file=sys.stderr)
+        else:
+            backends.append(b)
+    sizes = [int(n) for n in args.ranks.split(",")]
+    jobs = [(r, n, b) for r in range(args.rounds) for n in sizes for b in backends]
+
+    from tqdm import tqdm
+
+    raw: list[dict[str, Any]] = []
+    for rnd, n, backend in tqdm(jobs, desc=args.test, unit="job", file=sys.stderr):
+        ranks = run_job(backend, n, cfg, args.timeout)
+        raw.append({"round": rnd, "backend": backend, "ranks": n, "per_rank": ranks})
+    summary = summarize(args.test, raw)
+    print_table(args.test, summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "machine": _machine(), "summary": summary, "raw": raw},
+                      f, indent=1)
+    if args.plot:
+        plot(args.test, summary, args.plot)
+    return 0
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                            "platform": platform.platform()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

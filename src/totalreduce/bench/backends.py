@@ -1,0 +1,306 @@
+"""The libraries under test, behind one small interface, as seen from inside one rank.
+
+``totalreduce-*`` backends use totalreduce's public API; ``mpi`` is mpi4py's native
+collectives (MPICH's own algorithms, shared memory included) and ``gloo`` is
+``torch.distributed`` with the gloo backend.  Every call is in place or into a buffer
+allocated once, except where totalreduce's API itself returns a new array.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+Step = Callable[[], None]
+
+
+class Backend:
+    name = ""
+    rank = 0
+    size = 1
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def collective(self, op: str, count: int) -> Step:
+        """A closure running one ``op`` on preallocated float32 buffers of ``count``."""
+        raise NotImplementedError
+
+    def replay_modes(self, grads: list[np.ndarray], flat: np.ndarray,
+                     bucket_bytes: int) -> dict[str, Step]:
+        """One iteration's gradient reduction, per mode.  ``grads`` are views of ``flat``,
+        listed in the order backward produces them."""
+        raise NotImplementedError
+
+    def submit_when_ready(self, grads: list[np.ndarray], order: list[int],
+                          ready: list[float], t0: float) -> None:
+        """Skew: reduce each gradient as soon as this rank has it (``ready[i]`` seconds
+        after ``t0``), in this rank's own order; return when all are reduced."""
+        raise NotImplementedError
+
+    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+                priorities: bool) -> float:
+        """Latency (s) of ``small``'s allreduce, issued ``delay`` s after ``big``'s."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _sleep_until(t: float) -> None:
+    import time
+
+    left = t - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+class TotalReduceBackend(Backend):
+    def __init__(self, name: str) -> None:
+        import totalreduce as tr
+
+        self.name = name
+        self.tr = tr
+        tr.init()
+        self.rank, self.size = tr.rank(), tr.size()
+
+    def barrier(self) -> None:
+        self.tr.barrier()
+
+    def collective(self, op: str, count: int) -> Step:
+        tr = self.tr
+        x = np.ones(count, np.float32)
+        if op == "allreduce":
+            return lambda: tr.allreduce_(x, op=tr.Sum, name="bench")
+        if op == "allgather":
+            part = x[: count // self.size]
+            return lambda: tr.allgather(part, name="bench")
+        if op == "broadcast":
+            return lambda: tr.broadcast_(x, root_rank=0, name="bench")
+        if op == "alltoall":
+            return lambda: tr.alltoall(x, name="bench")
+        if op == "reducescatter":
+            return lambda: tr.reducescatter(x, op=tr.Sum, name="bench")
+        raise ValueError(op)
+
+    def replay_modes(self, grads: list[np.ndarray], flat: np.ndarray,
+                     bucket_bytes: int) -> dict[str, Step]:
+        tr = self.tr
+        names = [f"grad.{i}" for i in range(len(grads))]
+        buckets: list[list[int]] = [[]]
+        filled = 0
+        for i, g in enumerate(grads):
+            if filled and filled + g.nbytes > bucket_bytes:
+                buckets.append([])
+                filled = 0
+            buckets[-1].append(i)
+            filled += g.nbytes
+
+        def per_tensor() -> None:
+            handles = [tr.allreduce_async_(g, op=tr.Sum, name=n)
+                       for g, n in zip(grads, names, strict=True)]
+            for h in handles:
+                h.wait()
+
+        def grouped() -> None:
+            handles = [tr.grouped_allreduce_async_([grads[i] for i in b], op=tr.Sum,
+                                                   name=f"bucket.{k}")
+                       for k, b in enumerate(buckets)]
+            for h in handles:
+                h.wait()
+
+        def one_flat() -> None:
+            tr.allreduce_(flat, op=tr.Sum, name="flat")
+
+        return {"per-tensor": per_tensor, f"grouped {bucket_bytes >> 20}MB": grouped,
+                "flat": one_flat}
+
+    def submit_when_ready(self, grads: list[np.ndarray], order: list[int],
+                          ready: list[float], t0: float) -> None:
+        tr = self.tr
+        handles = []
+        for i in order:
+            _sleep_until(t0 + ready[i])
+            handles.append(tr.allreduce_async_(grads[i], op=tr.Sum, name=f"grad.{i}"))
+        for h in handles:
+            h.wait()
+
+    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+                priorities: bool) -> float:
+        import time
+
+        tr = self.tr
+        hbig = tr.allreduce_async_(big, op=tr.Sum, name="big", priority=0)
+        time.sleep(delay)
+        t = time.perf_counter()
+        tr.allreduce_(small, op=tr.Sum, name="small", priority=10 if priorities else 0)
+        latency = time.perf_counter() - t
+        hbig.wait()
+        return latency
+
+    def close(self) -> None:
+        self.tr.shutdown()
+
+
+class MpiBackend(Backend):
+    name = "mpi"
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def collective(self, op: str, count: int) -> Step:
+        MPI, comm, n = self.MPI, self.comm, self.size
+        x = np.ones(count, np.float32)
+        if op == "allreduce":
+            return lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+        if op == "allgather":
+            part, out = x[: count // n], np.empty(count // n * n, np.float32)
+            return lambda: comm.Allgather(part, out)
+        if op == "broadcast":
+            return lambda: comm.Bcast(x, root=0)
+        if op == "alltoall":
+            y = x[: count // n * n]
+            out = np.empty_like(y)
+            return lambda: comm.Alltoall(y, out)
+        if op == "reducescatter":
+            y = x[: count // n * n]
+            out = np.empty(count // n, np.float32)
+            return lambda: comm.Reduce_scatter_block(y, out, MPI.SUM)
+        raise ValueError(op)
+
+    def replay_modes(self, grads: list[np.ndarray], flat: np.ndarray,
+                     bucket_bytes: int) -> dict[str, Step]:
+        MPI, comm = self.MPI, self.comm
+
+        def per_tensor() -> None:
+            reqs = [comm.Iallreduce(MPI.IN_PLACE, g, MPI.SUM) for g in grads]
+            MPI.Request.Waitall(reqs)
+
+        def one_flat() -> None:
+            comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+
+        return {"per-tensor": per_tensor, "flat": one_flat}
+
+    def submit_when_ready(self, grads: list[np.ndarray], order: list[int],
+                          ready: list[float], t0: float) -> None:
+        # MPI collectives must be issued in the same order everywhere: take the tensors in
+        # backward order, each once this rank has it (a rank's own order cannot be used).
+        MPI, comm = self.MPI, self.comm
+        reqs = []
+        for i in range(len(grads)):
+            _sleep_until(t0 + ready[i])
+            reqs.append(comm.Iallreduce(MPI.IN_PLACE, grads[i], MPI.SUM))
+        MPI.Request.Waitall(reqs)
+
+    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+                priorities: bool) -> float:
+        import time
+
+        MPI, comm = self.MPI, self.comm
+        rbig = comm.Iallreduce(MPI.IN_PLACE, big, MPI.SUM)
+        time.sleep(delay)
+        t = time.perf_counter()
+        comm.Iallreduce(MPI.IN_PLACE, small, MPI.SUM).Wait()
+        latency = time.perf_counter() - t
+        rbig.Wait()
+        return latency
+
+
+class GlooBackend(Backend):
+    name = "gloo"
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch = torch
+        self.dist = dist
+        rank = int(os.environ["TOTALREDUCE_RANK"])
+        size = int(os.environ["TOTALREDUCE_SIZE"])
+        dist.init_process_group("gloo", init_method=os.environ["BENCH_GLOO_INIT"],
+                                rank=rank, world_size=size)
+        self.rank, self.size = rank, size
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def collective(self, op: str, count: int) -> Step:
+        torch, dist, n = self.torch, self.dist, self.size
+        x = torch.ones(count, dtype=torch.float32)
+        if op == "allreduce":
+            return lambda: dist.all_reduce(x)
+        if op == "allgather":
+            part, out = x[: count // n], torch.empty(count // n * n)
+            return lambda: dist.all_gather_into_tensor(out, part)
+        if op == "broadcast":
+            return lambda: dist.broadcast(x, src=0)
+        if op == "alltoall":
+            y = x[: count // n * n]
+            out = torch.empty_like(y)
+            return lambda: dist.all_to_all_single(out, y)
+        if op == "reducescatter":
+            y = x[: count // n * n]
+            out = torch.empty(count // n)
+            return lambda: dist.reduce_scatter_tensor(out, y)
+        raise ValueError(op)
+
+    def replay_modes(self, grads: list[np.ndarray], flat: np.ndarray,
+                     bucket_bytes: int) -> dict[str, Step]:
+        torch, dist = self.torch, self.dist
+        tensors = [torch.from_numpy(g) for g in grads]
+        tflat = torch.from_numpy(flat)
+
+        def per_tensor() -> None:
+            works = [dist.all_reduce(t, async_op=True) for t in tensors]
+            for w in works:
+                w.wait()
+
+        def one_flat() -> None:
+            dist.all_reduce(tflat)
+
+        return {"per-tensor": per_tensor, "flat": one_flat}
+
+    def submit_when_ready(self, grads: list[np.ndarray], order: list[int],
+                          ready: list[float], t0: float) -> None:
+        torch, dist = self.torch, self.dist
+        works = []
+        for i in range(len(grads)):  # like MPI: one common order
+            _sleep_until(t0 + ready[i])
+            works.append(dist.all_reduce(torch.from_numpy(grads[i]), async_op=True))
+        for w in works:
+            w.wait()
+
+    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+                priorities: bool) -> float:
+        import time
+
+        torch, dist = self.torch, self.dist
+        wbig = dist.all_reduce(torch.from_numpy(big), async_op=True)
+        time.sleep(delay)
+        t = time.perf_counter()
+        dist.all_reduce(torch.from_numpy(small))
+        latency = time.perf_counter() - t
+        wbig.wait()
+        return latency
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def make_backend(name: str) -> Backend:
+    if name.startswith("totalreduce"):
+        return TotalReduceBackend(name)
+    if name == "mpi":
+        return MpiBackend()
+    if name == "gloo":
+        return GlooBackend()
+    raise ValueError(f"unknown backend {name!r}")

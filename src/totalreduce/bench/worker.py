@@ -1,0 +1,145 @@
+"""One rank of a benchmark job: ``python -m totalreduce.bench.worker CONFIG OUT``.
+
+Runs the measurements CONFIG (JSON) asks for with one backend and writes this rank's raw
+timings to ``OUT.<rank>`` as JSON; the parent process merges the ranks.  Every timed call
+starts right after a barrier, so per-rank times line up rep by rep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .backends import Backend, make_backend
+from .models import MODELS
+
+
+def element_count(op: str, nbytes: int, size: int) -> int:
+    count = max(1, nbytes // 4)
+    if op in ("allgather", "alltoall", "reducescatter"):
+        count = max(size, count // size * size)
+    return count
+
+
+def reps_for(nbytes: int, scale: float) -> int:
+    base = 200 if nbytes <= 64 << 10 else 50 if nbytes <= 1 << 20 else \
+        20 if nbytes <= 16 << 20 else 8
+    return max(3, int(base * scale))
+
+
+def _timed(backend: Backend, step: Any, reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        backend.barrier()
+        step()
+    times = []
+    for _ in range(reps):
+        backend.barrier()
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _grads(model: str) -> tuple[list[np.ndarray], np.ndarray]:
+    shapes = MODELS[model]()
+    total = sum(math.prod(s) for s in shapes)
+    flat = np.full(total, 1e-3, np.float32)
+    grads, offset = [], 0
+    for shape in reversed(shapes):  # backward order, as views of one flat buffer
+        n = math.prod(shape)
+        grads.append(flat[offset:offset + n].reshape(shape))
+        offset += n
+    return grads, flat
+
+
+def collectives(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for op in cfg["ops"]:
+        for nbytes in cfg["sizes"]:
+            count = element_count(op, nbytes, b.size)
+            try:
+                step = b.collective(op, count)
+                times = _timed(b, step, reps_for(nbytes, cfg["reps_scale"]))
+            except (NotImplementedError, RuntimeError, ValueError) as exc:
+                if b.name != "gloo":  # only gloo lacks ops; elsewhere it is a bug
+                    raise
+                out.append({"op": op, "bytes": nbytes, "count": count,
+                            "unsupported": str(exc).splitlines()[0][:200]})
+                continue
+            out.append({"op": op, "bytes": nbytes, "count": count, "times": times})
+    return out
+
+
+def replay(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for model in cfg["models"]:
+        grads, flat = _grads(model)
+        for bucket_mb in cfg["buckets_mb"]:
+            modes = b.replay_modes(grads, flat, bucket_mb << 20)
+            for mode, step in modes.items():
+                if any(r["model"] == model and r["mode"] == mode for r in out):
+                    continue  # per-tensor and flat do not depend on the bucket size
+                times = _timed(b, step, cfg["reps"], warmup=1)
+                out.append({"model": model, "mode": mode, "times": times})
+        del grads, flat
+    return out
+
+
+def skew(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    grads, flat = _grads(cfg["model"])
+    out = []
+    for rep in range(cfg["reps"] + 1):
+        rng = np.random.default_rng([cfg["seed"], rep, b.rank])
+        ready = (rng.random(len(grads)) * cfg["max_delay"]).tolist()
+        order = sorted(range(len(grads)), key=ready.__getitem__)
+        b.barrier()
+        t0 = time.perf_counter()
+        b.submit_when_ready(grads, order, ready, t0)
+        elapsed = time.perf_counter() - t0
+        if rep:  # the first is a warm-up
+            out.append({"elapsed": elapsed, "last_ready": max(ready)})
+    flat_times = _timed(b, b.replay_modes(grads, flat, 1 << 30)["flat"], cfg["reps"], 1)
+    return [{"model": cfg["model"], "iterations": out, "flat_times": flat_times}]
+
+
+def preempt(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    big = np.ones(cfg["big_bytes"] // 4, np.float32)
+    small = np.ones(max(1, cfg["small_bytes"] // 4), np.float32)
+    out = []
+    modes = [True, False] if b.name.startswith("totalreduce") else [False]
+    alone = _timed(b, b.collective("allreduce", small.size), cfg["reps"])
+    out.append({"mode": "small alone", "times": alone})
+    for prio in modes:
+        times = []
+        for _ in range(cfg["reps"]):
+            b.barrier()
+            times.append(b.preempt(big, small, cfg["delay"], prio))
+        label = "during big, priority on" if prio else (
+            "during big, priority off" if b.name.startswith("totalreduce")
+            else "during big (no priorities)")
+        out.append({"mode": label, "times": times})
+    return out
+
+
+TESTS = {"collectives": collectives, "replay": replay, "skew": skew, "preempt": preempt}
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    out_path = sys.argv[2]
+    backend = make_backend(cfg["backend"])
+    try:
+        results = TESTS[cfg["test"]](backend, cfg)
+        with open(f"{out_path}.{backend.rank}", "w") as f:
+            json.dump({"rank": backend.rank, "size": backend.size, "results": results}, f)
+    finally:
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()
