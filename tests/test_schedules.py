@@ -89,20 +89,21 @@ def test_ring_allreduce(n: int, count: int, seg: int) -> None:
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("count", [0, 1, 7])
 @pytest.mark.parametrize("seed", range(5))
-def test_doubling_allreduce(n: int, count: int, seed: int) -> None:
+@pytest.mark.parametrize("seg", [1, 3, 100])
+def test_doubling_allreduce(n: int, count: int, seed: int, seg: int) -> None:
     rng = np.random.default_rng(seed)
     inputs = [rng.integers(0, 100, count) for _ in range(n)]
     works = [x.copy() for x in inputs]
-    simulate([doubling_allreduce(r, n, count) for r in range(n)], works, seed=seed)
+    simulate([doubling_allreduce(r, n, count, seg) for r in range(n)], works, seed=seed)
     for w in works:
         assert np.array_equal(w, sum(inputs))
 
 
 def test_doubling_takes_log_n_steps() -> None:
     # 8 ranks: 3 exchanges, each rank sends 3 messages; 6 ranks: folds add 2 steps.
-    s = doubling_allreduce(5, 8, 10)
+    s = doubling_allreduce(5, 8, 10, 100)
     assert len(s.first) == 1 and sorted(k[1] for k in s.recvs) == [1, 2, 3]
-    assert sorted(k[1] for k in doubling_allreduce(0, 6, 10).recvs) == [0, 1, 2]
+    assert sorted(k[1] for k in doubling_allreduce(0, 6, 10, 100).recvs) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -169,6 +170,6 @@ def test_simulator_catches_a_reduce_that_does_not_wait_for_its_send() -> None:
     for seed in range(20):
         inputs = [np.arange(5) + 10 * r for r in range(4)]
         works = [x.copy() for x in inputs]
-        simulate([strip(doubling_allreduce(r, 4, 5)) for r in range(4)], works, seed=seed)
+        simulate([strip(doubling_allreduce(r, 4, 5, 2)) for r in range(4)], works, seed=seed)
         wrong += any(not np.array_equal(w, sum(inputs)) for w in works)
     assert wrong > 0

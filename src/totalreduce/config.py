@@ -19,8 +19,9 @@ TOTALREDUCE_CONNECT_TIMEOUT        seconds to rendezvous and connect all peers  
 TOTALREDUCE_SHUTDOWN_TIMEOUT       seconds shutdown() waits for peers to say bye   10
 TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's    1.0
                                    view of a mismatched op before raising
-TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        64 KiB
-                                   doubling (fewer hops), bigger ones the ring
+TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
+                                   doubling (fewer hops), bigger ones the ring;
+                                   -1 = auto: every size at 2 ranks, else 64 KiB
 TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI    auto
                                    launcher and mpi4py imports, else tcp)
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    8 MiB
@@ -54,7 +55,7 @@ class Config:
     connect_timeout: float = 60.0
     shutdown_timeout: float = 10.0
     mismatch_grace: float = 1.0
-    small_bytes: int = 64 << 10
+    small_bytes: int = -1
     transport: str = "auto"
     shm_bytes: int = 8 << 20
 

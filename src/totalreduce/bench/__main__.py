@@ -58,9 +58,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float,
+            settings: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Run one job; return every rank's output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOTALREDUCE_")}
+    env.update(settings or {})
     worker = [sys.executable, "-m", "totalreduce.bench.worker",
               json.dumps(dict(cfg, backend=backend))]
     if backend in ("mpi", "totalreduce-mpi"):
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--json", metavar="FILE", help="write raw and summary results")
     common.add_argument("--plot", metavar="FILE.png", help="draw a chart with matplotlib")
     common.add_argument("--timeout", type=float, default=1800)
+    common.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a TOTALREDUCE_* setting for the totalreduce jobs, e.g. "
+                        "--set SMALL_BYTES=0 (repeatable)")
     p = sub.add_parser("collectives", parents=[common], help="op x size x ranks x backend")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
@@ -144,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {b}: {why}", file=sys.stderr)
         else:
             backends.append(b)
+    settings = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: expected NAME=VALUE")
+        settings["TOTALREDUCE_" + name.upper().removeprefix("TOTALREDUCE_")] = value
     sizes = [int(n) for n in args.ranks.split(",")]
     jobs = [(r, n, b) for r in range(args.rounds) for n in sizes for b in backends]
 
@@ -151,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
     raw: list[dict[str, Any]] = []
     for rnd, n, backend in tqdm(jobs, desc=args.test, unit="job", file=sys.stderr):
-        ranks = run_job(backend, n, cfg, args.timeout)
+        ranks = run_job(backend, n, cfg, args.timeout,
+                        settings if backend.startswith("totalreduce") else None)
         raw.append({"round": rnd, "backend": backend, "ranks": n, "per_rank": ranks})
     summary = summarize(args.test, raw)
     print_table(args.test, summary)

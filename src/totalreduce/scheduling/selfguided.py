@@ -133,9 +133,15 @@ class SelfGuided:
 
     def _submit_reduce(self, ident: _Ident, view: dict[str, Any], dtype: np.dtype,
                        work: np.ndarray, rop: ReduceOp, priority: int) -> OpFuture:
-        if work.nbytes <= self._config.small_bytes:
+        small = self._config.small_bytes
+        if small < 0:
+            # Auto: at 2 ranks doubling sends the same bytes as the ring in half the hops,
+            # so it wins at every size; beyond, it sends log2(n) buffers and only pays for
+            # small ones (docs/BENCHMARKS.md has the measurements behind both rules).
+            small = 1 << 62 if self.size == 2 else 64 << 10
+        if work.nbytes <= small:
             view = dict(view, algorithm="doubling")
-            schedule = doubling_allreduce(self.rank, self.size, work.size)
+            schedule = doubling_allreduce(self.rank, self.size, work.size, self._seg(dtype))
         else:
             schedule = ring_allreduce(self.rank, self.size, work.size, self._seg(dtype))
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None

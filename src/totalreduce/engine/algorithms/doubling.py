@@ -19,41 +19,48 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..schedule import COPY, REDUCE, Recv, Schedule, Send
+from ..schedule import COPY, REDUCE, Recv, Schedule, Send, piece_count, pieces
 
 
 @lru_cache(maxsize=256)
-def doubling_allreduce(rank: int, size: int, count: int) -> Schedule:
+def doubling_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Schedule:
+    """Pieces of ``seg_elems`` travel independently, so the exchange pipelines like the
+    ring: piece ``j`` of step ``k + 1`` leaves as soon as piece ``j`` of step ``k`` is in."""
     if size == 1:
         return Schedule((), {}, ((0, count),))
     p = 1 << (size.bit_length() - 1)
     extra = size - p
     rounds = p.bit_length() - 1
     last = rounds + 1  # the step that returns results to the folded ranks
+    cut = pieces(0, count, piece_count(count, seg_elems))
 
     if rank < 2 * extra and rank % 2 == 1:  # folds into rank - 1 and waits
-        fold = Send(rank - 1, 0, 0, 0, count)
-        recvs = {(rank - 1, last, 0): Recv(0, count, COPY, False, ())}
-        return Schedule((fold,), recvs, ())
+        first = tuple(Send(rank - 1, 0, j, lo, hi) for j, (lo, hi) in enumerate(cut))
+        recvs = {(rank - 1, last, j): Recv(lo, hi, COPY, False, ())
+                 for j, (lo, hi) in enumerate(cut)}
+        return Schedule(first, recvs, ())
 
     virtual = rank // 2 if rank < 2 * extra else rank - extra
 
     def real(v: int) -> int:
         return 2 * v if v < extra else v + extra
 
-    def exchange(k: int) -> Send:  # k = 1 .. rounds
-        return Send(real(virtual ^ (1 << (k - 1))), k, 0, 0, count)
+    def exchange(k: int, j: int) -> Send:  # k = 1 .. rounds
+        lo, hi = cut[j]
+        return Send(real(virtual ^ (1 << (k - 1))), k, j, lo, hi)
 
     recvs: dict[tuple[int, int, int], Recv] = {}
-    for k in range(1, rounds + 1):
-        if k < rounds:
-            then: tuple[Send, ...] = (exchange(k + 1),)
-        else:
-            then = (Send(rank + 1, last, 0, 0, count),) if rank < 2 * extra else ()
-        sent = exchange(k)
-        recvs[(sent.peer, k, 0)] = Recv(0, count, REDUCE, k == rounds, then,
-                                        after=((sent.peer, k, 0),))
-    if rank < 2 * extra:  # even: absorb the odd neighbour first
-        recvs[(rank + 1, 0, 0)] = Recv(0, count, REDUCE, False, (exchange(1),))
+    for j, (lo, hi) in enumerate(cut):
+        for k in range(1, rounds + 1):
+            if k < rounds:
+                then: tuple[Send, ...] = (exchange(k + 1, j),)
+            else:
+                then = (Send(rank + 1, last, j, lo, hi),) if rank < 2 * extra else ()
+            peer = exchange(k, j).peer
+            recvs[(peer, k, j)] = Recv(lo, hi, REDUCE, k == rounds, then,
+                                       after=((peer, k, j),))
+        if rank < 2 * extra:  # even: absorb the odd neighbour's piece first
+            recvs[(rank + 1, 0, j)] = Recv(lo, hi, REDUCE, False, (exchange(1, j),))
+    if rank < 2 * extra:
         return Schedule((), recvs, ())
-    return Schedule((exchange(1),), recvs, ())
+    return Schedule(tuple(exchange(1, j) for j in range(len(cut))), recvs, ())
