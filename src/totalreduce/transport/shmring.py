@@ -5,12 +5,15 @@ drawn from :mod:`secrets`, tells the consumer the name over their authenticated 
 and unlinks it as soon as the consumer has mapped it (or has failed to), so a crash
 afterwards leaves nothing behind and no third process can open it later.
 
-Only the *consumer's* position lives in shared memory.  Where each body starts travels in
-the message header over the socket, and the socket's system calls order memory, so the
-consumer never reads a slot before its header has arrived.  The consumer stores its
-position after it is done with a body; the producer reads it to learn how much space is
-free.  Bodies are contiguous: one that would straddle the end starts again at offset 0,
-and both sides skip the tail the same way, so neither needs to be told.
+Only the *consumer's* position, and a "producer is waiting" flag, live in shared memory.
+Where each body starts travels in the message header over the socket, and the socket's
+system calls order memory, so the consumer never reads a slot before its header has
+arrived.  The consumer stores its position after it is done with a body; the producer
+reads it to learn how much space is free.  A producer that finds the ring full raises the
+flag; the consumer that frees room and sees it says so over the socket (the two sides can
+miss each other's stores, so the producer also re-polls now and then).  Bodies are
+contiguous: one that would straddle the end starts again at offset 0, and both sides skip
+the tail the same way, so neither needs to be told.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ class _Mapping:
         self.capacity = capacity
         self.map = mmap.mmap(fd, _CONTROL + capacity)
         self._tail = np.frombuffer(self.map, dtype=np.uint64, count=1)
+        self._waiting = np.frombuffer(self.map, dtype=np.uint64, count=1, offset=64)
         self.data = np.frombuffer(self.map, dtype=np.uint8, offset=_CONTROL)
         self.view = memoryview(self.map)[_CONTROL:]
 
     def close(self) -> None:
         # numpy views pin the buffer; drop them first or mmap.close() raises BufferError.
-        self._tail = self.data = None  # type: ignore[assignment]
+        self._tail = self._waiting = self.data = None  # type: ignore[assignment]
         self.view.release()
         with contextlib.suppress(BufferError, ValueError):
             self.map.close()
@@ -81,9 +85,11 @@ class RingWriter:
         if offset + n > cap:
             start += cap - offset
             offset = 0
-        tail = int(self._m._tail[0])
-        if start + n - tail > cap:
-            return None
+        if start + n - int(self._m._tail[0]) > cap:
+            self._m._waiting[0] = 1
+            if start + n - int(self._m._tail[0]) > cap:  # the reader may have just freed
+                return None
+            self._m._waiting[0] = 0
         np.copyto(self._m.data[offset:offset + n], np.frombuffer(body, dtype=np.uint8))
         self._head = start + n
         return offset
@@ -114,13 +120,18 @@ class RingReader:
             raise ValueError(f"ring body [{offset}, {offset + nbytes}) is out of bounds")
         return self._m.view[offset:offset + nbytes]
 
-    def release(self, offset: int, nbytes: int) -> None:
+    def release(self, offset: int, nbytes: int) -> bool:
+        """Free the body's room; True if the producer was waiting for room (tell it)."""
         cap = self.capacity
         pos = self._pos
         if pos % cap != offset:  # the producer skipped the tail and wrapped to 0
             pos += cap - pos % cap
         self._pos = pos + nbytes
         self._m._tail[0] = self._pos
+        if self._m._waiting[0]:
+            self._m._waiting[0] = 0
+            return True
+        return False
 
     def close(self) -> None:
         self._m.close()

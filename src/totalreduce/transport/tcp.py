@@ -39,6 +39,7 @@ from .wire import (
     FLAG_RING,
     HEADER_SIZE,
     PROTOCOL_VERSION,
+    Header,
     Kind,
     WireError,
     in_ring,
@@ -53,7 +54,8 @@ _BATCH_MESSAGES = 64
 _READ_BUDGET = 8 << 20  # bytes read from one link before others get a turn
 _RING_MIN_BYTES = 4096  # smaller bodies ride with their header in one sendmsg
 _SPIN = 50e-6  # busy-poll this long before a blocking select (see poll)
-_RING_RETRY = 0.0005  # poll interval while a ring is full (the reader frees it silently)
+_RING_RETRY = 0.001  # safety-net poll while a ring is full (RING_FREE normally wakes us)
+_RING_FREE = Header(Kind.RING_FREE).pack()
 
 
 def _tune(sock: socket.socket) -> None:
@@ -329,6 +331,9 @@ class TcpTransport(Transport):
             if header.flags & FLAG_RING:
                 self._ring_deliver(link, header)
                 continue
+            if header.kind == Kind.RING_FREE:
+                self._pending.add(link.peer)
+                continue
             link.header = header
             dest = self._handler.body_buffer(link.peer, header)
             if dest.nbytes != header.nbytes:
@@ -349,7 +354,10 @@ class TcpTransport(Transport):
             raise WireError("a ring message arrived on a link without a ring")
         offset, n = header.ring_offset, header.nbytes
         self._handler.received_view(link.peer, header, ring.body(offset, n))
-        ring.release(offset, n)
+        if ring.release(offset, n):
+            link.out.append(memoryview(_RING_FREE))
+            link.marks.append([HEADER_SIZE, None])
+            self._pending.add(link.peer)
 
     def _deliver(self, link: _Link) -> None:
         assert self._handler is not None and link.body is not None

@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     MISMATCH = 4   # body: JSON description of the sender's view of a mismatched op
     ABORT = 5      # the job is broken; .step holds the lost rank + 1 (0: none), body: reason
     GOODBYE = 6    # orderly shutdown: EOF after this is not a failure
+    RING_FREE = 7  # transport-internal: "I freed room in the ring you were waiting on"
 
 
 # Codes are part of the wire format: never renumber.
