@@ -138,6 +138,11 @@ def check_collectives(arg: dict) -> None:
             for a in arrays]
     for got, w in zip(tr.grouped_allreduce(arrays, op=tr.Sum), want, strict=True):
         assert_same(got, w, "grouped_allreduce")
+    inplace = [a.copy() for a in arrays]
+    out = tr.grouped_allreduce_async_(inplace, op=tr.Sum, name="grouped-inplace").wait()
+    for got, mine, w in zip(out, inplace, want, strict=True):
+        assert got is mine
+        assert_same(mine, w, "grouped_allreduce_async_")
     tr.barrier()
     from totalreduce.runtime import current
 

@@ -41,7 +41,8 @@ __all__ = [
     "TotalReduceError", "TransportClosedError", "allgather", "allgather_async", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "init",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "init",
     "is_initialized", "local_rank", "local_size", "poll", "rank", "reducescatter",
     "reducescatter_async", "shutdown", "size", "synchronize",
 ]
@@ -152,9 +153,15 @@ def grouped_allreduce(xs: Sequence[Any], op: ReduceOp = Average, name: str | Non
     return grouped_allreduce_async(xs, op, name, priority).wait()
 
 
+def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
+                             name: str | None = None, priority: int = 0) -> Handle:
+    """In-place form of :func:`grouped_allreduce_async`: ``xs`` receive the results."""
+    return _ops().grouped_allreduce(xs, op, name, priority, inplace=True)
+
+
 def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
                        name: str | None = None, priority: int = 0) -> list[np.ndarray]:
-    return _ops().grouped_allreduce(xs, op, name, priority, inplace=True).wait()
+    return grouped_allreduce_async_(xs, op, name, priority).wait()
 
 
 # --- the others -----------------------------------------------------------------------

@@ -120,6 +120,10 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _numeric(cell: str) -> bool:
+    return bool(cell) and (cell[0].isdigit() or cell == "-")
+
+
 def print_table(test: str, rows: list[Row]) -> None:
     if test == "collectives":
         head = ("op", "n", "size", "backend", "median ms", "p10-p90 ms", "algbw GB/s",
@@ -153,8 +157,8 @@ def print_table(test: str, rows: list[Row]) -> None:
     table = [tuple(str(c) for c in head)] + [tuple(str(c) for c in row) for row in body]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for i, row in enumerate(table):
-        print("  ".join(c.rjust(w) if j >= 4 or j == 1 else c.ljust(w)
-                        for j, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+        print("  ".join(c.rjust(w) if _numeric(c) else c.ljust(w)
+                        for c, w in zip(row, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
 
