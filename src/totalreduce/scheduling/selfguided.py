@@ -138,7 +138,7 @@ class SelfGuided:
             # Auto: at 2 ranks doubling sends the same bytes as the ring in half the hops,
             # so it wins at every size; beyond, it sends log2(n) buffers and only pays for
             # small ones (docs/BENCHMARKS.md has the measurements behind both rules).
-            small = 1 << 62 if self.size == 2 else 64 << 10
+            small = 1 << 62 if self.size == 2 else 1 << 20
         if work.nbytes <= small:
             view = dict(view, algorithm="doubling")
             schedule = doubling_allreduce(self.rank, self.size, work.size, self._seg(dtype))
