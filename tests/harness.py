@@ -12,10 +12,8 @@ default), ``tcp`` (totalrun, sockets only) or ``mpi`` (mpiexec, the MPI transpor
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,16 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from totalreduce.launcher.mpiexec import find_mpiexec
+
 HERE = Path(__file__).resolve().parent
 TRANSPORTS = ("shm", "tcp", "mpi")
 
 
-def mpiexec() -> str | None:
-    """The mpiexec next to this interpreter (the mpich wheel's), else one on PATH."""
-    if importlib.util.find_spec("mpi4py") is None:
-        return None
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
+mpiexec = find_mpiexec
 
 
 @dataclass

@@ -13,14 +13,13 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
+from ..launcher.mpiexec import find_mpiexec
 from .report import plot, print_table, summarize
 
 BACKENDS = ("totalreduce-shm", "totalreduce-tcp", "totalreduce-mpi", "mpi", "gloo")
@@ -36,16 +35,9 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def _mpiexec() -> str | None:
-    if importlib.util.find_spec("mpi4py") is None:
-        return None
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
 def unavailable(backend: str) -> str | None:
     """Why ``backend`` cannot run here, or None."""
-    if backend in ("mpi", "totalreduce-mpi") and _mpiexec() is None:
+    if backend in ("mpi", "totalreduce-mpi") and find_mpiexec() is None:
         return "needs mpi4py and mpiexec: pip install 'totalreduce[mpi]'"
     if backend == "gloo" and importlib.util.find_spec("torch") is None:
         return "needs torch: pip install torch==2.13.0"
@@ -66,7 +58,7 @@ def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float,
     worker = [sys.executable, "-m", "totalreduce.bench.worker",
               json.dumps(dict(cfg, backend=backend))]
     if backend in ("mpi", "totalreduce-mpi"):
-        launcher = [_mpiexec() or "mpiexec", "-n", str(n)]
+        launcher = [find_mpiexec() or "mpiexec", "-n", str(n)]
         env["TOTALREDUCE_TRANSPORT"] = "mpi"
     else:
         launcher = [sys.executable, "-m", "totalreduce.run", "-np", str(n)]
