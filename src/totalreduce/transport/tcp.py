@@ -138,9 +138,7 @@ class TcpTransport(Transport):
         return sorted(p for p, link in self._links.items() if link.ring_out or link.ring_in)
 
     def poll(self, timeout: float | None) -> None:
-        for link in self._links.values():
-            if link.blocked is not None:
-                self._pending.add(link.peer)
+        self._pending.update(p for p, link in self._links.items() if link.blocked is not None)
         self._flush_pending()
         if self._pending:
             timeout = 0
@@ -220,7 +218,7 @@ class TcpTransport(Transport):
                     and ring.fits(body.nbytes):
                 offset = ring.put(body)
                 if offset is None:
-                    link.blocked = msg  # the reader frees room without telling us: poll
+                    link.blocked = msg  # retried on RING_FREE or the next _RING_RETRY
                     break
                 header, body = in_ring(header, offset), None
             size = len(header)
