@@ -133,13 +133,13 @@ def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
         PeerFailureError: a rank died.
         OpTimeoutError: the op waited longer than ``TOTALREDUCE_OP_TIMEOUT``.
     """
-    return allreduce_async(x, op, name, priority).wait()
+    return _ops().allreduce(x, op, name, priority, inplace=False, blocking=True).wait()
 
 
 def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
                priority: int = 0) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``x``."""
-    return allreduce_async_(x, op, name, priority).wait()
+    return _ops().allreduce(x, op, name, priority, inplace=True, blocking=True).wait()
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
@@ -150,7 +150,8 @@ def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
 
 def grouped_allreduce(xs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                       priority: int = 0) -> list[np.ndarray]:
-    return grouped_allreduce_async(xs, op, name, priority).wait()
+    return _ops().grouped_allreduce(xs, op, name, priority, inplace=False,
+                                    blocking=True).wait()
 
 
 def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
@@ -161,7 +162,8 @@ def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
 
 def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
                        name: str | None = None, priority: int = 0) -> list[np.ndarray]:
-    return grouped_allreduce_async_(xs, op, name, priority).wait()
+    return _ops().grouped_allreduce(xs, op, name, priority, inplace=True,
+                                    blocking=True).wait()
 
 
 # --- the others -----------------------------------------------------------------------
@@ -173,7 +175,7 @@ def allgather_async(x: Any, name: str | None = None, priority: int = 0) -> Handl
 
 
 def allgather(x: Any, name: str | None = None, priority: int = 0) -> np.ndarray:
-    return allgather_async(x, name, priority).wait()
+    return _ops().allgather(x, name, priority, blocking=True).wait()
 
 
 def broadcast_async(x: Any, root_rank: int, name: str | None = None,
@@ -193,12 +195,14 @@ def broadcast_async_(x: np.ndarray, root_rank: int, name: str | None = None,
 
 def broadcast(x: Any, root_rank: int, name: str | None = None,
               priority: int = 0) -> np.ndarray:
-    return broadcast_async(x, root_rank, name, priority).wait()
+    return _ops().broadcast(x, root_rank, name, priority, inplace=False,
+                            blocking=True).wait()
 
 
 def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
                priority: int = 0) -> np.ndarray:
-    return broadcast_async_(x, root_rank, name, priority).wait()
+    return _ops().broadcast(x, root_rank, name, priority, inplace=True,
+                            blocking=True).wait()
 
 
 def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
@@ -217,7 +221,7 @@ def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
 
 def alltoall(x: Any, splits: Any = None, name: str | None = None,
              priority: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    return alltoall_async(x, splits, name, priority).wait()
+    return _ops().alltoall(x, splits, name, priority, blocking=True).wait()
 
 
 def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
@@ -231,12 +235,12 @@ def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
 
 def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
                   priority: int = 0) -> np.ndarray:
-    return reducescatter_async(x, op, name, priority).wait()
+    return _ops().reducescatter(x, op, name, priority, blocking=True).wait()
 
 
 def barrier() -> None:
     """Return once every rank has entered the barrier."""
-    _ops().barrier().wait()
+    _ops().barrier(blocking=True).wait()
 
 
 def synchronize(handle: Handle) -> Any:

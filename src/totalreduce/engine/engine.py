@@ -185,6 +185,15 @@ class Engine:
         self._closing = False
         self._closed = threading.Event()
         self._thread_error: BaseException | None = None
+        self._shutdown_deadline: float | None = None
+        self._next_check = time.monotonic() + _HOUSEKEEPING
+        # Whoever holds the drive lock runs the loop: the progress thread, or an application
+        # thread waiting for its op.  A waiting thread driving itself saves two thread
+        # hand-offs per op (submit -> progress thread -> waiter), each a GIL switch plus a
+        # scheduler wake-up, which is most of a small op's latency.
+        self._drive = threading.Lock()
+        self._idle = threading.Condition()  # the progress thread sleeps here while callers drive
+        self._drivers = 0
         self._reducer = ReduceThread(self._completions.append, transport.wake) \
             if config.reduce_thread_bytes >= 0 else None
         transport.start(self)
@@ -194,21 +203,50 @@ class Engine:
 
     # --- public, any thread -----------------------------------------------------------
 
-    def submit(self, spec: OpSpec) -> OpFuture:
-        """Start an op.  The future resolves with None or the op's error."""
-        future = OpFuture()
+    def submit(self, spec: OpSpec, blocking: bool = False) -> OpFuture:
+        """Start an op.  The future resolves with None or the op's error.
+
+        ``blocking=True`` promises that this thread waits on the future next, so it will
+        drive the op itself and the progress thread is left asleep.
+        """
+        future = OpFuture(self.wait)
         if self._closing or self._closed.is_set():
             future.resolve(ShutdownError("cannot submit after shutdown()"))
             return future
         self._commands.append(("submit", spec, future))
-        self._transport.wake()
+        if self._drive.acquire(blocking=False):
+            # Start it here and now: no hand-off to the progress thread.
+            try:
+                if not self._closed.is_set():
+                    self._step(None)
+            finally:
+                self._drive.release()
+        else:
+            self._transport.wake()  # whoever holds the lock picks the command up
+        if not blocking:
+            self._nudge()
         return future
+
+    def _nudge(self) -> None:
+        """Have the progress thread drive, unless a caller does."""
+        if not self._drivers and self._wanted():
+            with self._idle:
+                self._idle.notify()
+            if self._transport.has_backlog():
+                self._transport.wake()  # a wait() begun earlier must re-arm its timer
+
+    def _wanted(self) -> bool:
+        """Whether the progress thread has work (read without the lock: a stale answer
+        costs at most one housekeeping tick)."""
+        return bool(self._active or self._commands or self._completions) \
+            or self._shutdown_deadline is not None or self._transport.has_backlog()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Say goodbye to every peer, wait for theirs (up to ``shutdown_timeout``), close."""
         if not self._closed.is_set():
             self._commands.append(("shutdown", None, None))
             self._transport.wake()
+            self._nudge()
             self._thread.join(timeout if timeout is not None
                               else self._config.shutdown_timeout + 10.0)
         if self._reducer is not None:
@@ -224,42 +262,118 @@ class Engine:
 
     # --- the loop --------------------------------------------------------------------
 
-    def _run(self) -> None:
-        next_check = time.monotonic() + _HOUSEKEEPING
-        shutdown_deadline: float | None = None
+    def wait(self, future: OpFuture, timeout: float | None) -> bool:
+        """Wait for ``future`` (any future resolved by this engine's loop) by running the
+        loop on this thread (see ``_drive``).  Returns False on timeout."""
+        if threading.current_thread() is self._thread:
+            return future.wait_event(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            self._drivers += 1
+        woke = False
         try:
-            while True:
-                while self._commands:
-                    cmd, spec, future = self._commands.popleft()
-                    if cmd == "submit":
-                        self._start(spec, future)
-                    elif shutdown_deadline is None:
-                        shutdown_deadline = self._begin_shutdown()
-                while self._completions:
-                    self._reduced(*self._completions.popleft())
-                if shutdown_deadline is not None and self._shutdown_done(shutdown_deadline):
-                    break
-                busy = bool(self._commands or self._completions)
-                self._transport.poll(0 if busy else _HOUSEKEEPING)
-                now = time.monotonic()
-                if now >= next_check:
-                    next_check = now + _HOUSEKEEPING
-                    self._housekeeping(now)
+            while not future.done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if self._closed.is_set():
+                    return future.wait_event(left)
+                slice_ = _HOUSEKEEPING if left is None else min(left, _HOUSEKEEPING)
+                if not self._drive.acquire(timeout=min(slice_, 1e-3)):
+                    if not woke:
+                        woke = True
+                        self._transport.wake()  # a holder blocked in poll() lets go sooner
+                    continue
+                try:
+                    while not future.done() and not self._closed.is_set():
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            return False
+                        self._step(_HOUSEKEEPING if left is None else min(left, _HOUSEKEEPING),
+                                   future)
+                finally:
+                    self._drive.release()
+            return True
+        finally:
+            with self._idle:
+                self._drivers -= 1
+            self._nudge()
+
+    def _run(self) -> None:
+        """The progress thread: drives whenever work is in flight and no caller drives.
+
+        With nothing in flight it only ticks (a non-blocking turn every housekeeping
+        period), so a thread running blocking collectives back to back is never raced for
+        the lock; bytes peers send meanwhile wait in the kernel or the shared ring.
+        """
+        can_wait = self._transport.can_wait()
+        while not self._closed.is_set():
+            with self._idle:
+                while not self._closed.is_set() and (self._drivers or not self._wanted()):
+                    if not self._idle.wait(_HOUSEKEEPING):
+                        break
+                tick = bool(self._drivers) or not self._wanted()
+            if self._closed.is_set():
+                return
+            if tick and self._drivers:
+                continue
+            if not tick and can_wait and not (self._commands or self._completions):
+                # Wait for I/O without the lock, so a caller can take over at any moment.
+                self._transport.wait(max(0.0, min(_HOUSEKEEPING,
+                                                  self._next_check - time.monotonic())))
+            with self._drive:
+                if self._drivers and self._shutdown_deadline is None:
+                    continue
+                if not self._closed.is_set():
+                    self._step(0 if can_wait or tick else _HOUSEKEEPING)
+
+    def _step(self, timeout: float | None, until: OpFuture | None = None) -> None:
+        """One turn of the loop; the caller holds ``_drive``.  ``timeout=None``: start
+        what was submitted and flush, but read nothing (a submit returns quickly).  A
+        driver passes its future as ``until``, so the turn that resolves it never blocks."""
+        try:
+            while self._commands:
+                cmd, spec, future = self._commands.popleft()
+                if cmd == "submit":
+                    self._start(spec, future)
+                elif self._shutdown_deadline is None:
+                    self._shutdown_deadline = self._begin_shutdown()
+            while self._completions:
+                self._reduced(*self._completions.popleft())
+            if self._shutdown_deadline is not None and \
+                    self._shutdown_done(self._shutdown_deadline):
+                self._finish()
+                return
+            if timeout is None:
+                self._transport.flush()
+                return
+            busy = bool(self._commands or self._completions) or (
+                until is not None and until.done())  # done: do not block in poll()
+            self._transport.poll(0 if busy else timeout)
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + _HOUSEKEEPING
+                self._housekeeping(now)
         except BaseException as exc:  # a bug: fail everything loudly rather than hang
-            logger.exception("rank %d: progress thread crashed", self.rank)
+            logger.exception("rank %d: progress loop crashed", self.rank)
             self._thread_error = exc
             self._break(TotalReduceError(f"rank {self.rank}: internal error in the progress "
-                                         f"thread: {exc!r}"))
-        finally:
-            self._closing = True
-            for op in list(self._active.values()):
-                self._fail(op, self._broken or TransportClosedError(
-                    f"rank {self.rank}: {op.spec.label} was still pending at shutdown()"))
-            for _cmd, _spec, future in list(self._commands):
-                if future is not None:
-                    future.resolve(ShutdownError("cannot submit after shutdown()"))
-            self._transport.abort()
-            self._closed.set()
+                                         f"loop: {exc!r}"))
+            self._finish()
+
+    def _finish(self) -> None:
+        self._closing = True
+        for op in list(self._active.values()):
+            self._fail(op, self._broken or TransportClosedError(
+                f"rank {self.rank}: {op.spec.label} was still pending at shutdown()"))
+        while self._commands:
+            _cmd, _spec, future = self._commands.popleft()
+            if future is not None:
+                future.resolve(ShutdownError("cannot submit after shutdown()"))
+        self._transport.abort()
+        self._closed.set()
+        with self._idle:
+            self._idle.notify_all()
 
     def _begin_shutdown(self) -> float:
         self._closing = True
@@ -495,7 +609,7 @@ class Engine:
         if key in self._done or self._broken is not None:
             self._routes[peer] = _Route("discard", charge=charge)
             return self._discard_view(n)
-        buf = bytearray(n)
+        buf = self._scratch.get(n)  # pooled: a fresh 1 MiB bytearray costs page faults
         self._routes[peer] = _Route("float", buf=buf, charge=charge)
         self.floating_bytes += charge
         self.floating_peak = max(self.floating_peak, self.floating_bytes)
@@ -618,9 +732,10 @@ class Engine:
         rkey = (item.src, item.header.step, item.header.piece)
         if recv.mode == COPY:
             op.region(recv.lo, recv.hi)[:] = item.buf
+            self._scratch.put(item.buf)
             self._apply(op, rkey, recv)
         else:
-            self._reduce(op, rkey, recv, item.buf, False)
+            self._reduce(op, rkey, recv, item.buf, True)
 
     def _reduce(self, op: _Op, rkey: tuple[int, int, int], recv: Recv, buf: bytearray,
                 pooled: bool) -> None:
@@ -628,7 +743,9 @@ class Engine:
         if recv.after and not op.left.issuperset(recv.after):
             # This body would overwrite bytes that a send of ours has yet to read.
             if isinstance(buf, memoryview):
-                buf = bytearray(buf)  # a ring slot is only ours during this call
+                copy = self._scratch.get(buf.nbytes)  # a ring slot is only ours during
+                copy[:] = buf                          # this call
+                buf, pooled = copy, True
             op.held.append((rkey, recv, buf, pooled))
             return
         spec = op.spec

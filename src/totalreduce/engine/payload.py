@@ -32,15 +32,18 @@ class OpSpec:
 
 
 class OpFuture:
-    """Completion of one op; resolved on the progress thread, waited on anywhere."""
+    """Completion of one op; resolved by whichever thread runs the engine loop, waited on
+    anywhere.  ``waiter`` (the engine's) lets a waiting thread run the loop itself."""
 
-    __slots__ = ("_event", "_error", "_callbacks", "_lock")
+    __slots__ = ("_event", "_error", "_callbacks", "_lock", "_waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, waiter: Callable[[OpFuture, float | None], bool] | None = None
+                 ) -> None:
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[OpFuture], None]] = []
         self._lock = threading.Lock()
+        self._waiter = waiter
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -49,6 +52,14 @@ class OpFuture:
         return self._error
 
     def wait(self, timeout: float | None = None) -> bool:
+        if self._event.is_set():
+            return True
+        if self._waiter is not None:
+            return self._waiter(self, timeout)
+        return self._event.wait(timeout)
+
+    def wait_event(self, timeout: float | None = None) -> bool:
+        """Wait without driving the engine."""
         return self._event.wait(timeout)
 
     def add_done_callback(self, fn: Callable[[OpFuture], None]) -> None:

@@ -105,7 +105,7 @@ class SelfGuided:
     # --- allreduce ------------------------------------------------------------------
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
-                  inplace: bool) -> Handle:
+                  inplace: bool, blocking: bool = False) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "allreduce", name)
         if inplace and not isinstance(x, np.ndarray):
@@ -114,7 +114,7 @@ class SelfGuided:
         work, writeback = self._working_copy(arr, inplace)
         view = {"kind": "allreduce", "dtype": str(arr.dtype), "shape": list(arr.shape),
                 "op": rop.label}
-        future = self._submit_reduce(ident, view, arr.dtype, work, rop, priority)
+        future = self._submit_reduce(ident, view, arr.dtype, work, rop, priority, blocking)
 
         def finish() -> np.ndarray:
             if writeback:
@@ -132,7 +132,8 @@ class SelfGuided:
         return np.array(arr, copy=True, order="C").reshape(-1), inplace
 
     def _submit_reduce(self, ident: _Ident, view: dict[str, Any], dtype: np.dtype,
-                       work: np.ndarray, rop: ReduceOp, priority: int) -> OpFuture:
+                       work: np.ndarray, rop: ReduceOp, priority: int,
+                       blocking: bool = False) -> OpFuture:
         small = self._config.small_bytes
         if small < 0:
             # Auto: at 2 ranks doubling sends the same bytes as the ring in half the hops,
@@ -147,10 +148,10 @@ class SelfGuided:
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, dtype, work.size, schedule, work, priority,
                           ufunc=UFUNCS[rop], finalize=finalize)
-        return self._engine.submit(spec)
+        return self._engine.submit(spec, blocking)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
-                          priority: int, inplace: bool) -> Handle:
+                          priority: int, inplace: bool, blocking: bool = False) -> Handle:
         """One fused op per dtype present (in order of first appearance)."""
         rop = as_reduce_op(op)
         arrs = [_check_array(x, "grouped_allreduce", name) for x in xs]
@@ -168,7 +169,8 @@ class SelfGuided:
                 np.empty(0, dtype)
             view = {"kind": "grouped_allreduce", "dtype": str(dtype),
                     "shape": [list(arrs[i].shape) for i in idx], "op": rop.label}
-            futures.append(self._submit_reduce(ident, view, dtype, fused, rop, priority))
+            futures.append(self._submit_reduce(ident, view, dtype, fused, rop, priority,
+                                               blocking))
             outputs.append((idx, fused))
 
         def finish() -> list[np.ndarray]:
@@ -191,7 +193,7 @@ class SelfGuided:
     # --- broadcast ------------------------------------------------------------------
 
     def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
-                  inplace: bool) -> Handle:
+                  inplace: bool, blocking: bool = False) -> Handle:
         arr = _check_array(x, "broadcast", name)
         self._check_root(root_rank, "broadcast", name)
         if inplace and not isinstance(x, np.ndarray):
@@ -206,7 +208,7 @@ class SelfGuided:
         schedule = chain_broadcast(self.rank, self.size, int(root_rank), work.size,
                                    self._seg(arr.dtype))
         future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
-                                                work, priority))
+                                                work, priority), blocking)
 
         def finish() -> np.ndarray:
             if writeback:
@@ -222,7 +224,8 @@ class SelfGuided:
 
     # --- reducescatter --------------------------------------------------------------
 
-    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
+    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int,
+                      blocking: bool = False) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "reducescatter", name)
         if arr.ndim == 0:
@@ -238,7 +241,7 @@ class SelfGuided:
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
         future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
                                                 work, priority, ufunc=UFUNCS[rop],
-                                                finalize=finalize))
+                                                finalize=finalize), blocking)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         return Handle([future], lambda: work[lo:hi].reshape(shape), ident.label)
@@ -247,7 +250,7 @@ class SelfGuided:
 
     def _two_phase(self, first: OpFuture, then: Callable[[], OpFuture]) -> OpFuture:
         """A future for ``then()``'s op, started once ``first`` succeeds."""
-        outer = OpFuture()
+        outer = OpFuture(self._engine.wait)  # resolved by the loop: waiters drive it
 
         def start_second(f: OpFuture) -> None:
             if f.error() is not None:
@@ -263,7 +266,8 @@ class SelfGuided:
         first.add_done_callback(start_second)
         return outer
 
-    def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
+    def allgather(self, x: Any, name: str | None, priority: int,
+                  blocking: bool = False) -> Handle:
         arr = _check_array(x, "allgather", name)
         if arr.ndim == 0:
             raise ValueError("allgather needs an array with at least one dimension")
@@ -275,7 +279,8 @@ class SelfGuided:
         sizes[rank] = arr.shape[0]
         sched = ring_allgatherv(rank, n, tuple(range(n + 1)), 1)
         first = self._engine.submit(self._spec(sizes_id, dict(view, phase="sizes"),
-                                               sizes.dtype, n, sched, sizes, priority))
+                                               sizes.dtype, n, sched, sizes, priority),
+                                    blocking)
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         state: dict[str, np.ndarray] = {}
 
@@ -293,7 +298,8 @@ class SelfGuided:
                       lambda: state["out"].reshape((int(sizes.sum()), *arr.shape[1:])),
                       sizes_id.label)
 
-    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
+                 blocking: bool = False) -> Handle:
         arr = _check_array(x, "alltoall", name)
         what = "alltoall" + (f" '{name}'" if name else "")
         if arr.ndim == 0:
@@ -321,7 +327,7 @@ class SelfGuided:
         sched = pairwise_alltoallv(rank, n, unit, unit, 1)
         first = self._engine.submit(self._spec(splits_id, dict(view, phase="splits"),
                                                recv_rows.dtype, 0, sched, recv_rows, priority,
-                                               source=send_rows))
+                                               source=send_rows), blocking)
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         flat = np.ascontiguousarray(arr).reshape(-1)
         state: dict[str, np.ndarray] = {}
@@ -345,9 +351,10 @@ class SelfGuided:
 
     # --- barrier --------------------------------------------------------------------
 
-    def barrier(self) -> Handle:
+    def barrier(self, blocking: bool = False) -> Handle:
         ident = self._ident("barrier", None)
         work = np.zeros(1, np.uint8)
         view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
-        future = self._submit_reduce(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
+        future = self._submit_reduce(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30,
+                                     blocking)
         return Handle([future], lambda: None, ident.label)

@@ -1,12 +1,13 @@
 """The transport interface: move (header, bytes) between ranks, nothing more.
 
-A transport is driven by exactly one thread, the engine's progress loop, through
+A transport is driven by one thread at a time, whichever holds the engine's drive lock (its
+progress thread, or an application thread waiting for its op), through
 :meth:`Transport.poll`.  It does not queue on its own: when a peer can take more bytes it
 *pulls* the next message from the handler, so the engine, which knows priorities, decides
 what goes next (that is where preemption between ops happens).  When a header arrives it
 asks the handler where the body should land, so bodies go straight into their destination
-array whenever the op is known.  Only :meth:`Transport.wake` may be called from another
-thread.
+array whenever the op is known.  Only :meth:`Transport.wake` and :meth:`Transport.wait`
+may be called without that lock.
 """
 
 from __future__ import annotations
@@ -71,6 +72,25 @@ class Transport(abc.ABC):
         Errors of one link are reported through ``handler.peer_lost``; poll() itself raises
         only on a bug.
         """
+
+    def flush(self) -> None:
+        """Write what can be written now, without reading or blocking."""
+        self.poll(0)
+
+    def can_wait(self) -> bool:
+        """Whether :meth:`wait` can block for I/O without the drive lock."""
+        return False
+
+    def wait(self, timeout: float) -> None:
+        """Block until poll() may have work (I/O ready, wake(), a timer due) or ``timeout``
+        passes.  Does no I/O and touches no handler, so it may run beside a poll() on
+        another thread; a spurious return is harmless."""
+        raise NotImplementedError
+
+    def has_backlog(self) -> bool:
+        """True when output waits that only a later poll() will write (a full ring, a
+        batch left by flush()), so a :meth:`wait` begun earlier must be woken."""
+        return False
 
     @abc.abstractmethod
     def wake(self) -> None:

@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 _STAGING = 256 << 10
 _BATCH_BYTES = 256 << 10
 _BATCH_MESSAGES = 64
-_READ_BUDGET = 8 << 20  # bytes read from one link before others get a turn
+_READ_BUDGET = 2 << 20  # bytes read from one link per poll (ring bodies included)
+_WRITE_BUDGET = 2 << 20  # bytes written to one link per poll (ring bodies included)
 _RING_MIN_BYTES = 4096  # smaller bodies ride with their header in one sendmsg
 _SPIN = 50e-6  # busy-poll this long before a blocking select (see poll)
 _RING_RETRY = 0.001  # safety-net poll while a ring is full (RING_FREE normally wakes us)
@@ -137,13 +138,37 @@ class TcpTransport(Transport):
         """Peers whose bodies travel through shared memory (in at least one direction)."""
         return sorted(p for p, link in self._links.items() if link.ring_out or link.ring_in)
 
-    def poll(self, timeout: float | None) -> None:
+    def flush(self) -> None:
+        # One batch per link: an async submit must return to the application quickly, and
+        # whatever is left goes out from the next poll().
         self._pending.update(p for p, link in self._links.items() if link.blocked is not None)
-        self._flush_pending()
+        peers = list(self._pending)
+        self._pending.clear()
+        for peer in peers:
+            link = self._links.get(peer)
+            if link is not None and not link.closed and not link.writing:
+                self._write(link, _BATCH_BYTES)
+
+    def can_wait(self) -> bool:
+        return True
+
+    def has_backlog(self) -> bool:
+        return bool(self._pending) or self._ring_blocked()
+
+    def _ring_blocked(self) -> bool:
+        return any(link.blocked is not None for link in self._links.values())
+
+    def wait(self, timeout: float) -> None:
         if self._pending:
-            timeout = 0
-        elif any(link.blocked is not None for link in self._links.values()):
-            timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
+            return
+        if self._ring_blocked():
+            timeout = min(timeout, _RING_RETRY)
+        try:
+            self._select(timeout)
+        except (OSError, ValueError):
+            return  # closed under us by the thread that holds the lock
+
+    def _select(self, timeout: float | None) -> list[tuple[Any, int]]:
         events = self._selector.select(0)
         if not events and timeout != 0:
             # Spin briefly before sleeping: a blocked select() costs a scheduler wake-up
@@ -153,6 +178,16 @@ class TcpTransport(Transport):
                 events = self._selector.select(0)
             if not events:
                 events = self._selector.select(timeout)
+        return events
+
+    def poll(self, timeout: float | None) -> None:
+        self._pending.update(p for p, link in self._links.items() if link.blocked is not None)
+        self._flush_pending()
+        if self._pending:
+            timeout = 0
+        elif self._ring_blocked():
+            timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
+        events = self._select(timeout)
         for key, mask in events:
             link = key.data
             if link is None:
@@ -196,12 +231,15 @@ class TcpTransport(Transport):
     # --- writing -------------------------------------------------------------------
 
     def _flush_pending(self) -> None:
-        while self._pending:
-            link = self._links.get(self._pending.pop())
+        peers = list(self._pending)
+        self._pending.clear()  # a link whose write budget runs out puts itself back
+        for peer in peers:
+            link = self._links.get(peer)
             if link is not None and not link.closed and not link.writing:
                 self._write(link)
 
-    def _fill(self, link: _Link) -> None:
+    def _fill(self, link: _Link) -> int:
+        """Queue a batch of messages on ``link.out``; returns their bytes, ring included."""
         assert self._handler is not None
         total = 0
         count = 0
@@ -220,6 +258,7 @@ class TcpTransport(Transport):
                 if offset is None:
                     link.blocked = msg  # retried on RING_FREE or the next _RING_RETRY
                     break
+                total += body.nbytes
                 header, body = in_ring(header, offset), None
             size = len(header)
             link.out.append(memoryview(header))
@@ -229,12 +268,18 @@ class TcpTransport(Transport):
             link.marks.append([size, msg.token])
             total += size
             count += 1
+        return total
 
-    def _write(self, link: _Link) -> None:
+    def _write(self, link: _Link, budget: int = _WRITE_BUDGET) -> None:
         assert self._handler is not None
         while True:
             if not link.out:
-                self._fill(link)
+                if budget <= 0:
+                    # The rest goes out on the next poll(), so one poll never streams a
+                    # whole big op while a waiter's small op is already done.
+                    self._pending.add(link.peer)
+                    return
+                budget -= self._fill(link)
                 if not link.out:
                     self._set_writing(link, False)
                     return
@@ -310,7 +355,7 @@ class TcpTransport(Transport):
                     return
                 budget -= n
                 link.rend += n
-                self._parse(link)
+                budget -= self._parse(link)
         except (BlockingIOError, InterruptedError):
             return
         except WireError as exc:
@@ -318,9 +363,11 @@ class TcpTransport(Transport):
         except OSError as exc:
             self._lost(link, f"receive failed: {exc}")
 
-    def _parse(self, link: _Link) -> None:
+    def _parse(self, link: _Link) -> int:
+        """Handle every whole header in the staging buffer; returns the ring bytes read."""
         assert self._handler is not None
         staging = link.staging
+        from_ring = 0
         while link.body is None and link.rend - link.rstart >= HEADER_SIZE:
             header = unpack_header(memoryview(staging)[link.rstart:link.rstart + HEADER_SIZE])
             link.rstart += HEADER_SIZE
@@ -328,6 +375,7 @@ class TcpTransport(Transport):
                 link.goodbye = True
             if header.flags & FLAG_RING:
                 self._ring_deliver(link, header)
+                from_ring += header.nbytes
                 continue
             if header.kind == Kind.RING_FREE:
                 self._pending.add(link.peer)
@@ -344,6 +392,7 @@ class TcpTransport(Transport):
             link.body_off = avail
             if avail == header.nbytes:
                 self._deliver(link)
+        return from_ring
 
     def _ring_deliver(self, link: _Link, header: Any) -> None:
         assert self._handler is not None
