@@ -35,46 +35,58 @@ class OpFuture:
     """Completion of one op; resolved by whichever thread runs the engine loop, waited on
     anywhere.  ``waiter`` (the engine's) lets a waiting thread run the loop itself."""
 
-    __slots__ = ("_event", "_error", "_callbacks", "_lock", "_waiter")
+    __slots__ = ("_done", "_event", "_error", "_callbacks", "_lock", "_waiter")
 
     def __init__(self, waiter: Callable[[OpFuture, float | None], bool] | None = None
                  ) -> None:
-        self._event = threading.Event()
+        self._done = False
+        # Created only if some thread must sleep on it: a waiter that drives the loop
+        # itself never does, and an Event costs a Condition and two locks.
+        self._event: threading.Event | None = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[OpFuture], None]] = []
         self._lock = threading.Lock()
         self._waiter = waiter
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def error(self) -> BaseException | None:
         return self._error
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self._event.is_set():
+        if self._done:
             return True
         if self._waiter is not None:
             return self._waiter(self, timeout)
-        return self._event.wait(timeout)
+        return self.wait_event(timeout)
 
     def wait_event(self, timeout: float | None = None) -> bool:
-        """Wait without driving the engine."""
-        return self._event.wait(timeout)
+        """Sleep until resolved, without driving the engine."""
+        with self._lock:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def add_done_callback(self, fn: Callable[[OpFuture], None]) -> None:
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 return
         fn(self)
 
     def resolve(self, error: BaseException | None = None) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._error = error
-            self._event.set()
+            self._done = True
+            event = self._event
             callbacks, self._callbacks = self._callbacks, []
+        if event is not None:
+            event.set()
         for fn in callbacks:
             fn(self)

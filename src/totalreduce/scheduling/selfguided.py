@@ -38,6 +38,17 @@ from .ops import UFUNCS, ReduceOp, as_reduce_op, averager
 _UNNAMED = "\x00unnamed"
 
 
+_SIG_CACHE = 1 << 16  # entries; beyond this (endlessly new names) hash every time
+
+
+def _freeze(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in obj.items()))
+    if isinstance(obj, list | tuple):
+        return tuple(_freeze(v) for v in obj)
+    return obj
+
+
 def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
@@ -80,6 +91,8 @@ class SelfGuided:
         self.size = engine.size
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._sigs: dict[Any, int] = {}
+        self._name_hashes: dict[str, int] = {}
 
     # --- identity ---------------------------------------------------------------------
 
@@ -90,12 +103,25 @@ class SelfGuided:
             self._counts[base + phase] = seq + 1
         shown = f"{kind} '{name}'" if name is not None else f"{kind} (unnamed)"
         label = f"{shown} (call #{seq})" if name is None or seq else shown
-        return _Ident((_hash64(base + phase), seq), "" if name is None else name, label)
+        key = base + phase
+        h = self._name_hashes.get(key)
+        if h is None:
+            h = _hash64(key)
+            if len(self._name_hashes) < _SIG_CACHE:
+                self._name_hashes[key] = h
+        return _Ident((h, seq), "" if name is None else name, label)
 
     def _spec(self, ident: _Ident, view: dict[str, Any], dtype: np.dtype, count: int,
               schedule: Schedule, work: np.ndarray, priority: int, **kw: Any) -> OpSpec:
         view = dict(view, name=ident.name)
-        sig = _hash64(json.dumps(view, sort_keys=True))
+        # A training loop repeats the same few views: hashing their JSON each call was a
+        # measurable share of a small op's cost.
+        frozen = _freeze(view)
+        sig = self._sigs.get(frozen)
+        if sig is None:
+            sig = _hash64(json.dumps(view, sort_keys=True))
+            if len(self._sigs) < _SIG_CACHE:
+                self._sigs[frozen] = sig
         return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
                       work, priority=priority, **kw)
 
