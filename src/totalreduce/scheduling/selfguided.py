@@ -162,10 +162,12 @@ class SelfGuided:
                        blocking: bool = False) -> OpFuture:
         small = self._config.small_bytes
         if small < 0:
-            # Auto: at 2 ranks doubling sends the same bytes as the ring in half the hops,
-            # so it wins at every size; beyond, it sends log2(n) buffers and only pays for
-            # small ones (docs/BENCHMARKS.md has the measurements behind both rules).
-            small = 1 << 62 if self.size == 2 else 1 << 20
+            # Auto: doubling (fewest hops) up to 1 MiB, the ring above.  At 2 ranks doubling
+            # moves the same bytes as the ring, but each rank reduces the whole buffer and a
+            # piece that arrives before our own send of it has left must be copied aside;
+            # the ring reduces half and never waits on itself (docs/BENCHMARKS.md has the
+            # measurements).
+            small = 1 << 20
         if work.nbytes <= small:
             view = dict(view, algorithm="doubling")
             schedule = doubling_allreduce(self.rank, self.size, work.size, self._seg(dtype))
