@@ -192,6 +192,7 @@ class Engine:
         # hand-offs per op (submit -> progress thread -> waiter), each a GIL switch plus a
         # scheduler wake-up, which is most of a small op's latency.
         self._drive = threading.Lock()
+        self._owner: int | None = None  # thread ident holding _drive (to refuse re-entry)
         self._idle = threading.Condition()  # the progress thread sleeps here while callers drive
         self._drivers = 0
         self._reducer = ReduceThread(self._completions.append, transport.wake) \
@@ -216,10 +217,12 @@ class Engine:
         self._commands.append(("submit", spec, future))
         if self._drive.acquire(blocking=False):
             # Start it here and now: no hand-off to the progress thread.
+            self._owner = threading.get_ident()
             try:
                 if not self._closed.is_set():
                     self._step(None)
             finally:
+                self._owner = None
                 self._drive.release()
         else:
             self._transport.wake()  # whoever holds the lock picks the command up
@@ -265,6 +268,10 @@ class Engine:
     def wait(self, future: OpFuture, timeout: float | None) -> bool:
         """Wait for ``future`` (any future resolved by this engine's loop) by running the
         loop on this thread (see ``_drive``).  Returns False on timeout."""
+        if self._owner == threading.get_ident():
+            raise TotalReduceError(
+                f"rank {self.rank}: an op was waited on from inside the engine loop (a "
+                "completion callback); that would deadlock. Wait from another thread.")
         if threading.current_thread() is self._thread:
             return future.wait_event(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -284,6 +291,7 @@ class Engine:
                         woke = True
                         self._transport.wake()  # a holder blocked in poll() lets go sooner
                     continue
+                self._owner = threading.get_ident()
                 try:
                     while not future.done() and not self._closed.is_set():
                         left = None if deadline is None else deadline - time.monotonic()
@@ -292,6 +300,7 @@ class Engine:
                         self._step(_HOUSEKEEPING if left is None else min(left, _HOUSEKEEPING),
                                    future)
                 finally:
+                    self._owner = None
                     self._drive.release()
             return True
         finally:
@@ -324,8 +333,12 @@ class Engine:
             with self._drive:
                 if self._drivers and self._shutdown_deadline is None:
                     continue
-                if not self._closed.is_set():
-                    self._step(0 if can_wait or tick else _HOUSEKEEPING)
+                self._owner = threading.get_ident()
+                try:
+                    if not self._closed.is_set():
+                        self._step(0 if can_wait or tick else _HOUSEKEEPING)
+                finally:
+                    self._owner = None
 
     def _step(self, timeout: float | None, until: OpFuture | None = None) -> None:
         """One turn of the loop; the caller holds ``_drive``.  ``timeout=None``: start
