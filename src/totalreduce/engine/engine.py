@@ -32,8 +32,6 @@ import time
 from collections import deque
 from typing import Any
 
-import numpy as np
-
 from ..config import Config
 from ..exceptions import (
     OpTimeoutError,
@@ -45,6 +43,7 @@ from ..exceptions import (
 from ..transport.base import Outgoing, Transport
 from ..transport.wire import DTYPES, FLAG_CREDITED, HEADER_SIZE, Header, Kind
 from .mismatch import MismatchRecord, decode_view, encode_view
+from .opstate import DoneSet, FloatingBody, LiveOp, QueuedMsg, Route
 from .payload import OpFuture, OpKey, OpSpec
 from .reducer import ReduceThread, ScratchPool, reduce_into
 from .schedule import COPY, Recv, Send
@@ -52,101 +51,6 @@ from .schedule import COPY, Recv, Send
 logger = logging.getLogger(__name__)
 
 _HOUSEKEEPING = 0.25
-
-
-class _Op:
-    """Live state of one submitted op."""
-
-    __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
-                 "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
-                 "source_bytes", "itemsize", "left", "held")
-
-    def __init__(self, spec: OpSpec, future: OpFuture) -> None:
-        self.spec = spec
-        self.future = future
-        self.recvs_left = len(spec.schedule.recvs)
-        self.sends_left = spec.schedule.n_sends
-        self.got: set[tuple[int, int, int]] = set()
-        self.pending_from = spec.schedule.expected_from()
-        self.ready_peers: set[int] = set()
-        self.t_start = time.monotonic()
-        self.warned = False
-        self.finished = False
-        self.mismatch: MismatchRecord | None = None
-        self.itemsize = spec.work.itemsize
-        self.work_bytes = _bytes_view(spec.work)
-        self.source_bytes = _bytes_view(spec.source)
-        self.left: set[tuple[int, int, int]] = set()  # sends gone: (peer, step, piece)
-        self.held: list[tuple[tuple[int, int, int], Recv, Any, bool]] = []
-
-    def region(self, lo: int, hi: int, from_source: bool = False) -> memoryview:
-        view = self.source_bytes if from_source else self.work_bytes
-        return view[lo * self.itemsize:hi * self.itemsize]
-
-
-def _bytes_view(arr: np.ndarray | None) -> memoryview:
-    # An empty writable view for empty arrays, so zero-byte pieces need no special case.
-    if arr is None or arr.size == 0:
-        return memoryview(bytearray(0))
-    return memoryview(arr).cast("B")
-
-
-class _Msg:
-    __slots__ = ("op", "send")
-
-    def __init__(self, op: _Op, send: Send) -> None:
-        self.op = op
-        self.send = send
-
-
-class _Route:
-    """Where the body of the message being received from one peer is going."""
-
-    __slots__ = ("what", "op", "recv", "buf", "charge")
-
-    def __init__(self, what: str, op: _Op | None = None, recv: Recv | None = None,
-                 buf: Any = None, charge: int = 0) -> None:
-        self.what = what
-        self.op = op
-        self.recv = recv
-        self.buf = buf
-        self.charge = charge
-
-
-class _Floating:
-    __slots__ = ("src", "header", "buf", "charge")
-
-    def __init__(self, src: int, header: Header, buf: bytearray, charge: int) -> None:
-        self.src = src
-        self.header = header
-        self.buf = buf
-        self.charge = charge
-
-
-class _DoneSet:
-    """Which call counts of each name have finished here (a watermark plus stragglers)."""
-
-    def __init__(self) -> None:
-        self._low: dict[int, int] = {}
-        self._above: dict[int, set[int]] = {}
-
-    def add(self, key: OpKey) -> None:
-        name, seq = key
-        low = self._low.get(name, 0)
-        if seq < low:
-            return
-        above = self._above.setdefault(name, set())
-        above.add(seq)
-        while low in above:
-            above.discard(low)
-            low += 1
-        self._low[name] = low
-        if not above:
-            del self._above[name]
-
-    def __contains__(self, key: OpKey) -> bool:
-        name, seq = key
-        return seq < self._low.get(name, 0) or seq in self._above.get(name, ())
 
 
 class Engine:
@@ -161,21 +65,21 @@ class Engine:
         self._budget = config.floating_cap // max(1, self.size - 1)
         self._commands: deque[tuple[str, Any, Any]] = deque()
         self._completions: deque[Any] = deque()
-        self._active: dict[OpKey, _Op] = {}
-        self._done = _DoneSet()
-        self._floating: dict[OpKey, list[_Floating]] = {}
+        self._active: dict[OpKey, LiveOp] = {}
+        self._done = DoneSet()
+        self._floating: dict[OpKey, list[FloatingBody]] = {}
         self.floating_bytes = 0
         self.floating_peak = 0
         self._early_ready: dict[OpKey, set[int]] = {}
         self._mismatches: dict[OpKey, MismatchRecord] = {}
         peers = [p for p in range(self.size) if p != self.rank]
-        self._heaps: dict[int, list[tuple[int, int, _Msg]]] = {p: [] for p in peers}
-        self._parked: dict[int, dict[OpKey, list[_Msg]]] = {p: {} for p in peers}
+        self._heaps: dict[int, list[tuple[int, int, QueuedMsg]]] = {p: [] for p in peers}
+        self._parked: dict[int, dict[OpKey, list[QueuedMsg]]] = {p: {} for p in peers}
         self._control: dict[int, deque[tuple[Header, bytes | None]]] = {
             p: deque() for p in peers}
         self._credit = dict.fromkeys(peers, self._budget)
         self._owed = dict.fromkeys(peers, 0)
-        self._routes: dict[int, _Route] = {}
+        self._routes: dict[int, Route] = {}
         self._gone: set[int] = set()
         self._bye: set[int] = set()
         self._tiebreak = itertools.count()
@@ -429,7 +333,7 @@ class Engine:
                                "submitted it (TOTALREDUCE_STALL_WARNING=%g)", self.rank,
                                op.spec.label, waited, self._waiting_on(op), cfg.stall_warning)
 
-    def _waiting_on(self, op: _Op) -> str:
+    def _waiting_on(self, op: LiveOp) -> str:
         ranks = sorted(p for p, left in op.pending_from.items() if left > 0)
         if not ranks:
             return "all data arrived; its last sends are still leaving this rank"
@@ -446,7 +350,7 @@ class Engine:
             future.resolve(TotalReduceError(
                 f"rank {self.rank}: {spec.label} was submitted twice (internal error)"))
             return
-        op = _Op(spec, future)
+        op = LiveOp(spec, future)
         needed = set(op.pending_from) | {s.peer for s in spec.schedule.first}
         gone = sorted(needed & self._gone)
         if gone:
@@ -484,19 +388,19 @@ class Engine:
             self._queue(op, send)
         self._check_done(op)
 
-    def _queue(self, op: _Op, send: Send) -> None:
+    def _queue(self, op: LiveOp, send: Send) -> None:
         heapq.heappush(self._heaps[send.peer],
-                       (-op.spec.priority, next(self._tiebreak), _Msg(op, send)))
+                       (-op.spec.priority, next(self._tiebreak), QueuedMsg(op, send)))
         self._transport.want_send(send.peer)
 
-    def _check_done(self, op: _Op) -> None:
+    def _check_done(self, op: LiveOp) -> None:
         if op.recvs_left == 0 and op.sends_left == 0 and not op.finished:
             op.finished = True
             del self._active[op.spec.key]
             self._done.add(op.spec.key)
             op.future.resolve(None)
 
-    def _fail(self, op: _Op, error: BaseException) -> None:
+    def _fail(self, op: LiveOp, error: BaseException) -> None:
         if op.finished:
             return
         op.finished = True
@@ -569,7 +473,7 @@ class Engine:
         return owed
 
     def sent(self, peer: int, token: object) -> None:
-        if isinstance(token, _Msg) and not token.op.finished:
+        if isinstance(token, QueuedMsg) and not token.op.finished:
             op = token.op
             op.sends_left -= 1
             send = token.send
@@ -600,10 +504,10 @@ class Engine:
         if header.kind != Kind.DATA:
             if n > (64 << 10):
                 # Control bodies are small JSON/text; anything bigger is not ours to keep.
-                self._routes[peer] = _Route("discard")
+                self._routes[peer] = Route("discard")
                 return self._discard_view(n)
             buf = bytearray(n)
-            self._routes[peer] = _Route("control", buf=buf)
+            self._routes[peer] = Route("control", buf=buf)
             return memoryview(buf)
         charge = max(n, HEADER_SIZE) if header.flags & FLAG_CREDITED else 0
         key = header.op_key
@@ -611,19 +515,19 @@ class Engine:
         if op is not None:
             recv = self._check_message(op, peer, header)
             if recv is None:
-                self._routes[peer] = _Route("discard", charge=charge)
+                self._routes[peer] = Route("discard", charge=charge)
                 return self._discard_view(n)
             if recv.mode == COPY:
-                self._routes[peer] = _Route("direct", op, recv, charge=charge)
+                self._routes[peer] = Route("direct", op, recv, charge=charge)
                 return op.region(recv.lo, recv.hi)
             buf = self._scratch.get(n)
-            self._routes[peer] = _Route("reduce", op, recv, buf, charge)
+            self._routes[peer] = Route("reduce", op, recv, buf, charge)
             return memoryview(buf)
         if key in self._done or self._broken is not None:
-            self._routes[peer] = _Route("discard", charge=charge)
+            self._routes[peer] = Route("discard", charge=charge)
             return self._discard_view(n)
         buf = self._scratch.get(n)  # pooled: a fresh 1 MiB bytearray costs page faults
-        self._routes[peer] = _Route("float", buf=buf, charge=charge)
+        self._routes[peer] = Route("float", buf=buf, charge=charge)
         self.floating_bytes += charge
         self.floating_peak = max(self.floating_peak, self.floating_bytes)
         return memoryview(buf)
@@ -633,7 +537,7 @@ class Engine:
             self._discard = bytearray(n)
         return memoryview(self._discard)[:n]
 
-    def _check_message(self, op: _Op, peer: int, header: Header) -> Recv | None:
+    def _check_message(self, op: LiveOp, peer: int, header: Header) -> Recv | None:
         """The schedule entry this message fills, or None (after starting a mismatch)."""
         if op.mismatch is not None:
             return None
@@ -668,7 +572,7 @@ class Engine:
         self._mismatches[spec.key] = record
         return record
 
-    def _join_mismatch(self, op: _Op, record: MismatchRecord, fail_now: bool) -> None:
+    def _join_mismatch(self, op: LiveOp, record: MismatchRecord, fail_now: bool) -> None:
         op.mismatch = record
         record.label = op.spec.label
         record.add(self.rank, {k: v for k, v in op.spec.describe.items() if k != "name"})
@@ -704,7 +608,7 @@ class Engine:
             else:
                 self._reduce(op, rkey, route.recv, route.buf, what == "reduce")
         elif what == "float":
-            item = _Floating(peer, header, route.buf, route.charge)
+            item = FloatingBody(peer, header, route.buf, route.charge)
             key = header.op_key
             op = self._active.get(key)
             if op is None and key not in self._done:
@@ -738,7 +642,7 @@ class Engine:
             if self._owed[peer] >= max(1, self._budget // 4):
                 self._transport.want_send(peer)
 
-    def _apply_floating(self, op: _Op, item: _Floating) -> None:
+    def _apply_floating(self, op: LiveOp, item: FloatingBody) -> None:
         recv = self._check_message(op, item.src, item.header)
         if recv is None:
             return
@@ -750,7 +654,7 @@ class Engine:
         else:
             self._reduce(op, rkey, recv, item.buf, True)
 
-    def _reduce(self, op: _Op, rkey: tuple[int, int, int], recv: Recv, buf: bytearray,
+    def _reduce(self, op: LiveOp, rkey: tuple[int, int, int], recv: Recv, buf: bytearray,
                 pooled: bool) -> None:
         op.got.add(rkey)
         if recv.after and not op.left.issuperset(recv.after):
@@ -784,11 +688,11 @@ class Engine:
             return
         self._after_recv(op, rkey, recv)
 
-    def _apply(self, op: _Op, rkey: tuple[int, int, int], recv: Recv) -> None:
+    def _apply(self, op: LiveOp, rkey: tuple[int, int, int], recv: Recv) -> None:
         op.got.add(rkey)
         self._after_recv(op, rkey, recv)
 
-    def _after_recv(self, op: _Op, rkey: tuple[int, int, int], recv: Recv) -> None:
+    def _after_recv(self, op: LiveOp, rkey: tuple[int, int, int], recv: Recv) -> None:
         spec = op.spec
         if recv.final and spec.finalize is not None and recv.hi > recv.lo:
             spec.finalize(spec.work[recv.lo:recv.hi])

@@ -1,0 +1,109 @@
+"""The engine's bookkeeping records: a live op, a queued message, where an arriving body
+goes, a body that came before its op, and the set of finished ops."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..transport.wire import Header
+from .mismatch import MismatchRecord
+from .payload import OpFuture, OpKey, OpSpec
+from .schedule import Recv, Send
+
+
+class LiveOp:
+    """Live state of one submitted op."""
+
+    __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
+                 "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
+                 "source_bytes", "itemsize", "left", "held")
+
+    def __init__(self, spec: OpSpec, future: OpFuture) -> None:
+        self.spec = spec
+        self.future = future
+        self.recvs_left = len(spec.schedule.recvs)
+        self.sends_left = spec.schedule.n_sends
+        self.got: set[tuple[int, int, int]] = set()
+        self.pending_from = spec.schedule.expected_from()
+        self.ready_peers: set[int] = set()
+        self.t_start = time.monotonic()
+        self.warned = False
+        self.finished = False
+        self.mismatch: MismatchRecord | None = None
+        self.itemsize = spec.work.itemsize
+        self.work_bytes = bytes_view(spec.work)
+        self.source_bytes = bytes_view(spec.source)
+        self.left: set[tuple[int, int, int]] = set()  # sends gone: (peer, step, piece)
+        self.held: list[tuple[tuple[int, int, int], Recv, Any, bool]] = []
+
+    def region(self, lo: int, hi: int, from_source: bool = False) -> memoryview:
+        view = self.source_bytes if from_source else self.work_bytes
+        return view[lo * self.itemsize:hi * self.itemsize]
+
+
+def bytes_view(arr: np.ndarray | None) -> memoryview:
+    # An empty writable view for empty arrays, so zero-byte pieces need no special case.
+    if arr is None or arr.size == 0:
+        return memoryview(bytearray(0))
+    return memoryview(arr).cast("B")
+
+
+class QueuedMsg:
+    __slots__ = ("op", "send")
+
+    def __init__(self, op: LiveOp, send: Send) -> None:
+        self.op = op
+        self.send = send
+
+
+class Route:
+    """Where the body of the message being received from one peer is going."""
+
+    __slots__ = ("what", "op", "recv", "buf", "charge")
+
+    def __init__(self, what: str, op: LiveOp | None = None, recv: Recv | None = None,
+                 buf: Any = None, charge: int = 0) -> None:
+        self.what = what
+        self.op = op
+        self.recv = recv
+        self.buf = buf
+        self.charge = charge
+
+
+class FloatingBody:
+    __slots__ = ("src", "header", "buf", "charge")
+
+    def __init__(self, src: int, header: Header, buf: bytearray, charge: int) -> None:
+        self.src = src
+        self.header = header
+        self.buf = buf
+        self.charge = charge
+
+
+class DoneSet:
+    """Which call counts of each name have finished here (a watermark plus stragglers)."""
+
+    def __init__(self) -> None:
+        self._low: dict[int, int] = {}
+        self._above: dict[int, set[int]] = {}
+
+    def add(self, key: OpKey) -> None:
+        name, seq = key
+        low = self._low.get(name, 0)
+        if seq < low:
+            return
+        above = self._above.setdefault(name, set())
+        above.add(seq)
+        while low in above:
+            above.discard(low)
+            low += 1
+        self._low[name] = low
+        if not above:
+            del self._above[name]
+
+    def __contains__(self, key: OpKey) -> bool:
+        name, seq = key
+        return seq < self._low.get(name, 0) or seq in self._above.get(name, ())
