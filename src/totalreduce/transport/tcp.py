@@ -142,12 +142,7 @@ class TcpTransport(Transport):
         # One batch per link: an async submit must return to the application quickly, and
         # whatever is left goes out from the next poll().
         self._pending.update(p for p, link in self._links.items() if link.blocked is not None)
-        peers = list(self._pending)
-        self._pending.clear()
-        for peer in peers:
-            link = self._links.get(peer)
-            if link is not None and not link.closed and not link.writing:
-                self._write(link, _BATCH_BYTES)
+        self._flush_pending(_BATCH_BYTES)
 
     def can_wait(self) -> bool:
         return True
@@ -230,13 +225,13 @@ class TcpTransport(Transport):
 
     # --- writing -------------------------------------------------------------------
 
-    def _flush_pending(self) -> None:
+    def _flush_pending(self, budget: int = _WRITE_BUDGET) -> None:
         peers = list(self._pending)
         self._pending.clear()  # a link whose write budget runs out puts itself back
         for peer in peers:
             link = self._links.get(peer)
             if link is not None and not link.closed and not link.writing:
-                self._write(link)
+                self._write(link, budget)
 
     def _fill(self, link: _Link) -> int:
         """Queue a batch of messages on ``link.out``; returns their bytes, ring included."""
