@@ -24,12 +24,14 @@ floating memory on any rank never exceeds the cap.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from ..config import Config
@@ -121,13 +123,9 @@ class Engine:
         self._commands.append(("submit", spec, future))
         if self._drive.acquire(blocking=False):
             # Start it here and now: no hand-off to the progress thread.
-            self._owner = threading.get_ident()
-            try:
+            with self._driving():
                 if not self._closed.is_set():
                     self._step(None)
-            finally:
-                self._owner = None
-                self._drive.release()
         else:
             self._transport.wake()  # whoever holds the lock picks the command up
         if not blocking:
@@ -176,8 +174,6 @@ class Engine:
             raise TotalReduceError(
                 f"rank {self.rank}: an op was waited on from inside the engine loop (a "
                 "completion callback); that would deadlock. Wait from another thread.")
-        if threading.current_thread() is self._thread:
-            return future.wait_event(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             self._drivers += 1
@@ -195,22 +191,28 @@ class Engine:
                         woke = True
                         self._transport.wake()  # a holder blocked in poll() lets go sooner
                     continue
-                self._owner = threading.get_ident()
-                try:
+                with self._driving():
                     while not future.done() and not self._closed.is_set():
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             return False
                         self._step(_HOUSEKEEPING if left is None else min(left, _HOUSEKEEPING),
                                    future)
-                finally:
-                    self._owner = None
-                    self._drive.release()
             return True
         finally:
             with self._idle:
                 self._drivers -= 1
             self._nudge()
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """Mark this thread as the loop's driver; releases ``_drive`` (already acquired)."""
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._owner = None
+            self._drive.release()
 
     def _run(self) -> None:
         """The progress thread: drives whenever work is in flight and no caller drives.
@@ -234,15 +236,12 @@ class Engine:
                 # Wait for I/O without the lock, so a caller can take over at any moment.
                 self._transport.wait(max(0.0, min(_HOUSEKEEPING,
                                                   self._next_check - time.monotonic())))
-            with self._drive:
+            self._drive.acquire()
+            with self._driving():
                 if self._drivers and self._shutdown_deadline is None:
                     continue
-                self._owner = threading.get_ident()
-                try:
-                    if not self._closed.is_set():
-                        self._step(0 if can_wait or tick else _HOUSEKEEPING)
-                finally:
-                    self._owner = None
+                if not self._closed.is_set():
+                    self._step(0 if can_wait or tick else _HOUSEKEEPING)
 
     def _step(self, timeout: float | None, until: OpFuture | None = None) -> None:
         """One turn of the loop; the caller holds ``_drive``.  ``timeout=None``: start
