@@ -61,12 +61,42 @@ def test_wraps_and_blocks_until_the_reader_releases() -> None:
             assert off + size <= cap
             in_flight.append((off, body))
             sent += 1
+            if rng.random() < 0.3:  # the reader sometimes catches up: the ring empties
+                for o, b in in_flight:
+                    assert bytes(reader.body(o, len(b))) == b
+                    reader.release(o, len(b))
+                    received += 1
+                in_flight.clear()
         for o, b in in_flight:
             assert bytes(reader.body(o, len(b))) == b
             reader.release(o, len(b))
             received += 1
         assert received == sent == 500
         assert not writer.fits(cap // 2 + 1) and writer.fits(cap // 2)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_an_empty_ring_starts_again_at_offset_zero() -> None:
+    # Reusing the first slots keeps them in cache; the reader must follow the jump.
+    cap = 1000
+    writer = RingWriter(cap)
+    reader = RingReader(writer.name, cap)
+    writer.unlink()
+    try:
+        assert writer.put(memoryview(b"a" * 300)) == 0
+        assert writer.put(memoryview(b"b" * 200)) == 300
+        reader.release(0, 300)
+        assert writer.put(memoryview(b"c" * 100)) == 500  # not empty yet: no jump
+        reader.release(300, 200)
+        reader.release(500, 100)
+        assert writer.put(memoryview(b"d" * 400)) == 0
+        assert bytes(reader.body(0, 400)) == b"d" * 400
+        reader.release(0, 400)
+        assert writer.put(memoryview(b"e" * 500)) == 0
+        assert writer.put(memoryview(b"f" * 500)) == 500
+        assert writer.put(memoryview(b"g" * 1)) is None  # full until the reader frees
     finally:
         reader.close()
         writer.close()
