@@ -49,13 +49,15 @@ def test_reduce_thread_matches_numpy() -> None:
     _check(result, 3, "shm")
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_tiny_shared_memory_ring_wraps_and_fills(n: int) -> None:
+@pytest.mark.parametrize(("n", "segment"), [(2, 4096), (3, 4096), (2, 40000)])
+def test_tiny_shared_memory_ring_wraps_and_fills(n: int, segment: int) -> None:
     # A 16 KiB ring holds at most two or three 4 KiB bodies: writers keep finding it full
     # and wrapping around, while every result must still match numpy.  Every allreduce
     # takes the ring algorithm here (the shm variant of the test above covers doubling).
+    # 40000-byte pieces do not fit in one record: they travel as chunks.
     result = run_ok(n, "workers:check_collectives", {},
-                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096", "TOTALREDUCE_SMALL_BYTES": "0",
+                    env={"TOTALREDUCE_SEGMENT_BYTES": str(segment),
+                         "TOTALREDUCE_SMALL_BYTES": "0",
                          "TOTALREDUCE_SHM_BYTES": str(16 << 10)}, timeout=150)
     _check(result, n, "shm")
 

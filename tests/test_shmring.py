@@ -1,4 +1,5 @@
-"""The shared-memory ring on its own: placement, wrap-around, back-pressure, hygiene."""
+"""The shared-memory message ring on its own: records, wrap-around, back-pressure, the
+doorbell flags, hygiene."""
 
 from __future__ import annotations
 
@@ -9,9 +10,32 @@ import numpy as np
 import pytest
 
 from totalreduce.transport.shmring import RingReader, RingWriter, shm_available
-from totalreduce.transport.wire import FLAG_RING, Header, Kind, in_ring, unpack_header
+from totalreduce.transport.wire import (
+    FLAG_CHUNKED,
+    FLAG_CREDITED,
+    Header,
+    Kind,
+    WireError,
+    unpack_header,
+    with_flag,
+)
 
-pytestmark = pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm")
+pytestmark = pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on x86-64")
+
+
+def _pair(cap: int) -> tuple[RingWriter, RingReader]:
+    writer = RingWriter(cap)
+    reader = RingReader(writer.name, cap)
+    writer.unlink()
+    return writer, reader
+
+
+def _data(step: int, n: int) -> bytes:
+    return Header(Kind.DATA, 6, 0, step, 1, 2, 3, 0, n, n // 4).pack()
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else 0
 
 
 def test_ring_file_is_private_and_gone_after_unlink() -> None:
@@ -24,8 +48,13 @@ def test_ring_file_is_private_and_gone_after_unlink() -> None:
         writer.unlink()
         assert not os.path.exists(writer.path)
         # Both ends still share the mapping after the name is gone.
-        off = writer.put(memoryview(b"abc"))
-        assert off == 0 and bytes(reader.body(0, 3)) == b"abc"
+        assert reader.next() is None and not reader.ready()
+        assert writer.post(_data(5, 3), memoryview(b"abc"))
+        assert reader.ready()
+        header, body = reader.next()
+        assert header.step == 5 and bytes(body) == b"abc"
+        reader.release()
+        assert reader.next() is None
         reader.close()
     finally:
         writer.unlink()
@@ -38,72 +67,116 @@ def test_reader_refuses_foreign_names() -> None:
             RingReader(name, 1 << 12)
 
 
-def test_wraps_and_blocks_until_the_reader_releases() -> None:
-    cap = 1000
-    writer = RingWriter(cap)
-    reader = RingReader(writer.name, cap)
-    writer.unlink()
+@pytest.mark.parametrize("cap", [4096, 8192, 65536])
+def test_records_come_out_whole_and_in_order(cap: int) -> None:
+    # Random sizes up to the largest record, the reader sometimes catching up (the writer
+    # then starts again at 0) and sometimes lagging until the ring is full (wrap-around).
+    writer, reader = _pair(cap)
     try:
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(cap)
         in_flight: list[tuple[int, bytes]] = []
         received = 0
-        sent = 0
-        for _ in range(500):
-            size = int(rng.integers(1, cap // 2 + 1))
-            body = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-            while (off := writer.put(memoryview(body))) is None:
-                # Full: the reader must free room, oldest first, and the writer then fits.
-                assert in_flight, "ring reported full with nothing in it"
-                o, b = in_flight.pop(0)
-                assert bytes(reader.body(o, len(b))) == b
-                reader.release(o, len(b))
-                received += 1
-            assert off + size <= cap
-            in_flight.append((off, body))
-            sent += 1
-            if rng.random() < 0.3:  # the reader sometimes catches up: the ring empties
-                for o, b in in_flight:
-                    assert bytes(reader.body(o, len(b))) == b
-                    reader.release(o, len(b))
-                    received += 1
-                in_flight.clear()
-        for o, b in in_flight:
-            assert bytes(reader.body(o, len(b))) == b
-            reader.release(o, len(b))
+
+        def take() -> None:
+            nonlocal received
+            record = reader.next()
+            assert record is not None
+            header, body = record
+            step, want = in_flight.pop(0)
+            assert header.step == step and bytes(body) == want
+            reader.release()
             received += 1
-        assert received == sent == 500
-        assert not writer.fits(cap // 2 + 1) and writer.fits(cap // 2)
+
+        for step in range(3000):
+            body = rng.integers(0, 256, int(rng.integers(0, writer.max_body + 1)),
+                                dtype=np.uint8).tobytes()
+            while not writer.post(_data(step, len(body)), memoryview(body)):
+                assert in_flight, "ring reported full with nothing in it"
+                take()
+            in_flight.append((step, body))
+            if rng.random() < 0.3:
+                while in_flight:
+                    take()
+        while in_flight:
+            take()
+        assert received == 3000 and reader.next() is None
     finally:
         reader.close()
         writer.close()
 
 
 def test_an_empty_ring_starts_again_at_offset_zero() -> None:
-    # Reusing the first slots keeps them in cache; the reader must follow the jump.
-    cap = 1000
-    writer = RingWriter(cap)
-    reader = RingReader(writer.name, cap)
-    writer.unlink()
+    # Reusing the first slots keeps them in cache; the reader follows the WRAP header.
+    writer, reader = _pair(4096)
     try:
-        assert writer.put(memoryview(b"a" * 300)) == 0
-        assert writer.put(memoryview(b"b" * 200)) == 300
-        reader.release(0, 300)
-        assert writer.put(memoryview(b"c" * 100)) == 500  # not empty yet: no jump
-        reader.release(300, 200)
-        reader.release(500, 100)
-        assert writer.put(memoryview(b"d" * 400)) == 0
-        assert bytes(reader.body(0, 400)) == b"d" * 400
-        reader.release(0, 400)
-        assert writer.put(memoryview(b"e" * 500)) == 0
-        assert writer.put(memoryview(b"f" * 500)) == 500
-        assert writer.put(memoryview(b"g" * 1)) is None  # full until the reader frees
+        assert writer.post(_data(0, 1000), memoryview(b"a" * 1000))
+        assert writer.post(_data(1, 1000), memoryview(b"b" * 1000))
+        body = reader.next()[1]
+        base = _address(body)
+        body.release()
+        reader.release()
+        body = reader.next()[1]
+        assert _address(body) == base + 1088  # 64 + 1000 bytes, padded to 64
+        body.release()
+        reader.release()
+        # Caught up: the next record goes to offset 0 again, not behind the last one.
+        assert writer.post(_data(2, 900), memoryview(b"c" * 900))
+        assert writer.post(_data(3, 10), memoryview(b"d" * 10))  # not caught up: behind
+        for step, want, at in ((2, b"c" * 900, base), (3, b"d" * 10, base + 1024)):
+            header, body = reader.next()
+            assert header.step == step and bytes(body) == want and _address(body) == at
+            body.release()
+            reader.release()
     finally:
         reader.close()
         writer.close()
 
 
-def test_ring_header_flag_and_offset() -> None:
-    h = Header(Kind.DATA, 6, 1, 3, 5, 6, 7, 8, 100, 200, 300)
-    u = unpack_header(in_ring(h.pack(), 123456))
-    assert u.flags == 1 | FLAG_RING and u.ring_offset == 123456
-    assert u._replace(flags=1, ring_offset=0) == h
+def test_full_ring_flags_the_writer_and_sleeping_flags_the_reader() -> None:
+    writer, reader = _pair(4096)
+    try:
+        assert not writer.reader_sleeping()
+        for slot in (0, 1):
+            reader.set_sleeping(slot, True)
+            assert writer.reader_sleeping()
+            reader.set_sleeping(slot, False)
+            assert not writer.reader_sleeping()
+        body = memoryview(b"x" * writer.max_body)
+        assert writer.post(_data(0, body.nbytes), body)
+        assert writer.post(_data(1, body.nbytes), body)
+        assert not writer.post(_data(2, body.nbytes), body)  # full: the writer now waits
+        reader.next()
+        assert reader.release() is True  # so the reader must ring the writer's doorbell
+        assert writer.post(_data(2, body.nbytes), body)
+        reader.next()
+        assert reader.release() is False
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_garbage_in_the_ring_is_a_wire_error() -> None:
+    writer, reader = _pair(4096)
+    try:
+        assert writer.post(_data(0, 8), memoryview(b"12345678"))
+        writer._m.data[:2] = 0  # the magic
+        with pytest.raises(WireError):
+            reader.next()
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_chunked_flag_and_empty_body() -> None:
+    writer, reader = _pair(4096)
+    try:
+        packed = with_flag(_data(7, 10000), FLAG_CHUNKED)
+        assert unpack_header(packed).flags == FLAG_CHUNKED
+        assert unpack_header(with_flag(packed, FLAG_CREDITED)).flags == FLAG_CHUNKED | 1
+        assert writer.post(packed)
+        header, body = reader.next()
+        assert header.nbytes == 10000 and body.nbytes == 0  # chunks follow separately
+        reader.release()
+    finally:
+        reader.close()
+        writer.close()

@@ -9,11 +9,12 @@ DESIGN.md).  Small messages are batched into one ``sendmsg``; headers are read t
 staging buffer so that many small messages cost one ``recv``; large bodies are read with
 ``recv_into`` straight into the destination the handler names, with no copy.
 
-Peers on the same host also get a shared-memory ring per direction (:mod:`.shmring`):
-bodies of at least ``_RING_MIN_BYTES`` are copied into the ring and only their header goes
-over the socket, so the kernel copies nothing and the receiver reduces straight out of the
-sender's slot.  The socket still carries every header, which keeps one ordering, one
-wake-up mechanism and one failure detector for both paths.
+Peers on the same host also get a shared-memory ring per direction (:mod:`.shmring`), and
+then every message between them, header and body, travels through the rings: no system
+call per message, and the receiver reduces straight out of the sender's slot.  Their
+socket stays open as a doorbell (one byte when the reader may be asleep, see shmring) and
+as the failure detector: a dead peer's socket ends, and what it wrote to the ring before
+is read first, so an orderly GOODBYE is never mistaken for a crash.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import selectors
 import socket
@@ -34,16 +36,16 @@ from typing import Any
 from ..exceptions import AuthenticationError
 from ..rendezvous.auth import client_handshake, recv_exact, server_handshake
 from .base import MessageHandler, Outgoing, Transport
-from .shmring import RingReader, RingWriter, shm_available
+from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .wire import (
-    FLAG_RING,
+    FLAG_CHUNKED,
     HEADER_SIZE,
     PROTOCOL_VERSION,
     Header,
     Kind,
     WireError,
-    in_ring,
     unpack_header,
+    with_flag,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,10 +55,21 @@ _BATCH_BYTES = 256 << 10
 _BATCH_MESSAGES = 64
 _READ_BUDGET = 2 << 20  # bytes read from one link per poll (ring bodies included)
 _WRITE_BUDGET = 2 << 20  # bytes written to one link per poll (ring bodies included)
-_RING_MIN_BYTES = 4096  # smaller bodies ride with their header in one sendmsg
 _SPIN = 50e-6  # busy-poll this long before a blocking select (see poll)
-_RING_RETRY = 0.001  # safety-net poll while a ring is full (RING_FREE normally wakes us)
-_RING_FREE = Header(Kind.RING_FREE).pack()
+# A thread waiting for its own op spins this long when every local rank can have a core
+# of its own (shared-memory peers reply within tens of us, a sleep+doorbell costs ~50 us).
+_SPIN_OWN_CORE = 2e-3
+_SPIN_SOCKET_EVERY = 16  # while spinning on rings, look at the sockets this seldom
+_RING_RETRY = 0.001  # safety-net poll while a ring is full (a doorbell normally wakes us)
+_RING_SLEEP = 0.02  # the longest nap with shared-memory peers (in case a doorbell is lost)
+_DOORBELL = b"\x01"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _tune(sock: socket.socket) -> None:
@@ -72,7 +85,7 @@ def _tune(sock: socket.socket) -> None:
 class _Link:
     __slots__ = ("peer", "sock", "out", "marks", "writing", "staging", "rstart", "rend",
                  "header", "body", "body_off", "goodbye", "closed", "ring_out", "ring_in",
-                 "blocked")
+                 "blocked", "chunk_off")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
@@ -91,6 +104,7 @@ class _Link:
         self.ring_out: RingWriter | None = None
         self.ring_in: RingReader | None = None
         self.blocked: Outgoing | None = None  # waiting for room in ring_out
+        self.chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
 
 
 class TcpTransport(Transport):
@@ -104,8 +118,16 @@ class TcpTransport(Transport):
         self.size = size
         self._links = {p: _Link(p, s) for p, s in socks.items()}
         for peer, (ring_out, ring_in) in (rings or {}).items():
-            self._links[peer].ring_out = ring_out
-            self._links[peer].ring_in = ring_in
+            if ring_out is not None and ring_in is not None:
+                self._links[peer].ring_out = ring_out
+                self._links[peer].ring_in = ring_in
+            else:  # one direction only: the socket carries both (see _share_rings)
+                for ring in (ring_out, ring_in):
+                    if ring is not None:
+                        ring.close()
+        self._ring_links = [link for link in self._links.values() if link.ring_in]
+        local = len(self._ring_links) + 1
+        self._spin = _SPIN_OWN_CORE if self._ring_links and local <= _cores() else _SPIN
         self._acceptor = acceptor
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -135,8 +157,8 @@ class TcpTransport(Transport):
                    if not link.closed)
 
     def ring_peers(self) -> list[int]:
-        """Peers whose bodies travel through shared memory (in at least one direction)."""
-        return sorted(p for p, link in self._links.items() if link.ring_out or link.ring_in)
+        """Peers whose messages travel through shared memory."""
+        return sorted(link.peer for link in self._ring_links)
 
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
@@ -159,20 +181,49 @@ class TcpTransport(Transport):
         if self._ring_blocked():
             timeout = min(timeout, _RING_RETRY)
         try:
-            self._select(timeout)
+            self._select(timeout, slot=1)
         except (OSError, ValueError):
             return  # closed under us by the thread that holds the lock
 
-    def _select(self, timeout: float | None) -> list[tuple[Any, int]]:
+    def _rings_ready(self) -> bool:
+        for link in self._ring_links:
+            ring = link.ring_in
+            if ring is not None and ring.ready():
+                return True
+        return False
+
+    def _select(self, timeout: float | None, slot: int = 0) -> list[tuple[Any, int]]:
+        """Socket events, after spinning briefly and before sleeping; returns early when a
+        ring has a record (the caller drains the rings whatever this returns)."""
         events = self._selector.select(0)
-        if not events and timeout != 0:
-            # Spin briefly before sleeping: a blocked select() costs a scheduler wake-up
-            # (tens of us on a loaded host) on every hop of a small op's critical path.
-            spin_until = time.monotonic() + _SPIN
-            while not events and time.monotonic() < spin_until and not self._pending:
+        if events or timeout == 0 or self._rings_ready():
+            return events
+        # Spin before sleeping: a blocked select() costs a scheduler wake-up (tens of us on
+        # a loaded host) on every hop of a small op's critical path.  The progress thread
+        # (slot 1) spins briefly only: the application may want the GIL meanwhile.
+        spin_until = time.monotonic() + (self._spin if slot == 0 else _SPIN)
+        turns = 0
+        while time.monotonic() < spin_until and not self._pending:
+            if self._rings_ready():
+                return events
+            turns += 1
+            if turns % _SPIN_SOCKET_EVERY == 0 or not self._ring_links:
                 events = self._selector.select(0)
-            if not events:
+                if events:
+                    return events
+        rings = self._ring_links
+        if rings:
+            timeout = _RING_SLEEP if timeout is None else min(timeout, _RING_SLEEP)
+            for link in rings:
+                if link.ring_in is not None:
+                    link.ring_in.set_sleeping(slot, True)
+        try:
+            if not (rings and self._rings_ready()):
                 events = self._selector.select(timeout)
+        finally:
+            for link in rings:
+                if link.ring_in is not None:
+                    link.ring_in.set_sleeping(slot, False)
         return events
 
     def poll(self, timeout: float | None) -> None:
@@ -190,9 +241,15 @@ class TcpTransport(Transport):
                     self._wake_r.recv(4096)
                 continue
             if mask & selectors.EVENT_READ and not link.closed:
-                self._read(link)
+                if link.ring_in is not None:
+                    self._read_doorbells(link)
+                else:
+                    self._read(link)
             if mask & selectors.EVENT_WRITE and not link.closed:
                 self._write(link)
+        for link in self._ring_links:
+            if not link.closed:
+                self._read_ring(link)
         self._flush_pending()
 
     def close(self) -> None:
@@ -213,6 +270,7 @@ class TcpTransport(Transport):
                 link.sock.close()
         with contextlib.suppress(Exception):
             self._selector.close()
+        self._ring_links = []
         for link in self._links.values():
             link.blocked = None
             for ring in (link.ring_out, link.ring_in):
@@ -234,27 +292,15 @@ class TcpTransport(Transport):
                 self._write(link, budget)
 
     def _fill(self, link: _Link) -> int:
-        """Queue a batch of messages on ``link.out``; returns their bytes, ring included."""
+        """Queue a batch of messages on ``link.out``; returns their bytes."""
         assert self._handler is not None
         total = 0
         count = 0
-        ring = link.ring_out
         while total < _BATCH_BYTES and count < _BATCH_MESSAGES:
-            msg = link.blocked
-            link.blocked = None
+            msg = self._handler.next_outgoing(link.peer)
             if msg is None:
-                msg = self._handler.next_outgoing(link.peer)
-                if msg is None:
-                    break
+                break
             header, body = msg.header, msg.body
-            if ring is not None and body is not None and body.nbytes >= _RING_MIN_BYTES \
-                    and ring.fits(body.nbytes):
-                offset = ring.put(body)
-                if offset is None:
-                    link.blocked = msg  # retried on RING_FREE or the next _RING_RETRY
-                    break
-                total += body.nbytes
-                header, body = in_ring(header, offset), None
             size = len(header)
             link.out.append(memoryview(header))
             if body is not None and body.nbytes:
@@ -267,6 +313,9 @@ class TcpTransport(Transport):
 
     def _write(self, link: _Link, budget: int = _WRITE_BUDGET) -> None:
         assert self._handler is not None
+        if link.ring_out is not None:
+            self._write_ring(link, budget)
+            return
         while True:
             if not link.out:
                 if budget <= 0:
@@ -315,6 +364,70 @@ class TcpTransport(Transport):
                 left = 0
         # Zero-byte tail messages cannot exist: every message has a 64-byte header.
 
+    def _write_ring(self, link: _Link, budget: int) -> None:
+        """Post messages into the shared-memory ring until it is full, the handler has
+        none, or ``budget`` bytes went in; then ring the reader's doorbell if needed."""
+        assert self._handler is not None and link.ring_out is not None
+        ring = link.ring_out
+        posted = 0
+        while True:
+            msg = link.blocked
+            if msg is None:
+                if budget - posted <= 0:
+                    self._pending.add(link.peer)  # the rest on the next poll()
+                    break
+                msg = self._handler.next_outgoing(link.peer)
+                if msg is None:
+                    break
+            body = msg.body
+            n = 0 if body is None else body.nbytes
+            if n <= ring.max_body:
+                if not ring.post(msg.header, body):
+                    link.blocked = msg  # retried on a doorbell or the next _RING_RETRY
+                    break
+                posted += HEADER_SIZE + n
+            else:
+                done = self._post_chunks(link, msg)
+                posted += done
+                if link.blocked is not None:
+                    break
+            link.blocked = None
+            self._handler.sent(link.peer, msg.token)
+        if posted and ring.reader_sleeping():
+            self._ring_doorbell(link)
+
+    def _post_chunks(self, link: _Link, msg: Outgoing) -> int:
+        """Post a body bigger than a ring record: the header, then as many CHUNK records as
+        fit.  Leaves ``msg`` in ``link.blocked`` until the last one is in."""
+        ring = link.ring_out
+        assert ring is not None and msg.body is not None
+        body = msg.body
+        posted = 0
+        if link.chunk_off < 0:
+            if not ring.post(with_flag(msg.header, FLAG_CHUNKED)):
+                link.blocked = msg
+                return posted
+            link.chunk_off = 0
+            posted += HEADER_SIZE
+        while link.chunk_off < body.nbytes:
+            piece = body[link.chunk_off:link.chunk_off + ring.max_body]
+            if not ring.post(Header(Kind.RING_CHUNK, nbytes=piece.nbytes).pack(), piece):
+                link.blocked = msg
+                return posted
+            link.chunk_off += piece.nbytes
+            posted += HEADER_SIZE + piece.nbytes
+        link.chunk_off = -1
+        link.blocked = None
+        return posted
+
+    def _ring_doorbell(self, link: _Link) -> None:
+        try:
+            link.sock.send(_DOORBELL)
+        except (BlockingIOError, InterruptedError):
+            pass  # the socket is full of unread doorbells: the peer wakes anyway
+        except OSError as exc:
+            self._lost(link, f"send failed: {exc}")
+
     def _set_writing(self, link: _Link, on: bool) -> None:
         if link.writing == on or link.closed:
             return
@@ -350,7 +463,7 @@ class TcpTransport(Transport):
                     return
                 budget -= n
                 link.rend += n
-                budget -= self._parse(link)
+                self._parse(link)
         except (BlockingIOError, InterruptedError):
             return
         except WireError as exc:
@@ -358,23 +471,15 @@ class TcpTransport(Transport):
         except OSError as exc:
             self._lost(link, f"receive failed: {exc}")
 
-    def _parse(self, link: _Link) -> int:
-        """Handle every whole header in the staging buffer; returns the ring bytes read."""
+    def _parse(self, link: _Link) -> None:
+        """Handle every whole header in the staging buffer."""
         assert self._handler is not None
         staging = link.staging
-        from_ring = 0
         while link.body is None and link.rend - link.rstart >= HEADER_SIZE:
             header = unpack_header(memoryview(staging)[link.rstart:link.rstart + HEADER_SIZE])
             link.rstart += HEADER_SIZE
             if header.kind == Kind.GOODBYE:
                 link.goodbye = True
-            if header.flags & FLAG_RING:
-                self._ring_deliver(link, header)
-                from_ring += header.nbytes
-                continue
-            if header.kind == Kind.RING_FREE:
-                self._pending.add(link.peer)
-                continue
             link.header = header
             dest = self._handler.body_buffer(link.peer, header)
             if dest.nbytes != header.nbytes:
@@ -387,19 +492,74 @@ class TcpTransport(Transport):
             link.body_off = avail
             if avail == header.nbytes:
                 self._deliver(link)
-        return from_ring
 
-    def _ring_deliver(self, link: _Link, header: Any) -> None:
+    def _read_doorbells(self, link: _Link) -> None:
+        """A shared-memory peer's socket carries only doorbells, then its end."""
+        try:
+            while True:
+                data = link.sock.recv(4096)
+                if not data:
+                    self._read_ring(link, None)  # what it wrote before it went
+                    self._eof(link)
+                    return
+                if data.strip(_DOORBELL):
+                    raise WireError("unexpected bytes on a shared-memory peer's socket")
+        except (BlockingIOError, InterruptedError):
+            return
+        except WireError as exc:
+            self._lost(link, f"corrupt stream: {exc}")
+        except OSError as exc:
+            self._read_ring(link, None)
+            self._lost(link, f"receive failed: {exc}")
+
+    def _read_ring(self, link: _Link, budget: int | None = _READ_BUDGET) -> None:
+        """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
+        worth per poll, None: all of them)."""
         assert self._handler is not None
         ring = link.ring_in
         if ring is None:
-            raise WireError("a ring message arrived on a link without a ring")
-        offset, n = header.ring_offset, header.nbytes
-        self._handler.received_view(link.peer, header, ring.body(offset, n))
-        if ring.release(offset, n):
-            link.out.append(memoryview(_RING_FREE))
-            link.marks.append([HEADER_SIZE, None])
-            self._pending.add(link.peer)
+            return
+        handler = self._handler
+        peer = link.peer
+        freed = False
+        try:
+            while budget is None or budget > 0:
+                record = ring.next()
+                if record is None:
+                    break
+                header, body = record
+                if budget is not None:
+                    budget -= HEADER_SIZE + header.nbytes
+                if link.body is not None:  # inside a chunked body
+                    left = link.body.nbytes - link.body_off
+                    if header.kind != Kind.RING_CHUNK or not 0 < header.nbytes <= left:
+                        raise WireError("a chunked body was interrupted")
+                    link.body[link.body_off:link.body_off + header.nbytes] = body
+                    link.body_off += header.nbytes
+                    freed |= ring.release()
+                    if link.body_off == link.body.nbytes:
+                        self._deliver(link)
+                elif header.kind == Kind.RING_CHUNK:
+                    raise WireError("a body chunk arrived without its header")
+                elif header.flags & FLAG_CHUNKED:
+                    freed |= ring.release()
+                    header = header._replace(flags=header.flags & ~FLAG_CHUNKED)
+                    dest = handler.body_buffer(peer, header)
+                    if dest.nbytes != header.nbytes:
+                        raise AssertionError("body_buffer returned a buffer of the wrong size")
+                    link.header, link.body, link.body_off = header, dest, 0
+                    if not header.nbytes:
+                        self._deliver(link)
+                else:
+                    if header.kind == Kind.GOODBYE:
+                        link.goodbye = True
+                    handler.received_view(peer, header, body)
+                    freed |= ring.release()
+        except WireError as exc:
+            self._lost(link, f"corrupt shared-memory ring: {exc}")
+            return
+        if freed and not link.closed:
+            self._ring_doorbell(link)  # its writer waits for room
 
     def _deliver(self, link: _Link) -> None:
         assert self._handler is not None and link.body is not None
@@ -416,6 +576,7 @@ class TcpTransport(Transport):
         if link.closed:
             return
         link.closed = True
+        self._ring_links = [other for other in self._ring_links if other is not link]
         with contextlib.suppress(Exception):
             self._selector.unregister(link.sock)
         with contextlib.suppress(OSError):
@@ -578,7 +739,7 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
     file after the last round whatever happened, so nothing outlives the set-up in
     /dev/shm.  A pair that fails any step falls back to the socket, with a warning.
     """
-    want = ring_bytes if ring_bytes > 0 and shm_available() else 0
+    want = ring_capacity(ring_bytes) if ring_bytes > 0 and shm_available() else 0
     me = {"host": _host_id(), "ring_bytes": want}
     for sock in socks.values():
         _send_json(sock, me)
@@ -589,7 +750,7 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
     try:
         for peer in local:
             try:
-                writers[peer] = RingWriter(ring_bytes)
+                writers[peer] = RingWriter(want)
             except OSError as exc:
                 logger.warning("rank %d: no shared-memory ring to rank %d: %s", rank, peer, exc)
             _send_json(socks[peer], {"ring": writers[peer].name if peer in writers else ""})
@@ -597,7 +758,7 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
             name = _recv_json(socks[peer]).get("ring")
             if name:
                 try:
-                    readers[peer] = RingReader(str(name), ring_bytes)
+                    readers[peer] = RingReader(str(name), want)
                 except (OSError, ValueError) as exc:
                     logger.warning("rank %d: cannot open rank %d's shared-memory ring: %s",
                                    rank, peer, exc)

@@ -17,16 +17,16 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x5452  # "TR"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
-# magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, ring_offset, nbytes, count,
+# magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, reserved, nbytes, count,
 # credit
 _HEADER = struct.Struct("<HBBBBHQQQIIQQQ")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
 
 FLAG_CREDITED = 1
-FLAG_RING = 2  # the body is in the shared-memory ring at ``ring_offset``, not on the socket
+FLAG_CHUNKED = 2  # shared-memory ring only: the body follows in RING_CHUNK records
 
 
 class Kind(enum.IntEnum):
@@ -36,7 +36,8 @@ class Kind(enum.IntEnum):
     MISMATCH = 4   # body: JSON description of the sender's view of a mismatched op
     ABORT = 5      # the job is broken; .step holds the lost rank + 1 (0: none), body: reason
     GOODBYE = 6    # orderly shutdown: EOF after this is not a failure
-    RING_FREE = 7  # transport-internal: "I freed room in the ring you were waiting on"
+    RING_WRAP = 7  # shared-memory ring only: the next record is at offset 0
+    RING_CHUNK = 8  # shared-memory ring only: the next piece of a FLAG_CHUNKED body
 
 
 # Codes are part of the wire format: never renumber.
@@ -78,7 +79,6 @@ class Header(NamedTuple):
     nbytes: int = 0
     count: int = 0
     credit: int = 0
-    ring_offset: int = 0
 
     @property
     def op_key(self) -> tuple[int, int]:
@@ -86,19 +86,17 @@ class Header(NamedTuple):
 
     def pack(self) -> bytes:
         return _HEADER.pack(MAGIC, self.kind, self.dtype, self.flags, 0, self.step,
-                            self.name_key, self.seq, self.sig, self.piece, self.ring_offset,
+                            self.name_key, self.seq, self.sig, self.piece, 0,
                             self.nbytes, self.count, self.credit)
 
 
 _FLAGS_AT = 4
-_RING_OFFSET_AT = 36
 
 
-def in_ring(header: bytes, offset: int) -> bytes:
-    """A packed header re-marked as having its body in the shared-memory ring."""
+def with_flag(header: bytes, flag: int) -> bytes:
+    """A packed header with one more flag set."""
     out = bytearray(header)
-    out[_FLAGS_AT] |= FLAG_RING
-    struct.pack_into("<I", out, _RING_OFFSET_AT, offset)
+    out[_FLAGS_AT] |= flag
     return bytes(out)
 
 
@@ -112,14 +110,13 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
     Raises:
         WireError: bad magic or unknown message kind.
     """
-    (magic, kind, dtype, flags, _pad, step, name_key, seq, sig, piece, ring_offset, nbytes,
+    (magic, kind, dtype, flags, _pad, step, name_key, seq, sig, piece, _reserved, nbytes,
      count, credit) = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic 0x{magic:04x} in message header")
     if kind not in _KINDS:
         raise WireError(f"unknown message kind {kind}")
-    return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit,
-                  ring_offset)
+    return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit)
 
 
 _KINDS = frozenset(int(k) for k in Kind)
