@@ -78,6 +78,19 @@ def test_lagging_rank_stays_under_floating_cap(transport: str) -> None:
     assert len(peaks) == 3 and max(peaks) <= cap and max(peaks) > 0, result.explain()
 
 
+@pytest.mark.parametrize("cap", [64 << 20, 4096])
+def test_ready_rides_on_data_unless_credit_runs_out(cap: int) -> None:
+    # With room to float, each rank's first DATA tells the peer it is ready: no READY
+    # messages at all.  With a 4 KiB cap every 40 KB body waits for the peer's READY, so
+    # both ranks must send one per op, or both would wait for each other forever.
+    result = run_ok(2, "workers:ready_messages", {"elems": 10001},
+                    env={"TOTALREDUCE_FLOATING_CAP": str(cap)}, timeout=60)
+    for r in range(2):
+        sent = [int(line.split()[2]) for line in result.lines(r)
+                if line.startswith("ready sent")]
+        assert sent == ([0] if cap > 4096 else [20]), result.explain()
+
+
 def test_priority_overtakes_big_op(transport: str) -> None:
     result = run_ok(2, "workers:priority", {}, timeout=90, transport=transport)
     assert all("small first: True" in result.lines(r) for r in range(2)), result.explain()

@@ -200,6 +200,22 @@ def out_of_order(arg: dict) -> None:
     print("out-of-order ok")
 
 
+def ready_messages(arg: dict) -> None:
+    """Allreduces submitted by both ranks at once; prints how many READY messages went."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    tr.barrier()
+    before = current().engine.stats()["ready_sent"]
+    for i in range(20):
+        x = data(i, rank, (arg["elems"],), np.float32)
+        want = reference_reduce([data(i, r, (arg["elems"],), np.float32) for r in range(n)],
+                                "Sum")
+        assert_same(tr.allreduce(x, op=tr.Sum, name=f"r{i}"), want, f"r{i}")
+    print("ready sent", current().engine.stats()["ready_sent"] - before)
+
+
 def lagging_rank(arg: dict) -> None:
     """Rank 0 starts a second late while the others race 200 ops ahead."""
     from totalreduce.runtime import current

@@ -43,7 +43,7 @@ from ..exceptions import (
     TransportClosedError,
 )
 from ..transport.base import Outgoing, Transport
-from ..transport.wire import DTYPES, FLAG_CREDITED, HEADER_SIZE, Header, Kind
+from ..transport.wire import DTYPES, FLAG_CREDITED, FLAG_READY, HEADER_SIZE, Header, Kind
 from .mismatch import MismatchRecord, decode_view, encode_view
 from .opstate import DoneSet, FloatingBody, LiveOp, QueuedMsg, Route
 from .payload import OpFuture, OpKey, OpSpec
@@ -72,6 +72,7 @@ class Engine:
         self._floating: dict[OpKey, list[FloatingBody]] = {}
         self.floating_bytes = 0
         self.floating_peak = 0
+        self.ready_sent = 0  # READY control messages (most ride on DATA instead)
         self._early_ready: dict[OpKey, set[int]] = {}
         self._mismatches: dict[OpKey, MismatchRecord] = {}
         peers = [p for p in range(self.size) if p != self.rank]
@@ -163,6 +164,7 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         return {"floating_bytes": self.floating_bytes, "floating_peak": self.floating_peak,
+                "ready_sent": self.ready_sent,
                 "floating_cap": self._config.floating_cap, "active_ops": len(self._active)}
 
     # --- the loop --------------------------------------------------------------------
@@ -378,14 +380,25 @@ class Engine:
                                   time.monotonic() + self._config.mismatch_grace)
             self._join_mismatch(op, record, fail_now=False)
             return
+        # A peer we send to right away learns that we are ready from that DATA message
+        # (FLAG_READY): one message fewer per op and peer.  The others get a READY now.
+        first_to = {send.peer for send in spec.schedule.first}
         for peer, left in op.pending_from.items():
-            if left > 0:
-                self._control[peer].append((Header(Kind.READY, name_key=key[0], seq=key[1]),
-                                            None))
-                self._transport.want_send(peer)
+            if left <= 0:
+                continue
+            if peer in first_to:
+                op.announce.add(peer)
+            else:
+                self._announce(op, peer)
         for send in spec.schedule.first:
             self._queue(op, send)
         self._check_done(op)
+
+    def _announce(self, op: LiveOp, peer: int) -> None:
+        key = op.spec.key
+        self.ready_sent += 1
+        self._control[peer].append((Header(Kind.READY, name_key=key[0], seq=key[1]), None))
+        self._transport.want_send(peer)
 
     def _queue(self, op: LiveOp, send: Send) -> None:
         heapq.heappush(self._heaps[send.peer],
@@ -453,9 +466,16 @@ class Engine:
                 charge = max(body.nbytes, HEADER_SIZE)
                 if self._credit[peer] < charge:
                     self._parked[peer].setdefault(op.spec.key, []).append(msg)
+                    if peer in op.announce:
+                        # Our DATA waits for the peer's READY: ours must not wait on it.
+                        op.announce.discard(peer)
+                        self._announce(op, peer)
                     continue
                 self._credit[peer] -= charge
                 flags = FLAG_CREDITED
+            if peer in op.announce:
+                op.announce.discard(peer)
+                flags |= FLAG_READY
             spec = op.spec
             header = Header(Kind.DATA, spec.dtype, flags, send.step, spec.key[0], spec.key[1],
                             spec.sig, send.piece, body.nbytes, spec.count,
@@ -592,6 +612,8 @@ class Engine:
         if header.credit:
             self._credit[peer] += header.credit
             self._unpark(peer)
+        if header.flags & FLAG_READY:
+            self._peer_ready(peer, header.op_key)
         route = self._routes.pop(peer)
         what = route.what
         if what in ("direct", "reduce", "reduce-view"):
@@ -705,12 +727,7 @@ class Engine:
         kind = header.kind
         key = header.op_key
         if kind == Kind.READY:
-            op = self._active.get(key)
-            if op is not None:
-                op.ready_peers.add(peer)
-                self._unpark(peer, key)
-            elif key not in self._done:
-                self._early_ready.setdefault(key, set()).add(peer)
+            self._peer_ready(peer, key)
         elif kind == Kind.MISMATCH:
             view = decode_view(body) or {"detail": "unreadable description"}
             op = self._active.get(key)
@@ -736,6 +753,14 @@ class Engine:
                                              f"job: {reason}"))
         elif kind == Kind.GOODBYE:
             self._bye.add(peer)
+
+    def _peer_ready(self, peer: int, key: OpKey) -> None:
+        op = self._active.get(key)
+        if op is not None:
+            op.ready_peers.add(peer)
+            self._unpark(peer, key)
+        elif key not in self._done:
+            self._early_ready.setdefault(key, set()).add(peer)
 
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         self._gone.add(peer)

@@ -19,7 +19,7 @@ class LiveOp:
 
     __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
                  "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
-                 "source_bytes", "itemsize", "left", "held")
+                 "source_bytes", "itemsize", "left", "held", "announce")
 
     def __init__(self, spec: OpSpec, future: OpFuture) -> None:
         self.spec = spec
@@ -29,6 +29,7 @@ class LiveOp:
         self.got: set[tuple[int, int, int]] = set()
         self.pending_from = spec.schedule.expected_from()
         self.ready_peers: set[int] = set()
+        self.announce: set[int] = set()  # peers whose READY rides on our first DATA to them
         self.t_start = time.monotonic()
         self.warned = False
         self.finished = False

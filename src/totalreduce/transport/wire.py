@@ -27,6 +27,7 @@ assert HEADER_SIZE == 64
 
 FLAG_CREDITED = 1
 FLAG_CHUNKED = 2  # shared-memory ring only: the body follows in RING_CHUNK records
+FLAG_READY = 4  # on DATA: the sender has submitted the op too (stands in for a READY)
 
 
 class Kind(enum.IntEnum):
