@@ -22,7 +22,7 @@ from .rendezvous import KVClient, KVServer, LaunchInfo, detect_launch, mpi_launc
 from .scheduling import SelfGuided
 from .transport.base import Transport
 from .transport.loopback import LoopbackTransport
-from .transport.tcp import connect_mesh
+from .transport.mesh import connect_mesh
 
 logger = logging.getLogger(__name__)
 

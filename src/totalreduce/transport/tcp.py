@@ -1,13 +1,12 @@
 """TCP transport: one authenticated, nonblocking connection per pair of ranks.
 
-Rank ``i`` dials every rank below it and accepts every rank above it; each connection
-begins with the mutual HMAC handshake of :mod:`.auth`, so a process without the job secret
-is logged and dropped while the job carries on.  After the handshake the sockets are
-nonblocking and driven by one selector loop, the engine's progress thread, which both
-sends and receives (a thread per direction costs a GIL hand-off per message: see
-DESIGN.md).  Small messages are batched into one ``sendmsg``; headers are read through a
-staging buffer so that many small messages cost one ``recv``; large bodies are read with
-``recv_into`` straight into the destination the handler names, with no copy.
+The connections are set up and authenticated by :func:`.mesh.connect_mesh`.  After the
+handshake the sockets are nonblocking and driven by one selector loop, whichever thread
+drives the engine, which both sends and receives (a thread per direction costs a GIL
+hand-off per message: see DESIGN.md).  Small messages are batched into one ``sendmsg``;
+headers are read through a staging buffer so that many small messages cost one ``recv``;
+large bodies are read with ``recv_into`` straight into the destination the handler names,
+with no copy.
 
 Peers on the same host also get a shared-memory ring per direction (:mod:`.shmring`), and
 then every message between them, header and body, travels through the rings: no system
@@ -20,27 +19,19 @@ is read first, so an orderly GOODBYE is never mistaken for a crash.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import random
 import selectors
 import socket
-import struct
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from ..exceptions import AuthenticationError
-from ..rendezvous.auth import client_handshake, recv_exact, server_handshake
 from .base import MessageHandler, Outgoing, Transport
-from .shmring import RingReader, RingWriter, ring_capacity, shm_available
+from .shmring import RingReader, RingWriter
 from .wire import (
     FLAG_CHUNKED,
     HEADER_SIZE,
-    PROTOCOL_VERSION,
     Header,
     Kind,
     WireError,
@@ -72,14 +63,8 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    # A peer whose host vanishes (no FIN, no RST) is noticed within ~25 s.
-    for opt, val in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, opt):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
 
 
 class _Link:
@@ -108,10 +93,10 @@ class _Link:
 
 
 class TcpTransport(Transport):
-    """See the module docstring.  Build it with :func:`connect_mesh`."""
+    """See the module docstring.  Build it with :func:`.mesh.connect_mesh`."""
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
-                 acceptor: _Acceptor | None,
+                 acceptor: _Stoppable | None,
                  rings: dict[int, tuple[RingWriter | None, RingReader | None]] | None = None
                  ) -> None:
         self.rank = rank
@@ -586,236 +571,3 @@ class TcpTransport(Transport):
         link.blocked = None
         if self._handler is not None:
             self._handler.peer_lost(link.peer, reason, orderly)
-
-
-# --- connection set-up ------------------------------------------------------------------
-
-
-class _Acceptor:
-    """Accepts on the listening socket for the transport's whole life.
-
-    Each connection is authenticated on its own short-lived thread, so a stranger that
-    connects and says nothing cannot delay real peers.  Connections that fail the
-    handshake, or claim a rank we do not expect, are logged and closed.
-    """
-
-    def __init__(self, listener: socket.socket, rank: int, size: int, secret: bytes,
-                 hello: dict[str, Any], timeout: float) -> None:
-        self._listener = listener
-        self._rank = rank
-        self._size = size
-        self._secret = secret
-        self._hello = hello
-        self._timeout = timeout
-        self._cond = threading.Condition()
-        self._accepted: dict[int, socket.socket] = {}
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="totalreduce-accept",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._authenticate, args=(sock, addr),
-                             name="totalreduce-handshake", daemon=True).start()
-
-    def _authenticate(self, sock: socket.socket, addr: Any) -> None:
-        try:
-            peer = server_handshake(sock, self._secret, self._hello, self._timeout)
-            prank = peer.get("rank")
-            problem = _check_hello(peer, self._hello)
-            if problem is None and not (isinstance(prank, int) and self._rank < prank
-                                        < self._size):
-                problem = f"rank {prank!r} is not one that dials rank {self._rank}"
-            with self._cond:
-                if problem is None and (prank in self._accepted or self._stopped):
-                    problem = f"rank {prank} is already connected"
-                if problem is None:
-                    sock.settimeout(None)
-                    self._accepted[prank] = sock
-                    self._cond.notify_all()
-                    return
-            raise AuthenticationError(problem)
-        except (AuthenticationError, OSError, ValueError) as exc:
-            logger.warning("rank %d: refused connection from %s: %s", self._rank, addr, exc)
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def wait_for(self, ranks: set[int], deadline: float) -> dict[int, socket.socket]:
-        with self._cond:
-            while not ranks <= set(self._accepted):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(ranks - set(self._accepted))
-                    raise TimeoutError(f"rank {self._rank}: ranks {missing} did not connect "
-                                       "in time")
-                self._cond.wait(min(left, 0.5))
-            return {r: self._accepted[r] for r in ranks}
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._listener.close()
-
-
-def _check_hello(peer: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    for key in ("protocol", "job", "size"):
-        if peer.get(key) != mine.get(key):
-            return f"{key} differs: peer has {peer.get(key)!r}, we have {mine.get(key)!r}"
-    return None
-
-
-def _dial(address: str, secret: bytes, hello: dict[str, Any], expect_rank: int,
-          deadline: float) -> socket.socket:
-    host, _, port = address.rpartition(":")
-    attempt = 0
-    last: BaseException | None = None
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise OSError(f"could not connect to rank {expect_rank} at {address} in time") \
-                from last
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=min(left, 10.0))
-        except OSError as exc:
-            last = exc
-            # Full-jitter backoff: many ranks dialling one that is not up yet spread out.
-            time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))
-            attempt += 1
-            continue
-        try:
-            _tune(sock)
-            peer = client_handshake(sock, secret, hello, min(max(left, 1.0), 30.0))
-        except BaseException:
-            sock.close()
-            raise
-        problem = _check_hello(peer, hello)
-        if problem is None and peer.get("rank") != expect_rank:
-            problem = f"expected rank {expect_rank}, found rank {peer.get('rank')!r}"
-        if problem is not None:
-            sock.close()
-            raise AuthenticationError(f"rank {hello['rank']}: {address}: {problem}")
-        sock.settimeout(None)
-        return sock
-
-
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
-    body = json.dumps(obj).encode()
-    sock.sendall(struct.pack("<I", len(body)) + body)
-
-
-def _recv_json(sock: socket.socket) -> dict[str, Any]:
-    (n,) = struct.unpack("<I", recv_exact(sock, 4))
-    if n > 4096:
-        raise AuthenticationError(f"set-up message of {n} bytes is too long")
-    obj = json.loads(recv_exact(sock, n))
-    if not isinstance(obj, dict):
-        raise AuthenticationError("set-up message is not a JSON object")
-    return obj
-
-
-def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
-                 ) -> dict[int, tuple[RingWriter | None, RingReader | None]]:
-    """Set up shared-memory rings with every peer on this host, over the fresh sockets.
-
-    Three rounds, each "send to all, then read from all" so none can deadlock: host
-    identities, ring names, and whether the name could be opened.  The writer unlinks its
-    file after the last round whatever happened, so nothing outlives the set-up in
-    /dev/shm.  A pair that fails any step falls back to the socket, with a warning.
-    """
-    want = ring_capacity(ring_bytes) if ring_bytes > 0 and shm_available() else 0
-    me = {"host": _host_id(), "ring_bytes": want}
-    for sock in socks.values():
-        _send_json(sock, me)
-    local = [p for p, sock in socks.items() if _recv_json(sock) == me and want]
-    writers: dict[int, RingWriter] = {}
-    readers: dict[int, RingReader] = {}
-    acks: dict[int, bool] = {}
-    try:
-        for peer in local:
-            try:
-                writers[peer] = RingWriter(want)
-            except OSError as exc:
-                logger.warning("rank %d: no shared-memory ring to rank %d: %s", rank, peer, exc)
-            _send_json(socks[peer], {"ring": writers[peer].name if peer in writers else ""})
-        for peer in local:
-            name = _recv_json(socks[peer]).get("ring")
-            if name:
-                try:
-                    readers[peer] = RingReader(str(name), want)
-                except (OSError, ValueError) as exc:
-                    logger.warning("rank %d: cannot open rank %d's shared-memory ring: %s",
-                                   rank, peer, exc)
-            _send_json(socks[peer], {"ok": peer in readers})
-        for peer in local:
-            acks[peer] = _recv_json(socks[peer]).get("ok") is True
-    except BaseException:
-        for ring in [*writers.values(), *readers.values()]:
-            ring.close()
-        raise
-    finally:
-        for writer in writers.values():
-            writer.unlink()
-    rings: dict[int, tuple[RingWriter | None, RingReader | None]] = {}
-    for peer in local:
-        writer = writers.get(peer)
-        if writer is not None and not acks[peer]:
-            writer.close()
-            writer = None
-        rings[peer] = (writer, readers.get(peer))
-    return rings
-
-
-def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: str,
-                 advertise_host: str, publish: Callable[[str], None],
-                 lookup: Callable[[int, float], str], timeout: float,
-                 ring_bytes: int = 0) -> TcpTransport:
-    """Connect this rank to every other rank and return the transport.
-
-    ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
-    returns another rank's (both come from the rendezvous store).  Peers on this host get
-    shared-memory rings of ``ring_bytes`` per direction (0: sockets only).
-
-    Raises:
-        OSError / TimeoutError: a peer could not be reached before ``timeout``.
-        AuthenticationError: a peer did not prove the job secret.
-    """
-    deadline = time.monotonic() + timeout
-    hello = {"protocol": PROTOCOL_VERSION, "job": job_id, "rank": rank, "size": size}
-    listener = socket.create_server((bind_host, 0), backlog=max(16, size))
-    acceptor = _Acceptor(listener, rank, size, secret, hello, min(timeout, 10.0))
-    try:
-        publish(f"{advertise_host}:{listener.getsockname()[1]}")
-        socks: dict[int, socket.socket] = {}
-        for peer in range(rank):
-            address = lookup(peer, max(0.0, deadline - time.monotonic()))
-            socks[peer] = _dial(address, secret, hello, peer, deadline)
-        accepted = acceptor.wait_for(set(range(rank + 1, size)), deadline)
-        for peer, sock in accepted.items():
-            _tune(sock)
-            socks[peer] = sock
-        for sock in socks.values():
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
-        rings = _share_rings(rank, socks, ring_bytes)
-        for sock in socks.values():
-            sock.settimeout(None)
-    except BaseException:
-        acceptor.stop()
-        raise
-    return TcpTransport(rank, size, socks, acceptor, rings)
