@@ -132,6 +132,39 @@ def test_an_empty_ring_starts_again_at_offset_zero() -> None:
         writer.close()
 
 
+def test_writer_starts_again_at_zero_once_the_first_bytes_are_free() -> None:
+    # The reader need not have caught up: once it is past the first record of the lap,
+    # a record that fits below it goes to offset 0, so the ring's footprint stays at what
+    # is in flight rather than the whole capacity.
+    writer, reader = _pair(8192)
+    try:
+        for step in range(3):
+            assert writer.post(_data(step, 1000), memoryview(bytes([65 + step]) * 1000))
+        header, body = reader.next()
+        base = _address(body)
+        body.release()
+        reader.release()  # records 1 and 2 are still unread
+        assert writer.post(_data(3, 1000), memoryview(b"D" * 1000))  # fits in 1088 bytes
+        # Behind it, this one would overwrite records 1 and 2: the ring is full for now.
+        assert not writer.post(_data(4, 2000), memoryview(b"E" * 2000))
+        seen = []
+
+        def drain() -> None:
+            while (record := reader.next()) is not None:
+                header, body = record
+                seen.append((header.step, bytes(body[:1]), _address(body) - base))
+                body.release()
+                reader.release()
+
+        drain()
+        assert writer.post(_data(4, 2000), memoryview(b"E" * 2000))
+        drain()
+        assert seen == [(1, b"B", 1088), (2, b"C", 2176), (3, b"D", 0), (4, b"E", 1088)]
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_full_ring_flags_the_writer_and_sleeping_flags_the_reader() -> None:
     writer, reader = _pair(4096)
     try:
@@ -144,12 +177,20 @@ def test_full_ring_flags_the_writer_and_sleeping_flags_the_reader() -> None:
         body = memoryview(b"x" * writer.max_body)
         assert writer.post(_data(0, body.nbytes), body)
         assert writer.post(_data(1, body.nbytes), body)
-        assert not writer.post(_data(2, body.nbytes), body)  # full: the writer now waits
+        assert not writer.post(_data(2, body.nbytes), body)  # full
+        assert not writer.room_changed()
         reader.next()
-        assert reader.release() is True  # so the reader must ring the writer's doorbell
+        assert reader.release() is False  # a spinning writer sees the tail move by itself
+        assert writer.room_changed()
         assert writer.post(_data(2, body.nbytes), body)
+        assert not writer.post(_data(3, body.nbytes), body)  # full again
+        writer.set_waiting(True)  # about to block: asks for a doorbell
+        assert not writer.room_changed()
         reader.next()
-        assert reader.release() is False
+        assert reader.release() is True  # so the reader rings the writer's doorbell
+        assert writer.room_changed()
+        reader.next()
+        assert reader.release() is False  # the flag was cleared with that doorbell
     finally:
         reader.close()
         writer.close()

@@ -171,11 +171,25 @@ class TcpTransport(Transport):
             return  # closed under us by the thread that holds the lock
 
     def _rings_ready(self) -> bool:
+        """Whether a ring has a record for us or has freed room for a message that found
+        it full."""
         for link in self._ring_links:
             ring = link.ring_in
             if ring is not None and ring.ready():
                 return True
+            if link.blocked is not None and link.ring_out is not None and \
+                    link.ring_out.room_changed():
+                return True
         return False
+
+    def _ask_for_room(self) -> list[_Link]:
+        """Before blocking: ask the readers of full rings for a doorbell when they free
+        room; returns those links."""
+        stuck = [link for link in self._ring_links
+                 if link.blocked is not None and link.ring_out is not None]
+        for link in stuck:
+            link.ring_out.set_waiting(True)  # type: ignore[union-attr]
+        return stuck
 
     def _select(self, timeout: float | None, slot: int = 0) -> list[tuple[Any, int]]:
         """Socket events, after spinning briefly and before sleeping; returns early when a
@@ -197,11 +211,13 @@ class TcpTransport(Transport):
                 if events:
                     return events
         rings = self._ring_links
+        stuck: list[_Link] = []
         if rings:
             timeout = _RING_SLEEP if timeout is None else min(timeout, _RING_SLEEP)
             for link in rings:
                 if link.ring_in is not None:
                     link.ring_in.set_sleeping(slot, True)
+            stuck = self._ask_for_room()
         try:
             if not (rings and self._rings_ready()):
                 events = self._selector.select(timeout)
@@ -209,6 +225,9 @@ class TcpTransport(Transport):
             for link in rings:
                 if link.ring_in is not None:
                     link.ring_in.set_sleeping(slot, False)
+            for link in stuck:
+                if link.ring_out is not None:
+                    link.ring_out.set_waiting(False)
         return events
 
     def poll(self, timeout: float | None) -> None:
@@ -235,6 +254,9 @@ class TcpTransport(Transport):
         for link in self._ring_links:
             if not link.closed:
                 self._read_ring(link)
+        self._pending.update(link.peer for link in self._ring_links
+                             if link.blocked is not None and link.ring_out is not None
+                             and link.ring_out.room_changed())
         self._flush_pending()
 
     def close(self) -> None:
