@@ -7,7 +7,7 @@ boolean spellings are rejected rather than guessed.
 =================================  ==============================================  =========
 env var                            meaning                                         default
 =================================  ==============================================  =========
-TOTALREDUCE_SEGMENT_BYTES          pipelining unit of large ops (bytes)            1 MiB
+TOTALREDUCE_SEGMENT_BYTES          pipelining unit of large ops (bytes)            2 MiB
 TOTALREDUCE_FLOATING_CAP           bytes this rank accepts for ops it has not      64 MiB
                                    submitted yet (split evenly between senders)
 TOTALREDUCE_REDUCE_THREAD_BYTES    pieces at least this big are reduced on the     -1
@@ -28,6 +28,11 @@ TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two 
                                    ranks on one host (tcp transport; 0 = off)
 =================================  ==============================================  =========
 
+Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
+machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-memory rings
+and over MPI, and no slower over TCP; at 4 ranks 16 and 64 MB ran 1.2-1.3x faster.  Fewer
+pieces means less Python work per byte, and a 2 MiB piece still fits in a core's L2.
+
 Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
 allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.13 GB/s with
 1 MiB pieces handed to the reduce thread (the hand-off costs a GIL switch per piece and the
@@ -47,7 +52,7 @@ _PREFIX = "TOTALREDUCE_"
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    segment_bytes: int = 1 << 20
+    segment_bytes: int = 2 << 20
     floating_cap: int = 64 << 20
     reduce_thread_bytes: int = -1
     stall_warning: float = 60.0
