@@ -31,7 +31,7 @@ TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two 
 Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
 machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-memory rings
 and over MPI, and no slower over TCP; at 4 ranks 16 and 64 MB ran 1.2-1.3x faster.  Fewer
-pieces means less Python work per byte, and a 2 MiB piece still fits in a core's L2.
+pieces means less Python work per byte; a piece is still no bigger than one core's L2 here.
 
 Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
 allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.13 GB/s with
