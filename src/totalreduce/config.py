@@ -21,7 +21,7 @@ TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's 
                                    view of a mismatched op before raising
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
                                    doubling (fewer hops), bigger ones the ring;
-                                   -1 = auto (1 MiB)
+                                   -1 = auto (2 MiB at 2 ranks, else 1 MiB)
 TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI    auto
                                    launcher and mpi4py imports, else tcp)
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    8 MiB

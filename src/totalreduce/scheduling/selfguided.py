@@ -165,9 +165,10 @@ class SelfGuided:
             # Auto: doubling (fewest hops) up to 1 MiB, the ring above.  At 2 ranks doubling
             # moves the same bytes as the ring, but each rank reduces the whole buffer and a
             # piece that arrives before our own send of it has left must be copied aside;
-            # the ring reduces half and never waits on itself (docs/BENCHMARKS.md has the
-            # measurements).
-            small = 1 << 20
+            # the ring reduces half and never waits on itself.  Up to 2 MiB at 2 ranks the
+            # ring's second hop costs more than that: doubling was 15-20% faster at 2 MB,
+            # even at 3-4 MB and slower from 6 MB (docs/BENCHMARKS.md).
+            small = 2 << 20 if self.size == 2 else 1 << 20
         if work.nbytes <= small:
             view = dict(view, algorithm="doubling")
             schedule = doubling_allreduce(self.rank, self.size, work.size, self._seg(dtype))
