@@ -177,10 +177,15 @@ class TcpTransport(Transport):
             ring = link.ring_in
             if ring is not None and ring.ready():
                 return True
-            if link.blocked is not None and link.ring_out is not None and \
-                    link.ring_out.room_changed():
+            if self._room_freed(link):
                 return True
         return False
+
+    @staticmethod
+    def _room_freed(link: _Link) -> bool:
+        """Whether the ring that ``link``'s blocked message did not fit in has room now."""
+        return link.blocked is not None and link.ring_out is not None and \
+            link.ring_out.room_changed()
 
     def _ask_for_room(self) -> list[_Link]:
         """Before blocking: ask the readers of full rings for a doorbell when they free
@@ -254,9 +259,7 @@ class TcpTransport(Transport):
         for link in self._ring_links:
             if not link.closed:
                 self._read_ring(link)
-        self._pending.update(link.peer for link in self._ring_links
-                             if link.blocked is not None and link.ring_out is not None
-                             and link.ring_out.room_changed())
+        self._pending.update(link.peer for link in self._ring_links if self._room_freed(link))
         self._flush_pending()
 
     def close(self) -> None:
