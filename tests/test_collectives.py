@@ -5,6 +5,7 @@ import os
 import pytest
 
 from harness import run_ok
+from totalreduce.transport.cma import cma_works
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,6 +61,28 @@ def test_tiny_shared_memory_ring_wraps_and_fills(n: int, segment: int) -> None:
                          "TOTALREDUCE_SMALL_BYTES": "0",
                          "TOTALREDUCE_SHM_BYTES": str(16 << 10)}, timeout=150)
     _check(result, n, "shm")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_lent_bodies_match_numpy(n: int) -> None:
+    # Every op lends its pieces (CMA_BYTES=1): the receivers copy them out of the senders'
+    # memory with process_vm_readv, in 128 KiB pieces, async and out of order.
+    result = run_ok(n, "workers:lent_bodies", {},
+                    env={"TOTALREDUCE_CMA_BYTES": "1",
+                         "TOTALREDUCE_SEGMENT_BYTES": str(128 << 10)}, timeout=150)
+    for r in range(n):
+        lent = [ln for ln in result.lines(r) if ln.startswith("lent ")]
+        assert len(lent) == 1, result.explain()
+        if cma_works():
+            assert int(lent[0].split()[1]) > 10, lent[0]
+
+
+def test_large_bodies_are_copied_when_lending_is_off() -> None:
+    result = run_ok(2, "workers:lent_bodies", {},
+                    env={"TOTALREDUCE_CMA_BYTES": "0",
+                         "TOTALREDUCE_SEGMENT_BYTES": str(128 << 10)}, timeout=150)
+    for r in range(2):
+        assert "lent 0 bodies" in result.lines(r), result.explain()
 
 
 def test_out_of_order_async_ops(transport: str) -> None:

@@ -200,6 +200,61 @@ def out_of_order(arg: dict) -> None:
     print("out-of-order ok")
 
 
+def lent_bodies(arg: dict) -> None:
+    """Large ops whose pieces are lent (read by the receiver out of the sender's memory):
+    every collective and dtype against numpy, async, each rank submitting in its own order
+    at its own times; prints how many bodies this rank lent."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    rng = random.Random(77 + rank)
+    jobs = [(i, dtype) for i, dtype in enumerate([np.float32, np.float64, np.int32,
+                                                  np.uint8, np.float16, np.int64] * 2)]
+    rng.shuffle(jobs)
+    handles = {}
+    for i, dtype in jobs:
+        time.sleep(rng.uniform(0, 0.01))
+        shape = (30011 + 977 * i, 3)  # odd row counts; pieces of at least 64 KiB
+        x = data(i, rank, shape, dtype)
+        kind = i % 5
+        name = f"big{i}"
+        if kind == 0:
+            handles[i] = tr.allreduce_async(x, op=tr.Sum, name=name)
+        elif kind == 1:
+            handles[i] = tr.allgather_async(x[: shape[0] - 5 * rank], name=name)
+        elif kind == 2:
+            handles[i] = tr.broadcast_async(x, root_rank=i % n, name=name)
+        elif kind == 3:
+            handles[i] = tr.alltoall_async(x, name=name)
+        else:
+            handles[i] = tr.reducescatter_async(x, op=tr.Max, name=name)
+    for i, dtype in sorted(jobs):
+        got = handles[i].wait(timeout=120)
+        shape = (30011 + 977 * i, 3)
+        ins = [data(i, r, shape, dtype) for r in range(n)]
+        rows = shape[0]
+        b = np.cumsum([0] + [rows // n + (1 if r < rows % n else 0) for r in range(n)])
+        kind = i % 5
+        what = f"big{i} {np.dtype(dtype)}"
+        if kind == 0:
+            assert_same(got, reference_reduce(ins, "Sum"), what)
+        elif kind == 1:
+            assert_same(got, np.concatenate([a[: rows - 5 * r] for r, a in enumerate(ins)]),
+                        what)
+        elif kind == 2:
+            assert_same(got, ins[i % n], what)
+        elif kind == 3:
+            assert_same(got[0], np.concatenate([a[b[rank]:b[rank + 1]] for a in ins]), what)
+        else:
+            assert_same(got, reference_reduce(ins, "Max")[b[rank]:b[rank + 1]], what)
+    tr.barrier()
+    from totalreduce.runtime import current
+
+    links = getattr(current().transport, "_links", {})
+    lent = sum(link.next_lend for link in links.values())
+    tr.shutdown()
+    print(f"lent {lent} bodies")
+
+
 def ready_messages(arg: dict) -> None:
     """Allreduces submitted by both ranks at once; prints how many READY messages went."""
     from totalreduce.runtime import current

@@ -26,6 +26,9 @@ TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI 
                                    launcher and mpi4py imports, else tcp)
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    8 MiB
                                    ranks on one host (tcp transport; 0 = off)
+TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      12 MiB
+                                   ring peers: the receiver's kernel copies them
+                                   out of the sender's memory (0 = never)
 =================================  ==============================================  =========
 
 Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
@@ -63,6 +66,7 @@ class Config:
     small_bytes: int = -1
     transport: str = "auto"
     shm_bytes: int = 8 << 20
+    cma_bytes: int = 12 << 20
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
@@ -71,6 +75,8 @@ class Config:
             raise ValueError(f"transport must be one of auto, tcp, mpi; got {self.transport!r}")
         if self.shm_bytes < 0:
             raise ValueError(f"shm_bytes must be >= 0, got {self.shm_bytes}")
+        if self.cma_bytes < 0:
+            raise ValueError(f"cma_bytes must be >= 0, got {self.cma_bytes}")
         if self.floating_cap < 0:
             raise ValueError(f"floating_cap must be >= 0, got {self.floating_cap}")
         for name in ("stall_warning", "op_timeout", "connect_timeout", "shutdown_timeout",

@@ -43,7 +43,15 @@ from ..exceptions import (
     TransportClosedError,
 )
 from ..transport.base import Outgoing, Transport
-from ..transport.wire import DTYPES, FLAG_CREDITED, FLAG_READY, HEADER_SIZE, Header, Kind
+from ..transport.wire import (
+    DTYPES,
+    FLAG_CREDITED,
+    FLAG_LENDABLE,
+    FLAG_READY,
+    HEADER_SIZE,
+    Header,
+    Kind,
+)
 from .mismatch import MismatchRecord, decode_view, encode_view
 from .opstate import DoneSet, FloatingBody, LiveOp, QueuedMsg, Route
 from .payload import OpFuture, OpKey, OpSpec
@@ -477,6 +485,8 @@ class Engine:
                 op.announce.discard(peer)
                 flags |= FLAG_READY
             spec = op.spec
+            if 0 < self._config.cma_bytes <= spec.work.nbytes:
+                flags |= FLAG_LENDABLE
             header = Header(Kind.DATA, spec.dtype, flags, send.step, spec.key[0], spec.key[1],
                             spec.sig, send.piece, body.nbytes, spec.count,
                             self._take_owed(peer))

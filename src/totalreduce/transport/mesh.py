@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
+import secrets
 import socket
 import struct
 import threading
@@ -22,6 +24,7 @@ from typing import Any
 
 from ..exceptions import AuthenticationError
 from ..rendezvous.auth import client_handshake, recv_exact, server_handshake
+from . import cma
 from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .tcp import TcpTransport
 from .wire import PROTOCOL_VERSION
@@ -178,14 +181,18 @@ def _recv_json(sock: socket.socket) -> dict[str, Any]:
     return obj
 
 
-def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
-                 ) -> dict[int, tuple[RingWriter | None, RingReader | None]]:
+def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
+                 lend: bool = False) -> dict[int, tuple[RingWriter | None, RingReader | None]]:
     """Set up shared-memory rings with every peer on this host, over the fresh sockets.
 
     Three rounds, each "send to all, then read from all" so none can deadlock: host
     identities, ring names, and whether the name could be opened.  The writer unlinks its
     file after the last round whatever happened, so nothing outlives the set-up in
     /dev/shm.  A pair that fails any step falls back to the socket, with a warning.
+
+    With ``lend``, each writer also offers its pid and a random token in its memory; a
+    reader that can read the token back with :func:`.cma.probe` says so, and large bodies
+    in that direction are then lent instead of copied into the ring.
     """
     want = ring_capacity(ring_bytes) if ring_bytes > 0 and shm_available() else 0
     me = {"host": _host_id(), "ring_bytes": want}
@@ -194,25 +201,34 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
     local = [p for p, sock in socks.items() if _recv_json(sock) == me and want]
     writers: dict[int, RingWriter] = {}
     readers: dict[int, RingReader] = {}
-    acks: dict[int, bool] = {}
+    acks: dict[int, dict[str, Any]] = {}
+    token = secrets.token_bytes(16)
+    probe_buf = bytearray(token)  # alive until every reader has tried it
+    offer = {"pid": os.getpid(), "probe": cma.address_of(probe_buf), "token": token.hex()} \
+        if lend else {}
     try:
         for peer in local:
             try:
                 writers[peer] = RingWriter(want)
             except OSError as exc:
                 logger.warning("rank %d: no shared-memory ring to rank %d: %s", rank, peer, exc)
-            _send_json(socks[peer], {"ring": writers[peer].name if peer in writers else ""})
+            _send_json(socks[peer], {"ring": writers[peer].name if peer in writers else "",
+                                     **offer})
         for peer in local:
-            name = _recv_json(socks[peer]).get("ring")
+            msg = _recv_json(socks[peer])
+            name = msg.get("ring")
             if name:
                 try:
                     readers[peer] = RingReader(str(name), want)
                 except (OSError, ValueError) as exc:
                     logger.warning("rank %d: cannot open rank %d's shared-memory ring: %s",
                                    rank, peer, exc)
-            _send_json(socks[peer], {"ok": peer in readers})
+            can_read = peer in readers and lend and _probe(msg)
+            if can_read:
+                readers[peer].lender_pid = int(msg["pid"])
+            _send_json(socks[peer], {"ok": peer in readers, "read": can_read})
         for peer in local:
-            acks[peer] = _recv_json(socks[peer]).get("ok") is True
+            acks[peer] = _recv_json(socks[peer])
     except BaseException:
         for ring in [*writers.values(), *readers.values()]:
             ring.close()
@@ -223,22 +239,35 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int
     rings: dict[int, tuple[RingWriter | None, RingReader | None]] = {}
     for peer in local:
         writer = writers.get(peer)
-        if writer is not None and not acks[peer]:
+        if writer is not None and acks[peer].get("ok") is not True:
             writer.close()
             writer = None
+        if writer is not None:
+            writer.lend = acks[peer].get("read") is True
         rings[peer] = (writer, readers.get(peer))
     return rings
+
+
+def _probe(offer: dict[str, Any]) -> bool:
+    """Whether we can read the writer's memory (see :mod:`.cma`)."""
+    try:
+        pid, address, token = int(offer["pid"]), int(offer["probe"]), bytes.fromhex(
+            str(offer["token"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+    return len(token) == 16 and cma.probe(pid, address, token)
 
 
 def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: str,
                  advertise_host: str, publish: Callable[[str], None],
                  lookup: Callable[[int, float], str], timeout: float,
-                 ring_bytes: int = 0) -> TcpTransport:
+                 ring_bytes: int = 0, lend: bool = False) -> TcpTransport:
     """Connect this rank to every other rank and return the transport.
 
     ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
     returns another rank's (both come from the rendezvous store).  Peers on this host get
-    shared-memory rings of ``ring_bytes`` per direction (0: sockets only).
+    shared-memory rings of ``ring_bytes`` per direction (0: sockets only); with ``lend``,
+    also the means to lend them large bodies where the kernel allows it (:mod:`.cma`).
 
     Raises:
         OSError / TimeoutError: a peer could not be reached before ``timeout``.
@@ -260,7 +289,7 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
             socks[peer] = sock
         for sock in socks.values():
             sock.settimeout(max(1.0, deadline - time.monotonic()))
-        rings = _share_rings(rank, socks, ring_bytes)
+        rings = _share_rings(rank, socks, ring_bytes, lend)
         for sock in socks.values():
             sock.settimeout(None)
     except BaseException:

@@ -16,7 +16,8 @@ to read: the ring's footprint is then what is in flight, not its capacity, and t
 reuses are still in cache (two processes exchanging 8 MB in 1 MiB pieces took 0.5 ms
 through two slots, 1.0 ms through eight); a WRAP header left at the old place tells the
 consumer to jump.  A body too big for one record follows its header in
-CHUNK records.
+CHUNK records.  A FLAG_REMOTE record carries only a descriptor of a body the reader copies
+out of the writer's memory itself (:mod:`.cma`).
 
 Sleeping needs a doorbell: a consumer about to block on its socket raises one of its
 ``sleeping`` flags and looks at ``head`` once more; a producer that published looks at the
@@ -38,7 +39,16 @@ import threading
 
 import numpy as np
 
-from .wire import FLAG_CHUNKED, HEADER_SIZE, Header, Kind, WireError, unpack_header
+from .wire import (
+    FLAG_CHUNKED,
+    FLAG_REMOTE,
+    HEADER_SIZE,
+    REMOTE_BODY,
+    Header,
+    Kind,
+    WireError,
+    unpack_header,
+)
 
 _CONTROL = 4096  # the counters and flags; a page of their own, so data stays page-aligned
 _SHM_DIR = "/dev/shm"
@@ -108,6 +118,7 @@ class RingWriter:
         self._ctl = self._m.ctl
         self._head = 0  # total bytes written, padding included
         self._stuck_at = -1  # the reader's tail when a post last found the ring full
+        self.lend = False  # the reader can copy bodies out of our memory (see .cma)
         # Records are at most half the ring, so one always fits once the reader catches up.
         self.max_body = capacity // 2 - HEADER_SIZE
 
@@ -190,6 +201,7 @@ class RingReader:
         self.capacity = capacity
         self._pos = 0
         self._size = 0  # of the record handed out by next(), until release()
+        self.lender_pid: int | None = None  # set when we can read the writer's memory
 
     def ready(self) -> bool:
         """Whether a record is waiting (safe to ask from any thread)."""
@@ -217,13 +229,14 @@ class RingReader:
             offset = 0
             header = unpack_header(view[:HEADER_SIZE])
         chunked = header.flags & FLAG_CHUNKED
-        size = HEADER_SIZE if chunked else _align(HEADER_SIZE + header.nbytes)
+        body = REMOTE_BODY.size if header.flags & FLAG_REMOTE else header.nbytes
+        size = HEADER_SIZE if chunked else _align(HEADER_SIZE + body)
         if offset + size > cap or pos + size > head:
             raise WireError(f"ring record of {header.nbytes} bytes at {offset} overruns")
         self._size = size
         if chunked:
             return header, view[offset:offset]
-        return header, view[offset + HEADER_SIZE:offset + HEADER_SIZE + header.nbytes]
+        return header, view[offset + HEADER_SIZE:offset + HEADER_SIZE + body]
 
     def release(self) -> bool:
         """Free the record from :meth:`next`; True if the producer waits for room (ring

@@ -27,14 +27,19 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from . import cma
 from .base import MessageHandler, Outgoing, Transport
 from .shmring import RingReader, RingWriter
 from .wire import (
     FLAG_CHUNKED,
+    FLAG_LENDABLE,
+    FLAG_REMOTE,
     HEADER_SIZE,
+    REMOTE_BODY,
     Header,
     Kind,
     WireError,
+    has_flag,
     unpack_header,
     with_flag,
 )
@@ -54,6 +59,7 @@ _SPIN_SOCKET_EVERY = 16  # while spinning on rings, look at the sockets this sel
 _RING_RETRY = 0.001  # safety-net poll while a ring is full (a doorbell normally wakes us)
 _RING_SLEEP = 0.02  # the longest nap with shared-memory peers (in case a doorbell is lost)
 _DOORBELL = b"\x01"
+_LEND_MIN = 64 << 10  # smaller lendable bodies are copied: a read costs a system call
 
 
 def _cores() -> int:
@@ -63,6 +69,10 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+class _LendFailed(Exception):
+    """The peer's memory could not be read: it has exited, or was never readable."""
+
+
 class _Stoppable(Protocol):
     def stop(self) -> None: ...
 
@@ -70,7 +80,7 @@ class _Stoppable(Protocol):
 class _Link:
     __slots__ = ("peer", "sock", "out", "marks", "writing", "staging", "rstart", "rend",
                  "header", "body", "body_off", "goodbye", "closed", "ring_out", "ring_in",
-                 "blocked", "chunk_off")
+                 "blocked", "chunk_off", "lent", "next_lend", "acks")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
@@ -90,6 +100,9 @@ class _Link:
         self.ring_in: RingReader | None = None
         self.blocked: Outgoing | None = None  # waiting for room in ring_out
         self.chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
+        self.lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
+        self.next_lend = 0
+        self.acks: deque[int] = deque()  # lend ids of the peer's bodies we have copied
 
 
 class TcpTransport(Transport):
@@ -97,7 +110,7 @@ class TcpTransport(Transport):
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  acceptor: _Stoppable | None,
-                 rings: dict[int, tuple[RingWriter | None, RingReader | None]] | None = None
+                 rings: dict[int, tuple[RingWriter | None, RingReader | None]] | None = None,
                  ) -> None:
         self.rank = rank
         self.size = size
@@ -111,6 +124,7 @@ class TcpTransport(Transport):
                     if ring is not None:
                         ring.close()
         self._ring_links = [link for link in self._links.values() if link.ring_in]
+
         local = len(self._ring_links) + 1
         self._spin = _SPIN_OWN_CORE if self._ring_links and local <= _cores() else _SPIN
         self._acceptor = acceptor
@@ -138,7 +152,7 @@ class TcpTransport(Transport):
             self._wake_w.send(b"\0")
 
     def pending_output(self) -> bool:
-        return any(link.out or link.blocked for link in self._links.values()
+        return any(link.out or link.blocked or link.acks for link in self._links.values()
                    if not link.closed)
 
     def ring_peers(self) -> list[int]:
@@ -380,7 +394,13 @@ class TcpTransport(Transport):
         assert self._handler is not None and link.ring_out is not None
         ring = link.ring_out
         posted = 0
-        while True:
+        while link.acks:
+            if not ring.post(Header(Kind.RING_ACK, seq=link.acks[0]).pack()):
+                self._pending.add(link.peer)  # retried on the next turn: the reader is busy
+                break
+            link.acks.popleft()
+            posted += HEADER_SIZE
+        while not link.acks:
             msg = link.blocked
             if msg is None:
                 if budget - posted <= 0:
@@ -391,6 +411,20 @@ class TcpTransport(Transport):
                     break
             body = msg.body
             n = 0 if body is None else body.nbytes
+            if ring.lend and n >= _LEND_MIN and has_flag(msg.header, FLAG_LENDABLE):
+                # The reader's kernel copies it straight out of our memory (see .cma):
+                # one copy, where the ring costs a copy in and a copy out.
+                assert body is not None
+                lend = link.next_lend
+                desc = REMOTE_BODY.pack(cma.address_of(body), lend)
+                if not ring.post(with_flag(msg.header, FLAG_REMOTE), memoryview(desc)):
+                    link.blocked = msg
+                    break
+                link.next_lend += 1
+                link.lent[lend] = msg  # sent() when the reader says it has copied it
+                link.blocked = None
+                posted += HEADER_SIZE
+                continue
             if n <= ring.max_body:
                 if not ring.post(msg.header, body):
                     link.blocked = msg  # retried on a doorbell or the next _RING_RETRY
@@ -551,6 +585,17 @@ class TcpTransport(Transport):
                         self._deliver(link)
                 elif header.kind == Kind.RING_CHUNK:
                     raise WireError("a body chunk arrived without its header")
+                elif header.kind == Kind.RING_ACK:
+                    msg = link.lent.pop(header.seq, None)
+                    if msg is None:
+                        raise WireError(f"acknowledgement of unknown lent body {header.seq}")
+                    freed |= ring.release()
+                    handler.sent(peer, msg.token)
+                elif header.flags & FLAG_REMOTE:
+                    address, lend = REMOTE_BODY.unpack_from(body)
+                    freed |= ring.release()
+                    self._copy_lent(link, header._replace(flags=header.flags & ~FLAG_REMOTE),
+                                    address, lend)
                 elif header.flags & FLAG_CHUNKED:
                     freed |= ring.release()
                     header = header._replace(flags=header.flags & ~FLAG_CHUNKED)
@@ -568,8 +613,36 @@ class TcpTransport(Transport):
         except WireError as exc:
             self._lost(link, f"corrupt shared-memory ring: {exc}")
             return
+        except _LendFailed as exc:
+            self._lost(link, str(exc))  # it exited (or its memory is gone) mid-op
+            return
         if freed and not link.closed:
             self._ring_doorbell(link)  # its writer waits for room
+
+    def _copy_lent(self, link: _Link, header: Header, address: int, lend: int) -> None:
+        """Copy a body the peer lent us out of its memory, acknowledge it, hand it on."""
+        assert self._handler is not None
+        pid = link.ring_in.lender_pid if link.ring_in is not None else None
+        if pid is None:
+            raise WireError("a lent body from a peer whose memory we cannot read")
+        dest = self._handler.body_buffer(link.peer, header)
+        if dest.nbytes != header.nbytes:
+            raise AssertionError("body_buffer returned a buffer of the wrong size")
+        try:
+            cma.read_into(pid, dest, address)
+        except OSError as exc:
+            raise _LendFailed(f"cannot copy a body out of rank {link.peer}: {exc}") from None
+        # Acknowledge before handing it on: the handler may reduce it (hundreds of us)
+        # while the sender waits for this to finish its op.
+        ring = link.ring_out
+        if not link.acks and ring is not None and ring.post(
+                Header(Kind.RING_ACK, seq=lend).pack()):
+            if ring.reader_sleeping():
+                self._ring_doorbell(link)
+        else:
+            link.acks.append(lend)
+            self._pending.add(link.peer)
+        self._handler.received(link.peer, header, dest)
 
     def _deliver(self, link: _Link) -> None:
         assert self._handler is not None and link.body is not None
@@ -594,5 +667,7 @@ class TcpTransport(Transport):
         link.out.clear()
         link.marks.clear()
         link.blocked = None
+        link.lent.clear()
+        link.acks.clear()
         if self._handler is not None:
             self._handler.peer_lost(link.peer, reason, orderly)

@@ -28,6 +28,13 @@ assert HEADER_SIZE == 64
 FLAG_CREDITED = 1
 FLAG_CHUNKED = 2  # shared-memory ring only: the body follows in RING_CHUNK records
 FLAG_READY = 4  # on DATA: the sender has submitted the op too (stands in for a READY)
+# Shared-memory ring only: the body stays in the sender's memory; the record carries a
+# REMOTE_BODY descriptor (address, lend id) instead and ``nbytes`` is the real length.
+FLAG_REMOTE = 8
+REMOTE_BODY = struct.Struct("<QQ")
+# On DATA: the op is big enough that its bodies may be lent (FLAG_REMOTE) rather than
+# copied into a ring; set by the engine, acted on (or not) by the transport.
+FLAG_LENDABLE = 16
 
 
 class Kind(enum.IntEnum):
@@ -39,6 +46,7 @@ class Kind(enum.IntEnum):
     GOODBYE = 6    # orderly shutdown: EOF after this is not a failure
     RING_WRAP = 7  # shared-memory ring only: the next record is at offset 0
     RING_CHUNK = 8  # shared-memory ring only: the next piece of a FLAG_CHUNKED body
+    RING_ACK = 9   # shared-memory ring only: a FLAG_REMOTE body (lend id in .seq) was read
 
 
 # Codes are part of the wire format: never renumber.
@@ -99,6 +107,11 @@ def with_flag(header: bytes, flag: int) -> bytes:
     out = bytearray(header)
     out[_FLAGS_AT] |= flag
     return bytes(out)
+
+
+def has_flag(header: bytes, flag: int) -> bool:
+    """Whether a packed header has ``flag`` set."""
+    return bool(header[_FLAGS_AT] & flag)
 
 
 class WireError(ValueError):

@@ -1,0 +1,87 @@
+"""Reading another local process's memory with ``process_vm_readv`` (cross-memory attach).
+
+A large message between two ranks on one host need not pass through the shared ring at
+all: the sender lends the receiver the address of its body and the receiver's kernel copies
+it straight into the destination, one copy instead of two (into the ring, out of it), and
+the sender's core does no copying at all.  MPICH does the same for large local messages.
+
+Whether it works is decided per direction when the rings are set up: the kernel allows it
+only to a process that could ptrace the other (same user; a Yama ``ptrace_scope`` or a
+seccomp filter may forbid it), so the reader tries to read a random token from the writer
+and compares (:func:`probe`).  Nothing here ever writes into another process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+from typing import Any
+
+import numpy as np
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _load() -> Any:
+    if platform.system() != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_readv = _load()
+
+
+def address_of(buf: Any) -> int:
+    """The address of a C-contiguous buffer's first byte (the buffer must outlive its use)."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def read_into(pid: int, dest: memoryview, address: int) -> None:
+    """Copy ``dest.nbytes`` bytes from ``address`` in process ``pid`` into ``dest``.
+
+    Raises:
+        OSError: the read failed or came back short (the process is gone, or the range
+            is not mapped there).
+    """
+    want = dest.nbytes
+    if not want:
+        return
+    if _readv is None:
+        raise OSError("process_vm_readv is not available")
+    local = _IoVec(address_of(dest), want)
+    remote = _IoVec(address, want)
+    got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if got != want:
+        err = ctypes.get_errno() if got < 0 else 0
+        raise OSError(err, f"process_vm_readv from pid {pid} read {got} of {want} bytes"
+                      + (f": {os.strerror(err)}" if err else ""))
+
+
+def probe(pid: int, address: int, expected: bytes) -> bool:
+    """Whether ``expected`` can be read back from ``address`` in ``pid``."""
+    dest = bytearray(len(expected))
+    try:
+        read_into(pid, memoryview(dest), address)
+    except OSError:
+        return False
+    return bytes(dest) == expected
+
+
+def cma_works() -> bool:
+    """Whether this process may read its own memory this way (a child of ours, with the
+    same credentials, then may too unless a ptrace policy singles it out)."""
+    token = b"totalreduce-cma!"
+    buf = bytearray(token)
+    return probe(os.getpid(), address_of(buf), token)
