@@ -139,14 +139,14 @@ def test_writer_starts_again_at_zero_once_the_first_bytes_are_free() -> None:
     writer, reader = _pair(8192)
     try:
         for step in range(3):
-            assert writer.post(_data(step, 1000), memoryview(bytes([65 + step]) * 1000))
+            assert writer.post(_data(step, 2100), memoryview(bytes([65 + step]) * 2100))
         header, body = reader.next()
         base = _address(body)
         body.release()
         reader.release()  # records 1 and 2 are still unread
-        assert writer.post(_data(3, 1000), memoryview(b"D" * 1000))  # fits in 1088 bytes
+        assert writer.post(_data(3, 2100), memoryview(b"D" * 2100))  # fits in 2176 bytes
         # Behind it, this one would overwrite records 1 and 2: the ring is full for now.
-        assert not writer.post(_data(4, 2000), memoryview(b"E" * 2000))
+        assert not writer.post(_data(4, 2100), memoryview(b"E" * 2100))
         seen = []
 
         def drain() -> None:
@@ -157,9 +157,33 @@ def test_writer_starts_again_at_zero_once_the_first_bytes_are_free() -> None:
                 reader.release()
 
         drain()
-        assert writer.post(_data(4, 2000), memoryview(b"E" * 2000))
+        assert writer.post(_data(4, 2100), memoryview(b"E" * 2100))
         drain()
-        assert seen == [(1, b"B", 1088), (2, b"C", 2176), (3, b"D", 0), (4, b"E", 1088)]
+        # Caught up, the reader frees the whole lap: E goes to 0 again.
+        assert seen == [(1, b"B", 2176), (2, b"C", 4352), (3, b"D", 0), (4, b"E", 0)]
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_small_records_do_not_restart_into_a_window_of_one() -> None:
+    # A reader busy elsewhere has taken one small record of three.  Starting again at 0
+    # would leave room for one more record until it reaches the WRAP; carrying on along
+    # the lap leaves the rest of the ring.
+    writer, reader = _pair(8192)
+    try:
+        for step in range(3):
+            assert writer.post(_data(step, 16), memoryview(b"x" * 16))
+        reader.next()
+        reader.release()
+        for step in range(3, 40):
+            assert writer.post(_data(step, 16), memoryview(b"y" * 16)), step
+        steps = []
+        while (record := reader.next()) is not None:
+            steps.append(record[0].step)
+            record[1].release()
+            reader.release()
+        assert steps == list(range(1, 40))
     finally:
         reader.close()
         writer.close()

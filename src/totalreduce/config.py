@@ -26,7 +26,7 @@ TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI 
                                    launcher and mpi4py imports, else tcp)
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    8 MiB
                                    ranks on one host (tcp transport; 0 = off)
-TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      12 MiB
+TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      10 MiB
                                    ring peers: the receiver's kernel copies them
                                    out of the sender's memory (0 = never)
 =================================  ==============================================  =========
@@ -35,6 +35,11 @@ Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see
 machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-memory rings
 and over MPI, and no slower over TCP; at 4 ranks 16 and 64 MB ran 1.2-1.3x faster.  Fewer
 pieces means less Python work per byte; a piece is still no bigger than one core's L2 here.
+
+Why ops of 10 MiB and more lend their pieces (cross-memory attach, transport/cma.py): in one
+process pair alternating MPI_Allreduce, the ring and lending op by op (2 ranks), lending ran
+0.63-0.82x MPI at 2-8 MB where the ring ran 0.84-1.04x, and 0.92-1.10x at 12-32 MB where
+the ring ran 0.43-0.96x (it falls furthest when the host is slow); at 64 MB 2.26-2.47x.
 
 Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
 allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.13 GB/s with
@@ -66,7 +71,7 @@ class Config:
     small_bytes: int = -1
     transport: str = "auto"
     shm_bytes: int = 8 << 20
-    cma_bytes: int = 12 << 20
+    cma_bytes: int = 10 << 20
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:

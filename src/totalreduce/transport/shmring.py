@@ -12,7 +12,8 @@ and no system call is made per message.  Positions only grow; the producer publi
 x86-64 keeps stores in order and loads in order, which is all those two counters need, so
 the ring is used only there (:func:`shm_available`).  A record that would straddle the end
 starts again at offset 0, and so does any record that fits below what the consumer has yet
-to read: the ring's footprint is then what is in flight, not its capacity, and the slots it
+to read (when a quarter of the ring is free there): the ring's footprint is then what is in
+flight, not its capacity, and the slots it
 reuses are still in cache (two processes exchanging 8 MB in 1 MiB pieces took 0.5 ms
 through two slots, 1.0 ms through eight); a WRAP header left at the old place tells the
 consumer to jump.  A body too big for one record follows its header in
@@ -136,9 +137,13 @@ class RingWriter:
         head = self._head
         start = head
         offset = start % cap
-        if offset and size <= offset and int(ctl[_TAIL]) >= head - offset + size:
-            # The reader is done with this lap's first ``size`` bytes: start again at 0
-            # (see the module docstring), below the WRAP header it has yet to see.
+        freed = int(ctl[_TAIL]) - (head - offset)  # of this lap's first bytes
+        if offset and size <= freed and (freed == offset or 4 * freed >= cap):
+            # The reader is done with this lap's first bytes: start again at 0 (see the
+            # module docstring), below the WRAP header it has yet to see.  Only if that
+            # leaves a quarter of the ring (or all of it): a restart after a few small
+            # records would leave the writer a window of a few records until the reader
+            # reaches the WRAP, and a busy reader is slow to.
             start += cap - offset
         elif offset + size > cap:
             start += cap - offset
