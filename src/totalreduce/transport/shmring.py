@@ -137,7 +137,8 @@ class RingWriter:
         head = self._head
         start = head
         offset = start % cap
-        freed = int(ctl[_TAIL]) - (head - offset)  # of this lap's first bytes
+        tail = int(ctl[_TAIL])
+        freed = tail - (head - offset)  # of this lap's first bytes
         if offset and size <= freed and (freed == offset or 4 * freed >= cap):
             # The reader is done with this lap's first bytes: start again at 0 (see the
             # module docstring), below the WRAP header it has yet to see.  Only if that
@@ -147,7 +148,6 @@ class RingWriter:
             start += cap - offset
         elif offset + size > cap:
             start += cap - offset
-        tail = int(ctl[_TAIL])
         if start + size - tail > cap:
             self._stuck_at = tail
             return False
