@@ -26,7 +26,7 @@ TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI 
                                    launcher and mpi4py imports, else tcp)
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    8 MiB
                                    ranks on one host (tcp transport; 0 = off)
-TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      10 MiB
+TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      24 MiB
                                    ring peers: the receiver's kernel copies them
                                    out of the sender's memory (0 = never)
 =================================  ==============================================  =========
@@ -36,10 +36,13 @@ machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-me
 and over MPI, and no slower over TCP; at 4 ranks 16 and 64 MB ran 1.2-1.3x faster.  Fewer
 pieces means less Python work per byte; a piece is still no bigger than one core's L2 here.
 
-Why ops of 10 MiB and more lend their pieces (cross-memory attach, transport/cma.py): in one
+Why ops of 24 MiB and more lend their pieces (cross-memory attach, transport/cma.py): in one
 process pair alternating MPI_Allreduce, the ring and lending op by op (2 ranks), lending ran
-0.63-0.82x MPI at 2-8 MB where the ring ran 0.84-1.04x, and 0.92-1.10x at 12-32 MB where
-the ring ran 0.43-0.96x (it falls furthest when the host is slow); at 64 MB 2.26-2.47x.
+0.63-0.82x MPI at 2-8 MB where the ring ran 0.84-1.04x, 0.92-1.10x at 12-32 MB where the
+ring ran 0.43-0.96x (it falls furthest when the host is slow), and 2.26-2.47x at 64 MB.
+But run alone, as the benchmark runs each library, the ring was ahead up to 16 MiB
+(12 MiB: 1.01x / 0.88x against 0.91x / 0.77x lending; 16 MiB: 1.16x / 1.04x against
+0.99x / 0.99x) and even at 24 MiB (1.20x / 1.08x against 1.13x / 1.22x).
 
 Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
 allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.13 GB/s with
@@ -71,7 +74,7 @@ class Config:
     small_bytes: int = -1
     transport: str = "auto"
     shm_bytes: int = 8 << 20
-    cma_bytes: int = 10 << 20
+    cma_bytes: int = 24 << 20
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
