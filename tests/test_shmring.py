@@ -105,71 +105,64 @@ def test_records_come_out_whole_and_in_order(cap: int) -> None:
         writer.close()
 
 
-def test_an_empty_ring_starts_again_at_offset_zero() -> None:
-    # Reusing the first slots keeps them in cache; the reader follows the WRAP header.
+def test_records_go_on_along_the_ring_and_wrap_at_the_end() -> None:
+    # A record goes right behind the last one even when the reader has caught up; one that
+    # would straddle the end goes to offset 0, and the reader follows the WRAP header.
     writer, reader = _pair(4096)
     try:
-        assert writer.post(_data(0, 1000), memoryview(b"a" * 1000))
-        assert writer.post(_data(1, 1000), memoryview(b"b" * 1000))
-        body = reader.next()[1]
-        base = _address(body)
-        body.release()
-        reader.release()
-        body = reader.next()[1]
-        assert _address(body) == base + 1088  # 64 + 1000 bytes, padded to 64
-        body.release()
-        reader.release()
-        # Caught up: the next record goes to offset 0 again, not behind the last one.
-        assert writer.post(_data(2, 900), memoryview(b"c" * 900))
-        assert writer.post(_data(3, 10), memoryview(b"d" * 10))  # not caught up: behind
-        for step, want, at in ((2, b"c" * 900, base), (3, b"d" * 10, base + 1024)):
-            header, body = reader.next()
-            assert header.step == step and bytes(body) == want and _address(body) == at
-            body.release()
-            reader.release()
-    finally:
-        reader.close()
-        writer.close()
-
-
-def test_writer_starts_again_at_zero_once_the_first_bytes_are_free() -> None:
-    # The reader need not have caught up: once it is past the first record of the lap,
-    # a record that fits below it goes to offset 0, so the ring's footprint stays at what
-    # is in flight rather than the whole capacity.
-    writer, reader = _pair(8192)
-    try:
-        for step in range(3):
-            assert writer.post(_data(step, 2100), memoryview(bytes([65 + step]) * 2100))
-        header, body = reader.next()
-        base = _address(body)
-        body.release()
-        reader.release()  # records 1 and 2 are still unread
-        assert writer.post(_data(3, 2100), memoryview(b"D" * 2100))  # fits in 2176 bytes
-        # Behind it, this one would overwrite records 1 and 2: the ring is full for now.
-        assert not writer.post(_data(4, 2100), memoryview(b"E" * 2100))
         seen = []
 
         def drain() -> None:
             while (record := reader.next()) is not None:
                 header, body = record
-                seen.append((header.step, bytes(body[:1]), _address(body) - base))
+                seen.append((header.step, bytes(body[:1]), _address(body)))
                 body.release()
                 reader.release()
 
+        assert writer.post(_data(0, 1000), memoryview(b"a" * 1000))
         drain()
-        assert writer.post(_data(4, 2100), memoryview(b"E" * 2100))
+        base = seen[0][2]
+        assert writer.post(_data(1, 1000), memoryview(b"b" * 1000))  # caught up: behind
+        assert writer.post(_data(2, 1000), memoryview(b"c" * 1000))
         drain()
-        # Caught up, the reader frees the whole lap: E goes to 0 again.
-        assert seen == [(1, b"B", 2176), (2, b"C", 4352), (3, b"D", 0), (4, b"E", 0)]
+        assert writer.post(_data(3, 1000), memoryview(b"d" * 1000))  # 3264 + 1088 > 4096
+        drain()
+        # 64 + 1000 bytes, padded to 64, is 1088 per record.
+        assert [(st, b, at - base) for st, b, at in seen] == [
+            (0, b"a", 0), (1, b"b", 1088), (2, b"c", 2176), (3, b"d", 0)]
     finally:
         reader.close()
         writer.close()
 
 
-def test_small_records_do_not_restart_into_a_window_of_one() -> None:
-    # A reader busy elsewhere has taken one small record of three.  Starting again at 0
-    # would leave room for one more record until it reaches the WRAP; carrying on along
-    # the lap leaves the rest of the ring.
+def test_a_full_ring_takes_a_record_once_the_reader_frees_its_bytes() -> None:
+    writer, reader = _pair(8192)
+    try:
+        for step in range(3):
+            assert writer.post(_data(step, 2100), memoryview(bytes([65 + step]) * 2100))
+        # 3 x 2176 bytes are in; the fourth would cover the unread first record.
+        assert not writer.post(_data(3, 2100), memoryview(b"D" * 2100))
+        assert not writer.room_changed()
+        header, body = reader.next()
+        assert header.step == 0 and bytes(body[:1]) == b"A"
+        body.release()
+        assert not writer.post(_data(3, 2100), memoryview(b"D" * 2100))  # not released yet
+        reader.release()
+        assert writer.room_changed()
+        assert writer.post(_data(3, 2100), memoryview(b"D" * 2100))
+        steps = []
+        while (record := reader.next()) is not None:
+            steps.append((record[0].step, bytes(record[1][:1])))
+            record[1].release()
+            reader.release()
+        assert steps == [(1, b"B"), (2, b"C"), (3, b"D")]
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_busy_reader_leaves_the_writer_the_rest_of_the_ring() -> None:
+    # The reader has taken one small record of three; the writer fills the rest.
     writer, reader = _pair(8192)
     try:
         for step in range(3):

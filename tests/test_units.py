@@ -73,6 +73,17 @@ def test_config_precedence_and_typos() -> None:
         Config(op_timeout=-1)
 
 
+def test_ring_size_follows_the_segment_unless_set() -> None:
+    # Auto: two segment records (each segment plus its 64-byte header) fit, with room left.
+    cfg = Config.from_env({"TOTALREDUCE_SEGMENT_BYTES": str(1 << 20)})
+    assert cfg.ring_bytes // 2 - 64 >= 1 << 20
+    assert cfg.ring_bytes < 3 << 20
+    assert Config.from_env({"TOTALREDUCE_SHM_BYTES": "0"}).ring_bytes == 0
+    assert Config(shm_bytes=65536).ring_bytes == 65536
+    with pytest.raises(ValueError, match="shm_bytes"):
+        Config(shm_bytes=-2)
+
+
 @pytest.mark.parametrize("env,launcher,rank,size,address", [
     ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
       "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, "torchrun", 2, 4, "node1:29501"),

@@ -24,8 +24,9 @@ TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive     
                                    -1 = auto (2 MiB at 2 ranks, else 1 MiB)
 TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI    auto
                                    launcher and mpi4py imports, else tcp)
-TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    8 MiB
-                                   ranks on one host (tcp transport; 0 = off)
+TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    -1
+                                   ranks on one host (tcp transport; 0 = off,
+                                   -1 = auto: two segments plus 128 KiB)
 TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      24 MiB
                                    ring peers: the receiver's kernel copies them
                                    out of the sender's memory (0 = never)
@@ -73,7 +74,7 @@ class Config:
     mismatch_grace: float = 1.0
     small_bytes: int = -1
     transport: str = "auto"
-    shm_bytes: int = 8 << 20
+    shm_bytes: int = -1
     cma_bytes: int = 24 << 20
 
     def __post_init__(self) -> None:
@@ -81,8 +82,8 @@ class Config:
             raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
         if self.transport not in ("auto", "tcp", "mpi"):
             raise ValueError(f"transport must be one of auto, tcp, mpi; got {self.transport!r}")
-        if self.shm_bytes < 0:
-            raise ValueError(f"shm_bytes must be >= 0, got {self.shm_bytes}")
+        if self.shm_bytes < -1:
+            raise ValueError(f"shm_bytes must be >= 0 (or -1: auto), got {self.shm_bytes}")
         if self.cma_bytes < 0:
             raise ValueError(f"cma_bytes must be >= 0, got {self.cma_bytes}")
         if self.floating_cap < 0:
@@ -91,6 +92,15 @@ class Config:
                      "mismatch_grace"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def ring_bytes(self) -> int:
+        """The shared-memory ring size per direction (0: no rings)."""
+        if self.shm_bytes >= 0:
+            return self.shm_bytes
+        # Two segment records and room for the small ones between them: the writer can run
+        # one piece ahead, and the ring's footprint (its capacity) stays in cache.
+        return 2 * self.segment_bytes + (128 << 10)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:

@@ -92,7 +92,7 @@ class Runtime:
 
             transport = connect_mesh(launch.rank, launch.size, launch.secret, job,
                                      "127.0.0.1" if local else "0.0.0.0", me, publish,
-                                     lookup, config.connect_timeout, config.shm_bytes,
+                                     lookup, config.connect_timeout, config.ring_bytes,
                                      config.cma_bytes > 0)
             self.local_rank, self.local_size = self._locality(kv, launch)
             return transport

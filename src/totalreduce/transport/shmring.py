@@ -11,14 +11,12 @@ and no system call is made per message.  Positions only grow; the producer publi
 ``head`` after a record is written and the consumer its ``tail`` after it is done with one.
 x86-64 keeps stores in order and loads in order, which is all those two counters need, so
 the ring is used only there (:func:`shm_available`).  A record that would straddle the end
-starts again at offset 0, and so does any record that fits below what the consumer has yet
-to read (when a quarter of the ring is free there): the ring's footprint is then what is in
-flight, not its capacity, and the slots it
-reuses are still in cache (two processes exchanging 8 MB in 1 MiB pieces took 0.5 ms
-through two slots, 1.0 ms through eight); a WRAP header left at the old place tells the
-consumer to jump.  A body too big for one record follows its header in
-CHUNK records.  A FLAG_REMOTE record carries only a descriptor of a body the reader copies
-out of the writer's memory itself (:mod:`.cma`).
+starts again at offset 0, behind a WRAP header that tells the consumer to jump.  The ring's
+footprint is its capacity, so it is kept small: room for two segments by default
+(``Config.ring_bytes``), which stays in cache and still lets the producer run one record
+ahead.  A body too big for one record follows its header in CHUNK records.  A FLAG_REMOTE
+record carries only a descriptor of a body the reader copies out of the writer's memory
+itself (:mod:`.cma`).
 
 Sleeping needs a doorbell: a consumer about to block on its socket raises one of its
 ``sleeping`` flags and looks at ``head`` once more; a producer that published looks at the
@@ -138,15 +136,7 @@ class RingWriter:
         start = head
         offset = start % cap
         tail = int(ctl[_TAIL])
-        freed = tail - (head - offset)  # of this lap's first bytes
-        if offset and size <= freed and (freed == offset or 4 * freed >= cap):
-            # The reader is done with this lap's first bytes: start again at 0 (see the
-            # module docstring), below the WRAP header it has yet to see.  Only if that
-            # leaves a quarter of the ring (or all of it): a restart after a few small
-            # records would leave the writer a window of a few records until the reader
-            # reaches the WRAP, and a busy reader is slow to.
-            start += cap - offset
-        elif offset + size > cap:
+        if offset + size > cap:
             start += cap - offset
         if start + size - tail > cap:
             self._stuck_at = tail
