@@ -45,6 +45,15 @@ But run alone, as the benchmark runs each library, the ring was ahead up to 16 M
 (12 MiB: 1.01x / 0.88x against 0.91x / 0.77x lending; 16 MiB: 1.16x / 1.04x against
 0.99x / 0.99x) and even at 24 MiB (1.20x / 1.08x against 1.13x / 1.22x).
 
+Why the ring holds two segments (plus 128 KiB for the small records between them): a ring's
+footprint is its size, and in one process pair alternating ring policies op by op (order
+rotated, 2 ranks) two segments beat the old 8 MiB ring, which restarted at offset 0 when
+the reader caught up, at 1-8 MB in a slow period of the host (8 MB: 0.76-0.87x MPI
+against 0.58-0.66x). It also beat a plain 8 MiB ring in a moderate period (8 MB: 1.40x
+against 1.30x), but not in a slow one (0.76-0.87x against 1.18-1.26x).  One record in
+flight was faster still in a fast period (8 MB 1.76-1.86x against 1.61-1.63x), so no
+size wins everywhere; see docs/BENCHMARKS.md, "Ring footprint".
+
 Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
 allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.13 GB/s with
 1 MiB pieces handed to the reduce thread (the hand-off costs a GIL switch per piece and the
