@@ -38,6 +38,17 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else 0
 
 
+def _drain(reader: RingReader) -> list[tuple[int, bytes, int]]:
+    """Take every waiting record: (step, first body byte, body address) each."""
+    seen = []
+    while (record := reader.next()) is not None:
+        header, body = record
+        seen.append((header.step, bytes(body[:1]), _address(body)))
+        body.release()
+        reader.release()
+    return seen
+
+
 def test_ring_file_is_private_and_gone_after_unlink() -> None:
     writer = RingWriter(1 << 12)
     try:
@@ -110,23 +121,14 @@ def test_records_go_on_along_the_ring_and_wrap_at_the_end() -> None:
     # would straddle the end goes to offset 0, and the reader follows the WRAP header.
     writer, reader = _pair(4096)
     try:
-        seen = []
-
-        def drain() -> None:
-            while (record := reader.next()) is not None:
-                header, body = record
-                seen.append((header.step, bytes(body[:1]), _address(body)))
-                body.release()
-                reader.release()
-
         assert writer.post(_data(0, 1000), memoryview(b"a" * 1000))
-        drain()
+        seen = _drain(reader)
         base = seen[0][2]
         assert writer.post(_data(1, 1000), memoryview(b"b" * 1000))  # caught up: behind
         assert writer.post(_data(2, 1000), memoryview(b"c" * 1000))
-        drain()
+        seen += _drain(reader)
         assert writer.post(_data(3, 1000), memoryview(b"d" * 1000))  # 3264 + 1088 > 4096
-        drain()
+        seen += _drain(reader)
         # 64 + 1000 bytes, padded to 64, is 1088 per record.
         assert [(st, b, at - base) for st, b, at in seen] == [
             (0, b"a", 0), (1, b"b", 1088), (2, b"c", 2176), (3, b"d", 0)]
@@ -150,11 +152,7 @@ def test_a_full_ring_takes_a_record_once_the_reader_frees_its_bytes() -> None:
         reader.release()
         assert writer.room_changed()
         assert writer.post(_data(3, 2100), memoryview(b"D" * 2100))
-        steps = []
-        while (record := reader.next()) is not None:
-            steps.append((record[0].step, bytes(record[1][:1])))
-            record[1].release()
-            reader.release()
+        steps = [(step, first) for step, first, _ in _drain(reader)]
         assert steps == [(1, b"B"), (2, b"C"), (3, b"D")]
     finally:
         reader.close()
@@ -171,12 +169,7 @@ def test_a_busy_reader_leaves_the_writer_the_rest_of_the_ring() -> None:
         reader.release()
         for step in range(3, 40):
             assert writer.post(_data(step, 16), memoryview(b"y" * 16)), step
-        steps = []
-        while (record := reader.next()) is not None:
-            steps.append(record[0].step)
-            record[1].release()
-            reader.release()
-        assert steps == list(range(1, 40))
+        assert [step for step, _, _ in _drain(reader)] == list(range(1, 40))
     finally:
         reader.close()
         writer.close()
