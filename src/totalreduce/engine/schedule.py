@@ -45,16 +45,24 @@ class Schedule:
     first: tuple[Send, ...]
     recvs: dict[tuple[int, int, int], Recv]   # (source rank, step, piece) -> Recv
     local_final: tuple[tuple[int, int], ...]  # regions finished without any receive
+    # Derived once here rather than per op: schedules are cached and reused by every call.
+    n_sends: int = dataclasses.field(init=False, repr=False, compare=False)
+    first_peers: frozenset[int] = dataclasses.field(init=False, repr=False, compare=False)
+    _expected: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False,
+                                                               compare=False)
 
-    @property
-    def n_sends(self) -> int:
-        return len(self.first) + sum(len(r.then) for r in self.recvs.values())
-
-    def expected_from(self) -> dict[int, int]:
+    def __post_init__(self) -> None:
         counts: dict[int, int] = {}
         for src, _step, _piece in self.recvs:
             counts[src] = counts.get(src, 0) + 1
-        return counts
+        object.__setattr__(self, "_expected", tuple(counts.items()))
+        object.__setattr__(self, "n_sends", len(self.first) + sum(
+            len(r.then) for r in self.recvs.values()))
+        object.__setattr__(self, "first_peers", frozenset(s.peer for s in self.first))
+
+    def expected_from(self) -> dict[int, int]:
+        """How many receives come from each source (a fresh dict: the caller counts down)."""
+        return dict(self._expected)
 
 
 def even_bounds(total: int, parts: int) -> list[int]:

@@ -55,14 +55,18 @@ def _hash64(text: str) -> int:
 
 def _check_array(x: Any, kind: str, name: str | None) -> np.ndarray:
     arr = np.asarray(x)
-    what = f"{kind}" + (f" '{name}'" if name else "")
     if arr.dtype == object:
-        raise TypeError(f"{what}: object arrays cannot be communicated; pass a numeric array")
+        raise TypeError(f"{_what(kind, name)}: object arrays cannot be communicated; pass a "
+                        "numeric array")
     try:
         dtype_code(arr.dtype)
     except TypeError as exc:
-        raise TypeError(f"{what}: {exc}") from None
+        raise TypeError(f"{_what(kind, name)}: {exc}") from None
     return arr
+
+
+def _what(kind: str, name: str | None) -> str:
+    return kind + (f" '{name}'" if name else "")
 
 
 def _bounds(counts: Sequence[int], scale: int) -> tuple[int, ...]:

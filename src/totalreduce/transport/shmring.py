@@ -172,7 +172,7 @@ class RingWriter:
         :meth:`post`)."""
         fence()
         ctl = self._ctl
-        return any(ctl[_SLEEPING + 8 * i] for i in range(SLEEPERS))
+        return bool(ctl[_SLEEPING] or ctl[_SLEEPING + 8])  # SLEEPERS == 2
 
     def close(self) -> None:
         self._ctl = None  # type: ignore[assignment]

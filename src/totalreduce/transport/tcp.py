@@ -134,6 +134,7 @@ class TcpTransport(Transport):
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending: set[int] = set()
+        self._socket_turns = 0  # turns since _select last looked at the sockets
         self._handler: MessageHandler | None = None
         for link in self._links.values():
             link.sock.setblocking(False)
@@ -162,7 +163,7 @@ class TcpTransport(Transport):
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
         # whatever is left goes out from the next poll().
-        self._pending.update(p for p, link in self._links.items() if link.blocked is not None)
+        self._retry_blocked()
         self._flush_pending(_BATCH_BYTES)
 
     def can_wait(self) -> bool:
@@ -172,7 +173,17 @@ class TcpTransport(Transport):
         return bool(self._pending) or self._ring_blocked()
 
     def _ring_blocked(self) -> bool:
-        return any(link.blocked is not None for link in self._links.values())
+        return any(link.blocked is not None for link in self._ring_links)
+
+    def _retry_blocked(self) -> bool:
+        """Queue every link whose message waits for ring room for another try; returns
+        whether there was one."""
+        found = False
+        for link in self._ring_links:  # only ring writes leave a message blocked
+            if link.blocked is not None:
+                self._pending.add(link.peer)
+                found = True
+        return found
 
     def wait(self, timeout: float) -> None:
         if self._pending:
@@ -213,6 +224,12 @@ class TcpTransport(Transport):
     def _select(self, timeout: float | None, slot: int = 0) -> list[tuple[Any, int]]:
         """Socket events, after spinning briefly and before sleeping; returns early when a
         ring has a record (the caller drains the rings whatever this returns)."""
+        if self._ring_links and self._rings_ready() and self._socket_turns < _SPIN_SOCKET_EVERY:
+            # Records are waiting: take them first and look at the sockets (doorbells, EOF,
+            # a remote peer's bytes) on a later turn, though never fewer than one in so many.
+            self._socket_turns += 1
+            return []
+        self._socket_turns = 0
         events = self._selector.select(0)
         if events or timeout == 0 or self._rings_ready():
             return events
@@ -250,11 +267,12 @@ class TcpTransport(Transport):
         return events
 
     def poll(self, timeout: float | None) -> None:
-        self._pending.update(p for p, link in self._links.items() if link.blocked is not None)
-        self._flush_pending()
+        blocked = self._retry_blocked()
+        if self._pending:
+            self._flush_pending()
         if self._pending:
             timeout = 0
-        elif self._ring_blocked():
+        elif blocked and self._ring_blocked():
             timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
         events = self._select(timeout)
         for key, mask in events:
@@ -273,8 +291,10 @@ class TcpTransport(Transport):
         for link in self._ring_links:
             if not link.closed:
                 self._read_ring(link)
-        self._pending.update(link.peer for link in self._ring_links if self._room_freed(link))
-        self._flush_pending()
+                if self._room_freed(link):
+                    self._pending.add(link.peer)
+        if self._pending:
+            self._flush_pending()
 
     def close(self) -> None:
         for link in self._links.values():

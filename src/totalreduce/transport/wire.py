@@ -68,6 +68,9 @@ def dtype_code(dtype: np.dtype) -> int:
     Raises:
         TypeError: the dtype is not one totalreduce moves.
     """
+    code = DTYPE_CODES.get(dtype)  # native byte order: the usual case, one lookup
+    if code is not None:
+        return code
     try:
         return DTYPE_CODES[np.dtype(dtype).newbyteorder("=")]
     except KeyError:
@@ -94,9 +97,14 @@ class Header(NamedTuple):
         return (self.name_key, self.seq)
 
     def pack(self) -> bytes:
-        return _HEADER.pack(MAGIC, self.kind, self.dtype, self.flags, 0, self.step,
-                            self.name_key, self.seq, self.sig, self.piece, 0,
-                            self.nbytes, self.count, self.credit)
+        return pack_header(*self)
+
+
+def pack_header(kind: int, dtype: int, flags: int, step: int, name_key: int, seq: int,
+                sig: int, piece: int, nbytes: int, count: int, credit: int) -> bytes:
+    """``Header(...).pack()`` without building the tuple first (every DATA message)."""
+    return _HEADER.pack(MAGIC, kind, dtype, flags, 0, step, name_key, seq, sig, piece, 0,
+                        nbytes, count, credit)
 
 
 _FLAGS_AT = 4
