@@ -44,6 +44,11 @@ class MessageHandler(Protocol):
         slot).  ``body`` is valid only during the call: reduce or copy it before returning.
         """
 
+    def can_defer(self, peer: int, header: Header) -> bool:
+        """Whether a DATA message still in the transport's memory (a shared-memory slot)
+        may stay there, unread, until :meth:`Transport.resume`: its op is not known here
+        yet and nothing here waits on anything queued behind it."""
+
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         """The link to ``peer`` ended.  ``orderly`` is True after the peer said goodbye."""
 
@@ -91,6 +96,11 @@ class Transport(abc.ABC):
         """True when output waits that only a later poll() will write (a full ring, a
         batch left by flush()), so a :meth:`wait` begun earlier must be woken."""
         return False
+
+    def resume(self) -> None:
+        """Read again the links where a message was left unread (see
+        :meth:`MessageHandler.can_defer`).  Progress-thread only."""
+        return  # a transport that never leaves a message unread has nothing to do
 
     @abc.abstractmethod
     def wake(self) -> None:

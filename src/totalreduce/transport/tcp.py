@@ -80,7 +80,7 @@ class _Stoppable(Protocol):
 class _Link:
     __slots__ = ("peer", "sock", "out", "marks", "writing", "staging", "rstart", "rend",
                  "header", "body", "body_off", "goodbye", "closed", "ring_out", "ring_in",
-                 "blocked", "chunk_off", "lent", "next_lend", "acks")
+                 "blocked", "chunk_off", "lent", "next_lend", "acks", "deferred")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
@@ -103,6 +103,7 @@ class _Link:
         self.lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
         self.next_lend = 0
         self.acks: deque[int] = deque()  # lend ids of the peer's bodies we have copied
+        self.deferred = False  # the ring's next record waits for the engine (resume())
 
 
 class TcpTransport(Transport):
@@ -147,6 +148,10 @@ class TcpTransport(Transport):
 
     def want_send(self, peer: int) -> None:
         self._pending.add(peer)
+
+    def resume(self) -> None:
+        for link in self._ring_links:
+            link.deferred = False
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -200,7 +205,7 @@ class TcpTransport(Transport):
         it full."""
         for link in self._ring_links:
             ring = link.ring_in
-            if ring is not None and ring.ready():
+            if ring is not None and ring.ready() and not link.deferred:
                 return True
             if self._room_freed(link):
                 return True
@@ -586,12 +591,22 @@ class TcpTransport(Transport):
         handler = self._handler
         peer = link.peer
         freed = False
+        if link.deferred and budget is not None:
+            return
+        link.deferred = False
         try:
             while budget is None or budget > 0:
                 record = ring.next()
                 if record is None:
                     break
                 header, body = record
+                if budget is not None and link.body is None and header.kind == Kind.DATA \
+                        and handler.can_defer(peer, header):
+                    # Data for an op not submitted here yet: left in the ring, it is
+                    # reduced straight out of it once the op starts, instead of copied
+                    # aside now (on the path back to the caller) and reduced later.
+                    link.deferred = True
+                    break
                 if budget is not None:
                     budget -= HEADER_SIZE + header.nbytes
                 if link.body is not None:  # inside a chunked body
