@@ -101,6 +101,18 @@ def test_lagging_rank_stays_under_floating_cap(transport: str) -> None:
     assert len(peaks) == 3 and max(peaks) <= cap and max(peaks) > 0, result.explain()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_data_before_the_op_waits_in_the_ring_but_never_blocks(transport: str) -> None:
+    result = run_ok(2, "workers:early_data", {}, timeout=60, transport=transport)
+    for r in range(2):
+        assert "early data ok" in result.lines(r), result.explain()
+    floated = [int(ln.split()[-1]) for ln in result.lines(1)
+               if ln.startswith("floating after one early op")]
+    # Over the rings the early piece is reduced straight out of the ring; over TCP it
+    # must be read off the socket, so it floats.
+    assert floated == ([0] if transport == "shm" else [1_000_004]), result.explain()
+
+
 @pytest.mark.parametrize("cap", [64 << 20, 4096])
 def test_ready_rides_on_data_unless_credit_runs_out(cap: int) -> None:
     # With room to float, each rank's first DATA tells the peer it is ready: no READY

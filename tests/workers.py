@@ -446,3 +446,45 @@ def submit_while_streaming(arg: dict) -> None:
         assert_same(got, want, f"s{i}")
     tr.shutdown()
     print("streaming ok")
+
+
+def early_data(arg: dict) -> None:
+    """Rank 0's pieces reach rank 1 while rank 1 has nothing in flight: over the rings they
+    wait there for rank 1's op (nothing copied aside), yet never block what is behind."""
+    from totalreduce.runtime import current
+
+    tr.init(shutdown_timeout=0.3)
+    rank, n = tr.rank(), tr.size()
+    engine = current().engine
+    count = 250_001  # about 1 MB, odd
+    ins = [data(1, r, (count,), np.float32) for r in range(n)]
+    if rank:
+        time.sleep(0.3)  # rank 0's piece is in our ring, unread, before we submit
+    assert_same(tr.allreduce(ins[rank], op=tr.Sum, name="early"), reference_reduce(ins, "Sum"),
+                "early")
+    print(f"floating after one early op {engine.stats()['floating_peak']}")
+    # Rank 1 submits y before x, rank 0 x before y: with y running, the x piece in front
+    # of y's in the ring must be read (and floated), or rank 1 would wait forever.
+    xs = [data(2, r, (1001,), np.float64) for r in range(n)]
+    ys = [data(3, r, (777,), np.int32) for r in range(n)]
+    if rank == 0:
+        hx = tr.allreduce_async(xs[0], op=tr.Sum, name="x")
+        hy = tr.allreduce_async(ys[0], op=tr.Max, name="y")
+    else:
+        time.sleep(0.3)
+        hy = tr.allreduce_async(ys[1], op=tr.Max, name="y")
+        time.sleep(0.1)
+        hx = tr.allreduce_async(xs[1], op=tr.Sum, name="x")
+    assert_same(hx.wait(timeout=30), reference_reduce(xs, "Sum"), "x")
+    assert_same(hy.wait(timeout=30), reference_reduce(ys, "Max"), "y")
+    # Rank 0 broadcasts, says goodbye and is gone (0.3 s shutdown timeout) while its
+    # piece sits unread in rank 1's ring: rank 1 must still see an orderly goodbye.
+    b = data(4, 0, (513,), np.float32)
+    if rank == 0:
+        tr.broadcast(b, root_rank=0, name="bye")
+        tr.shutdown()
+    else:
+        time.sleep(1.5)
+        assert engine.broken is None, engine.broken
+        tr.shutdown()
+    print("early data ok")

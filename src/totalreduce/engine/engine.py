@@ -34,7 +34,6 @@ from typing import Any
 
 from ..config import Config
 from ..exceptions import (
-    OpTimeoutError,
     PeerFailureError,
     ShutdownError,
     TotalReduceError,
@@ -51,11 +50,13 @@ from ..transport.wire import (
     Kind,
     pack_header,
 )
+from .driving import Driving, Waiting
 from .mismatch import MismatchRecord, decode_view, encode_view
 from .opstate import DoneSet, FloatingBody, LiveOp, QueuedMsg, Route
 from .payload import OpFuture, OpKey, OpSpec
 from .reducer import ReduceThread, ScratchPool, reduce_into
 from .schedule import COPY, Recv, Send
+from .stall import overdue
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +102,14 @@ class Engine:
         self._thread_error: BaseException | None = None
         self._shutdown_deadline: float | None = None
         self._next_check = time.monotonic() + _HOUSEKEEPING
-        # Whoever holds the drive lock runs the loop: the progress thread, or an application
-        # thread waiting for its op.  A waiting thread driving itself saves two thread
-        # hand-offs per op (submit -> progress thread -> waiter), each a GIL switch plus a
-        # scheduler wake-up, which is most of a small op's latency.
+        # Whoever holds the drive lock runs the loop (driving.py): a waiting thread that
+        # drives saves two hand-offs per op (GIL switch + wake-up), most of a small op's time.
         self._drive = threading.Lock()
         self._owner: int | None = None  # thread ident holding _drive (to refuse re-entry)
         self._idle = threading.Condition()  # the progress thread sleeps here while callers drive
         self._drivers = 0
-        self._driving = _Driving(self)
+        self._driving = Driving(self)
+        self._waiting = Waiting(self)
         self._reducer = ReduceThread(self._completions.append, transport.wake) \
             if config.reduce_thread_bytes >= 0 else None
         transport.start(self)
@@ -149,18 +149,11 @@ class Engine:
         is done.  A blocking caller waits next anyway, and keeping the loop saves the trip
         back out through the caller's wait(): the rank that arrives last at an op reads
         its peers' replies ~15 us sooner, and that is its whole critical path."""
-        with self._idle:
-            self._drivers += 1
-        try:
-            with self._driving:
-                if not self._closed.is_set():
-                    self._step(None)  # start and send; then look for replies
-                while not future.done() and not self._closed.is_set():
-                    self._step(_HOUSEKEEPING, future)
-        finally:
-            with self._idle:
-                self._drivers -= 1
-            self._nudge()
+        with self._waiting, self._driving:
+            if not self._closed.is_set():
+                self._step(None)  # start and send; then look for replies
+            while not future.done() and not self._closed.is_set():
+                self._step(_HOUSEKEEPING, future)
 
     def _nudge(self) -> None:
         """Have the progress thread drive, unless a caller does."""
@@ -206,10 +199,8 @@ class Engine:
                 f"rank {self.rank}: an op was waited on from inside the engine loop (a "
                 "completion callback); that would deadlock. Wait from another thread.")
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            self._drivers += 1
         woke = False
-        try:
+        with self._waiting:
             while not future.done():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -230,10 +221,6 @@ class Engine:
                         self._step(_HOUSEKEEPING if left is None else min(left, _HOUSEKEEPING),
                                    future)
             return True
-        finally:
-            with self._idle:
-                self._drivers -= 1
-            self._nudge()
 
 
     def _run(self) -> None:
@@ -340,26 +327,8 @@ class Engine:
             if op is not None and op.mismatch is record and (
                     record.complete() or now >= record.deadline):
                 self._fail(op, record.error(self.rank, op.spec.describe.get("name", "")))
-        cfg = self._config
-        for op in list(self._active.values()):
-            waited = now - op.t_start
-            if cfg.op_timeout and waited > cfg.op_timeout:
-                self._fail(op, OpTimeoutError(
-                    op.spec.describe.get("name", ""),
-                    f"rank {self.rank}: {op.spec.label} did not complete within "
-                    f"TOTALREDUCE_OP_TIMEOUT={cfg.op_timeout:g} s; {self._waiting_on(op)}. "
-                    "Check that every rank submits it, or raise TOTALREDUCE_OP_TIMEOUT."))
-            elif cfg.stall_warning and waited > cfg.stall_warning and not op.warned:
-                op.warned = True
-                logger.warning("rank %d: %s has waited %.0f s; %s. Some rank may not have "
-                               "submitted it (TOTALREDUCE_STALL_WARNING=%g)", self.rank,
-                               op.spec.label, waited, self._waiting_on(op), cfg.stall_warning)
-
-    def _waiting_on(self, op: LiveOp) -> str:
-        ranks = sorted(p for p, left in op.pending_from.items() if left > 0)
-        if not ranks:
-            return "all data arrived; its last sends are still leaving this rank"
-        return f"waiting for data from rank(s) {ranks}"
+        for op, error in overdue(self.rank, list(self._active.values()), now, self._config):
+            self._fail(op, error)
 
     # --- starting and finishing ops --------------------------------------------------
 
@@ -604,17 +573,18 @@ class Engine:
         if problem == "layout":
             seen["detail"] = (f"sent step {header.step} piece {header.piece} of "
                               f"{header.nbytes} bytes, which rank {self.rank} does not expect")
-        record = self._mismatches.get(spec.key)
-        if record is None:
-            record = self._new_record(spec)
+        record = self._record(spec.key, spec.label)
         record.add(peer, seen, partial=True)
         self._join_mismatch(op, record, fail_now=False)
         return None
 
-    def _new_record(self, spec: OpSpec) -> MismatchRecord:
-        record = MismatchRecord(spec.label, self.size,
-                                time.monotonic() + self._config.mismatch_grace)
-        self._mismatches[spec.key] = record
+    def _record(self, key: OpKey, label: str) -> MismatchRecord:
+        """The mismatch record of op ``key``, begun now if this is the first word of it."""
+        record = self._mismatches.get(key)
+        if record is None:
+            record = MismatchRecord(label, self.size,
+                                    time.monotonic() + self._config.mismatch_grace)
+            self._mismatches[key] = record
         return record
 
     def _join_mismatch(self, op: LiveOp, record: MismatchRecord, fail_now: bool) -> None:
@@ -646,7 +616,7 @@ class Engine:
         self._header_news(peer, header)
         route = self._routes.pop(peer)
         what = route.what
-        if what in ("direct", "reduce", "reduce-view"):
+        if what in ("direct", "reduce"):
             self._settle_credit(peer, header, route.charge)
             op = route.op
             assert op is not None and route.recv is not None
@@ -657,7 +627,7 @@ class Engine:
             elif what == "direct":
                 self._apply(op, rkey, route.recv)
             else:
-                self._reduce(op, rkey, route.recv, route.buf, what == "reduce")
+                self._reduce(op, rkey, route.recv, route.buf, True)
         elif what == "float":
             item = FloatingBody(peer, header, route.buf, route.charge)
             key = header.op_key
@@ -702,14 +672,8 @@ class Engine:
                 else:
                     self._reduce(op, rkey, recv, body, False)
                 return
-        dest = self.body_buffer(peer, header)
-        route = self._routes[peer]
-        if route.what == "reduce" and self._reducer is None:
-            # Reduce straight out of the sender's slot: one pass over the bytes, no copy.
-            self._scratch.put(route.buf)
-            route.what = "reduce-view"
-            route.buf = body
-        elif body.nbytes:
+        dest = self.body_buffer(peer, header)  # floating, or for the reduce thread: a copy
+        if body.nbytes:
             dest[:] = body
         self.received(peer, header, dest)
 
@@ -789,12 +753,7 @@ class Engine:
             op = self._active.get(key)
             if op is None and key in self._done:
                 return
-            record = self._mismatches.get(key)
-            if record is None:
-                label = op.spec.label if op is not None else f"op {key}"
-                record = MismatchRecord(label, self.size,
-                                        time.monotonic() + self._config.mismatch_grace)
-                self._mismatches[key] = record
+            record = self._record(key, op.spec.label if op is not None else f"op {key}")
             record.add(peer, view)
             if op is not None:
                 self._join_mismatch(op, record, fail_now=False)
@@ -837,21 +796,3 @@ class Engine:
         self._break(PeerFailureError(peer, f"rank {self.rank}: lost rank {peer}: {reason}. "
                                      f"Its own output should say why it stopped."), peer)
 
-
-class _Driving:
-    """``with engine._driving:`` marks this thread as the loop's driver and releases the
-    drive lock (already acquired) on the way out.  A class rather than a generator-based
-    context manager: it is entered twice per op, and the generator form cost ~2 us each."""
-
-    __slots__ = ("_engine",)
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def __enter__(self) -> None:
-        self._engine._owner = threading.get_ident()
-
-    def __exit__(self, *exc: object) -> None:
-        engine = self._engine
-        engine._owner = None
-        engine._drive.release()
