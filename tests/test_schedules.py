@@ -28,36 +28,50 @@ def simulate(schedules: list[Schedule], works: list[np.ndarray],
     (a reduce waits until the named sends have left, as the engine holds it).  A schedule
     that overwrote a region before its send of that region had left would compute garbage
     here.
+
+    It also checks that every rank finishes only after hearing, through some chain of
+    messages, from every other rank: that is what lets a rank that disagrees about an op
+    (its header's signature) fail it everywhere before anyone returns data.
     """
     n = len(schedules)
     rng = random.Random(seed)
-    queued: list[tuple[int, object]] = []
+    queued: list[tuple[int, object, frozenset[int]]] = []
     for r, s in enumerate(schedules):
-        queued += [(r, send) for send in s.first]
-    inflight: list[tuple[int, object, np.ndarray]] = []
+        queued += [(r, send, frozenset([r])) for send in s.first]
+    inflight: list[tuple[int, object, np.ndarray, frozenset[int]]] = []
+    heard = [{r} for r in range(n)]  # ranks whose messages reached r, directly or not
     got = [set() for _ in range(n)]
     left = [set() for _ in range(n)]
     held: list[list[tuple[object, np.ndarray]]] = [[] for _ in range(n)]
 
-    def apply(dst: int, recv, buf: np.ndarray) -> None:
+    sent_knows: list[dict[tuple[int, int, int], frozenset[int]]] = [{} for _ in range(n)]
+
+    def apply(dst: int, recv, buf: np.ndarray, knows: frozenset[int]) -> None:
         if recv.mode == COPY:
             works[dst][recv.lo:recv.hi] = buf
         else:
             works[dst][recv.lo:recv.hi] += buf
-        queued.extend((dst, s) for s in recv.then)
+        # What this rank surely knew by now: what the message brought, and what the sends
+        # it had to wait for (Recv.after) knew.  Sends it unlocks carry that on.
+        for key in recv.after:
+            knows |= sent_knows[dst][key]
+        knows |= {dst}
+        heard[dst] |= knows
+        queued.extend((dst, s, knows) for s in recv.then)
 
     while queued or inflight:
         if queued and (not inflight or rng.random() < 0.5):
-            src, send = queued.pop(rng.randrange(len(queued)))
+            src, send, knows = queued.pop(rng.randrange(len(queued)))
             buf = (sources[src] if send.from_source else works[src])[send.lo:send.hi].copy()
-            inflight.append((src, send, buf))
+            inflight.append((src, send, buf, knows))
             left[src].add((send.peer, send.step, send.piece))
+            sent_knows[src][(send.peer, send.step, send.piece)] = knows
             for item in list(held[src]):
                 if set(item[0].after) <= left[src]:
                     held[src].remove(item)
                     apply(src, *item)
             continue
-        src, send, buf = inflight.pop(rng.randrange(len(inflight)))
+        src, send, buf, knows = inflight.pop(rng.randrange(len(inflight)))
         dst = send.peer
         key = (src, send.step, send.piece)
         recv = schedules[dst].recvs[key]
@@ -66,12 +80,14 @@ def simulate(schedules: list[Schedule], works: list[np.ndarray],
         assert recv.hi - recv.lo == buf.size
         assert not recv.after or recv.mode != COPY, "only reduces may wait for sends"
         if set(recv.after) <= left[dst]:
-            apply(dst, recv, buf)
+            apply(dst, recv, buf, knows)
         else:
-            held[dst].append((recv, buf))
+            held[dst].append((recv, buf, knows))
     for r in range(n):
         assert got[r] == set(schedules[r].recvs), f"rank {r} missed messages"
         assert not held[r], f"rank {r} still holds reduces"
+        assert heard[r] == set(range(n)), f"rank {r} finished without hearing from " \
+            f"{sorted(set(range(n)) - heard[r])}"
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])

@@ -404,6 +404,8 @@ def op_timeout(arg: dict) -> None:
         print(f"TIMEOUT after {time.monotonic() - start:.2f}s: {exc}")
     else:
         raise AssertionError("no OpTimeoutError")
+    # Leaving now would fail the late rank's op (PeerFailureError) before it times out.
+    time.sleep(arg["late"] + 0.5)
     tr.shutdown()
 
 
@@ -477,11 +479,11 @@ def early_data(arg: dict) -> None:
         hx = tr.allreduce_async(xs[1], op=tr.Sum, name="x")
     assert_same(hx.wait(timeout=30), reference_reduce(xs, "Sum"), "x")
     assert_same(hy.wait(timeout=30), reference_reduce(ys, "Max"), "y")
-    # Rank 0 broadcasts, says goodbye and is gone (0.3 s shutdown timeout) while its
-    # piece sits unread in rank 1's ring: rank 1 must still see an orderly goodbye.
+    # Rank 0 starts a broadcast, shuts down (which fails it) and is gone while its piece
+    # sits unread in rank 1's ring: rank 1 must still see an orderly goodbye.
     b = data(4, 0, (513,), np.float32)
     if rank == 0:
-        tr.broadcast(b, root_rank=0, name="bye")
+        tr.broadcast_async(b, root_rank=0, name="bye")
         tr.shutdown()
     else:
         time.sleep(1.5)

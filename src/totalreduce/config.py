@@ -30,6 +30,10 @@ TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two 
 TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      24 MiB
                                    ring peers: the receiver's kernel copies them
                                    out of the sender's memory (0 = never)
+TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB
+                                   the least recently used sizes are freed
+TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers     65536
+                                   (see below)
 =================================  ==============================================  =========
 
 Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
@@ -53,6 +57,15 @@ against 0.58-0.66x). It also beat a plain 8 MiB ring in a moderate period (8 MB:
 against 1.30x), but not in a slow one (0.76-0.87x against 1.18-1.26x).  One record in
 flight was faster still in a fast period (8 MB 1.76-1.86x against 1.61-1.63x), so no
 size wins everywhere; see docs/BENCHMARKS.md, "Ring footprint".
+
+Why names are forgotten: ops match across ranks by (name, call count), so every rank keeps
+a count per name.  A job that names ops afresh every step (``f"grad.{step}"``) would grow
+that table forever, so only the ``TOTALREDUCE_NAME_CAPACITY`` names used most recently are
+remembered; a forgotten name starts again at call 0.  That is safe when every rank forgets
+it too, which holds when ranks submit the same names (in any order nearby): a name is
+forgotten only after that many other names were used since its last call.  A job that
+reuses a name after more distinct names than that, with ranks far apart in their
+sequences, should raise the capacity.
 
 Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
 allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.13 GB/s with
@@ -85,6 +98,8 @@ class Config:
     transport: str = "auto"
     shm_bytes: int = -1
     cma_bytes: int = 24 << 20
+    scratch_bytes: int = 32 << 20
+    name_capacity: int = 1 << 16
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
@@ -95,6 +110,10 @@ class Config:
             raise ValueError(f"shm_bytes must be >= 0 (or -1: auto), got {self.shm_bytes}")
         if self.cma_bytes < 0:
             raise ValueError(f"cma_bytes must be >= 0, got {self.cma_bytes}")
+        if self.scratch_bytes < 0:
+            raise ValueError(f"scratch_bytes must be >= 0, got {self.scratch_bytes}")
+        if self.name_capacity < 1:
+            raise ValueError(f"name_capacity must be >= 1, got {self.name_capacity}")
         if self.floating_cap < 0:
             raise ValueError(f"floating_cap must be >= 0, got {self.floating_cap}")
         for name in ("stall_warning", "op_timeout", "connect_timeout", "shutdown_timeout",

@@ -9,10 +9,14 @@ it as failed).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import logging
+import os
 import socket
+import sys
 import threading
+import time
 from typing import Any
 
 from .config import Config
@@ -25,6 +29,8 @@ from .transport.loopback import LoopbackTransport
 from .transport.mesh import connect_mesh
 
 logger = logging.getLogger(__name__)
+
+_MPI_FAILED_LINGER = 1.0
 
 
 def _route_ip(host: str) -> str:
@@ -127,6 +133,8 @@ class _Holder:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.runtime: Runtime | None = None
+        self.previous_hook: Any = sys.excepthook
+        self.exit_code: int | None = None  # set when an uncaught error ends an MPI rank
 
 
 _HOLDER = _Holder()
@@ -139,7 +147,42 @@ def init(**overrides: Any) -> Runtime:
         config = Config.from_env(**overrides)
         runtime = Runtime(config)
         _HOLDER.runtime = runtime
+        if sys.excepthook is not _on_uncaught:
+            _HOLDER.previous_hook = sys.excepthook
+            sys.excepthook = _on_uncaught
         return runtime
+
+
+def _on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` while initialized: after the usual traceback, tell every peer
+    that this rank is failing, so they raise PeerFailureError naming it within
+    milliseconds instead of waiting for data that will never come; the ``atexit``
+    shutdown that follows then only flushes that news and closes."""
+    _HOLDER.previous_hook(exc_type, exc, tb)
+    runtime = _HOLDER.runtime
+    if runtime is not None:
+        what = "interrupted (KeyboardInterrupt)" if issubclass(exc_type, KeyboardInterrupt) \
+            else f"it raised {exc_type.__name__}: {exc}"
+        runtime.engine.abort(what)
+        if runtime.transport_name == "mpi":
+            _HOLDER.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+
+
+def _leave_failed_mpi_rank() -> None:
+    """Runs after ``shutdown`` at exit (registered before it).  MPI_Finalize waits for
+    every other rank to finalize too, so a rank failing under mpiexec would hang there
+    for as long as its peers run.  It leaves without finalizing instead, after giving
+    its peers a moment to report the failure it sent them: mpiexec ends the whole job
+    as soon as one rank exits with an error."""
+    code = _HOLDER.exit_code
+    if code is None:
+        return
+    time.sleep(_MPI_FAILED_LINGER)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def shutdown() -> None:
@@ -160,4 +203,5 @@ def is_initialized() -> bool:
     return _HOLDER.runtime is not None
 
 
+atexit.register(_leave_failed_mpi_rank)
 atexit.register(shutdown)

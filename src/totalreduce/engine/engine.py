@@ -39,6 +39,7 @@ from ..exceptions import (
     TotalReduceError,
     TransportClosedError,
 )
+from ..lru import LRU
 from ..transport.base import Outgoing, Transport
 from ..transport.wire import (
     DTYPES,
@@ -61,6 +62,8 @@ from .stall import overdue
 logger = logging.getLogger(__name__)
 
 _HOUSEKEEPING = 0.25
+_EARLY_READY_ENTRIES = 1 << 16
+_MISMATCH_ENTRIES = 4096
 
 
 class Engine:
@@ -81,8 +84,12 @@ class Engine:
         self.floating_bytes = 0
         self.floating_peak = 0
         self.ready_sent = 0  # READY control messages (most ride on DATA instead)
-        self._early_ready: dict[OpKey, set[int]] = {}
-        self._mismatches: dict[OpKey, MismatchRecord] = {}
+        # READYs for ops not submitted here yet.  Bounded: dropping the stalest costs
+        # only credit (the sender then sends against credit), never correctness.
+        self._early_ready: LRU[OpKey, set[int]] = LRU(_EARLY_READY_ENTRIES)
+        # Views of mismatched ops, kept until the op fails here (or, for ops this rank
+        # never submits, until they are the stalest of _MISMATCH_ENTRIES).
+        self._mismatches: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
         peers = [p for p in range(self.size) if p != self.rank]
         self._heaps: dict[int, list[tuple[int, int, QueuedMsg]]] = {p: [] for p in peers}
         self._parked: dict[int, dict[OpKey, list[QueuedMsg]]] = {p: {} for p in peers}
@@ -94,13 +101,15 @@ class Engine:
         self._gone: set[int] = set()
         self._bye: set[int] = set()
         self._tiebreak = itertools.count()
-        self._scratch = ScratchPool()
+        self._scratch = ScratchPool(config.scratch_bytes)
         self._discard = bytearray(1 << 16)
         self._broken: TotalReduceError | None = None
         self._closing = False
         self._closed = threading.Event()
         self._thread_error: BaseException | None = None
         self._shutdown_deadline: float | None = None
+        self._writes_closed = False  # GOODBYE (or ABORT) out, our write sides half-closed
+        self._await_eof = True  # whether the transport reports each peer's end
         self._next_check = time.monotonic() + _HOUSEKEEPING
         # Whoever holds the drive lock runs the loop (driving.py): a waiting thread that
         # drives saves two hand-offs per op (GIL switch + wake-up), most of a small op's time.
@@ -154,6 +163,19 @@ class Engine:
                 self._step(None)  # start and send; then look for replies
             while not future.done() and not self._closed.is_set():
                 self._step(_HOUSEKEEPING, future)
+
+    def abort(self, reason: str) -> None:
+        """This rank is failing (an uncaught exception): tell every peer at once, so they
+        raise PeerFailureError naming us instead of waiting for our data (any thread).
+        A shutdown() should follow; it then only flushes the news and closes."""
+        self._commands.append(("abort", reason, None))
+        self._transport.wake()
+        self._nudge()
+
+    def forget_name(self, name_key: int) -> None:
+        """The scheduler no longer counts calls of this name: its next op is call 0 again,
+        so which of its calls finished here must be forgotten too (any thread)."""
+        self._commands.append(("forget", name_key, None))
 
     def _nudge(self) -> None:
         """Have the progress thread drive, unless a caller does."""
@@ -260,6 +282,11 @@ class Engine:
                 cmd, spec, future = self._commands.popleft()
                 if cmd == "submit":
                     self._start(spec, future)
+                elif cmd == "forget":
+                    self._done.forget(spec)
+                elif cmd == "abort":
+                    self._break(PeerFailureError(self.rank, f"rank {self.rank} failed: {spec}"),
+                                self.rank)
                 elif self._shutdown_deadline is None:
                     self._shutdown_deadline = self._begin_shutdown()
             while self._completions:
@@ -300,28 +327,44 @@ class Engine:
             self._idle.notify_all()
 
     def _begin_shutdown(self) -> float:
+        """Fail what is pending (as Horovod does), then tell every peer we are leaving.
+
+        Nothing of ours is sent after the GOODBYE, so a peer that reads it knows which of
+        its ops can no longer finish and fails them at once (``_peer_left``)."""
         self._closing = True
         self._transport.resume()
-        for peer in self._heaps:
-            if peer not in self._gone:
-                self._control[peer].append((Header(Kind.GOODBYE), None))
-                self._transport.want_send(peer)
+        for op in list(self._active.values()):
+            self._fail(op, TransportClosedError(
+                f"rank {self.rank}: {op.spec.label} was still pending at shutdown()"))
+        if self._broken is None:  # a broken job has told its peers already (ABORT)
+            for peer in self._heaps:
+                if peer not in self._gone:
+                    self._control[peer].append((Header(Kind.GOODBYE), None))
+                    self._transport.want_send(peer)
         return time.monotonic() + self._config.shutdown_timeout
 
     def _shutdown_done(self, deadline: float) -> bool:
+        """Once our last message is out, half-close and wait only until every peer's
+        transport has seen that (it closes its end at once, whatever its application is
+        doing): closing with unread bytes would reset the connection.  We never wait
+        for the peers' own shutdown()."""
         if time.monotonic() >= deadline:
-            waiting = sorted(set(self._heaps) - self._bye - self._gone)
-            if waiting:
-                logger.warning("rank %d: shutdown: ranks %s did not say goodbye within %.0f s;"
-                               " closing anyway", self.rank, waiting,
-                               self._config.shutdown_timeout)
+            left = sorted(set(self._heaps) - self._gone)
+            if left:
+                logger.debug("rank %d: shutdown: links to %s still open after %.1f s",
+                             self.rank, left, self._config.shutdown_timeout)
             return True
-        flushed = not self._transport.pending_output() and not any(
-            self._control[p] for p in self._control if p not in self._gone)
-        return flushed and set(self._heaps) <= (self._bye | self._gone)
+        if not self._writes_closed:
+            if self._transport.pending_output() or any(
+                    self._control[p] for p in self._control if p not in self._gone):
+                return False
+            self._writes_closed = True
+            # A broken job leaves at once: its peers read the ABORT before our end.
+            self._await_eof = self._transport.close_writes() and self._broken is None
+        return not self._await_eof or set(self._heaps) <= self._gone
 
     def _housekeeping(self, now: float) -> None:
-        for key, record in list(self._mismatches.items()):
+        for key, record in self._mismatches.items():
             op = self._active.get(key)
             if op is not None and op.mismatch is record and (
                     record.complete() or now >= record.deadline):
@@ -341,8 +384,9 @@ class Engine:
                 f"rank {self.rank}: {spec.label} was submitted twice (internal error)"))
             return
         op = LiveOp(spec, future)
-        gone = sorted((set(op.pending_from) | spec.schedule.first_peers) & self._gone) \
-            if self._gone else None
+        left = self._gone | self._bye
+        gone = sorted((set(op.pending_from) | spec.schedule.first_peers) & left) \
+            if left else None
         if gone:
             self._done.add(key)
             future.resolve(PeerFailureError(gone[0], f"rank {self.rank}: {spec.label} needs "
@@ -350,7 +394,7 @@ class Engine:
             return
         self._active[key] = op
         self._transport.resume()
-        op.ready_peers = self._early_ready.pop(key, set())
+        op.ready_peers = self._early_ready.pop(key) or set()
         for lo, hi in spec.schedule.local_final:
             if spec.finalize is not None and hi > lo:
                 spec.finalize(spec.work[lo:hi])
@@ -409,7 +453,7 @@ class Engine:
         key = op.spec.key
         self._active.pop(key, None)
         self._done.add(key)
-        self._mismatches.pop(key, None)
+        self._mismatches.pop(key)
         for parked in self._parked.values():
             parked.pop(key, None)
         op.future.resolve(error)
@@ -419,7 +463,8 @@ class Engine:
             return
         self._broken = error
         self._transport.resume()
-        logger.error("%s", error)
+        if lost != self.rank:
+            logger.error("%s", error)
         body = str(error).encode()[:4096]
         for peer in self._heaps:
             if peer not in self._gone and peer != lost:
@@ -535,7 +580,7 @@ class Engine:
                 return op.region(recv.lo, recv.hi)
             buf = self._scratch.get(n)
             self._routes[peer] = Route("reduce", op, recv, buf, charge)
-            return memoryview(buf)
+            return buf
         if key in self._done or self._broken is not None:
             self._routes[peer] = Route("discard", charge=charge)
             return self._discard_view(n)
@@ -543,7 +588,7 @@ class Engine:
         self._routes[peer] = Route("float", buf=buf, charge=charge)
         self.floating_bytes += charge
         self.floating_peak = max(self.floating_peak, self.floating_bytes)
-        return memoryview(buf)
+        return buf
 
     def _discard_view(self, n: int) -> memoryview:
         if len(self._discard) < n:
@@ -583,7 +628,7 @@ class Engine:
         if record is None:
             record = MismatchRecord(label, self.size,
                                     time.monotonic() + self._config.mismatch_grace)
-            self._mismatches[key] = record
+            self._mismatches.put(key, record)
         return record
 
     def _join_mismatch(self, op: LiveOp, record: MismatchRecord, fail_now: bool) -> None:
@@ -694,12 +739,12 @@ class Engine:
         else:
             self._reduce(op, rkey, recv, item.buf, True)
 
-    def _reduce(self, op: LiveOp, rkey: tuple[int, int, int], recv: Recv, buf: bytearray,
+    def _reduce(self, op: LiveOp, rkey: tuple[int, int, int], recv: Recv, buf: memoryview,
                 pooled: bool) -> None:
         op.got.add(rkey)
         if recv.after and not op.left.issuperset(recv.after):
             # This body would overwrite bytes that a send of ours has yet to read.
-            if isinstance(buf, memoryview):
+            if not pooled:
                 copy = self._scratch.get(buf.nbytes)  # a ring slot is only ours during
                 copy[:] = buf                          # this call
                 buf, pooled = copy, True
@@ -759,7 +804,9 @@ class Engine:
         elif kind == Kind.ABORT:
             lost = header.step - 1
             reason = body.decode(errors="replace")
-            if lost >= 0:
+            if lost == peer:  # its own failure: ``reason`` already says "rank N failed: ..."
+                self._break(PeerFailureError(lost, f"rank {self.rank}: {reason}"), lost)
+            elif lost >= 0:
                 self._break(PeerFailureError(lost, f"rank {self.rank}: rank {lost} failed "
                                              f"(reported by rank {peer}): {reason}"), lost)
             else:
@@ -767,6 +814,7 @@ class Engine:
                                              f"job: {reason}"))
         elif kind == Kind.GOODBYE:
             self._bye.add(peer)
+            self._peer_left(peer)
 
     def _peer_ready(self, peer: int, key: OpKey) -> None:
         op = self._active.get(key)
@@ -774,7 +822,20 @@ class Engine:
             op.ready_peers.add(peer)
             self._unpark(peer, key)
         elif key not in self._done:
-            self._early_ready.setdefault(key, set()).add(peer)
+            ready = self._early_ready.get(key)
+            if ready is None:
+                ready = set()
+                self._early_ready.put(key, ready)
+            ready.add(peer)
+
+    def _peer_left(self, peer: int) -> None:
+        """``peer`` shut down: it sends nothing more and takes nothing more, so every op
+        here that still expects a message from it or owes it one cannot finish."""
+        for op in list(self._active.values()):
+            if op.pending_from.get(peer, 0) > 0 or op.sends_owed_to(peer):
+                self._fail(op, PeerFailureError(
+                    peer, f"rank {self.rank}: rank {peer} shut down while "
+                    f"{op.spec.label} still needed it"))
 
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         self._gone.add(peer)
@@ -783,15 +844,9 @@ class Engine:
         self._control[peer].clear()
         self._routes.pop(peer, None)
         if orderly or peer in self._bye:
-            for op in list(self._active.values()):
-                if op.pending_from.get(peer, 0) > 0 or any(
-                        s.peer == peer for s in op.spec.schedule.first):
-                    self._fail(op, PeerFailureError(
-                        peer, f"rank {self.rank}: rank {peer} shut down while "
-                        f"{op.spec.label} still needed it"))
+            self._peer_left(peer)
             return
         if self._closing:
             return
         self._break(PeerFailureError(peer, f"rank {self.rank}: lost rank {peer}: {reason}. "
                                      f"Its own output should say why it stopped."), peer)
-

@@ -40,6 +40,12 @@ class LiveOp:
         self.left: set[tuple[int, int, int]] = set()  # sends gone: (peer, step, piece)
         self.held: list[tuple[tuple[int, int, int], Recv, Any, bool]] = []
 
+    def sends_owed_to(self, peer: int) -> bool:
+        """Whether some message of this op to ``peer`` has not left yet (rare path: it
+        counts the sends gone)."""
+        total = self.spec.schedule.sends_to(peer)
+        return total > 0 and sum(1 for key in self.left if key[0] == peer) < total
+
     def region(self, lo: int, hi: int, from_source: bool = False) -> memoryview:
         view = self.source_bytes if from_source else self.work_bytes
         return view[lo * self.itemsize:hi * self.itemsize]
@@ -77,7 +83,7 @@ class Route:
 class FloatingBody:
     __slots__ = ("src", "header", "buf", "charge")
 
-    def __init__(self, src: int, header: Header, buf: bytearray, charge: int) -> None:
+    def __init__(self, src: int, header: Header, buf: memoryview, charge: int) -> None:
         self.src = src
         self.header = header
         self.buf = buf
@@ -85,7 +91,10 @@ class FloatingBody:
 
 
 class DoneSet:
-    """Which call counts of each name have finished here (a watermark plus stragglers)."""
+    """Which call counts of each name have finished here (a watermark plus stragglers).
+
+    One entry per name the scheduler remembers: it calls :meth:`forget` for each name it
+    forgets, which bounds this table by ``name_capacity``."""
 
     def __init__(self) -> None:
         self._low: dict[int, int] = {}
@@ -104,6 +113,10 @@ class DoneSet:
         self._low[name] = low
         if not above:
             del self._above[name]
+
+    def forget(self, name: int) -> None:
+        self._low.pop(name, None)
+        self._above.pop(name, None)
 
     def __contains__(self, key: OpKey) -> bool:
         name, seq = key

@@ -50,6 +50,7 @@ class Schedule:
     first_peers: frozenset[int] = dataclasses.field(init=False, repr=False, compare=False)
     _expected: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False,
                                                                compare=False)
+    _sends_to: dict[int, int] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         counts: dict[int, int] = {}
@@ -59,6 +60,14 @@ class Schedule:
         object.__setattr__(self, "n_sends", len(self.first) + sum(
             len(r.then) for r in self.recvs.values()))
         object.__setattr__(self, "first_peers", frozenset(s.peer for s in self.first))
+        sends_to: dict[int, int] = {}
+        for send in (*self.first, *(s for r in self.recvs.values() for s in r.then)):
+            sends_to[send.peer] = sends_to.get(send.peer, 0) + 1
+        object.__setattr__(self, "_sends_to", sends_to)
+
+    def sends_to(self, peer: int) -> int:
+        """How many messages this rank sends ``peer`` in the whole op."""
+        return self._sends_to.get(peer, 0)
 
     def expected_from(self) -> dict[int, int]:
         """How many receives come from each source (a fresh dict: the caller counts down)."""

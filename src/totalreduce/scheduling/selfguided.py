@@ -31,6 +31,7 @@ from ..engine.algorithms import (
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
 from ..engine.schedule import Schedule, even_bounds
+from ..lru import LRU
 from ..transport.wire import dtype_code
 from .handle import Handle
 from .ops import UFUNCS, ReduceOp, as_reduce_op, averager
@@ -38,7 +39,9 @@ from .ops import UFUNCS, ReduceOp, as_reduce_op, averager
 _UNNAMED = "\x00unnamed"
 
 
-_SIG_CACHE = 1 << 16  # entries; beyond this (endlessly new names) hash every time
+# Entries of each spec cache: a training loop repeats a few hundred (name, shape) pairs;
+# shapes that change every step cost a rebuild (~15 us), never memory.
+_SPEC_CACHE = 1024
 
 
 def _freeze(obj: Any) -> Any:
@@ -93,29 +96,36 @@ class SelfGuided:
         self._config = config
         self.rank = engine.rank
         self.size = engine.size
-        self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._sigs: dict[Any, int] = {}
+        # name (+ phase) -> [hash, calls so far]; a name forgotten here is forgotten by the
+        # engine too, so its next call starts afresh at 0 (config.py: name_capacity).
+        self._names: LRU[str, list[int]] = LRU(
+            config.name_capacity, lambda _name, entry: engine.forget_name(entry[0]))
+        self._sigs: LRU[Any, int] = LRU(_SPEC_CACHE)
         # (kind, dtype, shape, op, ..., name) -> (view, sig): a training loop's allreduces
         # repeat, and building and freezing the view dict cost ~15 us of a 1 MB op's ~200.
-        self._known: dict[tuple[Any, ...], tuple[dict[str, Any], int]] = {}
-        self._name_hashes: dict[str, int] = {}
+        self._known: LRU[tuple[Any, ...], tuple[dict[str, Any], int]] = LRU(_SPEC_CACHE)
 
     # --- identity ---------------------------------------------------------------------
 
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
-        base = _UNNAMED if name is None else name
+        if name is None:
+            base = _UNNAMED
+        elif isinstance(name, str):
+            base = name
+        else:
+            raise TypeError(f"{kind}: name must be a str or None, got {type(name).__name__} "
+                            f"{name!r}")
+        key = base + phase
         with self._lock:
-            seq = self._counts.get(base + phase, 0)
-            self._counts[base + phase] = seq + 1
+            entry = self._names.get(key)
+            if entry is None:
+                entry = [_hash64(key), 0]
+                self._names.put(key, entry)
+            h, seq = entry
+            entry[1] = seq + 1
         shown = f"{kind} '{name}'" if name is not None else f"{kind} (unnamed)"
         label = f"{shown} (call #{seq})" if name is None or seq else shown
-        key = base + phase
-        h = self._name_hashes.get(key)
-        if h is None:
-            h = _hash64(key)
-            if len(self._name_hashes) < _SIG_CACHE:
-                self._name_hashes[key] = h
         return _Ident((h, seq), "" if name is None else name, label)
 
     def _spec(self, ident: _Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
@@ -124,7 +134,11 @@ class SelfGuided:
         """``view`` (or a function making it) is what ranks must agree on; ``known``, a
         hashable key that determines it, lets a repeated op skip building it."""
         key = None if known is None else (*known, ident.name)
-        hit = None if key is None else self._known.get(key)
+        if key is not None:
+            with self._lock:
+                hit = self._known.get(key)
+        else:
+            hit = None
         if hit is not None:
             view, sig = hit
         else:
@@ -132,13 +146,17 @@ class SelfGuided:
             # A training loop repeats the same few views: hashing their JSON each call was
             # a measurable share of a small op's cost.
             frozen = _freeze(view)
-            sig = self._sigs.get(frozen)
-            if sig is None:
+            with self._lock:
+                cached = self._sigs.get(frozen)
+            if cached is None:
                 sig = _hash64(json.dumps(view, sort_keys=True))
-                if len(self._sigs) < _SIG_CACHE:
-                    self._sigs[frozen] = sig
-            if key is not None and len(self._known) < _SIG_CACHE:
-                self._known[key] = (view, sig)
+                with self._lock:
+                    self._sigs.put(frozen, sig)
+            else:
+                sig = cached
+            if key is not None:
+                with self._lock:
+                    self._known.put(key, (view, sig))
         return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
                       work, priority=priority, **kw)
 

@@ -110,6 +110,13 @@ class Transport(abc.ABC):
     def pending_output(self) -> bool:
         """True while some message is partly written."""
 
+    def close_writes(self) -> bool:
+        """Everything we will ever send is out (GOODBYE or ABORT last): end our side of
+        every link.  Returns whether each peer's end will then be reported through
+        ``handler.peer_lost`` (a socket's EOF), which a closing engine waits for so that
+        it never closes with the peer's bytes unread."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Flushed, orderly close of every link (call after GOODBYE was sent and drained)."""

@@ -80,7 +80,8 @@ class _Stoppable(Protocol):
 class _Link:
     __slots__ = ("peer", "sock", "out", "marks", "writing", "staging", "rstart", "rend",
                  "header", "body", "body_off", "goodbye", "closed", "ring_out", "ring_in",
-                 "blocked", "chunk_off", "lent", "next_lend", "acks", "deferred")
+                 "blocked", "chunk_off", "lent", "next_lend", "acks", "deferred",
+                 "write_closed")
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
         self.peer = peer
@@ -104,6 +105,7 @@ class _Link:
         self.next_lend = 0
         self.acks: deque[int] = deque()  # lend ids of the peer's bodies we have copied
         self.deferred = False  # the ring's next record waits for the engine (resume())
+        self.write_closed = False  # we sent our last message and half-closed the socket
 
 
 class TcpTransport(Transport):
@@ -301,11 +303,16 @@ class TcpTransport(Transport):
         if self._pending:
             self._flush_pending()
 
-    def close(self) -> None:
+    def close_writes(self) -> bool:
         for link in self._links.values():
-            if not link.closed:
+            if not link.closed and not link.write_closed:
+                link.write_closed = True
                 with contextlib.suppress(OSError):
                     link.sock.shutdown(socket.SHUT_WR)
+        return True
+
+    def close(self) -> None:
+        self.close_writes()
         self.abort()
 
     def abort(self) -> None:
@@ -362,6 +369,8 @@ class TcpTransport(Transport):
 
     def _write(self, link: _Link, budget: int = _WRITE_BUDGET) -> None:
         assert self._handler is not None
+        if link.write_closed:
+            return  # after our last message; whatever the engine still has is moot
         if link.ring_out is not None:
             self._write_ring(link, budget)
             return
@@ -490,6 +499,8 @@ class TcpTransport(Transport):
         return posted
 
     def _ring_doorbell(self, link: _Link) -> None:
+        if link.write_closed:
+            return  # we are leaving: the peer reads the ring at our EOF anyway
         try:
             link.sock.send(_DOORBELL)
         except (BlockingIOError, InterruptedError):
@@ -691,6 +702,9 @@ class TcpTransport(Transport):
         self._lost(link, "connection closed by peer", orderly=link.goodbye)
 
     def _lost(self, link: _Link, reason: str, orderly: bool = False) -> None:
+        """The link ended; after the peer's GOODBYE any end is orderly (a reset included:
+        a peer that leaves with our last bytes unread resets the connection)."""
+        orderly = orderly or link.goodbye
         if link.closed:
             return
         link.closed = True
