@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -150,6 +151,11 @@ def init(**overrides: Any) -> Runtime:
         if sys.excepthook is not _on_uncaught:
             _HOLDER.previous_hook = sys.excepthook
             sys.excepthook = _on_uncaught
+        # Only where Python's own Ctrl-C handler is in place: an application's handler is
+        # its business, and signals can only be set from the main thread.
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
         return runtime
 
 
@@ -166,6 +172,27 @@ def _on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> 
         runtime.engine.abort(what)
         if runtime.transport_name == "mpi":
             _HOLDER.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+
+
+def _inside_engine(frame: Any) -> bool:
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("totalreduce.engine", "totalreduce.transport")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C as Python delivers it (KeyboardInterrupt in the main thread), except while
+    the main thread is inside the engine: there the engine raises it itself a moment
+    later, between two turns of its loop, so no message is left half handled and the
+    application's ``except KeyboardInterrupt`` sees exactly that, not an engine error."""
+    runtime = _HOLDER.runtime
+    if runtime is not None and _inside_engine(frame):
+        runtime.engine.interrupt()
+        return
+    raise KeyboardInterrupt
 
 
 def _leave_failed_mpi_rank() -> None:
