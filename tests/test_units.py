@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import totalreduce as tr
+from totalreduce import runtime as tr_runtime
 from totalreduce.config import Config
 from totalreduce.exceptions import AuthenticationError
 from totalreduce.rendezvous.auth import client_handshake, server_handshake
@@ -136,8 +137,21 @@ def test_local_misuse_is_a_plain_error(world_of_one: None) -> None:
         tr.allreduce(np.array([object()]))
     with pytest.raises(TypeError, match="dtype <U1 is not supported"):
         tr.allreduce(np.array(["a"]))
-    with pytest.raises(TypeError, match="bool is not supported"):
+    with pytest.raises(TypeError, match="dtype complex64 is not supported"):
+        tr.allreduce(np.ones(2, np.complex64))
+    with pytest.raises(TypeError, match="Average of a bool array is not defined"):
         tr.allreduce(np.array([True]))
+    with pytest.raises(TypeError, match="name must be a str or None, got int 123"):
+        tr.allreduce(np.ones(2), name=123)
+    with pytest.raises(TypeError, match="name must be a str"):
+        tr.grouped_allreduce([np.ones(2)], name=5)
+    with pytest.raises(TypeError, match="op must be one of .* got bool True"):
+        tr.allreduce(np.ones(2), op=True)
+    with pytest.raises(TypeError, match="unknown totalreduce setting.*bogus"):
+        tr.init(bogus=1)
+    with pytest.raises(ValueError, match="already initialized with segment_bytes"):
+        tr.init(segment_bytes=12345)
+    tr.init(segment_bytes=tr_runtime.current().config.segment_bytes)  # same: a no-op
     with pytest.raises(ValueError, match="root_rank 3 is not a rank"):
         tr.broadcast(np.ones(2), root_rank=3)
     with pytest.raises(ValueError, match="splits"):

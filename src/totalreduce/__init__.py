@@ -57,10 +57,11 @@ def init(**config: Any) -> None:
     Reads rank and world size from totalrun, torchrun, SLURM or an MPI launcher (see
     ``rendezvous/env.py``); with none of them the process is a world of one.  Keyword
     arguments override ``TOTALREDUCE_*`` settings (see ``config.py``).  Calling it again
-    while initialized does nothing.
+    while initialized does nothing, unless it asks for settings other than the live ones.
 
     Raises:
-        ValueError: the launcher environment is incomplete (the message says what to set).
+        ValueError: the launcher environment is incomplete (the message says what to set),
+            or a second call asks for different settings.
         OSError: peers could not be reached within ``connect_timeout``.
         TypeError: an unknown setting was passed.
     """
@@ -104,15 +105,17 @@ def allreduce_async(x: Any, op: ReduceOp = Average, name: str | None = None,
     """Start an allreduce of ``x``; ``handle.wait()`` returns a new array.
 
     Args:
-        x: numeric array (uint8, int8, int32, int64, float16, float32, float64), any shape,
-            empty and 0-d included; non-contiguous arrays are copied.
+        x: array of bool, uint8, int8, uint16, int16, int32, int64, float16, float32 or
+            float64, any shape, empty and 0-d included; non-contiguous arrays are copied.
         op: ``Average`` (default, as in Horovod), ``Sum``, ``Min``, ``Max`` or ``Product``.
-            Integer averages are floor divisions of the wrapping sum.
+            Integer averages are floor divisions of the wrapping sum.  On bool arrays
+            Sum and Max are a logical or, Min and Product a logical and (as numpy's).
         name: matches this op across ranks; unnamed ops match by call order.
         priority: higher runs first; a big op yields to a more urgent one between pieces.
 
     Raises:
-        TypeError: unsupported dtype or an object array.
+        TypeError: unsupported dtype, an object array, an op that is not one, a name that
+            is not a str, or Average of a bool array.
         ValueError: unknown op.
     """
     return _ops().allreduce(x, op, name, priority, inplace=False)

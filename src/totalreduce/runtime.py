@@ -143,8 +143,17 @@ _HOLDER = _Holder()
 
 def init(**overrides: Any) -> Runtime:
     with _HOLDER.lock:
-        if _HOLDER.runtime is not None:
-            return _HOLDER.runtime
+        live = _HOLDER.runtime
+        if live is not None:
+            # Horovod's second init() is a no-op; ours is too, but not a silent one for
+            # settings it would ignore.
+            wanted = Config.from_env(**overrides)  # unknown names: TypeError
+            differ = [f"{k}={getattr(live.config, k)!r} (asked: {getattr(wanted, k)!r})"
+                      for k in sorted(overrides) if getattr(wanted, k) != getattr(live.config, k)]
+            if differ:
+                raise ValueError("totalreduce is already initialized with "
+                                 f"{', '.join(differ)}; call shutdown() first to change it")
+            return live
         config = Config.from_env(**overrides)
         runtime = Runtime(config)
         _HOLDER.runtime = runtime

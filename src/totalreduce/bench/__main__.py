@@ -5,6 +5,13 @@ Each subcommand launches one job per (backend, world size) — totalreduce's und
 backends interleaved round by round (``--rounds``) so that a noisy host slows them alike,
 then merges the ranks' raw timings and prints a table.  Ratios are always against
 ``mpi`` (mpi4py's own collective) measured in the same invocation.
+
+Backends (``--backends``, comma-separated; all by default, unavailable ones skipped):
+  totalreduce-shm  totalreduce under totalrun: TCP plus shared-memory rings (the default)
+  totalreduce-tcp  totalreduce under totalrun, sockets only (TOTALREDUCE_SHM_BYTES=0)
+  totalreduce-mpi  totalreduce's MPI transport under mpiexec (needs the mpi extra)
+  mpi              mpi4py's own collectives under mpiexec (MPICH from the mpi extra)
+  gloo             torch.distributed with the gloo backend (needs torch)
 """
 
 from __future__ import annotations
@@ -87,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="test", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-n", "--ranks", default="2", help="world sizes, e.g. 2,4")
-    common.add_argument("--backends", default=",".join(BACKENDS))
+    common.add_argument("--backends", default=",".join(BACKENDS),
+                        help=f"comma-separated, from: {', '.join(BACKENDS)} (default: all)")
     common.add_argument("--rounds", type=int, default=1,
                         help="repeat every job this many times, interleaved")
     common.add_argument("--json", metavar="FILE", help="write raw and summary results")
@@ -97,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a TOTALREDUCE_* setting for the totalreduce jobs, e.g. "
                         "--set SMALL_BYTES=0 (repeatable)")
     p = sub.add_parser("collectives", parents=[common], help="op x size x ranks x backend")
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--ops", default=",".join(OPS),
+                   help=f"comma-separated, from: {', '.join(OPS)} (default: all)")
     p.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
                    help="message sizes in bytes (K/M suffixes)")
     p.add_argument("--reps-scale", type=float, default=1.0,

@@ -59,6 +59,7 @@ class Supervisor:
         self._signalled: int | None = None
         self._changed = threading.Event()
         self._width = len(str(n - 1))
+        self._watchdog: int | None = None  # write end of the pipe to watchdog.py
 
     # --- output ---------------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class Supervisor:
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
             worker = _Worker(rank, proc)
+            self._tell_watchdog(f"{proc.pid}\n")  # its own group (start_new_session)
             # A waiter per worker stamps the exact exit time, so the root cause is the
             # worker that died first, not the first one a polling sweep happens to see.
             threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
@@ -109,6 +111,28 @@ class Supervisor:
                 t.start()
                 worker.pumps.append(t)
             self._workers.append(worker)
+
+    def _start_watchdog(self) -> None:
+        """See watchdog.py: it ends the workers' groups if we are killed outright."""
+        read_end, write_end = os.pipe()
+        try:
+            subprocess.Popen([sys.executable, "-I", os.path.join(os.path.dirname(__file__),
+                                                                 "watchdog.py"), str(read_end)],
+                             pass_fds=(read_end,), stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        except OSError as exc:
+            os.close(write_end)
+            self._say(f"warning: no watchdog ({exc}); if totalrun is killed with SIGKILL, "
+                      "workers below a wrapper script may outlive it")
+            return
+        finally:
+            os.close(read_end)
+        self._watchdog = write_end
+
+    def _tell_watchdog(self, text: str) -> None:
+        if self._watchdog is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._watchdog, text.encode())
 
     def _wait(self, worker: _Worker) -> None:
         code = worker.proc.wait()
@@ -128,6 +152,7 @@ class Supervisor:
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self._start_watchdog()
             self._start()
             self._supervise()
         finally:
@@ -138,6 +163,9 @@ class Supervisor:
                     w.proc.wait(timeout=5)
                 for t in w.pumps:
                     t.join(timeout=2)
+            self._tell_watchdog("done\n")
+            if self._watchdog is not None:
+                os.close(self._watchdog)
             for s, h in old.items():
                 signal.signal(s, h)
         return self._report()
@@ -179,7 +207,9 @@ class Supervisor:
         if not failed and self._signalled is None:
             return 0
         root = self._first_failure
-        lines = ["", "totalrun: job failed", f"  {'rank':>4}  {'pid':>7}  status"]
+        title = "job failed" if root is not None or self._signalled is None else \
+            f"job stopped by {signal.Signals(self._signalled).name}"
+        lines = ["", f"totalrun: {title}", f"  {'rank':>4}  {'pid':>7}  status"]
         for w in self._workers:
             mark = "  <- first failure (root cause)" if w is root else ""
             lines.append(f"  {w.rank:>4}  {w.proc.pid:>7}  {_status(w.code)}{mark}")

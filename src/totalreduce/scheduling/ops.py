@@ -42,9 +42,26 @@ def averager(dtype: np.dtype, size: int) -> Callable[[np.ndarray], None] | None:
     return lambda region: np.divide(region, size, out=region)
 
 
+def check_op_dtype(op: ReduceOp, dtype: np.dtype, what: str) -> None:
+    """Raises TypeError for Average of bools, which has no meaning (numpy's mean of bools
+    is a float; ours would have to stay bool)."""
+    if op == ReduceOp.AVERAGE and dtype == np.bool_:
+        raise TypeError(f"{what}: Average of a bool array is not defined; use Sum or Max "
+                        "(logical or), or Min or Product (logical and)")
+
+
 def as_reduce_op(op: object) -> ReduceOp:
+    """``op`` as a :class:`ReduceOp`; Horovod's integer values are accepted too.
+
+    Raises:
+        TypeError: ``op`` is not an op at all (``True`` included, though it equals 1).
+        ValueError: an integer that names no op.
+    """
+    if isinstance(op, bool) or not isinstance(op, int):
+        raise TypeError(f"op must be one of Sum, Average, Min, Max, Product, got "
+                        f"{type(op).__name__} {op!r}")
     try:
-        return ReduceOp(op)  # type: ignore[arg-type]
+        return ReduceOp(op)
     except ValueError:
         raise ValueError(f"unknown reduction op {op!r}; use Sum, Average, Min, Max or "
                          "Product") from None

@@ -34,7 +34,7 @@ from ..engine.schedule import Schedule, even_bounds
 from ..lru import LRU
 from ..transport.wire import dtype_code
 from .handle import Handle
-from .ops import UFUNCS, ReduceOp, as_reduce_op, averager
+from .ops import UFUNCS, ReduceOp, as_reduce_op, averager, check_op_dtype
 
 _UNNAMED = "\x00unnamed"
 
@@ -57,6 +57,9 @@ def _hash64(text: str) -> int:
 
 
 def _check_array(x: Any, kind: str, name: str | None) -> np.ndarray:
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{kind}: name must be a str or None, got {type(name).__name__} "
+                        f"{name!r}")
     arr = np.asarray(x)
     if arr.dtype == object:
         raise TypeError(f"{_what(kind, name)}: object arrays cannot be communicated; pass a "
@@ -109,14 +112,7 @@ class SelfGuided:
     # --- identity ---------------------------------------------------------------------
 
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
-        if name is None:
-            base = _UNNAMED
-        elif isinstance(name, str):
-            base = name
-        else:
-            raise TypeError(f"{kind}: name must be a str or None, got {type(name).__name__} "
-                            f"{name!r}")
-        key = base + phase
+        key = (_UNNAMED if name is None else name) + phase
         with self._lock:
             entry = self._names.get(key)
             if entry is None:
@@ -169,6 +165,7 @@ class SelfGuided:
                   inplace: bool, blocking: bool = False) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "allreduce", name)
+        check_op_dtype(rop, arr.dtype, _what("allreduce", name))
         if inplace and not isinstance(x, np.ndarray):
             raise TypeError("allreduce_: the in-place form needs a numpy array")
         ident = self._ident("allreduce", name)
@@ -230,6 +227,8 @@ class SelfGuided:
         """One fused op per dtype present (in order of first appearance)."""
         rop = as_reduce_op(op)
         arrs = [_check_array(x, "grouped_allreduce", name) for x in xs]
+        for a in arrs:
+            check_op_dtype(rop, a.dtype, _what("grouped_allreduce", name))
         if inplace and not all(isinstance(x, np.ndarray) for x in xs):
             raise TypeError("grouped_allreduce_: the in-place form needs numpy arrays")
         groups: dict[np.dtype, list[int]] = {}
@@ -303,6 +302,7 @@ class SelfGuided:
                       blocking: bool = False) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "reducescatter", name)
+        check_op_dtype(rop, arr.dtype, _what("reducescatter", name))
         if arr.ndim == 0:
             raise ValueError("reducescatter needs an array with at least one dimension")
         ident = self._ident("reducescatter", name)

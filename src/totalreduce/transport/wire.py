@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x5452  # "TR"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: bool/int16/uint16 codes; broadcast acknowledged around the chain
 
 # magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, reserved, nbytes, count,
 # credit
@@ -58,6 +58,9 @@ DTYPES: dict[int, np.dtype] = {
     5: np.dtype(np.float16),
     6: np.dtype(np.float32),
     7: np.dtype(np.float64),
+    8: np.dtype(np.bool_),
+    9: np.dtype(np.int16),
+    10: np.dtype(np.uint16),
 }
 DTYPE_CODES: dict[np.dtype, int] = {dt: code for code, dt in DTYPES.items()}
 
