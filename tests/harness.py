@@ -6,7 +6,10 @@ rank.  A hung job is killed after ``timeout`` seconds, but first every rank dump
 Python stacks (faulthandler) so the failure says where it hung.
 
 ``transport`` picks the data path: ``shm`` (totalrun, TCP plus shared-memory rings, the
-default), ``tcp`` (totalrun, sockets only) or ``mpi`` (mpiexec, the MPI transport).
+default), ``tcp`` (totalrun, sockets only), ``mpi`` (mpiexec, the MPI transport) or
+``srun`` (no launcher process: the ranks are started directly with the variables srun
+sets, ``SLURM_PROCID``/``SLURM_NTASKS``, plus ``TOTALREDUCE_RENDEZVOUS`` and
+``TOTALREDUCE_SECRET``, as a SLURM job would; TCP and shared memory).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +68,8 @@ def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
     full_env["WORKER_STACK_DUMP_AFTER"] = str(max(1.0, timeout - 5))
     full_env.update(env or {})
     worker = [sys.executable, str(HERE / "run_worker.py"), target, json.dumps(arg)]
+    if transport == "srun":
+        return _launch_srun(n, worker, full_env, timeout)
     if transport == "mpi":
         exe = mpiexec()
         assert exe is not None, "the mpi transport needs mpi4py and mpiexec"
@@ -89,6 +96,46 @@ def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
         raise AssertionError(f"job timed out after {timeout}s\n" + Result(
             proc.returncode, out, err, time.monotonic() - start).explain()) from None
     return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch_srun(n: int, worker: list[str], env: dict[str, str], timeout: float) -> Result:
+    """Start ``n`` ranks as srun would (each in its own process group), merge their output
+    with ``[rank] `` prefixes; the return code is the first non-zero one, as srun's."""
+    env = dict(env, TOTALREDUCE_RENDEZVOUS=f"127.0.0.1:{_free_port()}",
+               TOTALREDUCE_SECRET=secrets.token_hex(16), SLURM_NTASKS=str(n),
+               WORKER_TAG_LINES="1")
+    start = time.monotonic()
+    procs = [subprocess.Popen(worker, env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for r in range(n)]
+    outs: list[tuple[str, str]] = []
+    try:
+        deadline = start + timeout
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(0.1, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        rest = [p.communicate() for p in procs[len(outs):]]
+        out = "".join(o for o, _ in outs + rest)
+        err = "".join(e for _, e in outs + rest)
+        raise AssertionError(f"job timed out after {timeout}s\n" + Result(
+            -9, out, err, time.monotonic() - start).explain()) from None
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    codes = [p.returncode for p in procs]
+    rc = next((c for c in codes if c), 0)
+    return Result(rc, "".join(o for o, _ in outs), "".join(e for _, e in outs),
+                  time.monotonic() - start)
 
 
 def run_ok(n: int, target: str, arg: object = None, **kw: object) -> Result:

@@ -30,7 +30,8 @@ class _Tagged:
         return getattr(self._stream, name)
 
 
-_mpi_rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+_mpi_rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or \
+    os.environ.get("SLURM_PROCID")
 if os.environ.get("WORKER_TAG_LINES") and _mpi_rank is not None:
     sys.stdout = _Tagged(sys.stdout, f"[{_mpi_rank}] ")
     sys.stderr = _Tagged(sys.stderr, f"[{_mpi_rank}] ")

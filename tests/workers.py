@@ -495,3 +495,184 @@ def early_data(arg: dict) -> None:
         assert engine.broken is None, engine.broken
         tr.shutdown()
     print("early data ok")
+
+
+# --- defects: memory, mismatched broadcasts, failures, interrupts -----------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _soak_input(i: int, rank: int, size: int, dtype: type) -> np.ndarray:
+    return ((np.arange(size) % 7) + rank + i % 3).astype(dtype)
+
+
+def soak(arg: dict) -> None:
+    """Thousands of async collectives of random sizes, kinds, dtypes and names (fixed,
+    unnamed and ever new), each checked against numpy; RSS after warm-up and at the end.
+
+    Every rank draws the same sequence of ops (seeded), keeps up to 6 in flight and waits
+    for them in its own random order, after its own random pauses."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    ops = random.Random(arg["seed"])
+    mine = random.Random(1000 + rank)
+    pending: list[tuple[object, object]] = []
+    rss = {}
+
+    def settle(item: tuple[object, object]) -> None:
+        handle, check = item
+        check(handle.wait(timeout=60))
+
+    for i in range(arg["ops"]):
+        if i == arg["warmup"]:
+            while pending:
+                settle(pending.pop())
+            rss["warm"] = _rss_mb()
+        size = ops.choice([0, 1, 7, ops.randint(2, 2000), ops.randint(2000, 300_000)])
+        dtype = ops.choice([np.float32, np.float64, np.int32, np.uint8])
+        kind = ops.choice(["allreduce", "allgather", "broadcast", "reducescatter", "alltoall",
+                           "grouped"])
+        name = ops.choice([None, "fixed", f"{kind}.{dtype.__name__}", f"fresh.{i}"])
+        xs = [_soak_input(i, r, size, dtype) for r in range(n)]
+        x = xs[rank]
+        if kind == "allreduce":
+            want = np.sum(xs, axis=0, dtype=dtype)
+            h = tr.allreduce_async(x, op=tr.Sum, name=name)
+            check = functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+        elif kind == "grouped":
+            parts = [xs[rank][: size // 2], xs[rank][size // 2:].astype(np.float64)]
+            want_g = [np.sum([a[: size // 2] for a in xs], axis=0, dtype=dtype),
+                      np.sum([a[size // 2:] for a in xs], axis=0, dtype=np.float64)]
+            h = tr.grouped_allreduce_async(parts, op=tr.Sum, name=name)
+
+            def check(got: list, want_g: list = want_g, i: int = i) -> None:
+                for g, w in zip(got, want_g, strict=True):
+                    assert_same(g, w, f"#{i} grouped")
+        elif kind == "allgather":
+            rows = [(size + 3 * r) % 1000 for r in range(n)]
+            h = tr.allgather_async(_soak_input(i, rank, rows[rank], dtype), name=name)
+            want = np.concatenate([_soak_input(i, r, rows[r], dtype) for r in range(n)])
+            check = functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+        elif kind == "broadcast":
+            root = ops.randrange(n)
+            h = tr.broadcast_async(x, root_rank=root, name=name)
+            check = functools.partial(assert_same, want=xs[root], what=f"#{i} {kind}")
+        elif kind == "reducescatter":
+            b = [0]
+            for r in range(n):
+                b.append(b[-1] + size // n + (1 if r < size % n else 0))
+            want = np.sum(xs, axis=0, dtype=dtype)[b[rank]:b[rank + 1]]
+            h = tr.reducescatter_async(x, op=tr.Sum, name=name)
+            check = functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+        else:
+            splits = [np.random.default_rng([i, r]).multinomial(size, [1 / n] * n)
+                      for r in range(n)]
+            offs = [np.concatenate([[0], np.cumsum(s)]) for s in splits]
+            want = np.concatenate([xs[s][offs[s][rank]:offs[s][rank + 1]] for s in range(n)])
+            h = tr.alltoall_async(x, splits=splits[rank], name=name)
+
+            def check(got: tuple, want: np.ndarray = want, i: int = i) -> None:
+                assert_same(got[0], want, f"#{i} alltoall")
+
+        pending.append((h, check))
+        if len(pending) > 6 or mine.random() < 0.3:
+            settle(pending.pop(mine.randrange(len(pending))))
+        if mine.random() < 0.01:
+            time.sleep(mine.uniform(0, 0.003))
+    while pending:
+        settle(pending.pop())
+    print(f"RSS warm {rss['warm']:.1f} MB end {_rss_mb():.1f} MB after {arg['ops']} ops")
+    tr.shutdown()
+
+
+def broadcast_mismatch(arg: dict) -> None:
+    """Ranks that disagree about a broadcast: every rank must raise, none return data."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    x = np.full(1000, float(rank), np.float32)
+    variant = arg["variant"]
+    start = time.monotonic()
+    try:
+        if variant == "every_rank_its_own_root":  # the root_rank=rank() typo
+            tr.broadcast(x, root_rank=rank, name="weights")
+        elif variant == "last_rank_other_root":
+            tr.broadcast(x, root_rank=n - 1 if rank == n - 1 else 0, name="weights")
+        else:  # rank 0 broadcasts what the others allreduce
+            if rank == 0:
+                tr.broadcast(x, root_rank=0, name="weights")
+            else:
+                tr.allreduce(x, name="weights")
+    except tr.MismatchError as exc:
+        text = str(exc).replace("\n", " | ")
+        print(f"MISMATCH after {time.monotonic() - start:.2f}s: {text}")
+    else:
+        print("RETURNED DATA")
+    tr.shutdown()
+
+
+def raise_midloop(arg: dict) -> None:
+    """Rank ``victim`` raises a plain Python exception mid-loop and does not catch it."""
+    tr.init()
+    rank = tr.rank()
+    try:
+        for i in range(1_000_000):
+            if rank == arg["victim"] and i == 30:
+                print(f"RAISING at {time.time():.3f}", flush=True)
+                raise RuntimeError(f"boom on rank {rank}")
+            tr.allreduce(np.ones(1000), name="step")
+    except tr.PeerFailureError as exc:
+        print(f"CAUGHT rank={exc.rank} at {time.time():.3f}: {exc}", flush=True)
+        raise
+
+
+def leave_midop(arg: dict) -> None:
+    """Rank 1 shuts down while the others wait for an op it will never submit."""
+    tr.init()
+    rank = tr.rank()
+    for _ in range(5):
+        tr.allreduce(np.ones(10), name="warm")
+    if rank == 1:
+        time.sleep(0.3)
+        tr.shutdown()
+        return
+    start = time.monotonic()
+    try:
+        tr.allreduce(np.ones(10), name="never")
+    except tr.PeerFailureError as exc:
+        print(f"CAUGHT rank={exc.rank} after {time.monotonic() - start:.2f}s: {exc}")
+    else:
+        raise AssertionError("the op finished without rank 1")
+    tr.shutdown()
+
+
+def slow_to_shutdown(arg: dict) -> None:
+    """Rank 1 'saves a checkpoint' for a while before shutdown(): rank 0 leaves at once."""
+    tr.init()
+    rank = tr.rank()
+    tr.allreduce(np.ones(10), name="last")
+    if rank == 1:
+        time.sleep(arg["checkpoint"])
+    start = time.monotonic()
+    tr.shutdown()
+    print(f"SHUTDOWN took {time.monotonic() - start:.2f}s")
+
+
+def interruptible_loop(arg: dict) -> None:
+    """Collectives (blocking and async) until Ctrl-C; the application's handler must run."""
+    tr.init()
+    rank = tr.rank()
+    i = 0
+    try:
+        while True:
+            tr.allreduce(np.ones(50_000), name="grad")
+            h = tr.allgather_async(np.ones((rank + 1, 3)), name="rows")
+            tr.broadcast(np.ones(10), root_rank=0, name="w")
+            h.wait()
+            i += 1
+            if i == 20:
+                print("READY", flush=True)
+    except KeyboardInterrupt:
+        print(f"INTERRUPTED after {i} steps", flush=True)

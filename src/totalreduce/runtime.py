@@ -22,7 +22,7 @@ from typing import Any
 
 from .config import Config
 from .engine.engine import Engine
-from .exceptions import ShutdownError
+from .exceptions import PeerFailureError, ShutdownError
 from .rendezvous import KVClient, KVServer, LaunchInfo, detect_launch, mpi_launched
 from .scheduling import SelfGuided
 from .transport.base import Transport
@@ -32,6 +32,9 @@ from .transport.mesh import connect_mesh
 logger = logging.getLogger(__name__)
 
 _MPI_FAILED_LINGER = 1.0
+# A rank that dies of another rank's failure leaves this much later, so that a launcher
+# naming the first rank to exit as the root cause names the one that really failed.
+_FOLLOWER_DELAY = 0.5
 
 
 def _route_ip(host: str) -> str:
@@ -136,6 +139,7 @@ class _Holder:
         self.runtime: Runtime | None = None
         self.previous_hook: Any = sys.excepthook
         self.exit_code: int | None = None  # set when an uncaught error ends an MPI rank
+        self.follower = False  # this rank dies of PeerFailureError: another failed first
 
 
 _HOLDER = _Holder()
@@ -179,6 +183,7 @@ def _on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> 
         what = "interrupted (KeyboardInterrupt)" if issubclass(exc_type, KeyboardInterrupt) \
             else f"it raised {exc_type.__name__}: {exc}"
         runtime.engine.abort(what)
+        _HOLDER.follower = isinstance(exc, PeerFailureError) and exc.rank != runtime.rank
         if runtime.transport_name == "mpi":
             _HOLDER.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
 
@@ -204,12 +209,16 @@ def _on_sigint(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _leave_failed_mpi_rank() -> None:
-    """Runs after ``shutdown`` at exit (registered before it).  MPI_Finalize waits for
-    every other rank to finalize too, so a rank failing under mpiexec would hang there
-    for as long as its peers run.  It leaves without finalizing instead, after giving
-    its peers a moment to report the failure it sent them: mpiexec ends the whole job
-    as soon as one rank exits with an error."""
+def _leave_after_failure() -> None:
+    """Runs after ``shutdown`` at exit (registered before it), when an uncaught error
+    ends this rank.  A rank failing because another did waits ``_FOLLOWER_DELAY`` first.
+
+    Under MPI: MPI_Finalize waits for every other rank to finalize too, so a failing rank
+    would hang there for as long as its peers run.  It leaves without finalizing instead,
+    after giving its peers a moment to report the failure it sent them: mpiexec ends the
+    whole job as soon as one rank exits with an error."""
+    if _HOLDER.follower:
+        time.sleep(_FOLLOWER_DELAY)
     code = _HOLDER.exit_code
     if code is None:
         return
@@ -239,5 +248,5 @@ def is_initialized() -> bool:
     return _HOLDER.runtime is not None
 
 
-atexit.register(_leave_failed_mpi_rank)
+atexit.register(_leave_after_failure)
 atexit.register(shutdown)

@@ -90,6 +90,8 @@ class Engine:
         # Views of mismatched ops, kept until the op fails here (or, for ops this rank
         # never submits, until they are the stalest of _MISMATCH_ENTRIES).
         self._mismatches: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
+        # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
+        self._failed_early: LRU[OpKey, PeerFailureError] = LRU(_MISMATCH_ENTRIES)
         peers = [p for p in range(self.size) if p != self.rank]
         self._heaps: dict[int, list[tuple[int, int, QueuedMsg]]] = {p: [] for p in peers}
         self._parked: dict[int, dict[OpKey, list[QueuedMsg]]] = {p: {} for p in peers}
@@ -415,8 +417,14 @@ class Engine:
             if left else None
         if gone:
             self._done.add(key)
-            future.resolve(PeerFailureError(gone[0], f"rank {self.rank}: {spec.label} needs "
-                                            f"rank {gone[0]}, which has shut down"))
+            reason = f"{spec.label} needs rank {gone[0]}, which has shut down"
+            future.resolve(PeerFailureError(gone[0], f"rank {self.rank}: {reason}"))
+            self._tell_op_failed(key, gone[0], reason)
+            return
+        early = self._failed_early.pop(key)
+        if early is not None:
+            self._done.add(key)
+            future.resolve(early)
             return
         self._active[key] = op
         self._transport.resume()
@@ -841,6 +849,16 @@ class Engine:
         elif kind == Kind.GOODBYE:
             self._bye.add(peer)
             self._peer_left(peer)
+        elif kind == Kind.OP_FAILED:
+            lost = header.step - 1
+            error = PeerFailureError(lost, f"rank {self.rank}: "
+                                     f"{body.decode(errors='replace')} (reported by rank "
+                                     f"{peer})")
+            op = self._active.get(key)
+            if op is not None:
+                self._fail(op, error)
+            elif key not in self._done:
+                self._failed_early.put(key, error)
 
     def _peer_ready(self, peer: int, key: OpKey) -> None:
         op = self._active.get(key)
@@ -856,12 +874,27 @@ class Engine:
 
     def _peer_left(self, peer: int) -> None:
         """``peer`` shut down: it sends nothing more and takes nothing more, so every op
-        here that still expects a message from it or owes it one cannot finish."""
+        here that still expects a message from it or owes it one cannot finish, and
+        neither can any rank's copy of it that waits on ours: they are told."""
         for op in list(self._active.values()):
+            if op.mismatch is not None:
+                # The ranks disagree about it: that, not the departure, is the news (the
+                # peer left after raising it, its view sent); housekeeping raises it once
+                # every view is in or the grace period ends.
+                continue
             if op.pending_from.get(peer, 0) > 0 or op.sends_owed_to(peer):
-                self._fail(op, PeerFailureError(
-                    peer, f"rank {self.rank}: rank {peer} shut down while "
-                    f"{op.spec.label} still needed it"))
+                reason = f"rank {peer} shut down while {op.spec.label} still needed it"
+                self._fail(op, PeerFailureError(peer, f"rank {self.rank}: {reason}"))
+                self._tell_op_failed(op.spec.key, peer, reason)
+
+    def _tell_op_failed(self, key: OpKey, lost: int, reason: str) -> None:
+        body = reason.encode()[:4096]
+        for other in self._heaps:
+            if other not in self._gone and other not in self._bye:
+                self._control[other].append((Header(
+                    Kind.OP_FAILED, step=lost + 1, name_key=key[0], seq=key[1],
+                    nbytes=len(body)), body))
+                self._transport.want_send(other)
 
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         self._gone.add(peer)

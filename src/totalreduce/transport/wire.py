@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x5452  # "TR"
-PROTOCOL_VERSION = 3  # 3: bool/int16/uint16 codes; broadcast acknowledged around the chain
+PROTOCOL_VERSION = 3  # 3: bool/int16/uint16, OP_FAILED, the broadcast's acknowledgement
 
 # magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, reserved, nbytes, count,
 # credit
@@ -47,6 +47,8 @@ class Kind(enum.IntEnum):
     RING_WRAP = 7  # shared-memory ring only: the next record is at offset 0
     RING_CHUNK = 8  # shared-memory ring only: the next piece of a FLAG_CHUNKED body
     RING_ACK = 9   # shared-memory ring only: a FLAG_REMOTE body (lend id in .seq) was read
+    OP_FAILED = 10  # the op (name_key, seq) failed here because rank .step - 1 left; body:
+                    # the reason.  Peers fail it too: it cannot finish without the sender.
 
 
 # Codes are part of the wire format: never renumber.
