@@ -231,7 +231,10 @@ class Engine:
     def stats(self) -> dict[str, int]:
         return {"floating_bytes": self.floating_bytes, "floating_peak": self.floating_peak,
                 "ready_sent": self.ready_sent,
-                "floating_cap": self._config.floating_cap, "active_ops": len(self._active)}
+                "floating_cap": self._config.floating_cap, "active_ops": len(self._active),
+                "scratch_idle_bytes": self._scratch.idle_bytes,
+                "done_names": self._done.names(), "early_ready": len(self._early_ready),
+                "mismatch_records": len(self._mismatches)}
 
     # --- the loop --------------------------------------------------------------------
 

@@ -114,6 +114,9 @@ class DoneSet:
         if not above:
             del self._above[name]
 
+    def names(self) -> int:
+        return len(self._low.keys() | self._above.keys())
+
     def forget(self, name: int) -> None:
         self._low.pop(name, None)
         self._above.pop(name, None)

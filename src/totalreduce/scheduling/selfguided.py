@@ -109,6 +109,12 @@ class SelfGuided:
         # repeat, and building and freezing the view dict cost ~15 us of a 1 MB op's ~200.
         self._known: LRU[tuple[Any, ...], tuple[dict[str, Any], int]] = LRU(_SPEC_CACHE)
 
+    def stats(self) -> dict[str, int]:
+        """Sizes of the bounded tables (tests and memory checks read them)."""
+        with self._lock:
+            return {"names": len(self._names), "name_evictions": self._names.evictions,
+                    "specs": len(self._known), "sigs": len(self._sigs)}
+
     # --- identity ---------------------------------------------------------------------
 
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:

@@ -1,0 +1,102 @@
+"""Every table and pool the library keeps is bounded, with eviction: shapes, sizes and
+names that change every step must not grow memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import totalreduce as tr
+from totalreduce import runtime as tr_runtime
+from totalreduce.engine.algorithms import (
+    chain_broadcast,
+    doubling_allreduce,
+    pairwise_alltoallv,
+    ring_allgatherv,
+    ring_allreduce,
+    ring_reducescatter,
+)
+from totalreduce.engine.opstate import DoneSet
+from totalreduce.engine.reducer import ScratchPool, size_class
+from totalreduce.lru import LRU
+
+
+def test_lru_evicts_the_stalest_and_says_so() -> None:
+    evicted: list[tuple[str, int]] = []
+    lru: LRU[str, int] = LRU(3, lambda k, v: evicted.append((k, v)))
+    for i, key in enumerate("abcd"):
+        lru.put(key, i)
+    assert evicted == [("a", 0)] and len(lru) == 3
+    assert lru.get("b") == 1  # refreshed: "c" is now the stalest
+    lru.put("e", 4)
+    assert evicted[-1] == ("c", 2) and "b" in lru and lru.evictions == 2
+    assert LRU(0).capacity == 0
+    with pytest.raises(ValueError):
+        LRU(-1)
+
+
+def test_size_classes_waste_at_most_an_eighth() -> None:
+    for n in [0, 1, 4096, 4097, 5000, 65_537, 1 << 20, (1 << 20) + 1, 2_000_003]:
+        c = size_class(n)
+        assert c >= n and (n <= 4096 or c - n <= n // 8 + 1), (n, c)
+    # Sizes that differ a little share a class, so varying bodies reuse buffers.
+    assert size_class(1_000_000) == size_class(1_000_500)
+
+
+def test_scratch_pool_keeps_at_most_its_cap_idle() -> None:
+    pool = ScratchPool(cap=1 << 20)
+    rng = np.random.default_rng(0)
+    sizes = [int(n) for n in rng.integers(1, 300_000, 200)]
+    views = [pool.get(n) for n in sizes]
+    assert [v.nbytes for v in views] == sizes
+    for v in views:
+        pool.put(v)
+    assert 0 < pool.idle_bytes <= 1 << 20
+    # A returned buffer is handed out again for a nearby size.
+    v = pool.get(250_000)
+    again = pool.get(250_000)
+    pool.put(v)
+    assert pool.get(249_000).obj is v.obj
+    pool.put(again)
+    assert ScratchPool(cap=0).idle_bytes == 0
+
+
+def test_done_set_forgets_names() -> None:
+    done = DoneSet()
+    for seq in (0, 1, 3):
+        done.add((7, seq))
+    assert (7, 1) in done and (7, 2) not in done and (7, 3) in done
+    done.forget(7)
+    assert (7, 0) not in done and done.names() == 0
+
+
+def test_schedule_caches_are_bounded() -> None:
+    for fn in (chain_broadcast, doubling_allreduce, pairwise_alltoallv, ring_allgatherv,
+               ring_allreduce, ring_reducescatter):
+        assert fn.cache_info().maxsize == 256, fn
+    for count in range(1000):
+        ring_allreduce(0, 2, count, 64)
+    assert ring_allreduce.cache_info().currsize == 256
+
+
+@pytest.fixture
+def small_world(monkeypatch: pytest.MonkeyPatch):
+    for var in ("TOTALREDUCE_RANK", "RANK", "SLURM_PROCID", "PMI_RANK",
+                "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    tr.init(name_capacity=100)
+    yield tr_runtime.current()
+    tr.shutdown()
+
+
+def test_names_specs_and_finished_ops_stay_bounded(small_world) -> None:
+    rt = small_world
+    for i in range(3000):
+        x = np.ones(i % 997 + 1, np.float32)  # a new shape nearly every call
+        assert tr.allreduce(x, name=f"step{i}.grad")[0] == 1.0
+    stats = rt.collectives.stats()
+    assert stats["names"] == 100 and stats["name_evictions"] == 2900
+    assert stats["specs"] <= 1024 and stats["sigs"] <= 1024
+    assert rt.engine.stats()["done_names"] <= 100
+    # A forgotten name starts again at call 0 and still works.
+    assert tr.allreduce(np.ones(3), name="step0.grad").tolist() == [1.0, 1.0, 1.0]
