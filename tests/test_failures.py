@@ -13,6 +13,7 @@ pytestmark = pytest.mark.multiprocess
     ("shape", ("(4,)", "(5,)")),
     ("dtype", ("float32", "float64")),
     ("layout", ("(3, 2)", "(2, 3)")),
+    ("op", ("op=Average", "op=Max")),
 ])
 def test_mismatch_raises_on_every_rank(what: str, values: tuple[str, str],
                                        transport: str) -> None:

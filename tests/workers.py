@@ -307,11 +307,14 @@ def mismatch(arg: dict) -> None:
         x = np.ones(5 if rank == 1 else 4, np.float32)
     elif what == "dtype":
         x = np.ones(4, np.float64 if rank == 1 else np.float32)
-    else:  # same element count, different shape
+    elif what == "layout":  # same element count, different shape
         x = np.ones((2, 3) if rank == 1 else (3, 2), np.float32)
+    else:  # the op
+        x = np.ones(4, np.float32)
+    op = tr.Max if what == "op" and rank == 1 else tr.Average
     start = time.monotonic()
     try:
-        tr.allreduce(x, name="grad.w")
+        tr.allreduce(x, op=op, name="grad.w")
     except tr.MismatchError as exc:
         print(f"MISMATCH after {time.monotonic() - start:.2f}s: {exc}".replace("\n", " | "))
     else:

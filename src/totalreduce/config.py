@@ -16,7 +16,9 @@ TOTALREDUCE_REDUCE_THREAD_BYTES    pieces at least this big are reduced on the  
 TOTALREDUCE_STALL_WARNING          seconds before a waiting op is reported         60
 TOTALREDUCE_OP_TIMEOUT             seconds before a waiting op fails (0 = never)   1800
 TOTALREDUCE_CONNECT_TIMEOUT        seconds to rendezvous and connect all peers     60
-TOTALREDUCE_SHUTDOWN_TIMEOUT       seconds shutdown() waits for peers to say bye   10
+TOTALREDUCE_SHUTDOWN_TIMEOUT       longest shutdown() waits for its last messages  10
+                                   to leave and the peers' links to close (it
+                                   never waits for the peers' own shutdown())
 TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's    1.0
                                    view of a mismatched op before raising
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1

@@ -25,8 +25,10 @@ gives the others ``--grace`` seconds to notice (they raise ``PeerFailureError``)
 then sends SIGTERM and, 3 s later, SIGKILL to their whole process groups.  It then prints a
 table of every rank's exit status with the first failure marked as the root cause, and
 exits with that worker's exit code (128 + signal number for a signal).  Ctrl-C or SIGTERM
-sent to totalrun is forwarded to every worker the same way.  Workers die with totalrun
-even if it is killed outright (Linux parent-death signal), so no orphans remain.
+sent to totalrun is forwarded to every worker the same way (in the workers it arrives as
+``KeyboardInterrupt``).  Workers die with totalrun even if it is killed outright, however
+deep they sit under the command (a wrapper script, ``bash -c``): a watchdog process ends
+their process groups (``watchdog.py``), so no orphans remain.
 
 Ranks are not stable across restarts: a restarted job may place workers differently.
 """
