@@ -35,6 +35,11 @@ _MPI_FAILED_LINGER = 1.0
 # A rank that dies of another rank's failure leaves this much later, so that a launcher
 # naming the first rank to exit as the root cause names the one that really failed.
 _FOLLOWER_DELAY = 0.5
+# Ctrl-C reaches the ranks one after another (a launcher forwards it rank by rank, and a
+# loaded host may run the last one's handler many ms later).  A rank that leaves because
+# of it waits until this long after its own, so that the others meet their own
+# KeyboardInterrupt before the news of its departure.
+_INTERRUPT_SETTLE = 0.5
 
 
 def _route_ip(host: str) -> str:
@@ -140,6 +145,7 @@ class _Holder:
         self.previous_hook: Any = sys.excepthook
         self.exit_code: int | None = None  # set when an uncaught error ends an MPI rank
         self.follower = False  # this rank dies of PeerFailureError: another failed first
+        self.interrupted_at: float | None = None  # when this process last got SIGINT
 
 
 _HOLDER = _Holder()
@@ -180,6 +186,7 @@ def _on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> 
     _HOLDER.previous_hook(exc_type, exc, tb)
     runtime = _HOLDER.runtime
     if runtime is not None:
+        _settle_after_interrupt()
         what = "interrupted (KeyboardInterrupt)" if issubclass(exc_type, KeyboardInterrupt) \
             else f"it raised {exc_type.__name__}: {exc}"
         runtime.engine.abort(what)
@@ -202,6 +209,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
     the main thread is inside the engine: there the engine raises it itself a moment
     later, between two turns of its loop, so no message is left half handled and the
     application's ``except KeyboardInterrupt`` sees exactly that, not an engine error."""
+    _HOLDER.interrupted_at = time.monotonic()
     runtime = _HOLDER.runtime
     if runtime is not None and _inside_engine(frame):
         runtime.engine.interrupt()
@@ -230,10 +238,16 @@ def _leave_after_failure() -> None:
     os._exit(code)
 
 
+def _settle_after_interrupt() -> None:
+    if _HOLDER.interrupted_at is not None:
+        time.sleep(max(0.0, _HOLDER.interrupted_at + _INTERRUPT_SETTLE - time.monotonic()))
+
+
 def shutdown() -> None:
     with _HOLDER.lock:
         runtime, _HOLDER.runtime = _HOLDER.runtime, None
     if runtime is not None:
+        _settle_after_interrupt()
         runtime.shutdown()
 
 

@@ -39,7 +39,9 @@ from ..exceptions import (
     TotalReduceError,
     TransportClosedError,
 )
+from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
+from ..threads import start_daemon
 from ..transport.base import Outgoing, Transport
 from ..transport.wire import (
     DTYPES,
@@ -111,7 +113,6 @@ class Engine:
         self._thread_error: BaseException | None = None
         self._shutdown_deadline: float | None = None
         self._writes_closed = False  # GOODBYE (or ABORT) out, our write sides half-closed
-        self._interrupt = False  # a Ctrl-C that arrived while the main thread drove us
         self._await_eof = True  # whether the transport reports each peer's end
         self._next_check = time.monotonic() + _HOUSEKEEPING
         # Whoever holds the drive lock runs the loop (driving.py): a waiting thread that
@@ -125,9 +126,7 @@ class Engine:
         self._reducer = ReduceThread(self._completions.append, transport.wake) \
             if config.reduce_thread_bytes >= 0 else None
         transport.start(self)
-        self._thread = threading.Thread(target=self._run, name="totalreduce-progress",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(self._run, "totalreduce-progress")
 
     # --- public, any thread -----------------------------------------------------------
 
@@ -154,22 +153,17 @@ class Engine:
             self._transport.wake()  # whoever holds the lock picks the command up
         if not blocking:
             self._nudge()
-        if self._interrupt:
-            self._raise_interrupt()
+        if ctrl_c.pending:
+            ctrl_c.raise_if_pending()
         return future
 
     def interrupt(self) -> None:
         """SIGINT arrived while the main thread was inside the engine: rather than let
         KeyboardInterrupt tear through a half-handled message, it is raised at the next
         point where the engine's state is whole (between two turns of the loop, or on
-        the way out).  Called from the signal handler, on the main thread."""
-        self._interrupt = True
+        the way out; see interrupts.py).  Called from the signal handler."""
+        ctrl_c.pending = True
         self._transport.wake()
-
-    def _raise_interrupt(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._interrupt = False
-            raise KeyboardInterrupt
 
     def _drive_to_end(self, future: OpFuture) -> None:
         """With ``_drive`` held: start what was submitted and run the loop until ``future``
@@ -180,11 +174,11 @@ class Engine:
             if not self._closed.is_set():
                 self._step(None)  # start and send; then look for replies
             while not future.done() and not self._closed.is_set():
-                if self._interrupt:
-                    self._raise_interrupt()
+                if ctrl_c.pending:
+                    ctrl_c.raise_if_pending()
                 self._step(_HOUSEKEEPING, future)
-        if self._interrupt:
-            self._raise_interrupt()
+        if ctrl_c.pending:
+            ctrl_c.raise_if_pending()
 
     def abort(self, reason: str) -> None:
         """This rank is failing (an uncaught exception): tell every peer at once, so they
@@ -249,8 +243,8 @@ class Engine:
         woke = False
         with self._waiting:
             while not future.done():
-                if self._interrupt:
-                    self._raise_interrupt()
+                if ctrl_c.pending:
+                    ctrl_c.raise_if_pending()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -264,15 +258,15 @@ class Engine:
                     continue
                 with self._driving:
                     while not future.done() and not self._closed.is_set():
-                        if self._interrupt:
-                            self._raise_interrupt()
+                        if ctrl_c.pending:
+                            ctrl_c.raise_if_pending()
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             return False
                         self._step(_HOUSEKEEPING if left is None else min(left, _HOUSEKEEPING),
                                    future)
-            if self._interrupt:  # the op may have ended meanwhile; Ctrl-C still wins
-                self._raise_interrupt()
+            if ctrl_c.pending:  # the op may have ended meanwhile; Ctrl-C still wins
+                ctrl_c.raise_if_pending()
             return True
 
     def _run(self) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from ..threads import start_daemon
 
 
 def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any) -> None:
@@ -93,9 +94,7 @@ class ReduceThread:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._on_done = on_done
         self._wake = wake
-        self._thread = threading.Thread(target=self._run, name="totalreduce-reduce",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(self._run, "totalreduce-reduce")
 
     def submit(self, ufunc: np.ufunc, dest: np.ndarray, incoming: Any, token: Any) -> None:
         self._jobs.put((ufunc, dest, incoming, token))

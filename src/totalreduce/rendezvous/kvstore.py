@@ -17,6 +17,7 @@ import threading
 import time
 
 from ..exceptions import AuthenticationError
+from ..threads import start_daemon
 from .auth import client_handshake, recv_exact, server_handshake
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,7 @@ class KVServer:
         self._closed = False
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._accept, name="totalreduce-kv",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(self._accept, "totalreduce-kv")
 
     def _accept(self) -> None:
         while True:
@@ -52,8 +51,7 @@ class KVServer:
                 sock, addr = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(sock, addr), daemon=True,
-                             name="totalreduce-kv-conn").start()
+            start_daemon(self._serve, "totalreduce-kv-conn", (sock, addr))
 
     def _serve(self, sock: socket.socket, addr: object) -> None:
         with sock:

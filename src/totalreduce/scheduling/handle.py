@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.payload import OpFuture
+from ..interrupts import deferred as ctrl_c
 
 
 class Handle:
@@ -40,6 +41,9 @@ class Handle:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not future.wait(left):
                 raise TimeoutError(f"{self.label} is not done after {timeout} s")
+        # A Ctrl-C kept while the engine finished (or failed) the op still wins: the
+        # application's except KeyboardInterrupt must see it, not what the op became.
+        ctrl_c.raise_if_pending()
         for future in self._futures:
             error = future.error()
             if error is not None:

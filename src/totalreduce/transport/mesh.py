@@ -24,6 +24,7 @@ from typing import Any
 
 from ..exceptions import AuthenticationError
 from ..rendezvous.auth import client_handshake, recv_exact, server_handshake
+from ..threads import start_daemon
 from . import cma
 from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .tcp import TcpTransport
@@ -61,9 +62,7 @@ class _Acceptor:
         self._cond = threading.Condition()
         self._accepted: dict[int, socket.socket] = {}
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="totalreduce-accept",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(self._run, "totalreduce-accept")
 
     def _run(self) -> None:
         while True:
@@ -71,8 +70,7 @@ class _Acceptor:
                 sock, addr = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._authenticate, args=(sock, addr),
-                             name="totalreduce-handshake", daemon=True).start()
+            start_daemon(self._authenticate, "totalreduce-handshake", (sock, addr))
 
     def _authenticate(self, sock: socket.socket, addr: Any) -> None:
         try:
