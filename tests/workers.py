@@ -513,6 +513,57 @@ def _soak_input(i: int, rank: int, size: int, dtype: type) -> np.ndarray:
     return ((np.arange(size) % 7) + rank + i % 3).astype(dtype)
 
 
+def _soak_op(i: int, ops: random.Random, rank: int, n: int) -> tuple[object, object]:
+    """Submit op ``i`` of the soak; returns its handle and the check of its result.  (A
+    function of its own, so its inputs die with it: what stays alive is only what the
+    pending checks need, and RSS samples see no leftover inputs.)"""
+    size = ops.choice([0, 1, 7, ops.randint(2, 2000), ops.randint(2000, 300_000)])
+    dtype = ops.choice([np.float32, np.float64, np.int32, np.uint8])
+    kind = ops.choice(["allreduce", "allgather", "broadcast", "reducescatter", "alltoall",
+                       "grouped"])
+    name = ops.choice([None, "fixed", f"{kind}.{dtype.__name__}", f"fresh.{i}"])
+    xs = [_soak_input(i, r, size, dtype) for r in range(n)]
+    x = xs[rank]
+    if kind == "allreduce":
+        want = np.sum(xs, axis=0, dtype=dtype)
+        h = tr.allreduce_async(x, op=tr.Sum, name=name)
+        return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+    if kind == "grouped":
+        parts = [xs[rank][: size // 2], xs[rank][size // 2:].astype(np.float64)]
+        want_g = [np.sum([a[: size // 2] for a in xs], axis=0, dtype=dtype),
+                  np.sum([a[size // 2:] for a in xs], axis=0, dtype=np.float64)]
+        h = tr.grouped_allreduce_async(parts, op=tr.Sum, name=name)
+
+        def check_grouped(got: list) -> None:
+            for g, w in zip(got, want_g, strict=True):
+                assert_same(g, w, f"#{i} grouped")
+        return h, check_grouped
+    if kind == "allgather":
+        rows = [(size + 3 * r) % 1000 for r in range(n)]
+        h = tr.allgather_async(_soak_input(i, rank, rows[rank], dtype), name=name)
+        want = np.concatenate([_soak_input(i, r, rows[r], dtype) for r in range(n)])
+        return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+    if kind == "broadcast":
+        root = ops.randrange(n)
+        h = tr.broadcast_async(x, root_rank=root, name=name)
+        return h, functools.partial(assert_same, want=xs[root], what=f"#{i} {kind}")
+    if kind == "reducescatter":
+        b = [0]
+        for r in range(n):
+            b.append(b[-1] + size // n + (1 if r < size % n else 0))
+        want = np.sum(xs, axis=0, dtype=dtype)[b[rank]:b[rank + 1]]
+        h = tr.reducescatter_async(x, op=tr.Sum, name=name)
+        return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+    splits = [np.random.default_rng([i, r]).multinomial(size, [1 / n] * n) for r in range(n)]
+    offs = [np.concatenate([[0], np.cumsum(s)]) for s in splits]
+    want = np.concatenate([xs[s][offs[s][rank]:offs[s][rank + 1]] for s in range(n)])
+    h = tr.alltoall_async(x, splits=splits[rank], name=name)
+
+    def check_alltoall(got: tuple) -> None:
+        assert_same(got[0], want, f"#{i} alltoall")
+    return h, check_alltoall
+
+
 def soak(arg: dict) -> None:
     """Thousands of async collectives of random sizes, kinds, dtypes and names (fixed,
     unnamed and ever new), each checked against numpy; RSS after warm-up and at the end.
@@ -535,53 +586,7 @@ def soak(arg: dict) -> None:
             while pending:
                 settle(pending.pop())
             rss["warm"] = _rss_mb()
-        size = ops.choice([0, 1, 7, ops.randint(2, 2000), ops.randint(2000, 300_000)])
-        dtype = ops.choice([np.float32, np.float64, np.int32, np.uint8])
-        kind = ops.choice(["allreduce", "allgather", "broadcast", "reducescatter", "alltoall",
-                           "grouped"])
-        name = ops.choice([None, "fixed", f"{kind}.{dtype.__name__}", f"fresh.{i}"])
-        xs = [_soak_input(i, r, size, dtype) for r in range(n)]
-        x = xs[rank]
-        if kind == "allreduce":
-            want = np.sum(xs, axis=0, dtype=dtype)
-            h = tr.allreduce_async(x, op=tr.Sum, name=name)
-            check = functools.partial(assert_same, want=want, what=f"#{i} {kind}")
-        elif kind == "grouped":
-            parts = [xs[rank][: size // 2], xs[rank][size // 2:].astype(np.float64)]
-            want_g = [np.sum([a[: size // 2] for a in xs], axis=0, dtype=dtype),
-                      np.sum([a[size // 2:] for a in xs], axis=0, dtype=np.float64)]
-            h = tr.grouped_allreduce_async(parts, op=tr.Sum, name=name)
-
-            def check(got: list, want_g: list = want_g, i: int = i) -> None:
-                for g, w in zip(got, want_g, strict=True):
-                    assert_same(g, w, f"#{i} grouped")
-        elif kind == "allgather":
-            rows = [(size + 3 * r) % 1000 for r in range(n)]
-            h = tr.allgather_async(_soak_input(i, rank, rows[rank], dtype), name=name)
-            want = np.concatenate([_soak_input(i, r, rows[r], dtype) for r in range(n)])
-            check = functools.partial(assert_same, want=want, what=f"#{i} {kind}")
-        elif kind == "broadcast":
-            root = ops.randrange(n)
-            h = tr.broadcast_async(x, root_rank=root, name=name)
-            check = functools.partial(assert_same, want=xs[root], what=f"#{i} {kind}")
-        elif kind == "reducescatter":
-            b = [0]
-            for r in range(n):
-                b.append(b[-1] + size // n + (1 if r < size % n else 0))
-            want = np.sum(xs, axis=0, dtype=dtype)[b[rank]:b[rank + 1]]
-            h = tr.reducescatter_async(x, op=tr.Sum, name=name)
-            check = functools.partial(assert_same, want=want, what=f"#{i} {kind}")
-        else:
-            splits = [np.random.default_rng([i, r]).multinomial(size, [1 / n] * n)
-                      for r in range(n)]
-            offs = [np.concatenate([[0], np.cumsum(s)]) for s in splits]
-            want = np.concatenate([xs[s][offs[s][rank]:offs[s][rank + 1]] for s in range(n)])
-            h = tr.alltoall_async(x, splits=splits[rank], name=name)
-
-            def check(got: tuple, want: np.ndarray = want, i: int = i) -> None:
-                assert_same(got[0], want, f"#{i} alltoall")
-
-        pending.append((h, check))
+        pending.append(_soak_op(i, ops, rank, n))
         if len(pending) > 6 or mine.random() < 0.3:
             settle(pending.pop(mine.randrange(len(pending))))
         if mine.random() < 0.01:
