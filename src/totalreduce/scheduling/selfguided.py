@@ -150,14 +150,10 @@ class SelfGuided:
             frozen = _freeze(view)
             with self._lock:
                 cached = self._sigs.get(frozen)
-            if cached is None:
-                sig = _hash64(json.dumps(view, sort_keys=True))
-                with self._lock:
-                    self._sigs.put(frozen, sig)
-            else:
-                sig = cached
-            if key is not None:
-                with self._lock:
+            sig = _hash64(json.dumps(view, sort_keys=True)) if cached is None else cached
+            with self._lock:
+                self._sigs.put(frozen, sig)
+                if key is not None:
                     self._known.put(key, (view, sig))
         return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
                       work, priority=priority, **kw)
