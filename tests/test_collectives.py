@@ -117,13 +117,19 @@ def test_data_before_the_op_waits_in_the_ring_but_never_blocks(transport: str) -
 def test_ready_rides_on_data_unless_credit_runs_out(cap: int) -> None:
     # With room to float, each rank's first DATA tells the peer it is ready: no READY
     # messages at all.  With a 4 KiB cap every 40 KB body waits for the peer's READY, so
-    # both ranks must send one per op, or both would wait for each other forever.
+    # whichever rank reaches an op first must send one, or both would wait for each other
+    # forever; the later rank may already hold its peer's READY and let its DATA say it.
     result = run_ok(2, "workers:ready_messages", {"elems": 10001},
                     env={"TOTALREDUCE_FLOATING_CAP": str(cap)}, timeout=60)
+    sent = []
     for r in range(2):
-        sent = [int(line.split()[2]) for line in result.lines(r)
-                if line.startswith("ready sent")]
-        assert sent == ([0] if cap > 4096 else [20]), result.explain()
+        sent += [int(line.split()[2]) for line in result.lines(r)
+                 if line.startswith("ready sent")]
+    assert len(sent) == 2, result.explain()
+    if cap > 4096:
+        assert sent == [0, 0], result.explain()
+    else:
+        assert all(s <= 20 for s in sent) and sum(sent) >= 20, result.explain()
 
 
 def test_priority_overtakes_big_op(transport: str) -> None:
