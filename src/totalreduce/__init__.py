@@ -25,6 +25,7 @@ from .exceptions import (
     TotalReduceError,
     TransportClosedError,
 )
+from .objects import allgather_object, broadcast_object
 from .scheduling import Handle, ReduceOp
 
 __version__ = "0.1.0"
@@ -38,12 +39,13 @@ Product = ReduceOp.PRODUCT
 __all__ = [
     "AuthenticationError", "Average", "Handle", "Max", "Min", "MismatchError",
     "OpTimeoutError", "PeerFailureError", "Product", "ReduceOp", "ShutdownError", "Sum",
-    "TotalReduceError", "TransportClosedError", "allgather", "allgather_async", "allreduce",
+    "TotalReduceError", "TransportClosedError", "allgather", "allgather_async",
+    "allgather_object", "broadcast_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "init",
-    "is_initialized", "local_rank", "local_size", "poll", "rank", "reducescatter",
+    "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
     "reducescatter_async", "shutdown", "size", "synchronize",
 ]
 
@@ -244,6 +246,16 @@ def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
 def barrier() -> None:
     """Return once every rank has entered the barrier."""
     _ops().barrier(blocking=True).wait()
+
+
+def join() -> int:
+    """This rank has no more data: take part in the peers' allreduces with the identity
+    of their op (zeros for Sum and Average) until every rank has joined.
+
+    Returns:
+        The rank that called ``join()`` last (by the wall clock of the calls).
+    """
+    return int(_ops().join())
 
 
 def synchronize(handle: Handle) -> Any:

@@ -36,6 +36,9 @@ TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it 
                                    the least recently used sizes are freed
 TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers     65536
                                    (see below)
+TOTALREDUCE_BUCKET_BYTES           gradient bucket size of the torch               4 MiB
+                                   DistributedOptimizer: small gradients travel
+                                   together up to this many bytes
 =================================  ==============================================  =========
 
 Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
@@ -102,6 +105,7 @@ class Config:
     cma_bytes: int = 24 << 20
     scratch_bytes: int = 32 << 20
     name_capacity: int = 1 << 16
+    bucket_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
@@ -116,6 +120,8 @@ class Config:
             raise ValueError(f"scratch_bytes must be >= 0, got {self.scratch_bytes}")
         if self.name_capacity < 1:
             raise ValueError(f"name_capacity must be >= 1, got {self.name_capacity}")
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.floating_cap < 0:
             raise ValueError(f"floating_cap must be >= 0, got {self.floating_cap}")
         for name in ("stall_warning", "op_timeout", "connect_timeout", "shutdown_timeout",

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ..config import Config
@@ -94,6 +95,12 @@ class Engine:
         self._mismatches: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
         # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
         self._failed_early: LRU[OpKey, PeerFailureError] = LRU(_MISMATCH_ENTRIES)
+        # While this rank has joined (join()): builds this rank's part of an op it never
+        # submitted from the op's first header (or None: it cannot serve that op).  The
+        # READYs of ops not submitted yet are kept for it, headers and all.
+        self._server: Callable[[Header], OpSpec | None] | None = None
+        self._keep_name: int | None = None
+        self._early_headers: LRU[OpKey, Header] = LRU(_EARLY_READY_ENTRIES)
         peers = [p for p in range(self.size) if p != self.rank]
         self._heaps: dict[int, list[tuple[int, int, QueuedMsg]]] = {p: [] for p in peers}
         self._parked: dict[int, dict[OpKey, list[QueuedMsg]]] = {p: {} for p in peers}
@@ -185,6 +192,17 @@ class Engine:
         raise PeerFailureError naming us instead of waiting for our data (any thread).
         A shutdown() should follow; it then only flushes the news and closes."""
         self._commands.append(("abort", reason, None))
+        self._transport.wake()
+        self._nudge()
+
+    def serve_unsubmitted(self, server: Callable[[Header], OpSpec | None] | None,
+                          keep_name: int | None) -> None:
+        """While ``server`` is set, run every op a peer starts that this rank has not
+        submitted, with the spec ``server`` builds from its header; an op it returns None
+        for fails on the peers with a MismatchError.  Ops of name hash ``keep_name`` are
+        left for this rank to submit.  Ops already waiting here are served at once (any
+        thread; takes effect before any later submit)."""
+        self._commands.append(("serve", server, keep_name))
         self._transport.wake()
         self._nudge()
 
@@ -309,6 +327,8 @@ class Engine:
                     self._start(spec, future)
                 elif cmd == "forget":
                     self._done.forget(spec)
+                elif cmd == "serve":
+                    self._start_serving(spec, future)
                 elif cmd == "abort":
                     self._break(PeerFailureError(self.rank, f"rank {self.rank} failed: {spec}"),
                                 self.rank)
@@ -426,6 +446,7 @@ class Engine:
         self._active[key] = op
         self._transport.resume()
         op.ready_peers = self._early_ready.pop(key) or set()
+        self._early_headers.pop(key)
         for lo, hi in spec.schedule.local_final:
             if spec.finalize is not None and hi > lo:
                 spec.finalize(spec.work[lo:hi])
@@ -462,7 +483,10 @@ class Engine:
     def _announce(self, op: LiveOp, peer: int) -> None:
         key = op.spec.key
         self.ready_sent += 1
-        self._control[peer].append((Header(Kind.READY, name_key=key[0], seq=key[1]), None))
+        spec = op.spec
+        self._control[peer].append((Header(Kind.READY, spec.dtype, name_key=key[0],
+                                           seq=key[1], sig=spec.sig, count=spec.count,
+                                           recipe=spec.recipe), None))
         self._transport.want_send(peer)
 
     def _queue(self, op: LiveOp, send: Send) -> None:
@@ -549,7 +573,7 @@ class Engine:
             key = spec.key
             header = pack_header(Kind.DATA, spec.dtype, flags, send.step, key[0], key[1],
                                  spec.sig, send.piece, body.nbytes, spec.count,
-                                 self._take_owed(peer))
+                                 self._take_owed(peer), spec.recipe)
             return Outgoing(header, body, msg)
         if self._owed[peer] >= max(1, self._budget // 4):
             return Outgoing(Header(Kind.CREDIT, credit=self._take_owed(peer)).pack(), None,
@@ -615,6 +639,9 @@ class Engine:
         if key in self._done or self._broken is not None:
             self._routes[peer] = Route("discard", charge=charge)
             return self._discard_view(n)
+        if self._server is not None and header.name_key != self._keep_name:
+            self._serve(peer, header)
+            return self.body_buffer(peer, header)  # now active, or refused (done)
         buf = self._scratch.get(n)  # pooled: a fresh 1 MiB bytearray costs page faults
         self._routes[peer] = Route("float", buf=buf, charge=charge)
         self.floating_bytes += charge
@@ -685,7 +712,7 @@ class Engine:
             self._credit[peer] += header.credit
             self._unpark(peer)
         if header.flags & FLAG_READY:
-            self._peer_ready(peer, header.op_key)
+            self._peer_ready(peer, header)
 
     def received(self, peer: int, header: Header, body: memoryview) -> None:
         self._header_news(peer, header)
@@ -822,7 +849,7 @@ class Engine:
         kind = header.kind
         key = header.op_key
         if kind == Kind.READY:
-            self._peer_ready(peer, key)
+            self._peer_ready(peer, header)
         elif kind == Kind.MISMATCH:
             view = decode_view(body) or {"detail": "unreadable description"}
             op = self._active.get(key)
@@ -857,17 +884,66 @@ class Engine:
             elif key not in self._done:
                 self._failed_early.put(key, error)
 
-    def _peer_ready(self, peer: int, key: OpKey) -> None:
+    def _peer_ready(self, peer: int, header: Header) -> None:
+        key = header.op_key
         op = self._active.get(key)
+        if op is None and key not in self._done and self._server is not None \
+                and header.name_key != self._keep_name:
+            self._serve(peer, header)
+            op = self._active.get(key)
         if op is not None:
             op.ready_peers.add(peer)
             self._unpark(peer, key)
         elif key not in self._done:
+            if header.recipe:
+                self._early_headers.put(key, header)
             ready = self._early_ready.get(key)
             if ready is None:
                 ready = set()
                 self._early_ready.put(key, ready)
             ready.add(peer)
+
+    # --- serving ops this rank never submitted (join) ----------------------------------
+
+    def _start_serving(self, server: Callable[[Header], OpSpec | None] | None,
+                       keep_name: int | None) -> None:
+        self._server = server
+        self._keep_name = keep_name
+        if server is None:
+            return
+        waiting = [(items[0].src, items[0].header) for items in self._floating.values()
+                   if items]
+        waiting += [(min(self._early_ready.get(k) or {0}), h)
+                    for k, h in self._early_headers.items()]
+        for peer, header in waiting:
+            key = header.op_key
+            if key not in self._active and key not in self._done and key[0] != keep_name:
+                self._serve(peer, header)
+
+    def _serve(self, peer: int, header: Header) -> None:
+        """Start this rank's part of an op only peers submitted, or refuse it."""
+        assert self._server is not None
+        key = header.op_key
+        self._early_headers.pop(key)
+        spec = self._server(header)
+        if spec is not None:
+            self._start(spec, OpFuture())
+            return
+        # Nothing here can take part: fail it on the peers now rather than let them wait.
+        self._done.add(key)
+        self._early_ready.pop(key)
+        for item in self._floating.pop(key, ()):
+            self.floating_bytes -= item.charge
+            self._settle_credit(item.src, item.header, item.charge)
+            self._scratch.put(item.buf)
+        body = encode_view({"kind": "none: this rank has called join(), and only "
+                            "allreduce (and barrier) run while a rank has joined"})
+        for other in self._heaps:
+            if other not in self._gone:
+                self._control[other].append(
+                    (Header(Kind.MISMATCH, name_key=key[0], seq=key[1], nbytes=len(body)),
+                     body))
+                self._transport.want_send(other)
 
     def _peer_left(self, peer: int) -> None:
         """``peer`` shut down: it sends nothing more and takes nothing more, so every op

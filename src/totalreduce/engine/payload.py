@@ -29,6 +29,7 @@ class OpSpec:
     ufunc: np.ufunc | None = None      # reduction for REDUCE receives
     finalize: Callable[[np.ndarray], None] | None = None  # applied to each finished region
     priority: int = 0
+    recipe: int = 0            # wire.Header.recipe: how a joined rank can serve this op
 
 
 class OpFuture:

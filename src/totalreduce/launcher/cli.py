@@ -15,6 +15,10 @@ TOTALREDUCE_LOCAL_SIZE     N
 TOTALREDUCE_RENDEZVOUS     host:port of the launcher's authenticated address store
 TOTALREDUCE_SECRET         a fresh random job secret; every connection must prove it
 TOTALREDUCE_JOB_ID         a fresh random job id
+RANK, WORLD_SIZE,          what ``torch.distributed``'s ``env://`` init reads, so that
+LOCAL_RANK,                ``init_process_group("gloo")`` (DDP, with or without
+LOCAL_WORLD_SIZE,          ``totalreduce.torch.ddp_comm_hook``) works under totalrun too;
+MASTER_ADDR, MASTER_PORT   the port is one that was free on 127.0.0.1 at launch
 =========================  ==============================================================
 
 Output: each line a worker prints appears on the launcher's stdout/stderr prefixed with
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import sys
 
 from ..rendezvous import KVServer
@@ -61,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not args.command:
@@ -78,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         "TOTALREDUCE_RENDEZVOUS": store.address,
         "TOTALREDUCE_SECRET": secret,
         "TOTALREDUCE_JOB_ID": job_id,
+        "WORLD_SIZE": str(args.np),
+        "LOCAL_WORLD_SIZE": str(args.np),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
     })
     try:
         supervisor = Supervisor(args.command, args.np, env, args.grace, args.output_dir)

@@ -95,7 +95,8 @@ class Supervisor:
 
     def _start(self) -> None:
         for rank in range(self._n):
-            env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank))
+            env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank),
+                       RANK=str(rank), LOCAL_RANK=str(rank))
             proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,34 @@ class Handle:
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
+
+    def error(self) -> BaseException | None:
+        """The first error among the handle's finished ops, or None."""
+        for future in self._futures:
+            error = future.error()
+            if error is not None:
+                return error
+        return None
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` once every op of the handle is done, on the thread that
+        finished the last one (at once if already done).  ``fn`` must not block: it may
+        run on the engine's progress thread."""
+        if not self._futures:
+            fn(self)
+            return
+        left = [len(self._futures)]
+        lock = threading.Lock()
+
+        def one_done(_future: OpFuture) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+
+        for future in self._futures:
+            future.add_done_callback(one_done)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the op completes and return its result.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,11 +33,18 @@ from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
 from ..engine.schedule import Schedule, even_bounds
 from ..lru import LRU
-from ..transport.wire import dtype_code
+from ..transport.wire import (
+    RECIPE_DOUBLING_ALLREDUCE,
+    RECIPE_RING_ALLREDUCE,
+    Header,
+    dtype_code,
+)
 from .handle import Handle
+from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, as_reduce_op, averager, check_op_dtype
 
 _UNNAMED = "\x00unnamed"
+_JOIN = "\x00join"
 
 
 # Entries of each spec cache: a training loop repeats a few hundred (name, shape) pairs;
@@ -102,8 +110,11 @@ class SelfGuided:
         self._lock = threading.Lock()
         # name (+ phase) -> [hash, calls so far]; a name forgotten here is forgotten by the
         # engine too, so its next call starts afresh at 0 (config.py: name_capacity).
-        self._names: LRU[str, list[int]] = LRU(
-            config.name_capacity, lambda _name, entry: engine.forget_name(entry[0]))
+        self._names: LRU[str, list[int]] = LRU(config.name_capacity, self._forget)
+        # The same entries by hash, and the next call count of names this rank has not
+        # used yet but served while joined (join.py): a served call counts as made.
+        self._by_hash: dict[int, list[int]] = {}
+        self._served_next: LRU[int, int] = LRU(config.name_capacity)
         self._sigs: LRU[Any, int] = LRU(_SPEC_CACHE)
         # (kind, dtype, shape, op, ..., name) -> (view, sig): a training loop's allreduces
         # repeat, and building and freezing the view dict cost ~15 us of a 1 MB op's ~200.
@@ -117,13 +128,30 @@ class SelfGuided:
 
     # --- identity ---------------------------------------------------------------------
 
+    def _forget(self, _name: str, entry: list[int]) -> None:
+        self._by_hash.pop(entry[0], None)
+        self._engine.forget_name(entry[0])
+
+    def count_served(self, name_key: int, seq: int) -> None:
+        """A peer's call ``seq`` of name ``name_key`` ran here without a submit (join):
+        this rank's next call of that name is ``seq + 1`` at least (any thread)."""
+        with self._lock:
+            entry = self._by_hash.get(name_key)
+            if entry is not None:
+                entry[1] = max(entry[1], seq + 1)
+            else:
+                self._served_next.put(name_key, max(seq + 1,
+                                                    self._served_next.peek(name_key) or 0))
+
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
         key = (_UNNAMED if name is None else name) + phase
         with self._lock:
             entry = self._names.get(key)
             if entry is None:
-                entry = [_hash64(key), 0]
+                h = _hash64(key)
+                entry = [h, self._served_next.pop(h) or 0]
                 self._names.put(key, entry)
+                self._by_hash[h] = entry
             h, seq = entry
             entry[1] = seq + 1
         shown = f"{kind} '{name}'" if name is not None else f"{kind} (unnamed)"
@@ -217,11 +245,13 @@ class SelfGuided:
 
             schedule = doubling_allreduce(self.rank, self.size, work.size, self._seg(dtype))
             known = None if known is None else (*known, "doubling")
+            recipe = RECIPE_DOUBLING_ALLREDUCE | int(rop) << 4
         else:
             schedule = ring_allreduce(self.rank, self.size, work.size, self._seg(dtype))
+            recipe = RECIPE_RING_ALLREDUCE | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
-                          ufunc=UFUNCS[rop], finalize=finalize)
+                          ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe)
         return self._engine.submit(spec, blocking)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
@@ -425,6 +455,39 @@ class SelfGuided:
             return out, recv_rows.copy()
 
         return Handle([future], finish, splits_id.label)
+
+    # --- join -----------------------------------------------------------------------
+
+    def join(self) -> int:
+        """Serve the peers' allreduces (joining.py) until every rank has joined; return
+        the rank that joined last (by the wall clock of its join() call)."""
+        ident = self._ident("join", _JOIN)
+        n, rank = self.size, self.rank
+        now = time.time_ns()
+        times = np.full(n, now, np.int64)  # what each peer gets from us
+        got = np.zeros(n, np.int64)
+        got[rank] = now
+
+        def serve(header: Header) -> OpSpec | None:
+            spec = served_spec(header, rank, n, self._config.segment_bytes)
+            if spec is not None:
+                self.count_served(header.name_key, header.seq)
+            return spec
+
+        # The join op goes straight between every pair of ranks, behind everything else
+        # (lowest priority): per-link order then guarantees that each peer's ops started
+        # before its join() announced themselves here before our join completes.
+        unit = tuple(range(n + 1))
+        spec = self._spec(ident, {"kind": "join"}, got.dtype, 0,
+                          pairwise_alltoallv(rank, n, unit, unit, 1), got, -(1 << 30),
+                          source=times)
+        self._engine.serve_unsubmitted(serve, ident.key[0])
+        try:
+            Handle([self._engine.submit(spec, blocking=True)], lambda: None,
+                   ident.label).wait()
+        finally:
+            self._engine.serve_unsubmitted(None, None)
+        return int(np.argmax(got))
 
     # --- barrier --------------------------------------------------------------------
 

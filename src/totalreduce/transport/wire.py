@@ -17,9 +17,10 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x5452  # "TR"
-PROTOCOL_VERSION = 3  # 3: bool/int16/uint16, OP_FAILED, the broadcast's acknowledgement
+# 3: bool/int16/uint16, OP_FAILED, the broadcast's acknowledgement; 4: the recipe byte
+PROTOCOL_VERSION = 4
 
-# magic, kind, dtype, flags, pad, step, name_key, seq, sig, piece, reserved, nbytes, count,
+# magic, kind, dtype, flags, recipe, step, name_key, seq, sig, piece, reserved, nbytes, count,
 # credit
 _HEADER = struct.Struct("<HBBBBHQQQIIQQQ")
 HEADER_SIZE = _HEADER.size
@@ -35,6 +36,11 @@ REMOTE_BODY = struct.Struct("<QQ")
 # On DATA: the op is big enough that its bodies may be lent (FLAG_REMOTE) rather than
 # copied into a ring; set by the engine, acted on (or not) by the transport.
 FLAG_LENDABLE = 16
+
+
+# Recipe algorithms (low four bits); the op's ReduceOp code sits in the high four.
+RECIPE_RING_ALLREDUCE = 1
+RECIPE_DOUBLING_ALLREDUCE = 2
 
 
 class Kind(enum.IntEnum):
@@ -96,6 +102,10 @@ class Header(NamedTuple):
     nbytes: int = 0
     count: int = 0
     credit: int = 0
+    # On DATA and READY: how a rank that never submitted the op could run its part of it
+    # (a joined rank contributing the identity): ``RECIPE_*`` algorithm | op << 4; 0: it
+    # cannot.
+    recipe: int = 0
 
     @property
     def op_key(self) -> tuple[int, int]:
@@ -106,10 +116,11 @@ class Header(NamedTuple):
 
 
 def pack_header(kind: int, dtype: int, flags: int, step: int, name_key: int, seq: int,
-                sig: int, piece: int, nbytes: int, count: int, credit: int) -> bytes:
+                sig: int, piece: int, nbytes: int, count: int, credit: int,
+                recipe: int = 0) -> bytes:
     """``Header(...).pack()`` without building the tuple first (every DATA message)."""
-    return _HEADER.pack(MAGIC, kind, dtype, flags, 0, step, name_key, seq, sig, piece, 0,
-                        nbytes, count, credit)
+    return _HEADER.pack(MAGIC, kind, dtype, flags, recipe, step, name_key, seq, sig, piece,
+                        0, nbytes, count, credit)
 
 
 _FLAGS_AT = 4
@@ -137,13 +148,14 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
     Raises:
         WireError: bad magic or unknown message kind.
     """
-    (magic, kind, dtype, flags, _pad, step, name_key, seq, sig, piece, _reserved, nbytes,
+    (magic, kind, dtype, flags, recipe, step, name_key, seq, sig, piece, _reserved, nbytes,
      count, credit) = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic 0x{magic:04x} in message header")
     if kind not in _KINDS:
         raise WireError(f"unknown message kind {kind}")
-    return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit)
+    return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit,
+                  recipe)
 
 
 _KINDS = frozenset(int(k) for k in Kind)

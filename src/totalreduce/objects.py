@@ -1,0 +1,59 @@
+"""Collectives of Python objects: the only place where totalreduce pickles.
+
+The transport moves raw bytes and never unpickles; these functions pickle on purpose,
+because the caller asked to send an object.  Only use them between ranks of your own job
+(every connection is authenticated with the job secret, so no stranger can feed them).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from . import runtime as _runtime
+
+
+def _ops() -> Any:
+    return _runtime.current().collectives
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Every rank gets ``root_rank``'s ``obj`` (pickled there, unpickled everywhere else).
+
+    Other ranks' ``obj`` is ignored.
+
+    Raises:
+        ValueError: ``root_rank`` is not a rank of the job.
+        pickle.PicklingError: the root's object cannot be pickled (raised on the root;
+            the others then wait for the root's next broadcast of this name).
+    """
+    me = _runtime.current().rank
+    base = "broadcast_object" if name is None else name
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank else None
+    length = np.array([0 if payload is None else payload.size], np.int64)
+    length = _ops().broadcast(length, root_rank, f"{base}.len", 0, inplace=False,
+                              blocking=True).wait()
+    if payload is None:
+        payload = np.empty(int(length[0]), np.uint8)
+    data = _ops().broadcast(payload, root_rank, f"{base}.data", 0, inplace=False,
+                            blocking=True).wait()
+    if me == root_rank:
+        return obj
+    return pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """A list of every rank's ``obj``, in rank order (each pickled by its owner)."""
+    base = "allgather_object" if name is None else name
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    lengths = _ops().allgather(np.array([payload.size], np.int64), f"{base}.len", 0,
+                               blocking=True).wait()
+    data = _ops().allgather(payload, f"{base}.data", 0, blocking=True).wait()
+    out: list[Any] = []
+    offset = 0
+    for n in lengths.tolist():
+        out.append(pickle.loads(data[offset:offset + n].tobytes()))
+        offset += n
+    return out

@@ -1,0 +1,55 @@
+"""What a joined rank runs for an allreduce it never submitted.
+
+After ``join()`` a rank has no more data, but its peers may still allreduce (the last
+batches of an uneven epoch).  It takes part in each such op with the identity of the op's
+reduction (zeros for Sum and Average, so averages still divide by the full world size, as
+in Horovod; +inf/max for Min, -inf/min for Max, ones for Product).  The peers describe the
+op in its first header (``Header.recipe``: algorithm and reduction; dtype, element count and
+signature), which is all it takes to rebuild this rank's part of the schedule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..engine.algorithms import doubling_allreduce, ring_allreduce
+from ..engine.payload import OpSpec
+from ..transport.wire import DTYPES, RECIPE_DOUBLING_ALLREDUCE, RECIPE_RING_ALLREDUCE, Header
+from .ops import UFUNCS, ReduceOp, averager
+
+
+def identity(op: ReduceOp, dtype: np.dtype) -> object:
+    """The value that leaves any other unchanged under ``op``."""
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return 0
+    if op == ReduceOp.PRODUCT:
+        return 1
+    if dtype == np.bool_:
+        return op == ReduceOp.MIN  # and-identity True, or-identity False
+    if np.issubdtype(dtype, np.floating):
+        return np.inf if op == ReduceOp.MIN else -np.inf
+    info = np.iinfo(dtype)
+    return info.max if op == ReduceOp.MIN else info.min
+
+
+def served_spec(header: Header, rank: int, size: int, segment_bytes: int) -> OpSpec | None:
+    """This rank's part of the op ``header`` belongs to, or None if it cannot take part
+    (not an allreduce)."""
+    algorithm, code = header.recipe & 0xF, header.recipe >> 4
+    dtype = DTYPES.get(header.dtype)
+    if dtype is None or algorithm not in (RECIPE_RING_ALLREDUCE, RECIPE_DOUBLING_ALLREDUCE):
+        return None
+    try:
+        op = ReduceOp(code)
+    except ValueError:
+        return None
+    count = header.count
+    seg = max(1, segment_bytes // dtype.itemsize)
+    build = ring_allreduce if algorithm == RECIPE_RING_ALLREDUCE else doubling_allreduce
+    work = np.full(count, identity(op, dtype), dtype)
+    finalize = averager(dtype, size) if op == ReduceOp.AVERAGE else None
+    return OpSpec(header.op_key, f"allreduce {header.op_key} served after join()",
+                  header.sig, header.dtype, count,
+                  {"kind": "allreduce", "served": "after join()"},
+                  build(rank, size, count, seg), work, ufunc=UFUNCS[op], finalize=finalize,
+                  recipe=header.recipe)

@@ -1,0 +1,396 @@
+"""Horovod's collective functions on torch tensors, run by totalreduce's engine.
+
+Names, argument names and defaults follow ``horovod.torch``.  Async forms return a
+:class:`TorchHandle`; ``synchronize(handle)`` returns what the blocking form would have,
+``poll(handle)`` says whether it is done.  Tensor handling (zero-copy CPU views, bfloat16
+carried as float32, CUDA staged through host memory) is described in ``tensors.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import totalreduce as _tr
+
+from .compression import Compression, Compressor
+from .tensors import Staged, stage
+
+Average = _tr.Average
+Sum = _tr.Sum
+Min = _tr.Min
+Max = _tr.Max
+Product = _tr.Product
+
+
+class ProcessSet:
+    """Horovod's process sets: only the global one (every rank) exists here."""
+
+    def __repr__(self) -> str:
+        return "global_process_set"
+
+
+global_process_set = ProcessSet()
+
+
+def _check_process_set(process_set: Any, what: str) -> None:
+    if process_set is not global_process_set:
+        raise NotImplementedError(f"{what}: process sets other than global_process_set are "
+                                  "not supported; every collective runs over all ranks")
+
+
+def _ops() -> Any:
+    from .. import runtime
+
+    return runtime.current().collectives
+
+
+class TorchHandle:
+    """The pending result of an async collective on tensors."""
+
+    __slots__ = ("_handle", "_finish", "_result", "_finished")
+
+    def __init__(self, handle: _tr.Handle, finish: Callable[[Any], Any]) -> None:
+        self._handle = handle
+        self._finish = finish
+        self._result: Any = None
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        value = self._handle.wait(timeout)
+        if not self._finished:
+            self._result = self._finish(value)
+            self._finished = True
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"<TorchHandle {self._handle.label} {'done' if self.done() else 'pending'}>"
+
+
+def synchronize(handle: TorchHandle) -> Any:
+    """Wait for an async collective and return its result.
+
+    Raises:
+        TypeError: ``handle`` is not one an async collective returned.
+        TotalReduceError: the op failed (mismatch, lost peer, timeout, shutdown).
+    """
+    if not isinstance(handle, TorchHandle | _tr.Handle):
+        raise TypeError(f"synchronize: expected a handle from an *_async call, got "
+                        f"{type(handle).__name__}")
+    return handle.wait()
+
+
+def poll(handle: TorchHandle) -> bool:
+    """True once the async collective behind ``handle`` is done; never blocks."""
+    return handle.done()
+
+
+def resolve_op(op: Any, average: bool | None, what: str) -> _tr.ReduceOp:
+    """``op``, or Horovod's deprecated ``average`` flag, or the default Average."""
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{what}: pass op= or the deprecated average=, not both")
+        warnings.warn("average= is deprecated (as in Horovod): pass op=Average or op=Sum",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def _check_scale(staged: Staged, factor: float, label: str, what: str) -> None:
+    if factor != 1.0 and not staged.array.dtype.kind == "f":
+        raise TypeError(f"{what}: {label}={factor} needs a floating-point tensor, got "
+                        f"{staged.tensor.dtype}")
+
+
+def _scaled_input(staged: Staged, prescale: float, inplace: bool, what: str) -> np.ndarray:
+    _check_scale(staged, prescale, "prescale_factor", what)
+    if prescale == 1.0:
+        return staged.array
+    if inplace:
+        staged.array *= prescale
+        return staged.array
+    return (staged.array * prescale).astype(staged.array.dtype, copy=False)
+
+
+# --- allreduce ------------------------------------------------------------------------
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+                    priority: int = 0) -> TorchHandle:
+    """Start an allreduce of ``tensor``; ``synchronize`` returns a new tensor.
+
+    Args:
+        tensor: a dense tensor of bool, uint8, int8, int16, int32, int64, float16,
+            bfloat16, float32 or float64, on CPU or CUDA.
+        average: deprecated (as in Horovod); True means ``op=Average``, False ``op=Sum``.
+        name: matches the op across ranks; unnamed ops match by call order.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiplies the input before the reduction (float tensors only).
+        postscale_factor: multiplies the result after it (float tensors only).
+        priority: higher runs first (a totalreduce extension).
+
+    Raises:
+        TypeError: unsupported tensor, or a scale factor on an integer tensor.
+        ValueError: both ``op`` and ``average`` given.
+    """
+    what = "allreduce" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    rop = resolve_op(op, average, what)
+    staged = stage(tensor, what)
+    _check_scale(staged, postscale_factor, "postscale_factor", what)
+    source = _scaled_input(staged, prescale_factor, False, what)
+    handle = _ops().allreduce(source, rop, name, priority, inplace=False)
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        if postscale_factor != 1.0:
+            result *= postscale_factor
+        return staged.result(result)
+
+    return TorchHandle(handle, finish)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
+                     name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set,
+                     priority: int = 0) -> TorchHandle:
+    """In-place :func:`allreduce_async`: ``tensor`` holds the result once it is done."""
+    what = "allreduce_" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    rop = resolve_op(op, average, what)
+    staged = stage(tensor, what)
+    _check_scale(staged, postscale_factor, "postscale_factor", what)
+    source = _scaled_input(staged, prescale_factor, True, what)
+    handle = _ops().allreduce(source, rop, name, priority, inplace=True)
+
+    def finish(_result: np.ndarray) -> torch.Tensor:
+        if postscale_factor != 1.0:
+            staged.array[...] *= postscale_factor
+        staged.write_back()
+        return tensor
+
+    return TorchHandle(handle, finish)
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return the result as a new tensor.
+
+    ``compression`` turns the tensor into what travels (``Compression.fp16``: half the
+    bytes) and the result back.
+
+    Raises:
+        MismatchError: ranks disagree on the shape, dtype or op of this call.
+        PeerFailureError: a rank died or left.
+    """
+    compressed, ctx = compression.compress(tensor)
+    out = allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
+                          process_set).wait()
+    return compression.decompress(out, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                            process_set).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: Any = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Allreduce a list of tensors together; ``synchronize`` returns a list of new ones."""
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
+                    process_set, inplace=False)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """In-place :func:`grouped_allreduce_async`: the tensors receive the results."""
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
+                    process_set, inplace=True)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None,
+                      compression: type[Compressor] = Compression.none, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allreduce a list of tensors together and return a list of new tensors."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _grouped([p[0] for p in pairs], average, name, op, prescale_factor,
+                    postscale_factor, process_set, inplace=False).wait()
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """In-place :func:`grouped_allreduce`; returns ``tensors``."""
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
+                    process_set, inplace=True).wait()
+
+
+def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | None,
+             op: Any, prescale: float, postscale: float, process_set: ProcessSet,
+             inplace: bool) -> TorchHandle:
+    what = ("grouped_allreduce_" if inplace else "grouped_allreduce") + \
+        (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    rop = resolve_op(op, average, what)
+    staged = [stage(t, what) for t in tensors]
+    for s in staged:
+        _check_scale(s, postscale, "postscale_factor", what)
+    sources = [_scaled_input(s, prescale, inplace, what) for s in staged]
+    handle = _ops().grouped_allreduce(sources, rop, name, 0, inplace=inplace)
+
+    def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
+        out = []
+        for s, r in zip(staged, results, strict=True):
+            if postscale != 1.0:
+                r[...] *= postscale
+            if inplace:
+                s.write_back()
+                out.append(s.tensor)
+            else:
+                out.append(s.result(r))
+        return out
+
+    return TorchHandle(handle, finish)
+
+
+# --- allgather, broadcast, alltoall, reducescatter -------------------------------------
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Concatenate every rank's ``tensor`` along dimension 0 (first dims may differ)."""
+    what = "allgather" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    staged = stage(tensor, what)
+    return TorchHandle(_ops().allgather(staged.array, name, 0), staged.result)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    return allgather_async(tensor, name, process_set).wait()
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Every rank gets ``root_rank``'s ``tensor`` as a new tensor.
+
+    Raises:
+        ValueError: ``root_rank`` is not a rank of the job.
+    """
+    what = "broadcast" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    staged = stage(tensor, what)
+    return TorchHandle(_ops().broadcast(staged.array, root_rank, name, 0, inplace=False),
+                       staged.result)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """In-place :func:`broadcast_async`: ``tensor`` receives the root's values."""
+    what = "broadcast_" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    staged = stage(tensor, what)
+
+    def finish(_result: np.ndarray) -> torch.Tensor:
+        staged.write_back()
+        return tensor
+
+    return TorchHandle(_ops().broadcast(staged.array, root_rank, name, 0, inplace=True),
+                       finish)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Send rows ``splits[i]`` of ``tensor`` (dimension 0) to rank ``i``.
+
+    As in Horovod, the result is the received tensor alone when ``splits`` is None, and
+    ``(received, received_splits)`` when it is given.
+    """
+    what = "alltoall" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    staged = stage(tensor, what)
+    if isinstance(splits, torch.Tensor):
+        splits = splits.detach().cpu().numpy()
+    handle = _ops().alltoall(staged.array, splits, name, 0)
+
+    def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
+        out = staged.result(result[0])
+        if splits is None:
+            return out
+        return out, torch.from_numpy(result[1].astype(np.int32))
+
+    return TorchHandle(handle, finish)
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    return alltoall_async(tensor, splits, name, process_set).wait()
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> TorchHandle:
+    """Reduce ``tensor`` over all ranks and keep this rank's share of dimension 0
+    (lower ranks take the extra rows)."""
+    what = "reducescatter" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    staged = stage(tensor, what)
+    _check_scale(staged, postscale_factor, "postscale_factor", what)
+    source = _scaled_input(staged, prescale_factor, False, what)
+    handle = _ops().reducescatter(source, resolve_op(op, None, what), name, 0)
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        if postscale_factor != 1.0:
+            result = result * postscale_factor
+        return staged.result(result)
+
+    return TorchHandle(handle, finish)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: type[Compressor] = Compression.none, op: Any = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    compressed, ctx = compression.compress(tensor)
+    out = reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                              postscale_factor).wait()
+    return compression.decompress(out, ctx)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank has entered the barrier."""
+    _check_process_set(process_set, "barrier")
+    _tr.barrier()

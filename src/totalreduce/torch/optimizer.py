@@ -1,0 +1,359 @@
+"""DistributedOptimizer: averages gradients over all ranks while backward still runs.
+
+A hook on each parameter (``register_post_accumulate_grad_hook``) fires as its gradient
+is accumulated.  When every gradient of a bucket (``buckets.py``) is in, the bucket's
+flat buffer is reduced in place, asynchronously, while backward goes on with the earlier
+layers; ``step()`` waits only for what is still in flight, then runs the wrapped
+optimizer.  Buckets holding earlier layers get higher priority, so the gradients the next
+forward pass needs first are the first to arrive.
+
+At the end of each backward pass (a callback autograd runs when the pass is over), any
+bucket still waiting for a gradient is launched anyway: a parameter that got no gradient
+this step is reduced as zeros and its ``.grad`` becomes a zero tensor, as in Horovod, so an
+unused parameter never hangs its bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import totalreduce as _tr
+
+from .. import runtime as _runtime
+from ..exceptions import MismatchError
+from . import buckets as _buckets
+from .collectives import Average, ProcessSet, global_process_set
+from .compression import Compression, Compressor
+from .tensors import stage
+
+_instances = itertools.count()
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """When the last step's reductions ran (``time.monotonic()`` seconds).
+
+    ``launches`` and ``completions`` hold one time per bucket, in bucket order;
+    ``backward_end`` is when the last backward pass before the step finished;
+    ``waited`` is how long ``synchronize()`` blocked for reductions still in flight.
+    """
+
+    launches: tuple[float, ...]
+    completions: tuple[float, ...]
+    backward_end: float
+    waited: float
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Constructing it is a collective: every rank must construct it, with the same
+    parameters in the same order (checked: a parameter whose shape or dtype differs on
+    some rank raises :class:`MismatchError` naming it, on every rank).
+
+    ``zero_grad()`` zeroes the gradient buffers in place whatever ``set_to_none`` says:
+    the gradients are views into the buffers the reduction works on, so the next backward
+    accumulates into them without a copy.
+
+    Args:
+        optimizer: the local optimizer; its ``step()`` runs on the averaged gradients.
+        named_parameters: ``model.named_parameters()``; names appear in error messages.
+            Without it, parameters are named by their position.
+        compression: ``Compression.none`` or ``Compression.fp16`` (half the bytes on the
+            wire, float16 precision and range).
+        backward_passes_per_step: backward passes accumulated locally before the
+            gradients are reduced (gradient accumulation); ``step()`` must come after
+            exactly that many.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: divides gradients by this before the sum and
+            multiplies the average by it after (keeps float16 sums in range).
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense;
+            without it a sparse gradient raises.
+
+    Raises:
+        ValueError: duplicate or missing parameter names, a bad
+            ``backward_passes_per_step``, or an op other than Average and Sum.
+        MismatchError: ranks disagree on the parameters.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 compression: type[Compressor] = Compression.none,
+                 backward_passes_per_step: int = 1, op: Any = Average,
+                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if process_set is not global_process_set:
+            raise NotImplementedError("DistributedOptimizer: only global_process_set is "
+                                      "supported")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be an int >= 1, got "
+                             f"{backward_passes_per_step!r}")
+        if op not in (_tr.Average, _tr.Sum):
+            raise ValueError(f"DistributedOptimizer: op must be Average or Sum, got {op!r}")
+        if gradient_predivide_factor != 1.0 and op != _tr.Average:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        if gradient_predivide_factor <= 0:
+            raise ValueError("gradient_predivide_factor must be > 0")
+        self._optimizer = optimizer
+        self._constructing = True
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._constructing = False
+        # Share the wrapped optimizer's groups and state: changes to the learning rate
+        # (LR schedulers) or loaded state must reach the optimizer that steps.
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+
+        self._compression = compression
+        self._passes_per_step = backward_passes_per_step
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._sparse_as_dense = sparse_as_dense
+        self._prefix = f"DistributedOptimizer{next(_instances)}"
+        names, params = self._named(named_parameters)
+        self._check_same_everywhere(names, params)
+        cap = _runtime.current().config.bucket_bytes
+        self._buckets = _buckets.build(names, params, cap)
+        self._slot: dict[torch.Tensor, tuple[_buckets.Bucket, int]] = {}
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                self._slot[p] = (b, i)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._passes = 0
+        self._in_backward = False
+        self._backward_end = 0.0
+        self._synchronized = False
+        self._should_synchronize = True
+        self._timings = StepTimings((), (), 0.0, 0.0)
+
+    # --- set-up ---------------------------------------------------------------------
+
+    def _named(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+               ) -> tuple[list[str], list[torch.nn.Parameter]]:
+        ordered = [p for group in self._optimizer.param_groups for p in group["params"]
+                   if p.requires_grad]
+        if named_parameters is None:
+            return [f"parameter #{i}" for i in range(len(ordered))], ordered
+        pairs = list(named_parameters)
+        if any(not isinstance(t, tuple) or len(t) != 2 for t in pairs):
+            raise ValueError("named_parameters must be a sequence of (name, parameter) "
+                             "tuples, e.g. model.named_parameters()")
+        seen: dict[str, int] = {}
+        for n, _ in pairs:
+            seen[n] = seen.get(n, 0) + 1
+        dups = sorted(n for n, c in seen.items() if c > 1)
+        if dups:
+            raise ValueError(f"parameter names in named_parameters must be unique; "
+                             f"repeated: {', '.join(dups)}")
+        name_of = {id(p): n for n, p in pairs}
+        unnamed = [i for i, p in enumerate(ordered) if id(p) not in name_of]
+        if unnamed:
+            shown = ", ".join(f"#{i} {tuple(ordered[i].shape)}" for i in unnamed[:5])
+            raise ValueError(f"named_parameters was given but {len(unnamed)} of the "
+                             f"optimizer's parameters are not in it ({shown}); pass "
+                             "model.named_parameters() of the model the optimizer trains")
+        return [name_of[id(p)] for p in ordered], ordered
+
+    def _check_same_everywhere(self, names: list[str],
+                               params: list[torch.nn.Parameter]) -> None:
+        import numpy as np
+
+        mine = _buckets.describe(names, params)
+        digests = _tr.allgather(np.array([_buckets.digest(mine)], np.int64),
+                                name=f"{self._prefix}.check")
+        if len(set(digests.tolist())) == 1:
+            return
+        views = _tr.allgather_object(mine, name=f"{self._prefix}.describe")
+        rank = _tr.rank()
+        longest = max(len(v) for v in views)
+        for i in range(longest):
+            row = [v[i] if i < len(v) else ("(none)", "(no parameter)") for v in views]
+            if len(set(row)) > 1:
+                if len({n for n, _ in row}) == 1:
+                    what = f"parameter '{row[0][0]}'"
+                    shown = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(row))
+                else:
+                    what = f"parameter #{i}"
+                    shown = "; ".join(f"rank {r}: {n} {d}" for r, (n, d) in enumerate(row))
+                raise MismatchError(row[rank][0], f"rank {rank}: DistributedOptimizer: "
+                                    f"{what} differs between ranks: {shown}")
+        raise MismatchError("", f"rank {rank}: DistributedOptimizer: ranks have different "
+                            "parameters")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._constructing:
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError("DistributedOptimizer: add parameter groups to the optimizer "
+                           "before wrapping it (every rank's buckets are fixed then)")
+
+    # --- backward ---------------------------------------------------------------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        bucket, i = self._slot[p]
+        if bucket.pending is not None:
+            raise RuntimeError(
+                f"DistributedOptimizer: a gradient of {bucket.names[i]} was computed while "
+                "its reduction was in flight: more than backward_passes_per_step="
+                f"{self._passes_per_step} backward passes before step(); raise "
+                "backward_passes_per_step to accumulate gradients locally")
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        grad = p.grad
+        if grad is not None and grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise TypeError(f"DistributedOptimizer: {bucket.names[i]} has a sparse "
+                                "gradient; pass sparse_as_dense=True")
+            grad = grad.to_dense()
+        if not bucket.owns(i, grad):
+            # The gradient was set to None (model.zero_grad()) or replaced: move it into
+            # the bucket once; from then on backward accumulates there directly.
+            view = bucket.views[i]
+            view.copy_(grad)
+            p.grad = view
+        bucket.fired.add(i)
+        bucket.touched.add(i)
+        if (self._passes + 1 == self._passes_per_step
+                and len(bucket.fired) == len(bucket.params)):
+            self._launch(bucket)
+
+    def _on_backward_end(self) -> None:
+        self._in_backward = False
+        self._backward_end = time.monotonic()
+        self._passes += 1
+        for b in self._buckets:
+            b.fired.clear()
+        if self._passes == self._passes_per_step:
+            for b in self._buckets:
+                if b.pending is None:
+                    self._launch(b)
+
+    def _launch(self, bucket: _buckets.Bucket) -> None:
+        for i, p in enumerate(bucket.params):
+            if i not in bucket.touched and not bucket.owns(i, p.grad):
+                bucket.views[i].zero_()
+                p.grad = bucket.views[i]
+        flat = bucket.flat
+        if self._predivide != 1.0:
+            flat.div_(self._predivide)
+        wire, ctx = self._compression.compress(flat)
+        staged = stage(wire, "DistributedOptimizer")
+        bucket.launch_time = time.monotonic()
+        handle = _tr.allreduce_async_(staged.array, op=self._op,
+                                      name=f"{self._prefix}.b{bucket.index}",
+                                      priority=bucket.index)
+
+        def finished(_h: Any) -> None:
+            bucket.done_time = time.monotonic()
+
+        handle.add_done_callback(finished)
+        bucket.pending = (handle, staged, wire, ctx)
+
+    def _complete(self, bucket: _buckets.Bucket) -> None:
+        handle, staged, wire, ctx = bucket.pending
+        bucket.pending = None
+        handle.wait()
+        staged.write_back()
+        if wire is not bucket.flat:
+            bucket.flat.copy_(self._compression.decompress(wire, ctx))
+        if self._predivide != 1.0:
+            bucket.flat.mul_(self._predivide)
+
+    # --- the public surface -----------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient: launch what backward did not, wait for all.
+
+        Raises:
+            RuntimeError: called after fewer backward passes than
+                ``backward_passes_per_step``.
+            TotalReduceError: a reduction failed (mismatch, lost peer, timeout).
+        """
+        if 0 < self._passes < self._passes_per_step:
+            raise RuntimeError(
+                f"DistributedOptimizer: step() or synchronize() after {self._passes} of "
+                f"backward_passes_per_step={self._passes_per_step} backward passes; "
+                "call it after every backward_passes_per_step-th backward()")
+        if self._synchronized and self._passes == 0:
+            return  # already reduced, and no backward since
+        for b in self._buckets:
+            if b.pending is None:
+                self._launch(b)
+        start = time.monotonic()
+        try:
+            for b in self._buckets:
+                self._complete(b)
+        finally:
+            for b in self._buckets:
+                b.pending = None
+                b.touched.clear()
+            self._passes = 0
+        self._timings = StepTimings(tuple(b.launch_time for b in self._buckets),
+                                    tuple(b.done_time for b in self._buckets),
+                                    self._backward_end, time.monotonic() - start)
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within it, ``step()`` does not synchronize (call ``synchronize()`` before, e.g.
+        to clip the averaged gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized and self._passes == 0:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() "
+                              "outside optimizer.skip_synchronize(): wrap step() in "
+                              "skip_synchronize() when you synchronize yourself",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(b.pending is not None for b in self._buckets):
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but "
+                               "before optimizer.step() or optimizer.synchronize(): the "
+                               "gradients are still being reduced")
+        self._passes = 0
+        for b in self._buckets:
+            b.flat.zero_()
+            b.touched.clear()
+            for p, view in zip(b.params, b.views, strict=True):
+                p.grad = view
+
+    def last_timings(self) -> StepTimings:
+        """When the last ``synchronize()``'s reductions were launched and finished."""
+        return self._timings
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+        self.state = self._optimizer.state
+        self.param_groups = self._optimizer.param_groups
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._optimizer!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes of the wrapped optimizer (e.g. Adam's own settings) stay reachable.
+        if name == "_optimizer":
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)

@@ -1,0 +1,449 @@
+"""Worker functions for the totalreduce.torch tests (run on every rank by harness.py).
+
+Each rank computes the single-process reference itself (same seeds everywhere) and
+compares its own distributed result with it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import torch
+
+import totalreduce.torch as hvd
+
+torch.set_num_threads(1)
+
+TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def tensor(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) < 0.5
+    if dtype.is_floating_point:
+        return (torch.rand(shape, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    return torch.randint(-50 if dtype != torch.uint8 else 0, 50, shape, generator=g,
+                         dtype=torch.int64).to(dtype)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float | None = None) -> None:
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    if tol is None:
+        tol = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5,
+               torch.float64: 1e-12}.get(a.dtype, 0)
+    if tol:
+        assert torch.allclose(a.double(), b.double(), rtol=tol, atol=tol), \
+            f"{what}: max diff {(a.double() - b.double()).abs().max()}"
+    else:
+        assert torch.equal(a, b), f"{what}: {a} != {b}"
+
+
+def ref_sum(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Sum as the engine computes it: or for bool, wrapping for integers."""
+    dtype = ts[0].dtype
+    if dtype == torch.bool:
+        out = ts[0].clone()
+        for t in ts[1:]:
+            out |= t
+        return out
+    if dtype.is_floating_point:
+        return sum(t.double() for t in ts).to(dtype)
+    return torch.from_numpy(np.sum([t.numpy() for t in ts], axis=0, dtype=t_np(dtype)))
+
+
+def collectives(arg: dict) -> None:
+    """Every collective of the Horovod API on tensors against a reference."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    shapes = [(0,), (1,), (7, 3), (1001,)]
+    for seed, (dtype, shape) in enumerate((d, s) for d in TORCH_DTYPES for s in shapes):
+        mine = tensor(seed, r, shape, dtype)
+        everyone = [tensor(seed, q, shape, dtype) for q in range(n)]
+        what = f"{dtype} {shape}"
+        close(hvd.allreduce(mine, op=hvd.Sum, name=f"s{seed}"), ref_sum(everyone),
+              "Sum " + what)
+        want_max = everyone[0]
+        for t in everyone[1:]:
+            want_max = torch.maximum(want_max, t)
+        inplace = mine.clone()
+        out = hvd.allreduce_(inplace, op=hvd.Max, name=f"m{seed}")
+        assert out is inplace
+        close(inplace, want_max, "Max in place " + what)
+        if dtype.is_floating_point:
+            avg = hvd.synchronize(hvd.allreduce_async(mine, name=f"a{seed}"))
+            close(avg, (sum(t.double() for t in everyone) / n).to(dtype), "Average " + what)
+        gathered = hvd.allgather(mine, name=f"g{seed}")
+        close(gathered, torch.cat(everyone), "allgather " + what)
+        b = mine.clone()
+        hvd.broadcast_(b, root_rank=n - 1, name=f"b{seed}")
+        close(b, everyone[n - 1], "broadcast_ " + what)
+    # Non-contiguous input, in place: the tensor's own memory is written.
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) * (r + 1)
+    view = base[:, ::2]
+    hvd.allreduce_(view, op=hvd.Sum, name="strided")
+    want = torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2] * sum(range(1, n + 1))
+    close(base[:, ::2], want, "strided in place")
+    close(base[:, 1::2], (torch.arange(24, dtype=torch.float32).reshape(4, 6) * (r + 1))[:, 1::2],
+          "untouched columns")
+    # A tensor that requires grad, and scale factors.
+    w = torch.ones(5, requires_grad=True)
+    out = hvd.allreduce(w, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0, name="sc")
+    close(out, torch.full((5,), 1.5 * n), "scaled")
+    try:
+        hvd.allreduce(torch.ones(3, dtype=torch.int32), prescale_factor=2.0, name="bad")
+        raise AssertionError("an integer tensor with a scale factor was accepted")
+    except TypeError as exc:
+        assert "prescale_factor" in str(exc), exc
+    # Horovod's deprecated average= keyword.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = hvd.allreduce(torch.full((2,), float(r)), average=False, name="dep")
+    assert any(issubclass(c.category, DeprecationWarning) for c in caught), caught
+    close(out, torch.full((2,), float(sum(range(n)))), "average=False")
+    try:
+        hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum)
+        raise AssertionError("op and average together were accepted")
+    except ValueError as exc:
+        assert "average" in str(exc)
+    # grouped forms.
+    ts = [tensor(90 + i, r, (i * 5 + 1,), torch.float32) for i in range(4)]
+    want = [sum(tensor(90 + i, q, (i * 5 + 1,), torch.float32).double() for q in range(n))
+            for i in range(4)]
+    for got, w_ in zip(hvd.grouped_allreduce(ts, op=hvd.Sum, name="grp"), want, strict=True):
+        close(got, w_.float(), "grouped")
+    copies = [t.clone() for t in ts]
+    hvd.synchronize(hvd.grouped_allreduce_async_(copies, op=hvd.Sum, name="grp_"))
+    for got, w_ in zip(copies, want, strict=True):
+        close(got, w_.float(), "grouped in place")
+    # fp16 compression.
+    x = tensor(7, r, (33,), torch.float32)
+    got = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16, name="fp16")
+    close(got, sum(tensor(7, q, (33,), torch.float32) for q in range(n)), "fp16", 1e-2)
+    assert got.dtype == torch.float32
+    # alltoall: without splits the result alone, with splits also the received splits.
+    rows = torch.arange(n * 2, dtype=torch.int64) + 100 * r
+    out = hvd.alltoall(rows, name="a2a")
+    close(out, torch.tensor([100 * q + 2 * r + k for q in range(n) for k in range(2)]),
+          "alltoall")
+    splits = torch.tensor([q + 1 for q in range(n)], dtype=torch.int32)
+    data = torch.full((int(splits.sum()), 2), float(r))
+    out, received = hvd.alltoall(data, splits=splits, name="a2av")
+    assert received.tolist() == [r + 1] * n, received
+    close(out, torch.cat([torch.full((r + 1, 2), float(q)) for q in range(n)]), "alltoallv")
+    # reducescatter: lower ranks take the extra rows.
+    x = tensor(8, r, (2 * n + 1, 3), torch.float64)
+    total = sum(tensor(8, q, (2 * n + 1, 3), torch.float64) for q in range(n))
+    lo = sum(2 + (1 if q < 1 else 0) for q in range(r))
+    mine_rows = 2 + (1 if r < 1 else 0)
+    close(hvd.reducescatter(x, op=hvd.Sum, name="rs"), total[lo:lo + mine_rows], "reducescatter")
+    # Objects.
+    assert hvd.broadcast_object({"from": r, "list": [1, 2]}, root_rank=1) == \
+        {"from": 1, "list": [1, 2]}
+    assert hvd.allgather_object(("rank", r)) == [("rank", q) for q in range(n)]
+    h = hvd.broadcast_async(torch.full((3,), float(r)), root_rank=0, name="poll")
+    while not hvd.poll(h):
+        time.sleep(0.001)
+    close(hvd.synchronize(h), torch.zeros(3), "poll")
+    hvd.barrier()
+    print("collectives ok")
+
+
+def t_np(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+# --- training -----------------------------------------------------------------------------
+
+
+def _model(seed: int, hidden: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, 3))
+
+
+def _batches(steps: int, total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randn(total, 8, generator=g), torch.randint(0, 3, (total,), generator=g))
+            for _ in range(steps)]
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, lo: int,
+           hi: int, passes: int) -> None:
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for x, y in batches:
+        opt.zero_grad()
+        xs, ys = x[lo:hi].chunk(passes), y[lo:hi].chunk(passes)
+        for xp, yp in zip(xs, ys, strict=True):
+            (loss_fn(model(xp), yp) / passes).backward()
+        opt.step()
+
+
+def equivalence(arg: dict) -> None:
+    """N ranks with batch B each end with the weights of one process with batch N*B."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    per_rank, steps = 8, 5
+    batches = _batches(steps, per_rank * n)
+    for case in arg["cases"]:
+        momentum = 0.9 if case.get("momentum") else 0.0
+        passes = case.get("passes", 1)
+        compression = hvd.Compression.fp16 if case.get("fp16") else hvd.Compression.none
+        reference = _model(3)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum)
+        _train(reference, ref_opt, batches, 0, per_rank * n, passes)
+
+        model = _model(100 + r)  # different on each rank: the broadcast must fix that
+        if r == 0:
+            model.load_state_dict(_model(3).state_dict())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression,
+                                       backward_passes_per_step=passes)
+        _train(model, opt, batches, r * per_rank, (r + 1) * per_rank, passes)
+        tol = 2e-3 if case.get("fp16") else 1e-5
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(),
+                                strict=True):
+            close(p.detach(), q.detach(), f"{case} {name}", tol)
+        print("equivalent", case)
+
+
+def optimizer_state(arg: dict) -> None:
+    """broadcast_optimizer_state: scalar state, lr, and ranks whose state is empty."""
+    hvd.init()
+    r = hvd.rank()
+    model = _model(3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1))
+    if r == 0:  # only the root has state: a few steps taken
+        for x, y in _batches(3, 4):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.01, opt.param_groups[0]["lr"]
+    state = opt.state_dict()["state"]
+    assert len(state) == 6, len(state)
+    assert float(state[0]["step"]) == 3.0, state[0]["step"]
+    digest = float(sum(s["exp_avg"].abs().sum() + s["exp_avg_sq"].sum() for s in state.values()))
+    everyone = hvd.allgather_object(digest)
+    assert len(set(everyone)) == 1, everyone
+    # Root with empty state: everyone ends empty; a DistributedOptimizer is accepted too.
+    fresh = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5 + r,
+                                                     momentum=0.9),
+                                     named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(fresh, root_rank=0)
+    assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state_dict()["state"]
+    print("optimizer state ok")
+
+
+def horovod_script(arg: dict) -> None:
+    import runpy
+
+    runpy.run_path(arg["path"], run_name="__main__")
+
+
+def overlap(arg: dict) -> None:
+    """Hooks start reductions before backward ends; step() waits less than they take."""
+    hvd.init()
+    torch.manual_seed(0)
+    width = 768
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(256, width)
+    early, waits, spans = 0, [], []
+    for _ in range(4):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        t = opt.last_timings()
+        assert len(t.launches) >= 6, t
+        if min(t.launches) < t.backward_end:
+            early += 1
+        waits.append(t.waited)
+        spans.append(max(t.completions) - min(t.launches))
+    print(f"overlap early={early} waited={[round(w, 4) for w in waits]} "
+          f"comm={[round(s, 4) for s in spans]}")
+    assert early == 4, "no reduction started before backward ended"
+    assert sorted(w < s for w, s in zip(waits, spans, strict=True)).count(True) >= 3, \
+        (waits, spans)
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def unused_and_join(arg: dict) -> None:
+    """An unused parameter does not hang its bucket; join() with uneven shards."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = _Branchy()
+    before = model.unused.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    # Rank r has 2 + r batches: the others join early and serve the last steps.
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randn(4, 4, generator=g) for _ in range(2 + n)]
+    reference = _Branchy()
+    reference.load_state_dict(model.state_dict())
+    for step in range(2 + r):
+        opt.zero_grad()
+        model(data[step] * (r + 1)).sum().backward()
+        opt.step()
+    last = hvd.join()
+    assert last == n - 1, last
+    # The ranks that joined early missed the last steps: the last one has the model
+    # (Horovod's idiom, the reason join() returns that rank).
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    assert torch.equal(model.unused.weight.detach(), before)
+    assert torch.equal(model.unused.weight.grad, torch.zeros(4, 4))
+    # Reference: step s averages the gradients of the ranks that still had data.
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2 + n - 1):
+        ref_opt.zero_grad()
+        loss = sum(reference(data[step] * (q + 1)).sum() for q in range(n) if step < 2 + q)
+        (loss / n).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        close(p.detach(), q.detach(), name, 1e-5)
+    # Everyone trains on again after the join, in step.
+    opt.zero_grad()
+    model(data[0]).sum().backward()
+    opt.step()
+    digests = hvd.allgather_object(float(model.used.weight.sum()))
+    assert len(set(digests)) == 1, digests
+    print("unused and join ok", last)
+
+
+def joined_rank_refuses(arg: dict) -> None:
+    """A broadcast while a rank has joined fails on the others instead of hanging."""
+    hvd.init()
+    r = hvd.rank()
+    if r == 0:
+        hvd.join()
+        print("joined")
+        return
+    try:
+        hvd.broadcast(torch.ones(3), root_rank=1, name="after-join")
+    except hvd.MismatchError as exc:
+        assert "join()" in str(exc), exc
+        print("refused:", exc)
+    else:
+        raise AssertionError("a broadcast ran with a joined rank")
+    hvd.join()
+
+
+def model_mismatch(arg: dict) -> None:
+    hvd.init()
+    r = hvd.rank()
+    hidden = 16 if r != 1 else 17
+    model = _model(0, hidden)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters())
+    except hvd.MismatchError as exc:
+        assert "2.weight" in str(exc) or "0.weight" in str(exc), exc
+        print("mismatch:", exc)
+        return
+    raise AssertionError("a model whose shapes differ was accepted")
+
+
+def misuse(arg: dict) -> None:
+    """Local mistakes get clear errors (one rank is enough)."""
+    hvd.init()
+    model = _model(0)
+    params = list(model.named_parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    checks = [
+        (lambda: hvd.DistributedOptimizer(sgd, named_parameters=params + params[:1]),
+         ValueError, "unique"),
+        (lambda: hvd.DistributedOptimizer(sgd, named_parameters=params[1:]), ValueError,
+         "not in it"),
+        (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Max), ValueError, "Average or Sum"),
+        (lambda: hvd.DistributedOptimizer(sgd, backward_passes_per_step=0), ValueError,
+         "backward_passes_per_step"),
+        (lambda: hvd.allreduce([1, 2]), TypeError, "torch.Tensor"),
+        (lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64)), TypeError,
+         "not supported"),
+        (lambda: hvd.broadcast(torch.ones(2), root_rank=5), ValueError, "root_rank"),
+    ]
+    for fn, exc_type, text in checks:
+        try:
+            fn()
+        except exc_type as exc:
+            assert text in str(exc), (text, exc)
+        else:
+            raise AssertionError(f"no {exc_type.__name__} for {text}")
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=params, backward_passes_per_step=2)
+    x, y = _batches(1, 4)[0]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        assert "1 of backward_passes_per_step=2" in str(exc), exc
+    else:
+        raise AssertionError("step() in the middle of accumulation was accepted")
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    try:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    except RuntimeError as exc:
+        assert "backward_passes_per_step" in str(exc), exc
+    else:
+        raise AssertionError("a third backward pass was accepted")
+    print("misuse ok")
+
+
+def ddp_hook(arg: dict) -> None:
+    """DDP under totalrun (env:// init) with our comm hook matches DDP with gloo."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    hvd.init()
+    dist.init_process_group("gloo")
+    r, n = dist.get_rank(), dist.get_world_size()
+    assert (r, n) == (hvd.rank(), hvd.size())
+    batches = _batches(4, 4 * n)
+    weights = []
+    for hooked in (False, True):
+        model = DDP(_model(3))
+        if hooked:
+            model.register_comm_hook(None, hvd.ddp_comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _train(model, opt, batches, r * 4, (r + 1) * 4, 1)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*weights, strict=True):
+        close(a, b, "hooked vs gloo", 1e-5)
+    dist.destroy_process_group()
+    print("ddp hook ok")
+
+
+def cuda_tensors(arg: dict) -> None:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = torch.full((1000,), float(r + 1), device="cuda")
+    out = hvd.allreduce(x, op=hvd.Sum)
+    assert out.device.type == "cuda"
+    close(out.cpu(), torch.full((1000,), float(n * (n + 1) // 2)), "cuda allreduce")
+    hvd.allreduce_(x, op=hvd.Sum)
+    close(x.cpu(), torch.full((1000,), float(n * (n + 1) // 2)), "cuda in place")
+    print("cuda ok")
