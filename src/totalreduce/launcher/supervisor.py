@@ -53,6 +53,7 @@ class Supervisor:
         self._grace = grace
         self._output_dir = output_dir
         self._lock = threading.Lock()    # one output line at a time
+        self._bar_open = False           # a progress line is drawn on the terminal
         self._state = threading.Lock()   # exit codes and times
         self._workers: list[_Worker] = []
         self._first_failure: _Worker | None = None
@@ -70,21 +71,47 @@ class Supervisor:
             os.makedirs(folder, exist_ok=True)
             copy = open(os.path.join(folder, name), "wb")  # noqa: SIM115
         prefix = f"[{worker.rank}]: ".encode()
+        tty = out.isatty()
+        pending = b""
         try:
-            for line in iter(stream.readline, b""):
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                if name == "stderr":
-                    worker.tail.append(line.decode(errors="replace").rstrip())
-                with self._lock:
-                    out.buffer.write(prefix + line)
-                    out.flush()
-                if copy is not None:
-                    copy.write(line)
+            for chunk in iter(lambda: stream.read1(1 << 16), b""):  # type: ignore[attr-defined]
+                pending += chunk
+                while True:
+                    ends = [i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0]
+                    if not ends:
+                        break
+                    i = min(ends)
+                    record, sep, pending = pending[:i], pending[i:i + 1], pending[i + 1:]
+                    if sep == b"\r" and not pending.startswith(b"\n"):
+                        # A progress bar (tqdm) redrawing its line: live on a terminal,
+                        # left out of logs, which would otherwise get one huge line.
+                        if tty and record:
+                            with self._lock:
+                                out.buffer.write(b"\r\x1b[K" + prefix + record)
+                                out.flush()
+                                self._bar_open = True
+                        continue
+                    self._line(worker, out, name, prefix, record + b"\n", copy)
+            if pending:
+                self._line(worker, out, name, prefix, pending + b"\n", copy)
         finally:
             stream.close()
             if copy is not None:
                 copy.close()
+
+    def _line(self, worker: _Worker, out: Any, name: str, prefix: bytes, line: bytes,
+              copy: IO[bytes] | None) -> None:
+        line = line.replace(b"\r", b"")
+        if name == "stderr":
+            worker.tail.append(line.decode(errors="replace").rstrip())
+        with self._lock:
+            if self._bar_open:
+                out.buffer.write(b"\r\x1b[K")
+                self._bar_open = False
+            out.buffer.write(prefix + line)
+            out.flush()
+        if copy is not None:
+            copy.write(line)
 
     def _say(self, text: str) -> None:
         with self._lock:
