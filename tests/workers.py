@@ -136,9 +136,11 @@ def check_collectives(arg: dict) -> None:
                 assert_same(out, want, f"alltoall splits={use_splits}")
                 assert recv.tolist() == [int(sp[src][rank]) for src in range(n)]
             checked += 4 + 2 * n + 3
-    # grouped allreduce with mixed dtypes and an empty member
+    # grouped allreduce with mixed dtypes, an empty member, and members big enough to go
+    # as ops of their own
     arrays = [data(5, rank, s, d) for s, d in (((3,), np.float32), ((0,), np.float32),
-                                               ((2, 2), np.int64), ((9,), np.float32))]
+                                               ((2, 2), np.int64), ((40001,), np.float32),
+                                               ((9,), np.float32), ((200, 101), np.float64))]
     want = [reference_reduce([data(5, r, a.shape, a.dtype.type) for r in range(n)], "Sum")
             for a in arrays]
     for got, w in zip(tr.grouped_allreduce(arrays, op=tr.Sum), want, strict=True):

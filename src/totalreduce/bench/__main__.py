@@ -1,4 +1,5 @@
-"""``python -m totalreduce.bench {collectives,replay,skew,preempt}``: side-by-side numbers.
+"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train}``: side-by-side
+numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
 ``totalrun`` or ``mpiexec``, MPI's under ``mpiexec``, gloo's under ``totalrun`` — with the
@@ -12,6 +13,11 @@ Backends (``--backends``, comma-separated; all by default, unavailable ones skip
   totalreduce-mpi  totalreduce's MPI transport under mpiexec (needs the mpi extra)
   mpi              mpi4py's own collectives under mpiexec (MPICH from the mpi extra)
   gloo             torch.distributed with the gloo backend (needs torch)
+  ddp-hook         train only: DDP over gloo with totalreduce's comm hook (needs torch)
+
+``train`` runs the totalreduce-shm, gloo and ddp-hook backends (the others have no
+optimizer): samples/s of one model under each, with a bucket-size sweep for totalreduce's
+DistributedOptimizer (see ``training.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from typing import Any
 from ..launcher.mpiexec import find_mpiexec
 from .report import plot, print_table, summarize
 
-BACKENDS = ("totalreduce-shm", "totalreduce-tcp", "totalreduce-mpi", "mpi", "gloo")
+BACKENDS = ("totalreduce-shm", "totalreduce-tcp", "totalreduce-mpi", "mpi", "gloo",
+            "ddp-hook")
+TRAIN_BACKENDS = ("totalreduce-shm", "gloo", "ddp-hook")
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 DEFAULT_SIZES = ("4", "64", "1K", "16K", "256K", "1M", "4M", "16M", "64M", "256M")
 
@@ -46,7 +54,7 @@ def unavailable(backend: str) -> str | None:
     """Why ``backend`` cannot run here, or None."""
     if backend in ("mpi", "totalreduce-mpi") and find_mpiexec() is None:
         return "needs mpi4py and mpiexec: pip install 'totalreduce[mpi]'"
-    if backend == "gloo" and importlib.util.find_spec("torch") is None:
+    if backend in ("gloo", "ddp-hook") and importlib.util.find_spec("torch") is None:
         return "needs torch: pip install torch==2.13.0"
     return None
 
@@ -72,7 +80,7 @@ def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float,
         env["TOTALREDUCE_TRANSPORT"] = "tcp"
         if backend == "totalreduce-tcp":
             env["TOTALREDUCE_SHM_BYTES"] = "0"
-        if backend == "gloo":
+        if backend in ("gloo", "ddp-hook"):
             env["BENCH_GLOO_INIT"] = f"tcp://127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory(prefix="trbench-") as tmp:
         out = os.path.join(tmp, "out")
@@ -125,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", default="1K")
     p.add_argument("--delay", type=float, default=0.002, help="seconds after the big op")
     p.add_argument("--reps", type=int, default=20)
+    p = sub.add_parser("train", parents=[common], help="samples/s of a training step")
+    p.add_argument("--model", default="mlp", help="mlp (communication-heavy) or convnet")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--buckets-mb", default="1,4,8,16,25",
+                   help="DistributedOptimizer bucket sizes to sweep (MB)")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed repetition")
+    p.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
 
     cfg: dict[str, Any] = {"test": args.test}
@@ -137,12 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     elif args.test == "skew":
         cfg.update(model=args.model, max_delay=args.max_delay, reps=args.reps,
                    seed=args.seed)
+    elif args.test == "train":
+        cfg.update(model=args.model, batch_size=args.batch_size, steps=args.steps,
+                   reps=args.reps, buckets_mb=[float(b) for b in args.buckets_mb.split(",")])
     else:
         cfg.update(big_bytes=parse_size(args.big), small_bytes=parse_size(args.small),
                    delay=args.delay, reps=args.reps)
 
     backends = []
-    for b in args.backends.split(","):
+    chosen = args.backends.split(",")
+    if args.test == "train":
+        chosen = [b for b in chosen if b in TRAIN_BACKENDS]
+    elif "ddp-hook" in chosen and args.backends == ",".join(BACKENDS):
+        chosen.remove("ddp-hook")  # train only
+    for b in chosen:
         if b not in BACKENDS:
             ap.error(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
         why = unavailable(b)

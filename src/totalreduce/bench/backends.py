@@ -8,6 +8,7 @@ allocated once, except where totalreduce's API itself returns a new array.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 
@@ -114,8 +115,28 @@ class TotalReduceBackend(Backend):
         def one_flat() -> None:
             tr.allreduce_(flat, op=tr.Sum, name="flat")
 
-        return {"per-tensor": per_tensor, f"grouped {bucket_bytes >> 20}MB": grouped,
-                "flat": one_flat}
+        modes = {"per-tensor": per_tensor, f"grouped {bucket_bytes >> 20}MB": grouped,
+                 "flat": one_flat}
+        optimizer = self._optimizer_mode(grads, bucket_bytes)
+        if optimizer is not None:
+            modes[f"optimizer {bucket_bytes >> 20}MB"] = optimizer
+        return modes
+
+    def _optimizer_mode(self, grads: list[np.ndarray], bucket_bytes: int) -> Step | None:
+        """The torch DistributedOptimizer's buckets, all launched at once as if backward
+        had just ended (None without torch)."""
+        if importlib.util.find_spec("torch") is None:
+            return None
+        import torch
+
+        import totalreduce.torch as hvd
+
+        # Forward order (grads come in backward order); the optimizer reverses it again.
+        params = [torch.nn.Parameter(torch.from_numpy(g)) for g in reversed(grads)]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), op=hvd.Sum,
+                                       bucket_bytes=bucket_bytes)
+        opt.zero_grad()
+        return lambda: opt.synchronize(force=True)
 
     def submit_when_ready(self, grads: list[np.ndarray], order: list[int],
                           ready: list[float], t0: float) -> None:

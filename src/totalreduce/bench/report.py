@@ -42,9 +42,11 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
             if test == "collectives":
                 key: tuple[Any, ...] = (first["op"], first["bytes"], n, backend)
                 meta = {"op": first["op"], "bytes": first["bytes"], "count": first["count"]}
-            elif test == "replay":
+            elif test in ("replay", "train"):
                 key = (first["model"], first["mode"], n, backend)
                 meta = {"model": first["model"], "mode": first["mode"]}
+                if test == "train":
+                    meta["batch"] = first["batch"]
             elif test == "skew":
                 key = (first["model"], n, backend)
                 meta = {"model": first["model"]}
@@ -97,6 +99,12 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
         for r in rows:
             ref = best.get((r["model"], r["ranks"]))
             r["time_vs_best_mpi"] = r["median"] / ref if ref else None
+    elif test == "train":
+        ddp = {r["ranks"]: r["median"] for r in rows if r["mode"] == "DDP"}
+        for r in rows:
+            r["samples_per_s"] = r["batch"] * r["ranks"] / r["median"]
+            ref = ddp.get(r["ranks"])
+            r["speed_vs_ddp"] = ref / r["median"] if ref else None
     elif test == "skew":
         mpi_flat = {r["ranks"]: r["flat_median"] for r in rows if r["backend"] == "mpi"}
         for r in rows:
@@ -142,6 +150,13 @@ def print_table(test: str, rows: list[Row]) -> None:
                 "time / best MPI")
         body = [(r["model"], r["ranks"], r["backend"], r["mode"], _ms(r["median"]),
                  f"{_ms(r['p10'])}-{_ms(r['p90'])}", _ratio(r["time_vs_best_mpi"]))
+                for r in sorted(rows, key=lambda r: (r["model"], r["ranks"], r["median"]))]
+    elif test == "train":
+        head = ("model", "n", "mode", "step ms", "p10-p90 ms", "samples/s",
+                "speed vs DDP gloo")
+        body = [(r["model"], r["ranks"], r["mode"], _ms(r["median"]),
+                 f"{_ms(r['p10'])}-{_ms(r['p90'])}", f"{r['samples_per_s']:.0f}",
+                 _ratio(r["speed_vs_ddp"]))
                 for r in sorted(rows, key=lambda r: (r["model"], r["ranks"], r["median"]))]
     elif test == "skew":
         head = ("model", "n", "backend", "median ms", "last ready ms", "ideal ms",

@@ -77,6 +77,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             multiplies the average by it after (keeps float16 sums in range).
         sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense;
             without it a sparse gradient raises.
+        bucket_bytes: gradient bucket size (default ``TOTALREDUCE_BUCKET_BYTES``); every
+            rank must pass the same.
 
     Raises:
         ValueError: duplicate or missing parameter names, a bad
@@ -89,7 +91,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  compression: type[Compressor] = Compression.none,
                  backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 process_set: ProcessSet = global_process_set, *,
+                 bucket_bytes: int | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -122,7 +125,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._prefix = f"DistributedOptimizer{next(_instances)}"
         names, params = self._named(named_parameters)
         self._check_same_everywhere(names, params)
-        cap = _runtime.current().config.bucket_bytes
+        cap = _runtime.current().config.bucket_bytes if bucket_bytes is None else bucket_bytes
+        if cap < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {cap}")
         self._buckets = _buckets.build(names, params, cap)
         self._slot: dict[torch.Tensor, tuple[_buckets.Bucket, int]] = {}
         for b in self._buckets:
@@ -272,8 +277,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- the public surface -----------------------------------------------------------
 
-    def synchronize(self) -> None:
+    def synchronize(self, force: bool = False) -> None:
         """Finish reducing every gradient: launch what backward did not, wait for all.
+
+        A second call with no backward in between does nothing, unless ``force`` (for
+        gradients set by hand): every rank must then pass it.
 
         Raises:
             RuntimeError: called after fewer backward passes than
@@ -285,7 +293,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer: step() or synchronize() after {self._passes} of "
                 f"backward_passes_per_step={self._passes_per_step} backward passes; "
                 "call it after every backward_passes_per_step-th backward()")
-        if self._synchronized and self._passes == 0:
+        if self._synchronized and self._passes == 0 and not force:
             return  # already reduced, and no backward since
         for b in self._buckets:
             if b.pending is None:
