@@ -76,17 +76,27 @@ def collectives(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def replay(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every mode of a model, interleaved rep by rep: the host's slow periods (they come
+    and go over seconds) then slow all modes alike instead of whichever ran then."""
     out = []
     for model in cfg["models"]:
         grads, flat = _grads(model)
+        steps: dict[str, Any] = {}
         for bucket_mb in cfg["buckets_mb"]:
-            modes = b.replay_modes(grads, flat, bucket_mb << 20)
-            for mode, step in modes.items():
-                if any(r["model"] == model and r["mode"] == mode for r in out):
-                    continue  # per-tensor and flat do not depend on the bucket size
-                times = _timed(b, step, cfg["reps"], warmup=1)
-                out.append({"model": model, "mode": mode, "times": times})
-        del grads, flat
+            for mode, step in b.replay_modes(grads, flat, bucket_mb << 20).items():
+                steps.setdefault(mode, step)  # per-tensor and flat do not depend on it
+        times: dict[str, list[float]] = {mode: [] for mode in steps}
+        for step in steps.values():  # warm-up
+            b.barrier()
+            step()
+        for _ in range(cfg["reps"]):
+            for mode, step in steps.items():
+                b.barrier()
+                t = time.perf_counter()
+                step()
+                times[mode].append(time.perf_counter() - t)
+        out += [{"model": model, "mode": mode, "times": ts} for mode, ts in times.items()]
+        del grads, flat, steps
     return out
 
 
