@@ -258,8 +258,10 @@ def overlap(arg: dict) -> None:
     for _ in range(6):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers)
+    # Buckets of about one layer each (the default 16 MiB would hold the whole model).
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   bucket_bytes=2 << 20)
     x = torch.randn(256, width)
     early, waits, spans = 0, [], []
     for _ in range(4):
