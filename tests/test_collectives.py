@@ -96,9 +96,13 @@ def test_lagging_rank_stays_under_floating_cap(transport: str) -> None:
                     env={"TOTALREDUCE_FLOATING_CAP": str(cap)}, timeout=90,
                     transport=transport)
     # 200 ops x 16 KiB raced ahead: far more than the cap, so flow control had to work.
+    # Over TCP early data must be read off the socket, so some of it floats; over the
+    # rings it may all wait in the ring until its op is submitted (peak 0).
     peaks = [int(line.split()[2]) for r in range(3) for line in result.lines(r)
              if line.startswith("floating peak")]
-    assert len(peaks) == 3 and max(peaks) <= cap and max(peaks) > 0, result.explain()
+    assert len(peaks) == 3 and max(peaks) <= cap, result.explain()
+    if transport == "tcp":
+        assert max(peaks) > 0, result.explain()
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
