@@ -95,11 +95,15 @@ class Engine:
         self._mismatches: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
         # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
         self._failed_early: LRU[OpKey, PeerFailureError] = LRU(_MISMATCH_ENTRIES)
-        # While this rank has joined (join()): builds this rank's part of an op it never
-        # submitted from the op's first header (or None: it cannot serve that op).  The
-        # READYs of ops not submitted yet are kept for it, headers and all.
+        # join(): ``_epoch`` counts this rank's completed join rounds and stamps every op
+        # it submits.  From its first join on, ``_server`` builds this rank's part of an op
+        # it never submitted from the op's first header (None: it cannot take part), for
+        # ops stamped below ``_serve_below``: begun before this rank's current (or last)
+        # round ended.  Later ones are this rank's to submit.  The READYs of ops not
+        # submitted yet are kept for it, headers and all.
+        self._epoch = 0
+        self._serve_below = 0
         self._server: Callable[[Header], OpSpec | None] | None = None
-        self._keep_name: int | None = None
         self._early_headers: LRU[OpKey, Header] = LRU(_EARLY_READY_ENTRIES)
         peers = [p for p in range(self.size) if p != self.rank]
         self._heaps: dict[int, list[tuple[int, int, QueuedMsg]]] = {p: [] for p in peers}
@@ -195,16 +199,20 @@ class Engine:
         self._transport.wake()
         self._nudge()
 
-    def serve_unsubmitted(self, server: Callable[[Header], OpSpec | None] | None,
-                          keep_name: int | None) -> None:
-        """While ``server`` is set, run every op a peer starts that this rank has not
-        submitted, with the spec ``server`` builds from its header; an op it returns None
-        for fails on the peers with a MismatchError.  Ops of name hash ``keep_name`` are
-        left for this rank to submit.  Ops already waiting here are served at once (any
-        thread; takes effect before any later submit)."""
-        self._commands.append(("serve", server, keep_name))
+    def begin_join(self, server: Callable[[Header], OpSpec | None]) -> None:
+        """From now on, run every op that a peer began before this rank's join round ends
+        and that this rank has not submitted, with the spec ``server`` builds from its
+        header; an op it returns None for fails on the peers with a MismatchError.  Ops
+        already waiting here are served at once.  Takes effect before any later submit
+        (any thread)."""
+        self._commands.append(("join", server, None))
         self._transport.wake()
         self._nudge()
+
+    def end_join(self) -> None:
+        """This rank's join round is over: ops it submits from now on belong to the next
+        (any thread; takes effect before any later submit)."""
+        self._commands.append(("joined", None, None))
 
     def forget_name(self, name_key: int) -> None:
         """The scheduler no longer counts calls of this name: its next op is call 0 again,
@@ -327,8 +335,10 @@ class Engine:
                     self._start(spec, future)
                 elif cmd == "forget":
                     self._done.forget(spec)
-                elif cmd == "serve":
-                    self._start_serving(spec, future)
+                elif cmd == "join":
+                    self._start_serving(spec)
+                elif cmd == "joined":
+                    self._epoch += 1
                 elif cmd == "abort":
                     self._break(PeerFailureError(self.rank, f"rank {self.rank} failed: {spec}"),
                                 self.rank)
@@ -428,6 +438,8 @@ class Engine:
             future.resolve(TotalReduceError(
                 f"rank {self.rank}: {spec.label} was submitted twice (internal error)"))
             return
+        if spec.epoch < 0:
+            spec.epoch = self._epoch
         op = LiveOp(spec, future)
         left = self._gone | self._bye
         gone = sorted((set(op.pending_from) | spec.schedule.first_peers) & left) \
@@ -486,7 +498,7 @@ class Engine:
         spec = op.spec
         self._control[peer].append((Header(Kind.READY, spec.dtype, name_key=key[0],
                                            seq=key[1], sig=spec.sig, count=spec.count,
-                                           recipe=spec.recipe), None))
+                                           recipe=spec.recipe, epoch=spec.epoch), None))
         self._transport.want_send(peer)
 
     def _queue(self, op: LiveOp, send: Send) -> None:
@@ -573,7 +585,7 @@ class Engine:
             key = spec.key
             header = pack_header(Kind.DATA, spec.dtype, flags, send.step, key[0], key[1],
                                  spec.sig, send.piece, body.nbytes, spec.count,
-                                 self._take_owed(peer), spec.recipe)
+                                 self._take_owed(peer), spec.recipe, spec.epoch)
             return Outgoing(header, body, msg)
         if self._owed[peer] >= max(1, self._budget // 4):
             return Outgoing(Header(Kind.CREDIT, credit=self._take_owed(peer)).pack(), None,
@@ -639,7 +651,7 @@ class Engine:
         if key in self._done or self._broken is not None:
             self._routes[peer] = Route("discard", charge=charge)
             return self._discard_view(n)
-        if self._server is not None and header.name_key != self._keep_name:
+        if header.epoch < self._serve_below and self._server is not None:
             self._serve(peer, header)
             return self.body_buffer(peer, header)  # now active, or refused (done)
         buf = self._scratch.get(n)  # pooled: a fresh 1 MiB bytearray costs page faults
@@ -887,8 +899,8 @@ class Engine:
     def _peer_ready(self, peer: int, header: Header) -> None:
         key = header.op_key
         op = self._active.get(key)
-        if op is None and key not in self._done and self._server is not None \
-                and header.name_key != self._keep_name:
+        if op is None and key not in self._done and header.epoch < self._serve_below \
+                and self._server is not None:
             self._serve(peer, header)
             op = self._active.get(key)
         if op is not None:
@@ -905,19 +917,17 @@ class Engine:
 
     # --- serving ops this rank never submitted (join) ----------------------------------
 
-    def _start_serving(self, server: Callable[[Header], OpSpec | None] | None,
-                       keep_name: int | None) -> None:
+    def _start_serving(self, server: Callable[[Header], OpSpec | None]) -> None:
         self._server = server
-        self._keep_name = keep_name
-        if server is None:
-            return
+        self._serve_below = self._epoch + 1
         waiting = [(items[0].src, items[0].header) for items in self._floating.values()
                    if items]
         waiting += [(min(self._early_ready.get(k) or {0}), h)
                     for k, h in self._early_headers.items()]
         for peer, header in waiting:
             key = header.op_key
-            if key not in self._active and key not in self._done and key[0] != keep_name:
+            if key not in self._active and key not in self._done \
+                    and header.epoch < self._serve_below:
                 self._serve(peer, header)
 
     def _serve(self, peer: int, header: Header) -> None:

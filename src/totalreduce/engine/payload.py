@@ -30,6 +30,7 @@ class OpSpec:
     finalize: Callable[[np.ndarray], None] | None = None  # applied to each finished region
     priority: int = 0
     recipe: int = 0            # wire.Header.recipe: how a joined rank can serve this op
+    epoch: int = -1            # wire.Header.epoch; -1: the engine stamps its own at start
 
 
 class OpFuture:

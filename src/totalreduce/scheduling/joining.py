@@ -6,6 +6,13 @@ reduction (zeros for Sum and Average, so averages still divide by the full world
 in Horovod; +inf/max for Min, -inf/min for Max, ones for Product).  The peers describe the
 op in its first header (``Header.recipe``: algorithm and reduction; dtype, element count and
 signature), which is all it takes to rebuild this rank's part of the schedule.
+
+Which ops a joined rank serves: every op carries its submitter's count of completed join
+rounds (``Header.epoch``).  A rank in (or past) round ``e`` serves the ops stamped ``e`` or
+less that it never submitted, including ones that arrive after its own join() returned
+(a peer's last op may be slower than everyone's join); ops stamped ``e + 1`` were begun
+after their submitter's round ended, so this rank will submit them itself.  The join op is
+stamped ``e + 1`` too: no rank serves it in place of its own join() call.
 """
 
 from __future__ import annotations
@@ -52,4 +59,4 @@ def served_spec(header: Header, rank: int, size: int, segment_bytes: int) -> OpS
                   header.sig, header.dtype, count,
                   {"kind": "allreduce", "served": "after join()"},
                   build(rank, size, count, seg), work, ufunc=UFUNCS[op], finalize=finalize,
-                  recipe=header.recipe)
+                  recipe=header.recipe, epoch=header.epoch)

@@ -119,6 +119,7 @@ class SelfGuided:
         # used yet but served while joined (join.py): a served call counts as made.
         self._by_hash: dict[int, list[int]] = {}
         self._served_next: LRU[int, int] = LRU(config.name_capacity)
+        self._join_rounds = 0
         self._sigs: LRU[Any, int] = LRU(_SPEC_CACHE)
         # (kind, dtype, shape, op, ..., name) -> (view, sig): a training loop's allreduces
         # repeat, and building and freezing the view dict cost ~15 us of a 1 MB op's ~200.
@@ -492,19 +493,19 @@ class SelfGuided:
                 self.count_served(header.name_key, header.seq)
             return spec
 
-        # The join op goes straight between every pair of ranks, behind everything else
-        # (lowest priority): per-link order then guarantees that each peer's ops started
-        # before its join() announced themselves here before our join completes.
+        # The join op is stamped with the next round, so that no rank, joined or not,
+        # ever serves it in place of its own join() call.
         unit = tuple(range(n + 1))
         spec = self._spec(ident, {"kind": "join"}, got.dtype, 0,
                           pairwise_alltoallv(rank, n, unit, unit, 1), got, -(1 << 30),
-                          source=times)
-        self._engine.serve_unsubmitted(serve, ident.key[0])
+                          source=times, epoch=self._join_rounds + 1)
+        self._engine.begin_join(serve)
         try:
             Handle([self._engine.submit(spec, blocking=True)], lambda: None,
                    ident.label).wait()
         finally:
-            self._engine.serve_unsubmitted(None, None)
+            self._join_rounds += 1
+            self._engine.end_join()
         return int(np.argmax(got))
 
     # --- barrier --------------------------------------------------------------------

@@ -17,10 +17,10 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x5452  # "TR"
-# 3: bool/int16/uint16, OP_FAILED, the broadcast's acknowledgement; 4: the recipe byte
+# 3: bool/int16/uint16, OP_FAILED, the broadcast's acknowledgement; 4: recipe and epoch
 PROTOCOL_VERSION = 4
 
-# magic, kind, dtype, flags, recipe, step, name_key, seq, sig, piece, reserved, nbytes, count,
+# magic, kind, dtype, flags, recipe, step, name_key, seq, sig, piece, epoch, nbytes, count,
 # credit
 _HEADER = struct.Struct("<HBBBBHQQQIIQQQ")
 HEADER_SIZE = _HEADER.size
@@ -106,6 +106,9 @@ class Header(NamedTuple):
     # (a joined rank contributing the identity): ``RECIPE_*`` algorithm | op << 4; 0: it
     # cannot.
     recipe: int = 0
+    # On DATA and READY: how many join() rounds the op's submitter had completed when it
+    # submitted the op (a joined rank serves only ops begun before its own round ended).
+    epoch: int = 0
 
     @property
     def op_key(self) -> tuple[int, int]:
@@ -117,10 +120,10 @@ class Header(NamedTuple):
 
 def pack_header(kind: int, dtype: int, flags: int, step: int, name_key: int, seq: int,
                 sig: int, piece: int, nbytes: int, count: int, credit: int,
-                recipe: int = 0) -> bytes:
+                recipe: int = 0, epoch: int = 0) -> bytes:
     """``Header(...).pack()`` without building the tuple first (every DATA message)."""
     return _HEADER.pack(MAGIC, kind, dtype, flags, recipe, step, name_key, seq, sig, piece,
-                        0, nbytes, count, credit)
+                        epoch & 0xFFFFFFFF, nbytes, count, credit)
 
 
 _FLAGS_AT = 4
@@ -148,14 +151,14 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
     Raises:
         WireError: bad magic or unknown message kind.
     """
-    (magic, kind, dtype, flags, recipe, step, name_key, seq, sig, piece, _reserved, nbytes,
+    (magic, kind, dtype, flags, recipe, step, name_key, seq, sig, piece, epoch, nbytes,
      count, credit) = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic 0x{magic:04x} in message header")
     if kind not in _KINDS:
         raise WireError(f"unknown message kind {kind}")
     return Header(kind, dtype, flags, step, name_key, seq, sig, piece, nbytes, count, credit,
-                  recipe)
+                  recipe, epoch)
 
 
 _KINDS = frozenset(int(k) for k in Kind)
