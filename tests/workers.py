@@ -687,3 +687,50 @@ def interruptible_loop(arg: dict) -> None:
                 print("READY", flush=True)
     except KeyboardInterrupt:
         print(f"INTERRUPTED after {i} steps", flush=True)
+
+
+def fuzz_acceptor(arg: dict) -> None:
+    """Rank 0 throws seeded random bytes at rank 1's listener while both allreduce."""
+    import threading
+
+    from totalreduce.rendezvous.kvstore import KVClient
+
+    env = os.environ
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    tried = [0]
+    if rank == 0:
+        kv = KVClient(env["TOTALREDUCE_RENDEZVOUS"], env["TOTALREDUCE_SECRET"].encode(),
+                      env["TOTALREDUCE_JOB_ID"], 10)
+        host, _, port = kv.get(f"{env['TOTALREDUCE_JOB_ID']}/addr/1", 10).decode() \
+            .rpartition(":")
+        kv.close()
+        rng = random.Random(arg["seed"])
+
+        def throw() -> None:
+            for _ in range(arg["inputs"]):
+                noise = rng.randbytes(rng.randrange(0, 300))
+                if rng.random() < 0.5:
+                    noise = b"TRAUTH1\n" + noise
+                with socket.create_connection((host, int(port)), timeout=5) as s:
+                    try:
+                        s.sendall(noise)
+                        s.shutdown(socket.SHUT_WR)
+                        s.settimeout(5)
+                        while s.recv(4096):
+                            pass
+                    except OSError:
+                        pass
+                tried[0] += 1
+
+        thrower = threading.Thread(target=throw)
+        thrower.start()
+    for i in range(200):
+        x = data(i, rank, (1001,), np.float32)
+        want = reference_reduce([data(i, r, (1001,), np.float32) for r in range(n)], "Sum")
+        assert_same(tr.allreduce(x, op=tr.Sum, name=f"fz{i}"), want, f"fz{i}")
+    if rank == 0:
+        thrower.join(60)
+        print(f"fuzzed the listener with {tried[0]} inputs")
+    tr.barrier()
+    print("job finished correctly")
