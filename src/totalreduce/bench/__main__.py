@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         settings if backend.startswith("totalreduce") else None)
         raw.append({"round": rnd, "backend": backend, "ranks": n, "per_rank": ranks})
     summary = summarize(args.test, raw)
+    _print_machine(_machine())
     print_table(args.test, summary)
     if args.json:
         with open(args.json, "w") as f:
@@ -201,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _machine() -> dict[str, Any]:
+    """The environment a result belongs to: host, library versions and the commit."""
     import platform
+    from importlib import metadata
 
     info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                            "platform": platform.platform()}
+                            "kernel": platform.release(), "platform": platform.platform()}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -213,7 +216,25 @@ def _machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    for dist in ("totalreduce", "numpy", "mpi4py", "mpich", "torch"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        info["commit"] = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True, timeout=5
+                                        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
     return info
+
+
+def _print_machine(info: dict[str, Any]) -> None:
+    keys = ("cpu", "cpus", "kernel", "python", "numpy", "mpi4py", "mpich", "torch",
+            "totalreduce", "commit")
+    print("environment: " + ", ".join(f"{k} {info.get(k)}" for k in keys))
 
 
 if __name__ == "__main__":
