@@ -1,5 +1,8 @@
 """Run a worker function on N real ranks, with a timeout, over a chosen transport.
 
+Every job's timeout is below pytest-timeout's (300 s, pyproject.toml), so a hung job is
+ended here, with every rank's stacks, rather than by pytest without them.
+
 ``launch(n, "workers:check_collectives", arg=...)`` starts ``totalrun -np n`` running
 ``tests/run_worker.py``, which imports ``tests/workers.py`` and calls the function on every
 rank.  A hung job is killed after ``timeout`` seconds, but first every rank dumps its
@@ -95,6 +98,13 @@ def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
             out, err = proc.communicate()
         raise AssertionError(f"job timed out after {timeout}s\n" + Result(
             proc.returncode, out, err, time.monotonic() - start).explain()) from None
+    finally:
+        # Whatever happened (Ctrl-C in the test run included), nothing of the launcher's
+        # group outlives the call; workers in groups of their own are the leak check's.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait()
     return Result(proc.returncode, out, err, time.monotonic() - start)
 
 
