@@ -64,7 +64,7 @@ the reader caught up, at 1-8 MB in a slow period of the host (8 MB: 0.76-0.87x M
 against 0.58-0.66x). It also beat a plain 8 MiB ring in a moderate period (8 MB: 1.40x
 against 1.30x), but not in a slow one (0.76-0.87x against 1.18-1.26x).  One record in
 flight was faster still in a fast period (8 MB 1.76-1.86x against 1.61-1.63x), so no
-size wins everywhere; see docs/BENCHMARKS.md, "Ring footprint".
+size wins everywhere; see docs/dev/perf-log.md, "Ring footprint".
 
 Why names are forgotten: ops match across ranks by (name, call count), so every rank keeps
 a count per name.  A job that names ops afresh every step (``f"grad.{step}"``) would grow

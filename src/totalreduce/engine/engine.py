@@ -121,7 +121,6 @@ class Engine:
         self._broken: TotalReduceError | None = None
         self._closing = False
         self._closed = threading.Event()
-        self._thread_error: BaseException | None = None
         self._shutdown_deadline: float | None = None
         self._writes_closed = False  # GOODBYE (or ABORT) out, our write sides half-closed
         self._await_eof = True  # whether the transport reports each peer's end
@@ -362,7 +361,6 @@ class Engine:
                 self._housekeeping(now)
         except BaseException as exc:  # a bug: fail everything loudly rather than hang
             logger.exception("rank %d: progress loop crashed", self.rank)
-            self._thread_error = exc
             self._break(TotalReduceError(f"rank {self.rank}: internal error in the progress "
                                          f"loop: {exc!r}"))
             self._finish()

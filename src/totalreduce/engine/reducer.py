@@ -59,9 +59,12 @@ class ScratchPool:
         cls = size_class(nbytes)
         free = self._free.get(cls)
         if free:
-            self._free.move_to_end(cls)
             self.idle_bytes -= cls
             buf = free.pop()
+            if free:
+                self._free.move_to_end(cls)
+            else:
+                del self._free[cls]  # the eviction loop expects no empty classes
         else:
             buf = bytearray(cls)
         return memoryview(buf)[:nbytes]

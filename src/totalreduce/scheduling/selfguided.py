@@ -240,7 +240,7 @@ class SelfGuided:
             # piece that arrives before our own send of it has left must be copied aside;
             # the ring reduces half and never waits on itself.  Up to 2 MiB at 2 ranks the
             # ring's second hop costs more than that: doubling was 15-20% faster at 2 MB,
-            # even at 3-4 MB and slower from 6 MB (docs/BENCHMARKS.md).
+            # even at 3-4 MB and slower from 6 MB (docs/dev/perf-log.md).
             small = 2 << 20 if self.size == 2 else 1 << 20
         if work.nbytes <= small:
             base = view

@@ -118,10 +118,6 @@ class Transport(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Flushed, orderly close of every link (call after GOODBYE was sent and drained)."""
-
-    @abc.abstractmethod
     def abort(self) -> None:
         """Immediate close, safe in ``finally`` blocks and from ``__del__``."""
 

@@ -45,9 +45,6 @@ class LoopbackTransport(Transport):
     def pending_output(self) -> bool:
         return False
 
-    def close(self) -> None:
-        self.abort()
-
     def abort(self) -> None:
         for s in (self._r, self._w):
             try:

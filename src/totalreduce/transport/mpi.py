@@ -121,9 +121,6 @@ class MpiTransport(Transport):
                 self._event.clear()
                 return
 
-    def close(self) -> None:
-        self.abort()
-
     def abort(self) -> None:
         if self._closed:
             return

@@ -311,10 +311,6 @@ class TcpTransport(Transport):
                     link.sock.shutdown(socket.SHUT_WR)
         return True
 
-    def close(self) -> None:
-        self.close_writes()
-        self.abort()
-
     def abort(self) -> None:
         if self._acceptor is not None:
             self._acceptor.stop()

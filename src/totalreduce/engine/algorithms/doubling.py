@@ -3,7 +3,7 @@
 Every rank exchanges its whole (partial) buffer with partner ``rank ^ 2^k`` at step ``k``
 and reduces what it gets: ``log2 n`` message latencies instead of the ring's ``2 (n - 1)``,
 at the price of sending the whole buffer ``log2 n`` times — right for small buffers, wrong
-for big ones (the cut-over is ``TOTALREDUCE_SMALL_BYTES``, measured in docs/BENCHMARKS.md).
+for big ones (the cut-over is ``TOTALREDUCE_SMALL_BYTES``, measured in docs/dev/perf-log.md).
 
 With ``n`` not a power of two, the first ``2 * extra`` ranks pair up: each odd one folds
 its buffer into its even neighbour (step 0), sits out the exchange, and gets the finished
