@@ -149,14 +149,17 @@ ranks) + MPI's flat allreduce time in the same run.
 
 ## Known weak spots
 
-- Small messages: an allreduce of a few bytes costs tens of microseconds of Python per op
-  (MPI: a few microseconds). Batch small tensors (`grouped_allreduce`, the optimizer's
-  buckets).
+- Small messages: an allreduce of a few bytes costs about 45 us at 2 ranks (MPI: 3-5 us),
+  nearly all of it Python per op. Batch small tensors (`grouped_allreduce`, the
+  optimizer's buckets).
+- The other collectives trail MPI at 2 ranks: allgather 0.47-0.70x, alltoall 0.20-0.69x,
+  broadcast 0.29-0.84x from 1 MB up; reducescatter is behind up to 16 MB (0.61-0.70x) and
+  ahead from 64 MB (1.55-1.72x). Allreduce, the op training uses, is ahead from 256 KB.
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- Oversubscribed ranks (4 on 2 cores) lose most of the shared-memory advantage between
-  1 and 16 MB.
-- The MPI transport adds a hop of Python per message; it is behind MPI's own allreduce
-  at 1-8 MB and ahead for large messages.
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.8 ms, and 1-16 MB
+  allreduces run at 0.70-0.74x MPI; 64 MB is ahead (2.01x).
+- The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
+  from 1 MB up here, but 0.32-0.97x at 4 oversubscribed ranks between 1 and 16 MB.
 """]
     PAGE.write_text("".join(parts))
 
