@@ -160,8 +160,7 @@ ranks) + MPI's flat allreduce time in the same run.
   allreduces run at 0.70-0.74x MPI; 64 MB is ahead (2.01x).
 - Preemption over the rings: a 1 KB op issued 2 ms into a 64 MB one waited about as long
   with priorities as without (6.4 against 6.1 ms here); over TCP they help (10.9 against
-  25.4 ms). The rings move a whole 2 MiB piece per record, and the small op waits behind
-  the pieces already posted.
+  25.4 ms). Why has not been looked into yet.
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up here, but 0.32-0.97x at 4 oversubscribed ranks between 1 and 16 MB.
 """]
