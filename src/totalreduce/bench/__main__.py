@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(n) for n in args.ranks.split(",")]
     jobs = [(r, n, b) for r in range(args.rounds) for n in sizes for b in backends]
 
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     raw: list[dict[str, Any]] = []
     for rnd, n, backend in tqdm(jobs, desc=args.test, unit="job", file=sys.stderr):

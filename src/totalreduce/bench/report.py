@@ -88,8 +88,8 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
             nbytes = r["count"] * 4
             r["algbw"] = nbytes / r["median"] / 1e9
             r["busbw"] = r["algbw"] * _bus_factor(r["op"], r["ranks"])
-            ref = mpi.get((r["op"], r["bytes"], r["ranks"]))
-            r["speed_vs_mpi"] = ref["median"] / r["median"] if ref else None
+            base = mpi.get((r["op"], r["bytes"], r["ranks"]))
+            r["speed_vs_mpi"] = base["median"] / r["median"] if base else None
     elif test == "replay":
         best: dict[tuple[str, int], float] = {}
         for r in rows:
@@ -134,9 +134,9 @@ def _numeric(cell: str) -> bool:
 
 def print_table(test: str, rows: list[Row]) -> None:
     if test == "collectives":
-        head = ("op", "n", "size", "backend", "median ms", "p10-p90 ms", "algbw GB/s",
-                "busbw GB/s", "speed vs mpi")
-        body = []
+        head: tuple[str, ...] = ("op", "n", "size", "backend", "median ms", "p10-p90 ms",
+                                 "algbw GB/s", "busbw GB/s", "speed vs mpi")
+        body: list[tuple[Any, ...]] = []
         for r in sorted(rows, key=lambda r: (r["op"], r["ranks"], r["bytes"], r["backend"])):
             if "median" not in r:
                 body.append((r["op"], r["ranks"], _fmt_bytes(r["bytes"]), r["backend"],

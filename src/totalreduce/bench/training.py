@@ -14,6 +14,7 @@ slowest rank's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 _IN = 1024  # the MLP's input width
@@ -75,6 +76,8 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
     torch.set_num_threads(1)  # the ranks share the host's cores
     batch = cfg["batch_size"]
     out: list[dict[str, Any]] = []
+    barrier: Callable[[], Any]
+    setups: list[tuple[str, Callable[[], tuple[Any, Any]]]]
     if backend.startswith("totalreduce"):
         import totalreduce.torch as hvd
 
@@ -112,8 +115,8 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
             return model, torch.optim.SGD(model.parameters(), lr=1e-4)
         setups = [("DDP + totalreduce hook" if backend == "ddp-hook" else "DDP", make_ddp)]
     x, y = _batch(cfg["model"], batch)
-    for mode, make in setups:
-        model, opt = make()
+    for mode, build in setups:
+        model, opt = build()
 
         def step(model: Any = model, opt: Any = opt) -> None:
             opt.zero_grad()

@@ -439,9 +439,9 @@ class Engine:
         if spec.epoch < 0:
             spec.epoch = self._epoch
         op = LiveOp(spec, future)
-        left = self._gone | self._bye
-        gone = sorted((set(op.pending_from) | spec.schedule.first_peers) & left) \
-            if left else None
+        departed = self._gone | self._bye
+        gone = sorted((set(op.pending_from) | spec.schedule.first_peers) & departed) \
+            if departed else None
         if gone:
             self._done.add(key)
             reason = f"{spec.label} needs rank {gone[0]}, which has shut down"
@@ -551,9 +551,9 @@ class Engine:
     def next_outgoing(self, peer: int) -> Outgoing | None:
         control = self._control[peer]
         if control:
-            header, body = control.popleft()
-            header = header._replace(credit=self._take_owed(peer))
-            return Outgoing(header.pack(), memoryview(body) if body else None, None)
+            note, text = control.popleft()
+            note = note._replace(credit=self._take_owed(peer))
+            return Outgoing(note.pack(), memoryview(text) if text else None, None)
         heap = self._heaps[peer]
         while heap:
             _prio, _tie, msg = heapq.heappop(heap)
@@ -629,9 +629,9 @@ class Engine:
                 # Control bodies are small JSON/text; anything bigger is not ours to keep.
                 self._routes[peer] = Route("discard")
                 return self._discard_view(n)
-            buf = bytearray(n)
-            self._routes[peer] = Route("control", buf=buf)
-            return memoryview(buf)
+            control = bytearray(n)
+            self._routes[peer] = Route("control", buf=control)
+            return memoryview(control)
         charge = max(n, HEADER_SIZE) if header.flags & FLAG_CREDITED else 0
         key = header.op_key
         op = self._active.get(key)

@@ -55,7 +55,7 @@ def bytes_view(arr: np.ndarray | None) -> memoryview:
     # An empty writable view for empty arrays, so zero-byte pieces need no special case.
     if arr is None or arr.size == 0:
         return memoryview(bytearray(0))
-    return memoryview(arr).cast("B")
+    return arr.data.cast("B")
 
 
 class QueuedMsg:

@@ -87,7 +87,7 @@ def _what(kind: str, name: str | None) -> str:
     return kind + (f" '{name}'" if name else "")
 
 
-def _bounds(counts: Sequence[int], scale: int) -> tuple[int, ...]:
+def _bounds(counts: Sequence[int] | np.ndarray, scale: int) -> tuple[int, ...]:
     out = [0]
     for c in counts:
         out.append(out[-1] + int(c) * scale)

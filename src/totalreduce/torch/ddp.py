@@ -43,12 +43,12 @@ def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
         # Runs on whichever thread finished the op: set the future, never raise here.
         error = h.error()
         if error is not None:
-            future.set_exception(error)
+            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
             return
         try:
             staged.write_back()
         except BaseException as exc:  # a CUDA copy failing must reach DDP, not the loop
-            future.set_exception(exc)
+            future.set_exception(exc)  # type: ignore[arg-type]
             return
         future.set_result(buffer)
 

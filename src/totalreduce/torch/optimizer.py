@@ -224,6 +224,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not bucket.owns(i, grad):
             # The gradient was set to None (model.zero_grad()) or replaced: move it into
             # the bucket once; from then on backward accumulates there directly.
+            assert grad is not None  # the hook runs after accumulation: there is one
             view = bucket.views[i]
             view.copy_(grad)
             p.grad = view

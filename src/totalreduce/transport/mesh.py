@@ -83,7 +83,7 @@ class _Acceptor:
             with self._cond:
                 if problem is None and (prank in self._accepted or self._stopped):
                     problem = f"rank {prank} is already connected"
-                if problem is None:
+                if problem is None and isinstance(prank, int):
                     sock.settimeout(None)
                     self._accepted[prank] = sock
                     self._cond.notify_all()
@@ -228,21 +228,23 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
         for peer in local:
             acks[peer] = _recv_json(socks[peer])
     except BaseException:
-        for ring in [*writers.values(), *readers.values()]:
-            ring.close()
+        for writer in writers.values():
+            writer.close()
+        for reader in readers.values():
+            reader.close()
         raise
     finally:
         for writer in writers.values():
             writer.unlink()
     rings: dict[int, tuple[RingWriter | None, RingReader | None]] = {}
     for peer in local:
-        writer = writers.get(peer)
-        if writer is not None and acks[peer].get("ok") is not True:
-            writer.close()
-            writer = None
-        if writer is not None:
-            writer.lend = acks[peer].get("read") is True
-        rings[peer] = (writer, readers.get(peer))
+        mine = writers.get(peer)
+        if mine is not None and acks[peer].get("ok") is not True:
+            mine.close()
+            mine = None
+        if mine is not None:
+            mine.lend = acks[peer].get("read") is True
+        rings[peer] = (mine, readers.get(peer))
     return rings
 
 

@@ -92,7 +92,7 @@ class _Link:
         self.staging = bytearray(_STAGING)
         self.rstart = 0
         self.rend = 0
-        self.header = None
+        self.header: Header | None = None
         self.body: memoryview | None = None
         self.body_off = 0
         self.goodbye = False
@@ -689,6 +689,7 @@ class TcpTransport(Transport):
     def _deliver(self, link: _Link) -> None:
         assert self._handler is not None and link.body is not None
         header, body = link.header, link.body
+        assert header is not None
         link.header = None
         link.body = None
         link.body_off = 0

@@ -100,7 +100,7 @@ class Header(NamedTuple):
     sig: int = 0
     piece: int = 0
     nbytes: int = 0
-    count: int = 0
+    count: int = 0  # type: ignore[assignment]  # the wire's name; shadows tuple.count
     credit: int = 0
     # On DATA and READY: how a rank that never submitted the op could run its part of it
     # (a joined rank contributing the identity): ``RECIPE_*`` algorithm | op << 4; 0: it

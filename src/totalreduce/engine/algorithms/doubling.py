@@ -36,9 +36,9 @@ def doubling_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sche
 
     if rank < 2 * extra and rank % 2 == 1:  # folds into rank - 1 and waits
         first = tuple(Send(rank - 1, 0, j, lo, hi) for j, (lo, hi) in enumerate(cut))
-        recvs = {(rank - 1, last, j): Recv(lo, hi, COPY, False, ())
-                 for j, (lo, hi) in enumerate(cut)}
-        return Schedule(first, recvs, ())
+        back = {(rank - 1, last, j): Recv(lo, hi, COPY, False, ())
+                for j, (lo, hi) in enumerate(cut)}
+        return Schedule(first, back, ())
 
     virtual = rank // 2 if rank < 2 * extra else rank - extra
 
