@@ -11,6 +11,7 @@ The data ships inside scikit-learn (1,797 8x8 images); nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -80,6 +81,9 @@ def main() -> None:
                                          compression=compression)
 
     history = []
+    # A bar redraws its line with carriage returns: fine on a terminal, and totalrun
+    # keeps them out of logs; other launchers would write every redraw to the log.
+    show_bar = sys.stderr.isatty() or "TOTALREDUCE_RANK" in os.environ
     if rank == 0:
         print(f"digits: {size} rank(s), {len(digits.data)} images, per-rank batch "
               f"{args.batch_size}, {args.epochs} epochs, compression {args.compression}")
@@ -90,7 +94,7 @@ def main() -> None:
     for epoch in range(1, args.epochs + 1):
         net.train()
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
-        bar = progress(steps, rank == 0, f"epoch {epoch}")
+        bar = progress(steps, rank == 0 and show_bar, f"epoch {epoch}")
         start, loss_sum = time.perf_counter(), 0.0
         for i in range(steps):
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
