@@ -34,6 +34,10 @@ _SPIN = 50e-6             # keep testing this long before the first sleep
 _MAX_NAP = 1e-3           # longest sleep between tests while idle
 
 
+# Sends still in flight when a transport aborted, with their buffers (see abort()).
+_ABANDONED: list[tuple[Any, Any]] = []
+
+
 def import_mpi() -> Any:
     """Import mpi4py's MPI module with thread support for the progress thread.
 
@@ -125,8 +129,13 @@ class MpiTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        for req, (what, _) in zip(self._reqs, self._what, strict=True):
-            if what != "send":
+        for req, (what, data) in zip(self._reqs, self._what, strict=True):
+            if what == "send":
+                # MPI may still read a send's buffer (a large one moves only when the
+                # peer matches it): freeing it here let peers read garbage headers
+                # after a rank failed.  Kept until the process ends; aborting is once.
+                _ABANDONED.append((req, data))
+            else:
                 with contextlib.suppress(Exception):
                     req.Cancel()
                     req.Wait()
