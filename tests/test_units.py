@@ -166,3 +166,15 @@ def test_calls_before_init_and_after_shutdown() -> None:
     assert not tr.is_initialized()
     with pytest.raises(tr.ShutdownError, match="init"):
         tr.allreduce(np.ones(2))
+
+
+def test_handshake_names_mixed_installs() -> None:
+    from totalreduce.transport.mesh import _check_hello
+
+    mine = {"protocol": 4, "version": "0.1.0", "job": "j", "rank": 0, "size": 2}
+    other = dict(mine, version="0.2.0", rank=1)
+    problem = _check_hello(other, mine)
+    assert problem is not None and "runs totalreduce '0.2.0'" in problem \
+        and "install the same version on every host" in problem
+    assert _check_hello(dict(mine, rank=1), mine) is None
+    assert "size differs" in (_check_hello(dict(mine, size=3), mine) or "")

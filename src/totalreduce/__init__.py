@@ -27,8 +27,7 @@ from .exceptions import (
 )
 from .objects import allgather_object, broadcast_object
 from .scheduling import Handle, ReduceOp
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM

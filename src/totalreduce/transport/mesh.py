@@ -25,6 +25,7 @@ from typing import Any
 from ..exceptions import AuthenticationError
 from ..rendezvous.auth import client_handshake, recv_exact, server_handshake
 from ..threads import start_daemon
+from ..version import __version__
 from . import cma
 from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .tcp import TcpTransport
@@ -115,7 +116,13 @@ class _Acceptor:
 
 
 def _check_hello(peer: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    for key in ("protocol", "job", "size"):
+    if peer.get("version") != mine.get("version") or \
+            peer.get("protocol") != mine.get("protocol"):
+        return (f"rank {peer.get('rank')!r} runs totalreduce {peer.get('version')!r} "
+                f"(wire protocol {peer.get('protocol')!r}), this rank "
+                f"{mine.get('version')!r} (protocol {mine.get('protocol')!r}): install "
+                "the same version on every host")
+    for key in ("job", "size"):
         if peer.get(key) != mine.get(key):
             return f"{key} differs: peer has {peer.get(key)!r}, we have {mine.get(key)!r}"
     return None
@@ -274,7 +281,8 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
         AuthenticationError: a peer did not prove the job secret.
     """
     deadline = time.monotonic() + timeout
-    hello = {"protocol": PROTOCOL_VERSION, "job": job_id, "rank": rank, "size": size}
+    hello = {"protocol": PROTOCOL_VERSION, "version": __version__, "job": job_id,
+             "rank": rank, "size": size}
     listener = socket.create_server((bind_host, 0), backlog=max(16, size))
     acceptor = _Acceptor(listener, rank, size, secret, hello, min(timeout, 10.0))
     try:
