@@ -108,6 +108,19 @@ def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
     return Result(proc.returncode, out, err, time.monotonic() - start)
 
 
+def send_and_drain(sock: socket.socket, data: bytes, timeout: float) -> None:
+    """Send ``data``, end our side, and read until the peer closes (or gives up on us,
+    which is a clean rejection too)."""
+    try:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(timeout)
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

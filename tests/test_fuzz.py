@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import run_ok
+from harness import run_ok, send_and_drain
 from totalreduce.exceptions import AuthenticationError
 from totalreduce.rendezvous import KVClient, KVServer
 from totalreduce.rendezvous.auth import client_handshake, server_handshake
@@ -57,16 +57,8 @@ def _serve_once(peer_bytes: bytes, role: str) -> BaseException | None:
     its write side; return what our side raised (None: it accepted)."""
     ours, theirs = socket.socketpair()
 
-    def stranger() -> None:
-        try:
-            theirs.sendall(peer_bytes)
-            theirs.shutdown(socket.SHUT_WR)
-            while theirs.recv(4096):
-                pass
-        except OSError:
-            pass
-
-    t = threading.Thread(target=stranger, daemon=True)
+    t = threading.Thread(target=send_and_drain, args=(theirs, peer_bytes, 10.0),
+                         daemon=True)
     t.start()
     try:
         if role == "server":
@@ -103,14 +95,7 @@ def test_address_store_survives_strangers(store: KVServer, noise: bytes,
                                           preamble: bool) -> None:
     host, _, port = store.address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=2) as s:
-        try:
-            s.sendall((PREAMBLE if preamble else b"") + noise)
-            s.shutdown(socket.SHUT_WR)
-            s.settimeout(2)
-            while s.recv(4096):
-                pass
-        except OSError:
-            pass  # the store hung up on us: that is a clean rejection too
+        send_and_drain(s, (PREAMBLE if preamble else b"") + noise, 2.0)
 
 
 @FUZZ
@@ -123,14 +108,7 @@ def test_address_store_survives_garbage_from_an_authenticated_client(
     with socket.create_connection((host, int(port)), timeout=2) as s:
         client_handshake(s, SECRET, {"protocol": 1, "job": "fuzzjob", "role": "kv-client"},
                          timeout=2)
-        try:
-            s.sendall(noise)
-            s.shutdown(socket.SHUT_WR)
-            s.settimeout(2)
-            while s.recv(4096):
-                pass
-        except OSError:
-            pass
+        send_and_drain(s, noise, 2.0)
 
 
 def test_address_store_still_serves_after_the_fuzzing(store: KVServer) -> None:

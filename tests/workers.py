@@ -693,6 +693,7 @@ def fuzz_acceptor(arg: dict) -> None:
     """Rank 0 throws seeded random bytes at rank 1's listener while both allreduce."""
     import threading
 
+    from harness import send_and_drain
     from totalreduce.rendezvous.kvstore import KVClient
 
     env = os.environ
@@ -713,14 +714,7 @@ def fuzz_acceptor(arg: dict) -> None:
                 if rng.random() < 0.5:
                     noise = b"TRAUTH1\n" + noise
                 with socket.create_connection((host, int(port)), timeout=5) as s:
-                    try:
-                        s.sendall(noise)
-                        s.shutdown(socket.SHUT_WR)
-                        s.settimeout(5)
-                        while s.recv(4096):
-                            pass
-                    except OSError:
-                        pass
+                    send_and_drain(s, noise, 5.0)
                 tried[0] += 1
 
         thrower = threading.Thread(target=throw)

@@ -705,16 +705,19 @@ class Engine:
         record.add(self.rank, {k: v for k, v in op.spec.describe.items() if k != "name"})
         if not record.announced:
             record.announced = True
-            body = encode_view(op.spec.describe)
-            key = op.spec.key
-            for peer in self._heaps:
-                if peer not in self._gone:
-                    self._control[peer].append(
-                        (Header(Kind.MISMATCH, name_key=key[0], seq=key[1],
-                                nbytes=len(body)), body))
-                    self._transport.want_send(peer)
+            self._send_view(op.spec.key, op.spec.describe)
         if fail_now or record.complete():
             self._fail(op, record.error(self.rank, op.spec.describe.get("name", "")))
+
+    def _send_view(self, key: OpKey, view: dict[str, Any]) -> None:
+        """Tell every live peer this rank's view of op ``key`` (a MISMATCH)."""
+        body = encode_view(view)
+        for peer in self._heaps:
+            if peer not in self._gone:
+                self._control[peer].append(
+                    (Header(Kind.MISMATCH, name_key=key[0], seq=key[1], nbytes=len(body)),
+                     body))
+                self._transport.want_send(peer)
 
     def _header_news(self, peer: int, header: Header) -> None:
         """What any header may carry besides its body: credit, and the sender's READY."""
@@ -944,14 +947,8 @@ class Engine:
             self.floating_bytes -= item.charge
             self._settle_credit(item.src, item.header, item.charge)
             self._scratch.put(item.buf)
-        body = encode_view({"kind": "none: this rank has called join(), and only "
-                            "allreduce (and barrier) run while a rank has joined"})
-        for other in self._heaps:
-            if other not in self._gone:
-                self._control[other].append(
-                    (Header(Kind.MISMATCH, name_key=key[0], seq=key[1], nbytes=len(body)),
-                     body))
-                self._transport.want_send(other)
+        self._send_view(key, {"kind": "none: this rank has called join(), and only "
+                              "allreduce (and barrier) run while a rank has joined"})
 
     def _peer_left(self, peer: int) -> None:
         """``peer`` shut down: it sends nothing more and takes nothing more, so every op

@@ -8,6 +8,8 @@ carried as float32, CUDA staged through host memory) is described in ``tensors.p
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +22,7 @@ import totalreduce as _tr
 from .compression import Compression, Compressor
 from .tensors import Staged, stage
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 Average = _tr.Average
 Sum = _tr.Sum
 Min = _tr.Min
@@ -92,13 +95,22 @@ def poll(handle: TorchHandle) -> bool:
     return handle.done()
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` that names the first frame outside this package: the public
+    functions reach the warning through different numbers of helpers."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
 def resolve_op(op: Any, average: bool | None, what: str) -> _tr.ReduceOp:
     """``op``, or Horovod's deprecated ``average`` flag, or the default Average."""
     if average is not None:
         if op is not None:
             raise ValueError(f"{what}: pass op= or the deprecated average=, not both")
         warnings.warn("average= is deprecated (as in Horovod): pass op=Average or op=Sum",
-                      DeprecationWarning, stacklevel=3)
+                      DeprecationWarning, stacklevel=_caller_level())
         return Average if average else Sum
     return Average if op is None else op
 
@@ -109,14 +121,18 @@ def _check_scale(staged: Staged, factor: float, label: str, what: str) -> None:
                         f"{staged.tensor.dtype}")
 
 
-def _scaled_input(staged: Staged, prescale: float, inplace: bool, what: str) -> np.ndarray:
+def _scaled_stage(tensor: torch.Tensor, prescale: float, postscale: float, inplace: bool,
+                  what: str) -> tuple[Staged, np.ndarray]:
+    """The staged tensor and the array to reduce: prescaled (a copy unless in place)."""
+    staged = stage(tensor, what)
+    _check_scale(staged, postscale, "postscale_factor", what)
     _check_scale(staged, prescale, "prescale_factor", what)
     if prescale == 1.0:
-        return staged.array
+        return staged, staged.array
     if inplace:
         staged.array *= prescale
-        return staged.array
-    return (staged.array * prescale).astype(staged.array.dtype, copy=False)
+        return staged, staged.array
+    return staged, (staged.array * prescale).astype(staged.array.dtype, copy=False)
 
 
 # --- allreduce ------------------------------------------------------------------------
@@ -142,20 +158,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         TypeError: unsupported tensor, or a scale factor on an integer tensor.
         ValueError: both ``op`` and ``average`` given.
     """
-    what = "allreduce" + (f" '{name}'" if name else "")
-    _check_process_set(process_set, what)
-    rop = resolve_op(op, average, what)
-    staged = stage(tensor, what)
-    _check_scale(staged, postscale_factor, "postscale_factor", what)
-    source = _scaled_input(staged, prescale_factor, False, what)
-    handle = _ops().allreduce(source, rop, name, priority, inplace=False)
-
-    def finish(result: np.ndarray) -> torch.Tensor:
-        if postscale_factor != 1.0:
-            result *= postscale_factor
-        return staged.result(result)
-
-    return TorchHandle(handle, finish)
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                      process_set, priority, inplace=False)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
@@ -164,19 +168,28 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
                      process_set: ProcessSet = global_process_set,
                      priority: int = 0) -> TorchHandle:
     """In-place :func:`allreduce_async`: ``tensor`` holds the result once it is done."""
-    what = "allreduce_" + (f" '{name}'" if name else "")
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                      process_set, priority, inplace=True)
+
+
+def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
+               prescale: float, postscale: float, process_set: ProcessSet, priority: int,
+               inplace: bool) -> TorchHandle:
+    what = ("allreduce_" if inplace else "allreduce") + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     rop = resolve_op(op, average, what)
-    staged = stage(tensor, what)
-    _check_scale(staged, postscale_factor, "postscale_factor", what)
-    source = _scaled_input(staged, prescale_factor, True, what)
-    handle = _ops().allreduce(source, rop, name, priority, inplace=True)
+    staged, source = _scaled_stage(tensor, prescale, postscale, inplace, what)
+    handle = _ops().allreduce(source, rop, name, priority, inplace=inplace)
 
-    def finish(_result: np.ndarray) -> torch.Tensor:
-        if postscale_factor != 1.0:
-            staged.array[...] *= postscale_factor
-        staged.write_back()
-        return tensor
+    def finish(result: np.ndarray) -> torch.Tensor:
+        if inplace:
+            if postscale != 1.0:
+                staged.array[...] *= postscale
+            staged.write_back()
+            return tensor
+        if postscale != 1.0:
+            result *= postscale
+        return staged.result(result)
 
     return TorchHandle(handle, finish)
 
@@ -254,10 +267,9 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
         (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     rop = resolve_op(op, average, what)
-    staged = [stage(t, what) for t in tensors]
-    for s in staged:
-        _check_scale(s, postscale, "postscale_factor", what)
-    sources = [_scaled_input(s, prescale, inplace, what) for s in staged]
+    pairs = [_scaled_stage(t, prescale, postscale, inplace, what) for t in tensors]
+    staged = [p[0] for p in pairs]
+    sources = [p[1] for p in pairs]
     handle = _ops().grouped_allreduce(sources, rop, name, 0, inplace=inplace)
 
     def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
@@ -367,9 +379,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     (lower ranks take the extra rows)."""
     what = "reducescatter" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
-    staged = stage(tensor, what)
-    _check_scale(staged, postscale_factor, "postscale_factor", what)
-    source = _scaled_input(staged, prescale_factor, False, what)
+    staged, source = _scaled_stage(tensor, prescale_factor, postscale_factor, False, what)
     handle = _ops().reducescatter(source, resolve_op(op, None, what), name, 0)
 
     def finish(result: np.ndarray) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,31 +45,22 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
 
 @dataclass(frozen=True)
 class _TensorSlot:
-    """Stands for a tensor in the broadcast skeleton of a state dict."""
+    """Stands for a tensor in the broadcast skeleton of a state dict (the tensors follow
+    in the order a walk of the skeleton meets their slots)."""
 
-    index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
 
 
-def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach().cpu().contiguous())
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+def _replace(obj: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every ``kind`` inside its dicts, lists and tuples replaced by
+    ``fn(leaf)``, leaves visited in the same order every time."""
+    if isinstance(obj, kind):
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _split(v, tensors) for k, v in obj.items()}
+        return {k: _replace(v, kind, fn) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_split(v, tensors) for v in obj)
-    return obj
-
-
-def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _join(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_join(v, tensors) for v in obj)
+        return type(obj)(_replace(v, kind, fn) for v in obj)
     return obj
 
 
@@ -88,27 +79,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
 
     me = runtime.current().rank
     tensors: list[torch.Tensor] = []
-    skeleton = _split(optimizer.state_dict(), tensors) if me == root_rank else None
+
+    def to_slot(t: torch.Tensor) -> _TensorSlot:
+        tensors.append(t.detach().cpu().contiguous())
+        return _TensorSlot(tuple(t.shape), t.dtype)
+
+    def to_empty(slot: _TensorSlot) -> torch.Tensor:
+        tensors.append(torch.empty(slot.shape, dtype=slot.dtype))
+        return tensors[-1]
+
+    skeleton = _replace(optimizer.state_dict(), torch.Tensor, to_slot) \
+        if me == root_rank else None
     skeleton = broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state")
-    if me != root_rank:
-        slots: list[_TensorSlot] = []
-        _collect_slots(skeleton, slots)
-        tensors = [torch.empty(s.shape, dtype=s.dtype)
-                   for s in sorted(slots, key=lambda s: s.index)]
+    # Elsewhere the same walk meets the slots in the root's order: each empty tensor is
+    # broadcast into below, in place.
+    received = _replace(skeleton, _TensorSlot, to_empty) if me != root_rank else None
     handles = [broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}")
                for i, t in enumerate(tensors)]
     for h in handles:
         h.wait()
-    if me != root_rank:
-        optimizer.load_state_dict(_join(skeleton, tensors))
-
-
-def _collect_slots(obj: Any, out: list[_TensorSlot]) -> None:
-    if isinstance(obj, _TensorSlot):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect_slots(v, out)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _collect_slots(v, out)
+    if received is not None:
+        optimizer.load_state_dict(received)
