@@ -116,3 +116,18 @@ def test_names_specs_and_finished_ops_stay_bounded(small_world) -> None:
     assert rt.engine.stats()["done_names"] <= 100
     # A forgotten name starts again at call 0 and still works.
     assert tr.allreduce(np.ones(3), name="step0.grad").tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_piece_being_reduced_counts_as_arrived() -> None:
+    # A peer's GOODBYE may be read while its last piece is still on the reduce thread:
+    # that op must not be failed as waiting for the departed peer.
+    from totalreduce.engine.algorithms import ring_allreduce
+    from totalreduce.engine.opstate import LiveOp
+    from totalreduce.engine.payload import OpFuture, OpSpec
+
+    schedule = ring_allreduce(0, 2, 8, 2)
+    spec = OpSpec((1, 0), "allreduce 't'", 0, 6, 8, {}, schedule, np.zeros(8, np.float32))
+    op = LiveOp(spec, OpFuture())
+    assert op.awaits_from(1)
+    op.got.update(key for key in schedule.recvs if key[0] == 1)
+    assert op.pending_from[1] > 0 and not op.awaits_from(1)

@@ -960,7 +960,7 @@ class Engine:
                 # peer left after raising it, its view sent); housekeeping raises it once
                 # every view is in or the grace period ends.
                 continue
-            if op.pending_from.get(peer, 0) > 0 or op.sends_owed_to(peer):
+            if op.awaits_from(peer) or op.sends_owed_to(peer):
                 reason = f"rank {peer} shut down while {op.spec.label} still needed it"
                 self._fail(op, PeerFailureError(peer, f"rank {self.rank}: {reason}"))
                 self._tell_op_failed(op.spec.key, peer, reason)

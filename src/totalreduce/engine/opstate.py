@@ -40,6 +40,15 @@ class LiveOp:
         self.left: set[tuple[int, int, int]] = set()  # sends gone: (peer, step, piece)
         self.held: list[tuple[tuple[int, int, int], Recv, Any, bool]] = []
 
+    def awaits_from(self, peer: int) -> bool:
+        """Whether some message of this op from ``peer`` has not arrived yet.  A piece that
+        arrived but is still being reduced (reduce thread) or held back counts as arrived:
+        ``pending_from`` drops only once it is applied (rare path: it counts)."""
+        if self.pending_from.get(peer, 0) <= 0:
+            return False
+        expected = sum(1 for key in self.spec.schedule.recvs if key[0] == peer)
+        return sum(1 for key in self.got if key[0] == peer) < expected
+
     def sends_owed_to(self, peer: int) -> bool:
         """Whether some message of this op to ``peer`` has not left yet (rare path: it
         counts the sends gone)."""
