@@ -80,8 +80,7 @@ def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
         full_env["WORKER_TAG_LINES"] = "1"
         cmd = [exe, "-n", str(n), *launcher_args, *worker]
     else:
-        if transport == "tcp":
-            full_env["TOTALREDUCE_SHM_BYTES"] = "0"
+        full_env["TOTALREDUCE_TRANSPORT"] = transport
         cmd = [sys.executable, "-m", "totalreduce.run", "-np", str(n), *launcher_args, *worker]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

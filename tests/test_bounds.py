@@ -16,7 +16,7 @@ from totalreduce.engine.algorithms import (
     ring_allreduce,
     ring_reducescatter,
 )
-from totalreduce.engine.opstate import DoneSet
+from totalreduce.engine.optable import DoneSet
 from totalreduce.engine.reducer import ScratchPool, size_class
 from totalreduce.lru import LRU
 

@@ -255,10 +255,7 @@ def lent_bodies(arg: dict) -> None:
         else:
             assert_same(got, reference_reduce(ins, "Max")[b[rank]:b[rank + 1]], what)
     tr.barrier()
-    from totalreduce.runtime import current
-
-    links = getattr(current().transport, "_links", {})
-    lent = sum(link.next_lend for link in links.values())
+    lent = tr.transport_stats()["bodies_lent"]
     tr.shutdown()
     print(f"lent {lent} bodies")
 
@@ -728,3 +725,17 @@ def fuzz_acceptor(arg: dict) -> None:
         print(f"fuzzed the listener with {tried[0]} inputs")
     tr.barrier()
     print("job finished correctly")
+
+
+def transport_contract(arg: dict) -> None:
+    """contract.py on this rank, over the transport the environment names."""
+    from contract import check_rank
+    from totalreduce.config import Config
+    from totalreduce.transport.registry import connect
+
+    _scheme, connected = connect(Config.from_env())
+    stats = check_rank(connected.transport)
+    if connected.close is not None:
+        connected.close()
+    print(f"contract kept: {stats}")
+    print("contract kept")

@@ -45,7 +45,7 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "shutdown", "size", "synchronize",
+    "reducescatter_async", "shutdown", "size", "synchronize", "transport_stats",
 ]
 
 
@@ -92,6 +92,14 @@ def local_rank() -> int:
 
 def local_size() -> int:
     return _runtime.current().local_size
+
+
+def transport_stats() -> dict[str, int]:
+    """What this rank's transport has moved since ``init()``: ``messages_sent``,
+    ``bytes_sent``, ``messages_received``, ``bytes_received`` (whole messages, 64-byte
+    headers included, as they left or arrived) and ``bodies_lent`` (bodies a same-host
+    peer copied straight out of this process's memory instead of through a ring)."""
+    return _runtime.current().transport.stats()
 
 
 def _ops() -> Any:

@@ -24,10 +24,11 @@ TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's 
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
                                    doubling (fewer hops), bigger ones the ring;
                                    -1 = auto (2 MiB at 2 ranks, else 1 MiB)
-TOTALREDUCE_TRANSPORT              tcp, mpi or auto (mpi when started by an MPI    auto
-                                   launcher and mpi4py imports, else tcp)
+TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
+                                   started by an MPI launcher and mpi4py imports,
+                                   else shm); see transport/registry.py
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    -1
-                                   ranks on one host (tcp transport; 0 = off,
+                                   ranks on one host (shm transport; 0 = off,
                                    -1 = auto: two segments plus 128 KiB)
 TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      24 MiB
                                    ring peers: the receiver's kernel copies them
@@ -131,8 +132,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
             raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
-        if self.transport not in ("auto", "tcp", "mpi"):
-            raise ValueError(f"transport must be one of auto, tcp, mpi; got {self.transport!r}")
+        if self.transport not in ("auto", "shm", "tcp", "mpi", "inproc"):
+            raise ValueError("transport must be one of auto, shm, tcp, mpi, inproc; got "
+                             f"{self.transport!r}")
         if self.shm_bytes < -1:
             raise ValueError(f"shm_bytes must be >= 0 (or -1: auto), got {self.shm_bytes}")
         if self.cma_bytes < 0:

@@ -11,11 +11,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import importlib.util
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -24,11 +22,8 @@ from typing import Any
 from .config import Config
 from .engine.engine import Engine
 from .exceptions import PeerFailureError, ShutdownError
-from .rendezvous import KVClient, KVServer, LaunchInfo, detect_launch, mpi_launched
 from .scheduling import SelfGuided
-from .transport.base import Transport
-from .transport.loopback import LoopbackTransport
-from .transport.mesh import connect_mesh
+from .transport.registry import connect
 
 logger = logging.getLogger(__name__)
 
@@ -43,98 +38,23 @@ _FOLLOWER_DELAY = 0.5
 _INTERRUPT_SETTLE = 0.5
 
 
-def _route_ip(host: str) -> str:
-    """The local address the kernel would use to reach ``host`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def choose_transport(config: Config) -> str:
-    """``tcp`` or ``mpi``: the setting, or for ``auto`` MPI under an MPI launcher."""
-    if config.transport != "auto":
-        return config.transport
-    if mpi_launched() and importlib.util.find_spec("mpi4py") is not None:
-        return "mpi"
-    return "tcp"
-
-
 class Runtime:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._kv_server: KVServer | None = None
-        self.transport_name = choose_transport(config)
-        if self.transport_name == "mpi":
-            from .transport.mpi import MpiTransport, mpi_world
-
-            world, self.local_rank, self.local_size = mpi_world()
-            transport: Transport = MpiTransport(world)
-            self.rank, self.size = transport.rank, transport.size
-        else:
-            transport = self._connect_tcp(detect_launch(), config)
-        self.transport = transport
-        self.engine = Engine(transport, config)
+        self.transport_name, connected = connect(config)
+        self.transport = connected.transport
+        self.rank, self.size = self.transport.rank, self.transport.size
+        self.local_rank, self.local_size = connected.local_rank, connected.local_size
+        self._close_also = connected.close
+        self.engine = Engine(self.transport, config)
         self.collectives = SelfGuided(self.engine, config)
-
-    def _connect_tcp(self, launch: LaunchInfo, config: Config) -> Transport:
-        self.rank = launch.rank
-        self.size = launch.size
-        if launch.size == 1:
-            self.local_rank, self.local_size = 0, 1
-            return LoopbackTransport()
-        kv: KVClient | None = None
-        local = launch.launcher == "totalrun"
-        try:
-            assert launch.rendezvous is not None
-            host, _, port = launch.rendezvous.rpartition(":")
-            if launch.serve_rendezvous:
-                self._kv_server = KVServer("0.0.0.0", int(port), launch.secret, launch.job_id)
-            kv = KVClient(launch.rendezvous, launch.secret, launch.job_id,
-                          config.connect_timeout)
-            me = "127.0.0.1" if local else _route_ip(host)
-            job = launch.job_id
-            kv.set(f"{job}/host/{self.rank}", socket.gethostname().encode())
-
-            def lookup(peer: int, timeout: float) -> str:
-                assert kv is not None
-                return kv.get(f"{job}/addr/{peer}", timeout).decode()
-
-            def publish(addr: str) -> None:
-                assert kv is not None
-                kv.set(f"{job}/addr/{self.rank}", addr.encode())
-
-            transport = connect_mesh(launch.rank, launch.size, launch.secret, job,
-                                     "127.0.0.1" if local else "0.0.0.0", me, publish,
-                                     lookup, config.connect_timeout, config.ring_bytes,
-                                     config.cma_bytes > 0)
-            self.local_rank, self.local_size = self._locality(kv, launch)
-            return transport
-        except BaseException:
-            if self._kv_server is not None:
-                self._kv_server.close()
-            raise
-        finally:
-            if kv is not None:
-                kv.close()
-
-    def _locality(self, kv: KVClient, launch: LaunchInfo) -> tuple[int, int]:
-        if launch.local_rank is not None and launch.local_size is not None:
-            return launch.local_rank, launch.local_size
-        hosts = [kv.get(f"{launch.job_id}/host/{r}", self.config.connect_timeout)
-                 for r in range(self.size)]
-        mine = hosts[self.rank]
-        same = [r for r in range(self.size) if hosts[r] == mine]
-        return same.index(self.rank), len(same)
 
     def shutdown(self) -> None:
         try:
             self.engine.shutdown()
         finally:
-            if self._kv_server is not None:
-                self._kv_server.close()
+            if self._close_also is not None:
+                self._close_also()
 
 
 class _Holder:

@@ -9,7 +9,7 @@ then merges the ranks' raw timings and prints a table.  Ratios are always agains
 
 Backends (``--backends``, comma-separated; all by default, unavailable ones skipped):
   totalreduce-shm  totalreduce under totalrun: TCP plus shared-memory rings (the default)
-  totalreduce-tcp  totalreduce under totalrun, sockets only (TOTALREDUCE_SHM_BYTES=0)
+  totalreduce-tcp  totalreduce under totalrun, sockets only (TOTALREDUCE_TRANSPORT=tcp)
   totalreduce-mpi  totalreduce's MPI transport under mpiexec (needs the mpi extra)
   mpi              mpi4py's own collectives under mpiexec (MPICH from the mpi extra)
   gloo             torch.distributed with the gloo backend (needs torch)
@@ -77,9 +77,7 @@ def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float,
         env["TOTALREDUCE_TRANSPORT"] = "mpi"
     else:
         launcher = [sys.executable, "-m", "totalreduce.run", "-np", str(n)]
-        env["TOTALREDUCE_TRANSPORT"] = "tcp"
-        if backend == "totalreduce-tcp":
-            env["TOTALREDUCE_SHM_BYTES"] = "0"
+        env["TOTALREDUCE_TRANSPORT"] = "tcp" if backend == "totalreduce-tcp" else "shm"
         if backend in ("gloo", "ddp-hook"):
             env["BENCH_GLOO_INIT"] = f"tcp://127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory(prefix="trbench-") as tmp:

@@ -1,5 +1,5 @@
 """The engine's bookkeeping records: a live op, a queued message, where an arriving body
-goes, a body that came before its op, and the set of finished ops."""
+goes, and a body that came before its op."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from ..transport.wire import Header
 from .mismatch import MismatchRecord
-from .payload import OpFuture, OpKey, OpSpec
+from .payload import OpFuture, OpSpec
 from .schedule import Recv, Send
 
 
@@ -97,39 +97,3 @@ class FloatingBody:
         self.header = header
         self.buf = buf
         self.charge = charge
-
-
-class DoneSet:
-    """Which call counts of each name have finished here (a watermark plus stragglers).
-
-    One entry per name the scheduler remembers: it calls :meth:`forget` for each name it
-    forgets, which bounds this table by ``name_capacity``."""
-
-    def __init__(self) -> None:
-        self._low: dict[int, int] = {}
-        self._above: dict[int, set[int]] = {}
-
-    def add(self, key: OpKey) -> None:
-        name, seq = key
-        low = self._low.get(name, 0)
-        if seq < low:
-            return
-        above = self._above.setdefault(name, set())
-        above.add(seq)
-        while low in above:
-            above.discard(low)
-            low += 1
-        self._low[name] = low
-        if not above:
-            del self._above[name]
-
-    def names(self) -> int:
-        return len(self._low.keys() | self._above.keys())
-
-    def forget(self, name: int) -> None:
-        self._low.pop(name, None)
-        self._above.pop(name, None)
-
-    def __contains__(self, key: OpKey) -> bool:
-        name, seq = key
-        return seq < self._low.get(name, 0) or seq in self._above.get(name, ())

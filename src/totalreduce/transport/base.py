@@ -18,6 +18,25 @@ from typing import NamedTuple, Protocol
 from .wire import Header
 
 
+class Counters:
+    """What a transport moved: whole messages (header included) in each direction, and
+    bodies lent rather than copied (ring links).  Counted where each message leaves or
+    arrives, so a benchmark reads volume from here rather than from formulas."""
+
+    __slots__ = ("messages_sent", "bytes_sent", "messages_received", "bytes_received",
+                 "bodies_lent")
+
+    def __init__(self) -> None:
+        self.messages_sent = 0
+        self.bytes_sent = 0
+        self.messages_received = 0
+        self.bytes_received = 0
+        self.bodies_lent = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
 class Outgoing(NamedTuple):
     """One message to send.  ``token`` comes back in :meth:`MessageHandler.sent`."""
 
@@ -58,6 +77,11 @@ class Transport(abc.ABC):
 
     rank: int
     size: int
+    counters: Counters
+
+    def stats(self) -> dict[str, int]:
+        """Messages and bytes sent and received so far (see :class:`Counters`)."""
+        return self.counters.as_dict()
 
     @abc.abstractmethod
     def start(self, handler: MessageHandler) -> None:

@@ -268,13 +268,14 @@ def _probe(offer: dict[str, Any]) -> bool:
 def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: str,
                  advertise_host: str, publish: Callable[[str], None],
                  lookup: Callable[[int, float], str], timeout: float,
-                 ring_bytes: int = 0, lend: bool = False) -> TcpTransport:
+                 ring_bytes: int = 0, lend_bytes: int = 0) -> TcpTransport:
     """Connect this rank to every other rank and return the transport.
 
     ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
     returns another rank's (both come from the rendezvous store).  Peers on this host get
-    shared-memory rings of ``ring_bytes`` per direction (0: sockets only); with ``lend``,
-    also the means to lend them large bodies where the kernel allows it (:mod:`.cma`).
+    shared-memory rings of ``ring_bytes`` per direction (0: sockets only), and the pieces
+    of ops of ``lend_bytes`` or more are lent to them rather than copied through a ring,
+    where the kernel allows it (:mod:`.cma`; 0: never).
 
     Raises:
         OSError / TimeoutError: a peer could not be reached before ``timeout``.
@@ -297,10 +298,10 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
             socks[peer] = sock
         for sock in socks.values():
             sock.settimeout(max(1.0, deadline - time.monotonic()))
-        rings = _share_rings(rank, socks, ring_bytes, lend)
+        rings = _share_rings(rank, socks, ring_bytes, lend_bytes > 0)
         for sock in socks.values():
             sock.settimeout(None)
     except BaseException:
         acceptor.stop()
         raise
-    return TcpTransport(rank, size, socks, acceptor, rings)
+    return TcpTransport(rank, size, socks, acceptor, rings, lend_bytes)

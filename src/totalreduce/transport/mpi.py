@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from .base import MessageHandler, Transport
+from .base import Counters, MessageHandler, Transport
 from .wire import HEADER_SIZE, unpack_header
 
 _HEADER_TAG = 1
@@ -78,6 +78,7 @@ class MpiTransport(Transport):
         self._comm = comm.Dup()
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
+        self.counters = Counters()
         self._handler: MessageHandler | None = None
         self._event = threading.Event()
         self._pending: set[int] = set()
@@ -188,6 +189,8 @@ class MpiTransport(Transport):
                     break
                 did = True
                 body = msg.body
+                self.counters.messages_sent += 1
+                self.counters.bytes_sent += len(msg.header) + (body.nbytes if body else 0)
                 if body is None or body.nbytes <= _INLINE:
                     data = msg.header + (bytes(body) if body is not None else b"")
                     reqs = [self._comm.Isend([data, self._mpi.BYTE], peer, _HEADER_TAG)]
@@ -221,6 +224,8 @@ class MpiTransport(Transport):
         buf = self._hdr_bufs[peer]
         header = unpack_header(buf)
         n = header.nbytes
+        self.counters.messages_received += 1
+        self.counters.bytes_received += HEADER_SIZE + n
         dest = self._handler.body_buffer(peer, header)
         if n <= _INLINE:
             if n:

@@ -33,9 +33,6 @@ FLAG_READY = 4  # on DATA: the sender has submitted the op too (stands in for a 
 # REMOTE_BODY descriptor (address, lend id) instead and ``nbytes`` is the real length.
 FLAG_REMOTE = 8
 REMOTE_BODY = struct.Struct("<QQ")
-# On DATA: the op is big enough that its bodies may be lent (FLAG_REMOTE) rather than
-# copied into a ring; set by the engine, acted on (or not) by the transport.
-FLAG_LENDABLE = 16
 
 
 # Recipe algorithms (low four bits); the op's ReduceOp code sits in the high four.
@@ -139,6 +136,17 @@ def with_flag(header: bytes, flag: int) -> bytes:
 def has_flag(header: bytes, flag: int) -> bool:
     """Whether a packed header has ``flag`` set."""
     return bool(header[_FLAGS_AT] & flag)
+
+
+_OP_SIZE = struct.Struct("<xxxB44xQ8x")  # dtype and count of a packed header
+_ITEMSIZE = {code: dt.itemsize for code, dt in DTYPES.items()}
+
+
+def op_nbytes(header: bytes) -> int:
+    """Bytes of the whole op a packed DATA header belongs to (the sender's view), read
+    without unpacking the rest: a transport sizes its choices by it."""
+    code, count = _OP_SIZE.unpack_from(header)
+    return int(count) * _ITEMSIZE.get(code, 0)
 
 
 class WireError(ValueError):

@@ -1,0 +1,91 @@
+"""The credit ledger: how much each peer may still send us ahead of time, and the READYs
+that say an op needs no credit any more.
+
+A rank may send a message for an op its peer has not announced only against *credit*,
+``TOTALREDUCE_FLOATING_CAP / (n - 1)`` bytes per directed pair.  The receiver owes the
+credit back once it has consumed such a message, and returns it on the next header it
+sends that way (or in a CREDIT message once a quarter of the budget is owed).  A READY
+(its own message, or FLAG_READY on a DATA header) says the sender has submitted the op,
+so its peers send to it freely from then on.
+"""
+
+from __future__ import annotations
+
+from ..lru import LRU
+from ..transport.wire import FLAG_CREDITED, HEADER_SIZE, Header
+from .payload import OpKey
+
+# READYs for ops not submitted here yet.  Bounded: dropping the stalest costs only credit
+# (the sender then sends against credit), never correctness.
+_EARLY_READY_ENTRIES = 1 << 16
+
+
+def charge_of(nbytes: int) -> int:
+    """What a body of ``nbytes`` costs in credit (a header's worth at least: an empty
+    piece still takes a floating entry)."""
+    return max(nbytes, HEADER_SIZE)
+
+
+def charged(header: Header) -> int:
+    """The credit the sender spent on this message (0 for a message that needed none)."""
+    return charge_of(header.nbytes) if header.flags & FLAG_CREDITED else 0
+
+
+class CreditLedger:
+    def __init__(self, peers: list[int], budget: int) -> None:
+        self.budget = budget
+        self._credit = dict.fromkeys(peers, budget)
+        self._owed = dict.fromkeys(peers, 0)
+        self._return_at = max(1, budget // 4)
+        self._early_ready: LRU[OpKey, set[int]] = LRU(_EARLY_READY_ENTRIES)
+
+    # --- what we may send ------------------------------------------------------------
+
+    def spend(self, peer: int, nbytes: int) -> bool:
+        """Take the credit for sending ``nbytes`` to ``peer`` ahead of its READY; False
+        (nothing taken) when there is not enough."""
+        charge = charge_of(nbytes)
+        if self._credit[peer] < charge:
+            return False
+        self._credit[peer] -= charge
+        return True
+
+    def grant(self, peer: int, credit: int) -> None:
+        """``peer`` returned credit (on any header)."""
+        self._credit[peer] += credit
+
+    def credit(self, peer: int) -> int:
+        return self._credit[peer]
+
+    # --- what we owe -----------------------------------------------------------------
+
+    def owe(self, peer: int, charge: int) -> bool:
+        """A credited message from ``peer`` was consumed; returns whether enough is owed
+        now to be worth a message of its own."""
+        self._owed[peer] += charge
+        return self._owed[peer] >= self._return_at
+
+    def due(self, peer: int) -> bool:
+        return self._owed[peer] >= self._return_at
+
+    def take_owed(self, peer: int) -> int:
+        """The credit to put on the next header to ``peer`` (now no longer owed)."""
+        owed = self._owed[peer]
+        self._owed[peer] = 0
+        return owed
+
+    # --- READYs of ops not submitted here yet ----------------------------------------
+
+    def early_ready(self, key: OpKey, peer: int) -> None:
+        ready = self._early_ready.get(key)
+        if ready is None:
+            ready = set()
+            self._early_ready.put(key, ready)
+        ready.add(peer)
+
+    def pop_early(self, key: OpKey) -> set[int]:
+        """The peers that said READY for ``key`` before this rank submitted it."""
+        return self._early_ready.pop(key) or set()
+
+    def early_count(self) -> int:
+        return len(self._early_ready)

@@ -1,0 +1,128 @@
+"""The mismatch tracker: spots a message that does not fit this rank's op, gathers every
+rank's view of that op, and fails it once all views are in (or the grace period ends).
+
+A rank that sees such a message sends its own view to every peer, and so does every rank
+that hears of it, so each rank's error can name all ranks and what differed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..config import Config
+from ..lru import LRU
+from ..transport.wire import DTYPES, Header, Kind
+from .mismatch import MismatchRecord, decode_view, encode_view
+from .opstate import LiveOp
+from .payload import OpKey
+from .schedule import Recv
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+# Views of mismatched ops, kept until the op fails here (or, for ops this rank never
+# submits, until they are the stalest of this many).
+_MISMATCH_ENTRIES = 4096
+
+
+class MismatchTracker:
+    def __init__(self, engine: Engine, config: Config) -> None:
+        self._engine = engine
+        self._rank = engine.rank
+        self._size = engine.size
+        self._grace = config.mismatch_grace
+        self._records: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def check(self, op: LiveOp, peer: int, header: Header) -> Recv | None:
+        """The schedule entry this message fills, or None (after starting a mismatch)."""
+        if op.mismatch is not None:
+            return None
+        spec = op.spec
+        if header.sig != spec.sig or header.dtype != spec.dtype or header.count != spec.count:
+            problem = "header"
+        else:
+            rkey = (peer, header.step, header.piece)
+            recv = spec.schedule.recvs.get(rkey)
+            if (recv is not None and rkey not in op.got
+                    and header.nbytes == (recv.hi - recv.lo) * op.itemsize):
+                return recv
+            problem = "layout"
+        seen: dict[str, Any] = {"count": header.count}
+        dtype = DTYPES.get(header.dtype)
+        if dtype is not None:
+            seen["dtype"] = str(dtype)
+        if problem == "layout":
+            seen["detail"] = (f"sent step {header.step} piece {header.piece} of "
+                              f"{header.nbytes} bytes, which rank {self._rank} does not expect")
+        record = self._record(spec.key, spec.label)
+        record.add(peer, seen, partial=True)
+        self._join(op, record)
+        return None
+
+    def heard(self, peer: int, key: OpKey, view: dict[str, Any]) -> None:
+        """``peer`` sent its view of op ``key`` (a MISMATCH message)."""
+        ops = self._engine.ops
+        op = ops.active.get(key)
+        if op is None and key in ops.done:
+            return
+        record = self._record(key, op.spec.label if op is not None else f"op {key}")
+        record.add(peer, view)
+        if op is not None:
+            self._join(op, record)
+
+    def started(self, op: LiveOp) -> bool:
+        """``op`` was just submitted here: if peers already reported a mismatch on it, join
+        in (the rest get a grace period to answer) and return True."""
+        record = self._records.get(op.spec.key)
+        if record is None:
+            return False
+        record.deadline = max(record.deadline, time.monotonic() + self._grace)
+        self._join(op, record)
+        return True
+
+    def due(self, now: float) -> list[tuple[LiveOp, BaseException]]:
+        """Mismatched ops whose views are all in, or whose grace period is over, with
+        the error to fail each with."""
+        out: list[tuple[LiveOp, BaseException]] = []
+        active = self._engine.ops.active
+        for key, record in self._records.items():
+            op = active.get(key)
+            if op is not None and op.mismatch is record and (
+                    record.complete() or now >= record.deadline):
+                out.append((op, record.error(self._rank, op.spec.describe.get("name", ""))))
+        return out
+
+    def forget(self, key: OpKey) -> None:
+        self._records.pop(key)
+
+    def tell_view(self, key: OpKey, view: dict[str, Any]) -> None:
+        """Tell every live peer this rank's view of op ``key`` (a MISMATCH)."""
+        body = encode_view(view)
+        self._engine.outbox.tell_all(
+            Header(Kind.MISMATCH, name_key=key[0], seq=key[1], nbytes=len(body)), body)
+
+    def _record(self, key: OpKey, label: str) -> MismatchRecord:
+        """The mismatch record of op ``key``, begun now if this is the first word of it."""
+        record = self._records.get(key)
+        if record is None:
+            record = MismatchRecord(label, self._size, time.monotonic() + self._grace)
+            self._records.put(key, record)
+        return record
+
+    def _join(self, op: LiveOp, record: MismatchRecord) -> None:
+        op.mismatch = record
+        record.label = op.spec.label
+        record.add(self._rank, {k: v for k, v in op.spec.describe.items() if k != "name"})
+        if not record.announced:
+            record.announced = True
+            self.tell_view(op.spec.key, op.spec.describe)
+        if record.complete():
+            self._engine.fail(op, record.error(self._rank, op.spec.describe.get("name", "")))
+
+
+def read_view(body: bytes) -> dict[str, Any]:
+    return decode_view(body) or {"detail": "unreadable description"}

@@ -1,0 +1,81 @@
+"""The op table: every op running here, which ops have finished, and the ops a peer
+failed before this rank submitted them.  An op's own state lives in its :class:`LiveOp`."""
+
+from __future__ import annotations
+
+from ..exceptions import PeerFailureError
+from ..lru import LRU
+from .opstate import LiveOp
+from .payload import OpKey
+
+_FAILED_EARLY_ENTRIES = 4096
+
+
+class OpTable:
+    def __init__(self) -> None:
+        self.active: dict[OpKey, LiveOp] = {}
+        self.done = DoneSet()
+        # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
+        self.failed_early: LRU[OpKey, PeerFailureError] = LRU(_FAILED_EARLY_ENTRIES)
+
+    def known(self, key: OpKey) -> bool:
+        """Whether op ``key`` runs here or has ended here."""
+        return key in self.active or key in self.done
+
+    def live(self) -> list[LiveOp]:
+        return list(self.active.values())
+
+    def complete(self, op: LiveOp) -> None:
+        """Resolve ``op`` if its last message came and its last went."""
+        if op.recvs_left == 0 and op.sends_left == 0 and not op.finished:
+            op.finished = True
+            del self.active[op.spec.key]
+            self.done.add(op.spec.key)
+            op.future.resolve(None)
+
+    def end(self, op: LiveOp, error: BaseException) -> bool:
+        """Fail ``op`` with ``error``; False if it had ended already."""
+        if op.finished:
+            return False
+        op.finished = True
+        key = op.spec.key
+        self.active.pop(key, None)
+        self.done.add(key)
+        op.future.resolve(error)
+        return True
+
+
+class DoneSet:
+    """Which call counts of each name have finished here (a watermark plus stragglers).
+
+    One entry per name the scheduler remembers: it calls :meth:`forget` for each name it
+    forgets, which bounds this table by ``name_capacity``."""
+
+    def __init__(self) -> None:
+        self._low: dict[int, int] = {}
+        self._above: dict[int, set[int]] = {}
+
+    def add(self, key: OpKey) -> None:
+        name, seq = key
+        low = self._low.get(name, 0)
+        if seq < low:
+            return
+        above = self._above.setdefault(name, set())
+        above.add(seq)
+        while low in above:
+            above.discard(low)
+            low += 1
+        self._low[name] = low
+        if not above:
+            del self._above[name]
+
+    def names(self) -> int:
+        return len(self._low.keys() | self._above.keys())
+
+    def forget(self, name: int) -> None:
+        self._low.pop(name, None)
+        self._above.pop(name, None)
+
+    def __contains__(self, key: OpKey) -> bool:
+        name, seq = key
+        return seq < self._low.get(name, 0) or seq in self._above.get(name, ())

@@ -1,0 +1,70 @@
+"""Joining a job over sockets: find the peers through the rendezvous store, connect the
+mesh (mesh.py), and learn which ranks share this host."""
+
+from __future__ import annotations
+
+import socket
+
+from ..config import Config
+from ..rendezvous import KVClient, KVServer, LaunchInfo
+from .mesh import connect_mesh
+from .registry import Connected
+
+
+def _route_ip(host: str) -> str:
+    """The local address the kernel would use to reach ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int) -> Connected:
+    """Connect to every other rank of ``launch``'s job (rank 0 also serves the store when
+    its launcher says so); same-host peers get rings of ``ring_bytes`` (0: none)."""
+    kv: KVClient | None = None
+    server: KVServer | None = None
+    local = launch.launcher == "totalrun"
+    rank = launch.rank
+    try:
+        assert launch.rendezvous is not None
+        host, _, port = launch.rendezvous.rpartition(":")
+        if launch.serve_rendezvous:
+            server = KVServer("0.0.0.0", int(port), launch.secret, launch.job_id)
+        kv = KVClient(launch.rendezvous, launch.secret, launch.job_id, config.connect_timeout)
+        me = "127.0.0.1" if local else _route_ip(host)
+        job = launch.job_id
+        kv.set(f"{job}/host/{rank}", socket.gethostname().encode())
+
+        def lookup(peer: int, timeout: float) -> str:
+            assert kv is not None
+            return kv.get(f"{job}/addr/{peer}", timeout).decode()
+
+        def publish(addr: str) -> None:
+            assert kv is not None
+            kv.set(f"{job}/addr/{rank}", addr.encode())
+
+        transport = connect_mesh(rank, launch.size, launch.secret, job,
+                                 "127.0.0.1" if local else "0.0.0.0", me, publish, lookup,
+                                 config.connect_timeout, ring_bytes, config.cma_bytes)
+        local_rank, local_size = _locality(kv, launch, config.connect_timeout)
+        return Connected(transport, local_rank, local_size,
+                         server.close if server is not None else None)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    finally:
+        if kv is not None:
+            kv.close()
+
+
+def _locality(kv: KVClient, launch: LaunchInfo, timeout: float) -> tuple[int, int]:
+    if launch.local_rank is not None and launch.local_size is not None:
+        return launch.local_rank, launch.local_size
+    hosts = [kv.get(f"{launch.job_id}/host/{r}", timeout) for r in range(launch.size)]
+    mine = hosts[launch.rank]
+    same = [r for r in range(launch.size) if hosts[r] == mine]
+    return same.index(launch.rank), len(same)

@@ -1,0 +1,114 @@
+"""Waiting for work: socket events, shared-memory rings, and how long to spin first.
+
+A blocked ``select()`` costs a scheduler wake-up (tens of us on a loaded host) on every hop
+of a small op's critical path, so the poller spins briefly before it sleeps; with
+shared-memory peers it naps at most ``_RING_SLEEP`` (in case a doorbell is lost), after
+telling each peer's writer that it sleeps, so the writer rings the doorbell.
+
+Two threads may wait at once: the one inside ``poll()`` (slot 0) and one inside the
+transport's ``wait()`` (slot 1, which does no I/O); each announces its sleep in its own
+slot of the ring, so a writer wakes whichever sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import socket
+import time
+from typing import Any
+
+from .ring_link import RingLink
+
+_SPIN = 50e-6  # busy-poll this long before a blocking select
+# poll() spins this long when every local rank can have a core of its own (shared-memory
+# peers reply within tens of us, a sleep plus doorbell costs ~50 us).
+_SPIN_OWN_CORE = 2e-3
+_SPIN_SOCKET_EVERY = 16  # while spinning on rings, look at the sockets this seldom
+_RING_SLEEP = 0.02  # the longest nap with shared-memory peers
+
+POLL_SLOT = 0
+WAIT_SLOT = 1
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class Poller:
+    def __init__(self, rings: list[RingLink]) -> None:
+        self.rings = rings
+        self._spin = _SPIN_OWN_CORE if rings and len(rings) + 1 <= _cores() else _SPIN
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._socket_turns = 0  # turns since select() last looked at the sockets
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def woken(self) -> None:
+        """The wake socket was readable: empty it."""
+        with contextlib.suppress(OSError):
+            self._wake_r.recv(4096)
+
+    def rings_ready(self) -> bool:
+        """Whether a ring has a record for us or has freed room for a message that found
+        it full."""
+        return any(link.ready() or link.room_freed() for link in self.rings)
+
+    def select(self, timeout: float | None, slot: int = POLL_SLOT,
+               pending: set[int] | None = None) -> list[tuple[Any, int]]:
+        """Socket events, after spinning briefly and before sleeping; returns early when a
+        ring has a record (the caller drains the rings whatever this returns).  A spin
+        also ends once ``pending`` (the caller's links with output waiting) fills."""
+        rings = self.rings
+        if rings and self._socket_turns < _SPIN_SOCKET_EVERY and self.rings_ready():
+            # Records are waiting: take them first and look at the sockets (doorbells, EOF,
+            # a remote peer's bytes) on a later turn, though never fewer than one in so many.
+            self._socket_turns += 1
+            return []
+        self._socket_turns = 0
+        events = self.selector.select(0)
+        if events or timeout == 0 or self.rings_ready():
+            return events
+        # The thread in wait() spins briefly only: the application may want the GIL.
+        spin_until = time.monotonic() + (self._spin if slot == POLL_SLOT else _SPIN)
+        turns = 0
+        while time.monotonic() < spin_until and not pending:
+            if self.rings_ready():
+                return events
+            turns += 1
+            if turns % _SPIN_SOCKET_EVERY == 0 or not rings:
+                events = self.selector.select(0)
+                if events:
+                    return events
+        stuck: list[RingLink] = []
+        if rings:
+            timeout = _RING_SLEEP if timeout is None else min(timeout, _RING_SLEEP)
+            for link in rings:
+                link.set_sleeping(slot, True)
+            stuck = [link for link in rings if link.ask_for_room(True)]
+        try:
+            if not (rings and self.rings_ready()):
+                events = self.selector.select(timeout)
+        finally:
+            for link in rings:
+                link.set_sleeping(slot, False)
+            for link in stuck:
+                link.ask_for_room(False)
+        return events
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.selector.close()
+        for s in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                s.close()

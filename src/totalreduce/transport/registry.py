@@ -1,0 +1,83 @@
+"""Transports by scheme: the one table that says which transports exist and how each
+joins a job.
+
+===========  ==============================================================================
+``shm``      TCP between every pair of ranks, plus shared-memory rings between ranks on one
+             host (the default outside MPI)
+``tcp``      TCP only
+``mpi``      MPI point-to-point through mpi4py (the default under an MPI launcher)
+``inproc``   every rank in this process (a world of one, and tests)
+===========  ==============================================================================
+
+``TOTALREDUCE_TRANSPORT=auto`` picks ``mpi`` when an MPI launcher started the process and
+mpi4py imports, else ``shm``.  A job of one process runs over ``inproc`` whatever the
+setting: there is nobody to talk to.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import NamedTuple
+
+from ..config import Config
+from ..rendezvous import detect_launch, mpi_launched
+from .base import Transport
+
+
+class Connected(NamedTuple):
+    """A transport joined to its job, and what it learned on the way."""
+
+    transport: Transport
+    local_rank: int
+    local_size: int
+    close: Callable[[], None] | None = None  # what else to close at shutdown
+
+
+def _sockets(config: Config, rings: bool) -> Connected:
+    from .connect import connect_job
+
+    launch = detect_launch()
+    if launch.size == 1:
+        return _inproc(config)
+    return connect_job(launch, config, config.ring_bytes if rings else 0)
+
+
+def _mpi(config: Config) -> Connected:
+    from .mpi import MpiTransport, mpi_world
+
+    world, local_rank, local_size = mpi_world()
+    return Connected(MpiTransport(world), local_rank, local_size)
+
+
+def _inproc(config: Config) -> Connected:
+    from .inproc import InprocWorld
+
+    launch = detect_launch()
+    if launch.size != 1:
+        raise ValueError(f"the inproc transport runs a world of one process, but this "
+                         f"job has {launch.size}; use shm, tcp or mpi")
+    return Connected(InprocWorld(1).transports[0], 0, 1)
+
+
+TRANSPORTS: dict[str, Callable[[Config], Connected]] = {
+    "shm": lambda config: _sockets(config, rings=True),
+    "tcp": lambda config: _sockets(config, rings=False),
+    "mpi": _mpi,
+    "inproc": _inproc,
+}
+
+
+def choose(config: Config) -> str:
+    """The scheme the setting names, or for ``auto`` MPI under an MPI launcher."""
+    if config.transport != "auto":
+        return config.transport
+    if mpi_launched() and importlib.util.find_spec("mpi4py") is not None:
+        return "mpi"
+    return "shm"
+
+
+def connect(config: Config) -> tuple[str, Connected]:
+    """Join this process to its job over the configured transport."""
+    scheme = choose(config)
+    return scheme, TRANSPORTS[scheme](config)

@@ -1,0 +1,308 @@
+"""A link to a peer on this host: every message, header and body, travels through a
+shared-memory ring per direction (shmring.py).
+
+No system call per message, and the receiver reduces straight out of the sender's slot.
+The socket stays open as a doorbell (one byte when the reader may be asleep, see shmring)
+and as the failure detector: a dead peer's socket ends, and what it wrote to the ring
+before is read first, so an orderly GOODBYE is never mistaken for a crash.  Bodies of big
+ops may be *lent* instead (cma.py): the reader's kernel copies them straight out of the
+writer's memory, one copy where the ring costs two.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import deque
+
+from . import cma
+from .base import Outgoing
+from .shmring import RingReader, RingWriter
+from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner
+from .wire import (
+    FLAG_CHUNKED,
+    FLAG_REMOTE,
+    HEADER_SIZE,
+    REMOTE_BODY,
+    Header,
+    Kind,
+    WireError,
+    op_nbytes,
+    with_flag,
+)
+
+_DOORBELL = b"\x01"
+_LEND_MIN = 64 << 10  # smaller bodies are copied: a lent body costs the reader a syscall
+
+
+class _LendFailed(Exception):
+    """The peer's memory could not be read: it has exited, or was never readable."""
+
+
+class RingLink(Link):
+    def __init__(self, owner: LinkOwner, peer: int, sock: socket.socket,
+                 ring_out: RingWriter, ring_in: RingReader, lend_bytes: int) -> None:
+        super().__init__(owner, peer, sock)
+        self.ring_out: RingWriter | None = ring_out
+        self.ring_in: RingReader | None = ring_in
+        self._lend_bytes = lend_bytes if ring_out.lend else 0
+        self.blocked: Outgoing | None = None  # waiting for room in ring_out
+        self._chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
+        self._lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
+        self._next_lend = 0
+        self._acks: deque[int] = deque()  # lend ids of the peer's bodies we have copied
+        self.deferred = False  # the ring's next record waits for the handler (resume())
+
+    def pending_output(self) -> bool:
+        return bool(self.out or self.blocked or self._acks)
+
+    def drop_output(self) -> None:
+        super().drop_output()
+        self.blocked = None
+        self._lent.clear()
+        self._acks.clear()
+
+    def close_rings(self) -> None:
+        self.blocked = None
+        for ring in (self.ring_out, self.ring_in):
+            if ring is not None:
+                ring.close()
+        self.ring_out = self.ring_in = None
+
+    def ready(self) -> bool:
+        """Whether the peer's ring has a record for us (not one left for later)."""
+        ring = self.ring_in
+        return ring is not None and not self.deferred and ring.ready()
+
+    def room_freed(self) -> bool:
+        """Whether the ring our blocked message did not fit in has room now."""
+        return self.blocked is not None and self.ring_out is not None and \
+            self.ring_out.room_changed()
+
+    def set_sleeping(self, slot: int, on: bool) -> None:
+        if self.ring_in is not None:
+            self.ring_in.set_sleeping(slot, on)
+
+    def ask_for_room(self, on: bool) -> bool:
+        """Ask the reader of our full ring to ring the doorbell when it frees room (or
+        stop asking); returns whether our ring is full."""
+        if self.blocked is None or self.ring_out is None:
+            return False
+        self.ring_out.set_waiting(on)
+        return True
+
+    # --- writing -------------------------------------------------------------------
+
+    def write(self, budget: int = WRITE_BUDGET) -> None:
+        """Post messages into the ring until it is full, the handler has none, or
+        ``budget`` bytes went in; then ring the reader's doorbell if needed."""
+        if self.write_closed:
+            return
+        ring = self.ring_out
+        assert ring is not None
+        handler = self.owner.handler
+        counters = self.owner.counters
+        posted = 0
+        while self._acks:
+            if not ring.post(Header(Kind.RING_ACK, seq=self._acks[0]).pack()):
+                self.owner.again(self.peer)  # retried on the next turn: the reader is busy
+                break
+            self._acks.popleft()
+            posted += HEADER_SIZE
+        while not self._acks:
+            msg = self.blocked
+            if msg is None:
+                if budget - posted <= 0:
+                    self.owner.again(self.peer)  # the rest on the next poll()
+                    break
+                msg = handler.next_outgoing(self.peer)
+                if msg is None:
+                    break
+            body = msg.body
+            n = 0 if body is None else body.nbytes
+            if self._lend_bytes and n >= _LEND_MIN and \
+                    op_nbytes(msg.header) >= self._lend_bytes:
+                assert body is not None
+                lend = self._next_lend
+                desc = REMOTE_BODY.pack(cma.address_of(body), lend)
+                if not ring.post(with_flag(msg.header, FLAG_REMOTE), memoryview(desc)):
+                    self.blocked = msg
+                    break
+                self._next_lend += 1
+                self._lent[lend] = msg  # sent() when the reader says it has copied it
+                self.blocked = None
+                posted += HEADER_SIZE
+                counters.messages_sent += 1
+                counters.bytes_sent += HEADER_SIZE + n
+                counters.bodies_lent += 1
+                continue
+            if n <= ring.max_body:
+                if not ring.post(msg.header, body):
+                    self.blocked = msg  # retried on a doorbell or the owner's next retry
+                    break
+                posted += HEADER_SIZE + n
+            else:
+                posted += self._post_chunks(msg)
+                if self.blocked is not None:
+                    break
+            self.blocked = None
+            counters.messages_sent += 1
+            counters.bytes_sent += HEADER_SIZE + n
+            handler.sent(self.peer, msg.token)
+        if posted and ring.reader_sleeping():
+            self.doorbell()
+
+    def _post_chunks(self, msg: Outgoing) -> int:
+        """Post a body bigger than a ring record: the header, then as many CHUNK records as
+        fit.  Leaves ``msg`` in ``blocked`` until the last one is in."""
+        ring = self.ring_out
+        assert ring is not None and msg.body is not None
+        body = msg.body
+        posted = 0
+        if self._chunk_off < 0:
+            if not ring.post(with_flag(msg.header, FLAG_CHUNKED)):
+                self.blocked = msg
+                return posted
+            self._chunk_off = 0
+            posted += HEADER_SIZE
+        while self._chunk_off < body.nbytes:
+            piece = body[self._chunk_off:self._chunk_off + ring.max_body]
+            if not ring.post(Header(Kind.RING_CHUNK, nbytes=piece.nbytes).pack(), piece):
+                self.blocked = msg
+                return posted
+            self._chunk_off += piece.nbytes
+            posted += HEADER_SIZE + piece.nbytes
+        self._chunk_off = -1
+        self.blocked = None
+        return posted
+
+    def doorbell(self) -> None:
+        if self.write_closed:
+            return  # we are leaving: the peer reads the ring at our EOF anyway
+        try:
+            self.sock.send(_DOORBELL)
+        except (BlockingIOError, InterruptedError):
+            pass  # the socket is full of unread doorbells: the peer wakes anyway
+        except OSError as exc:
+            self.owner.lost(self, f"send failed: {exc}")
+
+    # --- reading -------------------------------------------------------------------
+
+    def read(self) -> None:
+        """The socket carries only doorbells, then the peer's end."""
+        try:
+            while True:
+                data = self.sock.recv(4096)
+                if not data:
+                    self.read_ring(None)  # what it wrote before it went
+                    self.eof()
+                    return
+                if data.strip(_DOORBELL):
+                    raise WireError("unexpected bytes on a shared-memory peer's socket")
+        except (BlockingIOError, InterruptedError):
+            return
+        except WireError as exc:
+            self.owner.lost(self, f"corrupt stream: {exc}")
+        except OSError as exc:
+            self.read_ring(None)
+            self.owner.lost(self, f"receive failed: {exc}")
+
+    def read_ring(self, budget: int | None = READ_BUDGET) -> None:
+        """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
+        worth per poll, None: all of them)."""
+        ring = self.ring_in
+        if ring is None or (self.deferred and budget is not None):
+            return
+        handler = self.owner.handler
+        counters = self.owner.counters
+        peer = self.peer
+        freed = False
+        self.deferred = False
+        try:
+            while budget is None or budget > 0:
+                record = ring.next()
+                if record is None:
+                    break
+                header, body = record
+                if budget is not None and self.body is None and header.kind == Kind.DATA \
+                        and handler.can_defer(peer, header):
+                    # Data for an op not submitted here yet: left in the ring, it is
+                    # reduced straight out of it once the op starts, instead of copied
+                    # aside now (on the path back to the caller) and reduced later.
+                    self.deferred = True
+                    break
+                if budget is not None:
+                    budget -= HEADER_SIZE + header.nbytes
+                if self.body is not None:  # inside a chunked body
+                    left = self.body.nbytes - self.body_off
+                    if header.kind != Kind.RING_CHUNK or not 0 < header.nbytes <= left:
+                        raise WireError("a chunked body was interrupted")
+                    self.body[self.body_off:self.body_off + header.nbytes] = body
+                    self.body_off += header.nbytes
+                    freed |= ring.release()
+                    if self.body_off == self.body.nbytes:
+                        self.deliver()
+                elif header.kind == Kind.RING_CHUNK:
+                    raise WireError("a body chunk arrived without its header")
+                elif header.kind == Kind.RING_ACK:
+                    msg = self._lent.pop(header.seq, None)
+                    if msg is None:
+                        raise WireError(f"acknowledgement of unknown lent body {header.seq}")
+                    freed |= ring.release()
+                    handler.sent(peer, msg.token)
+                elif header.flags & FLAG_REMOTE:
+                    address, lend = REMOTE_BODY.unpack_from(body)
+                    freed |= ring.release()
+                    self._copy_lent(header._replace(flags=header.flags & ~FLAG_REMOTE),
+                                    address, lend)
+                elif header.flags & FLAG_CHUNKED:
+                    freed |= ring.release()
+                    header = header._replace(flags=header.flags & ~FLAG_CHUNKED)
+                    dest = handler.body_buffer(peer, header)
+                    if dest.nbytes != header.nbytes:
+                        raise AssertionError("body_buffer returned a buffer of the wrong size")
+                    self.header, self.body, self.body_off = header, dest, 0
+                    if not header.nbytes:
+                        self.deliver()
+                else:
+                    if header.kind == Kind.GOODBYE:
+                        self.goodbye = True
+                    counters.messages_received += 1
+                    counters.bytes_received += HEADER_SIZE + header.nbytes
+                    handler.received_view(peer, header, body)
+                    freed |= ring.release()
+        except WireError as exc:
+            self.owner.lost(self, f"corrupt shared-memory ring: {exc}")
+            return
+        except _LendFailed as exc:
+            self.owner.lost(self, str(exc))  # it exited (or its memory is gone) mid-op
+            return
+        if freed and not self.closed:
+            self.doorbell()  # its writer waits for room
+
+    def _copy_lent(self, header: Header, address: int, lend: int) -> None:
+        """Copy a body the peer lent us out of its memory, acknowledge it, hand it on."""
+        handler = self.owner.handler
+        pid = self.ring_in.lender_pid if self.ring_in is not None else None
+        if pid is None:
+            raise WireError("a lent body from a peer whose memory we cannot read")
+        dest = handler.body_buffer(self.peer, header)
+        if dest.nbytes != header.nbytes:
+            raise AssertionError("body_buffer returned a buffer of the wrong size")
+        try:
+            cma.read_into(pid, dest, address)
+        except OSError as exc:
+            raise _LendFailed(f"cannot copy a body out of rank {self.peer}: {exc}") from None
+        # Acknowledge before handing it on: the handler may reduce it (hundreds of us)
+        # while the sender waits for this to finish its op.
+        ring = self.ring_out
+        if not self._acks and ring is not None and ring.post(
+                Header(Kind.RING_ACK, seq=lend).pack()):
+            if ring.reader_sleeping():
+                self.doorbell()
+        else:
+            self._acks.append(lend)
+            self.owner.again(self.peer)
+        counters = self.owner.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+        handler.received(self.peer, header, dest)

@@ -1,0 +1,217 @@
+"""One peer's connection, and the stream protocol over its socket.
+
+Small messages are batched into one ``sendmsg``; headers are read through a staging
+buffer so that many small messages cost one ``recv``; large bodies are read with
+``recv_into`` straight into the destination the handler names, with no copy.  A link
+whose peer shares this host carries its messages in shared-memory rings instead
+(ring_link.py) and keeps the socket as a doorbell and failure detector.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import deque
+from typing import Any, Protocol
+
+from .base import Counters, MessageHandler
+from .wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
+
+_STAGING = 256 << 10
+BATCH_BYTES = 256 << 10
+_BATCH_MESSAGES = 64
+READ_BUDGET = 2 << 20  # bytes read from one link per poll (ring bodies included)
+WRITE_BUDGET = 2 << 20  # bytes written to one link per poll (ring bodies included)
+
+
+class LinkOwner(Protocol):
+    """What a link needs from its transport."""
+
+    handler: MessageHandler
+    counters: Counters
+
+    def again(self, peer: int) -> None:
+        """Write more to ``peer`` on the next turn (its budget ran out, or it must retry)."""
+
+    def set_writing(self, link: Link, on: bool) -> None:
+        """Watch (or stop watching) ``link``'s socket for room to write."""
+
+    def lost(self, link: Link, reason: str, orderly: bool = False) -> None:
+        """The link ended."""
+
+
+class Link:
+    """A connection to one peer over a socket."""
+
+    def __init__(self, owner: LinkOwner, peer: int, sock: socket.socket) -> None:
+        self.owner = owner
+        self.peer = peer
+        self.sock = sock
+        self.out: deque[memoryview] = deque()
+        self.marks: deque[list[Any]] = deque()  # [bytes left in this message, token]
+        self.writing = False  # registered for EVENT_WRITE
+        self.header: Header | None = None  # the message whose body is arriving
+        self.body: memoryview | None = None
+        self.body_off = 0
+        self.goodbye = False
+        self.closed = False
+        self.write_closed = False  # we sent our last message and half-closed the socket
+        self._staging = bytearray(_STAGING)
+        self._rstart = 0
+        self._rend = 0
+
+    def pending_output(self) -> bool:
+        return bool(self.out)
+
+    def drop_output(self) -> None:
+        self.out.clear()
+        self.marks.clear()
+
+    def deliver(self) -> None:
+        """The arriving body is whole: hand the message on."""
+        header, body = self.header, self.body
+        assert header is not None and body is not None
+        self.header = None
+        self.body = None
+        self.body_off = 0
+        counters = self.owner.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+        self.owner.handler.received(self.peer, header, body)
+
+    # --- writing -------------------------------------------------------------------
+
+    def write(self, budget: int = WRITE_BUDGET) -> None:
+        if self.write_closed:
+            return  # after our last message; whatever the engine still has is moot
+        while True:
+            if not self.out:
+                if budget <= 0:
+                    # The rest goes out on the next poll(), so one poll never streams a
+                    # whole big op while a waiter's small op is already done.
+                    self.owner.again(self.peer)
+                    return
+                budget -= self._fill()
+                if not self.out:
+                    self.owner.set_writing(self, False)
+                    return
+            try:
+                n = self.sock.sendmsg(self.out)
+            except (BlockingIOError, InterruptedError):
+                self.owner.set_writing(self, True)
+                return
+            except OSError as exc:
+                self.owner.lost(self, f"send failed: {exc}")
+                return
+            self._consume(n)
+            if self.out:
+                self.owner.set_writing(self, True)
+                return
+
+    def _fill(self) -> int:
+        """Queue a batch of messages on ``out``; returns their bytes."""
+        handler = self.owner.handler
+        total = 0
+        count = 0
+        while total < BATCH_BYTES and count < _BATCH_MESSAGES:
+            msg = handler.next_outgoing(self.peer)
+            if msg is None:
+                break
+            header, body = msg.header, msg.body
+            size = len(header)
+            self.out.append(memoryview(header))
+            if body is not None and body.nbytes:
+                self.out.append(body)
+                size += body.nbytes
+            self.marks.append([size, msg.token])
+            total += size
+            count += 1
+        counters = self.owner.counters
+        counters.messages_sent += count
+        counters.bytes_sent += total
+        return total
+
+    def _consume(self, n: int) -> None:
+        out, marks = self.out, self.marks
+        left = n
+        while left:
+            head = out[0]
+            if head.nbytes <= left:
+                left -= head.nbytes
+                out.popleft()
+            else:
+                out[0] = head[left:]
+                left = 0
+        left = n
+        while left and marks:
+            mark = marks[0]
+            if mark[0] <= left:
+                left -= mark[0]
+                marks.popleft()
+                self.owner.handler.sent(self.peer, mark[1])
+            else:
+                mark[0] -= left
+                left = 0
+        # Zero-byte tail messages cannot exist: every message has a 64-byte header.
+
+    # --- reading -------------------------------------------------------------------
+
+    def read(self) -> None:
+        budget = READ_BUDGET
+        sock = self.sock
+        try:
+            while budget > 0 and not self.closed:
+                if self.body is not None:
+                    n = sock.recv_into(self.body[self.body_off:])
+                    if n == 0:
+                        self.eof()
+                        return
+                    budget -= n
+                    self.body_off += n
+                    if self.body_off == self.body.nbytes:
+                        self.deliver()
+                    continue
+                if self._rstart == self._rend:
+                    self._rstart = self._rend = 0
+                elif self._rend == len(self._staging):
+                    tail = self._staging[self._rstart:self._rend]
+                    self._staging[: len(tail)] = tail
+                    self._rstart, self._rend = 0, len(tail)
+                n = sock.recv_into(memoryview(self._staging)[self._rend:])
+                if n == 0:
+                    self.eof()
+                    return
+                budget -= n
+                self._rend += n
+                self._parse()
+        except (BlockingIOError, InterruptedError):
+            return
+        except WireError as exc:
+            self.owner.lost(self, f"corrupt stream: {exc}")
+        except OSError as exc:
+            self.owner.lost(self, f"receive failed: {exc}")
+
+    def _parse(self) -> None:
+        """Handle every whole header in the staging buffer."""
+        handler = self.owner.handler
+        staging = self._staging
+        while self.body is None and self._rend - self._rstart >= HEADER_SIZE:
+            start = self._rstart
+            header = unpack_header(memoryview(staging)[start:start + HEADER_SIZE])
+            self._rstart += HEADER_SIZE
+            if header.kind == Kind.GOODBYE:
+                self.goodbye = True
+            self.header = header
+            dest = handler.body_buffer(self.peer, header)
+            if dest.nbytes != header.nbytes:
+                raise AssertionError("body_buffer returned a buffer of the wrong size")
+            avail = min(self._rend - self._rstart, header.nbytes)
+            if avail:
+                dest[:avail] = staging[self._rstart:self._rstart + avail]
+                self._rstart += avail
+            self.body = dest
+            self.body_off = avail
+            if avail == header.nbytes:
+                self.deliver()
+
+    def eof(self) -> None:
+        self.owner.lost(self, "connection closed by peer", orderly=self.goodbye)

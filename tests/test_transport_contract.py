@@ -1,0 +1,101 @@
+"""Every transport passes the same contract (contract.py): inproc, tcp and shm with their
+ranks as threads of this process, mpi with real ranks under mpiexec."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from contract import check_rank
+from harness import mpiexec, run_ok
+from totalreduce.transport.base import Transport
+from totalreduce.transport.cma import cma_works
+from totalreduce.transport.inproc import InprocWorld
+from totalreduce.transport.mesh import connect_mesh
+from totalreduce.transport.shmring import shm_available
+
+
+def _in_threads(n: int, make: Callable[[int], Transport]) -> list[dict[str, int]]:
+    """Build rank r's transport with ``make(r)`` and run the contract, each rank in its
+    own thread; re-raise the first rank's failure."""
+    results: list[dict[str, int] | BaseException | None] = [None] * n
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = check_rank(make(r), timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    for r, res in enumerate(results):
+        if isinstance(res, BaseException):
+            raise AssertionError(f"rank {r} failed the contract") from res
+        assert res is not None, f"rank {r} hung"
+    return [res for res in results if isinstance(res, dict)]
+
+
+def _socket_mesh(n: int, ring_bytes: int, lend_bytes: int) -> Callable[[int], Transport]:
+    secret = secrets.token_bytes(32)
+    addrs: dict[int, str] = {}
+    cond = threading.Condition()
+
+    def publish_for(r: int) -> Callable[[str], None]:
+        def publish(addr: str) -> None:
+            with cond:
+                addrs[r] = addr
+                cond.notify_all()
+        return publish
+
+    def lookup(peer: int, timeout: float) -> str:
+        with cond:
+            assert cond.wait_for(lambda: peer in addrs, timeout)
+            return addrs[peer]
+
+    return lambda r: connect_mesh(r, n, secret, "contract", "127.0.0.1", "127.0.0.1",
+                                  publish_for(r), lookup, 30.0, ring_bytes, lend_bytes)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_inproc(n: int) -> None:
+    world = InprocWorld(n)
+    _in_threads(n, lambda r: world.transports[r])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_inproc_seeded(n: int) -> None:
+    world = InprocWorld(n, seed=n, link_messages=2)
+    _in_threads(n, lambda r: world.transports[r])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tcp(n: int) -> None:
+    _in_threads(n, _socket_mesh(n, 0, 0))
+
+
+@pytest.mark.skipif(not shm_available(), reason="no /dev/shm here")
+@pytest.mark.parametrize("n", [2, 3])
+def test_shm(n: int) -> None:
+    # Small rings: the 3 MiB body goes in chunks and fills the ring again and again.
+    stats = _in_threads(n, _socket_mesh(n, 64 << 10, 0))
+    assert all(s["bodies_lent"] == 0 for s in stats)
+
+
+@pytest.mark.skipif(not (shm_available() and cma_works()), reason="no cross-memory attach")
+def test_shm_lending() -> None:
+    stats = _in_threads(2, _socket_mesh(2, 64 << 10, 24 << 20))
+    # The two bodies of 64 KiB and more whose op claims 40 MiB are lent, to each peer.
+    assert all(s["bodies_lent"] == 2 for s in stats), stats
+
+
+@pytest.mark.skipif(mpiexec() is None, reason="needs mpi4py and mpiexec")
+def test_mpi() -> None:
+    result = run_ok(3, "workers:transport_contract", {}, timeout=120, transport="mpi")
+    for r in range(3):
+        assert "contract kept" in result.lines(r), result.explain()
