@@ -32,7 +32,7 @@ class Job:
         self.turns = 0
 
     def turn(self, rank: int) -> None:
-        self.engines[rank].step(0)
+        self.engines[rank].loop.step(0)
         self.turns += 1
 
     def run(self, plans: list[Plan], submit_chance: float | list[float] = 0.3,

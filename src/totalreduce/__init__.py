@@ -106,6 +106,14 @@ def _ops() -> Any:
     return _runtime.current().collectives
 
 
+def _blocking(call: Any) -> Any:
+    """Run a blocking collective: ``call(ops)`` submits, and this thread waits for it,
+    driving the engine's loop itself (the progress thread is not woken for it)."""
+    ops = _ops()
+    with ops.caller_waits():
+        return call(ops).wait()
+
+
 # --- allreduce ------------------------------------------------------------------------
 
 
@@ -145,13 +153,13 @@ def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
         PeerFailureError: a rank died.
         OpTimeoutError: the op waited longer than ``TOTALREDUCE_OP_TIMEOUT``.
     """
-    return _ops().allreduce(x, op, name, priority, inplace=False, blocking=True).wait()
+    return _blocking(lambda ops: ops.allreduce(x, op, name, priority, inplace=False))
 
 
 def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
                priority: int = 0) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``x``."""
-    return _ops().allreduce(x, op, name, priority, inplace=True, blocking=True).wait()
+    return _blocking(lambda ops: ops.allreduce(x, op, name, priority, inplace=True))
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
@@ -162,8 +170,7 @@ def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
 
 def grouped_allreduce(xs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                       priority: int = 0) -> list[np.ndarray]:
-    return _ops().grouped_allreduce(xs, op, name, priority, inplace=False,
-                                    blocking=True).wait()
+    return _blocking(lambda ops: ops.grouped_allreduce(xs, op, name, priority, False))
 
 
 def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
@@ -174,8 +181,7 @@ def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
 
 def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
                        name: str | None = None, priority: int = 0) -> list[np.ndarray]:
-    return _ops().grouped_allreduce(xs, op, name, priority, inplace=True,
-                                    blocking=True).wait()
+    return _blocking(lambda ops: ops.grouped_allreduce(xs, op, name, priority, True))
 
 
 # --- the others -----------------------------------------------------------------------
@@ -187,7 +193,7 @@ def allgather_async(x: Any, name: str | None = None, priority: int = 0) -> Handl
 
 
 def allgather(x: Any, name: str | None = None, priority: int = 0) -> np.ndarray:
-    return _ops().allgather(x, name, priority, blocking=True).wait()
+    return _blocking(lambda ops: ops.allgather(x, name, priority))
 
 
 def broadcast_async(x: Any, root_rank: int, name: str | None = None,
@@ -207,14 +213,12 @@ def broadcast_async_(x: np.ndarray, root_rank: int, name: str | None = None,
 
 def broadcast(x: Any, root_rank: int, name: str | None = None,
               priority: int = 0) -> np.ndarray:
-    return _ops().broadcast(x, root_rank, name, priority, inplace=False,
-                            blocking=True).wait()
+    return _blocking(lambda ops: ops.broadcast(x, root_rank, name, priority, inplace=False))
 
 
 def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
                priority: int = 0) -> np.ndarray:
-    return _ops().broadcast(x, root_rank, name, priority, inplace=True,
-                            blocking=True).wait()
+    return _blocking(lambda ops: ops.broadcast(x, root_rank, name, priority, inplace=True))
 
 
 def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
@@ -233,7 +237,7 @@ def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
 
 def alltoall(x: Any, splits: Any = None, name: str | None = None,
              priority: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    return _ops().alltoall(x, splits, name, priority, blocking=True).wait()
+    return _blocking(lambda ops: ops.alltoall(x, splits, name, priority))
 
 
 def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
@@ -247,12 +251,12 @@ def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
 
 def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
                   priority: int = 0) -> np.ndarray:
-    return _ops().reducescatter(x, op, name, priority, blocking=True).wait()
+    return _blocking(lambda ops: ops.reducescatter(x, op, name, priority))
 
 
 def barrier() -> None:
     """Return once every rank has entered the barrier."""
-    _ops().barrier(blocking=True).wait()
+    _blocking(lambda ops: ops.barrier())
 
 
 def join() -> int:

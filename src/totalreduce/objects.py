@@ -15,8 +15,11 @@ import numpy as np
 from . import runtime as _runtime
 
 
-def _ops() -> Any:
-    return _runtime.current().collectives
+def _wait(start: Any) -> Any:
+    """``start(ops)`` submits a collective; this thread waits for it, driving the loop."""
+    ops = _runtime.current().collectives
+    with ops.caller_waits():
+        return start(ops).wait()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
@@ -32,13 +35,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     me = _runtime.current().rank
     base = "broadcast_object" if name is None else name
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank else None
-    length = np.array([0 if payload is None else payload.size], np.int64)
-    length = _ops().broadcast(length, root_rank, f"{base}.len", 0, inplace=False,
-                              blocking=True).wait()
+    mine = np.array([0 if payload is None else payload.size], np.int64)
+    length = _wait(lambda ops: ops.broadcast(mine, root_rank, f"{base}.len", 0, False))
     if payload is None:
         payload = np.empty(int(length[0]), np.uint8)
-    data = _ops().broadcast(payload, root_rank, f"{base}.data", 0, inplace=False,
-                            blocking=True).wait()
+    out = payload
+    data = _wait(lambda ops: ops.broadcast(out, root_rank, f"{base}.data", 0, False))
     if me == root_rank:
         return obj
     return pickle.loads(data.tobytes())
@@ -48,9 +50,9 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """A list of every rank's ``obj``, in rank order (each pickled by its owner)."""
     base = "allgather_object" if name is None else name
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    lengths = _ops().allgather(np.array([payload.size], np.int64), f"{base}.len", 0,
-                               blocking=True).wait()
-    data = _ops().allgather(payload, f"{base}.data", 0, blocking=True).wait()
+    size = np.array([payload.size], np.int64)
+    lengths = _wait(lambda ops: ops.allgather(size, f"{base}.len", 0))
+    data = _wait(lambda ops: ops.allgather(payload, f"{base}.data", 0))
     out: list[Any] = []
     offset = 0
     for n in lengths.tolist():

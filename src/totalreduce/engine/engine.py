@@ -22,26 +22,25 @@ memory (views of its own arrays, no copy) once the lagging peer's floating budge
 and an op a rank is waiting for can always proceed: no deadlock, no data loss, and floating
 memory on any rank never exceeds the cap.
 
-Who runs the loop is driving.py's business; ops a joined rank serves, serving.py's.
+One turn of the loop and the way out are loop.py's; who runs the loop is driving.py's
+business; ops a joined rank serves, serving.py's.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import deque
 from typing import Any
 
 from ..config import Config
-from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError, TransportClosedError
+from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError
 from ..interrupts import deferred as ctrl_c
 from ..transport.base import Transport
 from ..transport.wire import Header, Kind
-from .driving import HOUSEKEEPING, Driver
+from .driving import Driver, Waiting
 from .handler import Handler
 from .inbox import Inbox
 from .ledger import CreditLedger
+from .loop import Loop
 from .mismatch_tracker import MismatchTracker
 from .opstate import LiveOp
 from .optable import OpTable
@@ -50,7 +49,6 @@ from .payload import OpFuture, OpSpec
 from .peers import PeerEvents
 from .reducer import ReduceThread
 from .serving import JoinServer, Server
-from .stall import overdue
 
 logger = logging.getLogger(__name__)
 
@@ -63,55 +61,54 @@ class Engine:
     def __init__(self, transport: Transport, config: Config, *, threaded: bool = True
                  ) -> None:
         """``threaded=False``: no progress thread and no reduce thread; the loop runs only
-        when a caller drives it (``wait``, or :meth:`step`): one-process tests."""
+        when a caller drives it (``wait``, or ``engine.loop.step``): one-process tests."""
         self.rank = transport.rank
         self.size = transport.size
         self.transport = transport
         self._config = config
         self.broken: TotalReduceError | None = None
         self.closing = False
-        self._commands: deque[tuple[str, Any, Any]] = deque()
-        self._completions: deque[Any] = deque()
+        self.loop = Loop(self, config)
+        self._commands = self.loop.commands
         peers = [p for p in range(self.size) if p != self.rank]
         self.ops = OpTable()
         self.ledger = CreditLedger(peers, config.floating_cap // max(1, self.size - 1))
         self.outbox = Outbox(peers, self.ledger, transport)
-        reducer = ReduceThread(self._completions.append, transport.wake) \
+        reducer = ReduceThread(self.loop.completions.append, transport.wake) \
             if threaded and config.reduce_thread_bytes >= 0 else None
         self._reducer = reducer
         self.inbox = Inbox(self, config, self.ledger, reducer)
         self.mismatches = MismatchTracker(self, config)
         self.peers = PeerEvents(self)
         self.serving = JoinServer(self)
-        self._closed = threading.Event()
-        self._shutdown_deadline: float | None = None
-        self._writes_closed = False  # GOODBYE (or ABORT) out, our write sides half-closed
-        self._await_eof = True  # whether the transport reports each peer's end
-        self._next_check = time.monotonic() + HOUSEKEEPING
-        self._driver = Driver(self.rank, transport, self, self._closed)
+        self._closed = self.loop.closed
+        self._driver = Driver(self.rank, transport, self.loop, self._closed)
+        self.loop.on_close = self._driver.closed
         transport.start(Handler(self))
         if threaded:
             self._driver.start()
 
     # --- public, any thread -----------------------------------------------------------
 
-    def submit(self, spec: OpSpec, blocking: bool = False) -> OpFuture:
-        """Start an op.  The future resolves with None or the op's error.
-
-        ``blocking=True`` promises that this thread waits on the future next, so it will
-        drive the op itself and the progress thread is left asleep.
-        """
+    def submit(self, spec: OpSpec) -> OpFuture:
+        """Start an op (on this thread, unless another drives the loop now).  The future
+        resolves with None or the op's error."""
         future = OpFuture(self.wait)
         if self.closing or self._closed.is_set():
             future.resolve(ShutdownError("cannot submit after shutdown()"))
             return future
         self._commands.append(("submit", spec, future))
-        self._driver.kick(future if blocking else None)
-        if not blocking:
-            self._driver.nudge()
+        self._driver.kick()
+        self._driver.nudge()  # the progress thread takes over, unless a caller waits
         if ctrl_c.pending:
             ctrl_c.raise_if_pending()
         return future
+
+    def caller_waits(self) -> Waiting:
+        """``with engine.caller_waits():`` this thread waits for what it submits inside,
+        driving the loop itself, so the progress thread is left asleep (a blocking call:
+        no hand-off between threads on its path)."""
+        return self._driver.waiting
 
     def wait(self, future: OpFuture, timeout: float | None) -> bool:
         """Wait for ``future`` (any future resolved by this engine's loop), driving the
@@ -172,72 +169,6 @@ class Engine:
         self._commands.append((what, arg, None))
         self.transport.wake()
         self._driver.nudge()
-
-    # --- the loop (driving.Loop) -------------------------------------------------------
-
-    def wanted(self) -> bool:
-        return bool(self.ops.active or self._commands or self._completions) \
-            or self._shutdown_deadline is not None or self.transport.has_backlog()
-
-    def idle_for(self) -> float | None:
-        if self._commands or self._completions:
-            return None
-        return max(0.0, min(HOUSEKEEPING, self._next_check - time.monotonic()))
-
-    def leaving(self) -> bool:
-        return self._shutdown_deadline is not None
-
-    def step(self, timeout: float | None, until: OpFuture | None = None) -> None:
-        """One turn of the loop; the caller holds the drive lock (or, unthreaded, is the
-        only thread).  ``timeout=None``: start what was submitted and flush, but read
-        nothing (a submit returns quickly)."""
-        if self._closed.is_set():
-            return
-        try:
-            while self._commands:
-                self._run_command(*self._commands.popleft())
-            while self._completions:
-                self.inbox.reduced(*self._completions.popleft())
-            if self._shutdown_deadline is not None and \
-                    self._shutdown_done(self._shutdown_deadline):
-                self._finish()
-                return
-            if timeout is None:
-                self.transport.flush()
-                return
-            busy = bool(self._commands or self._completions) or (
-                until is not None and until.done())  # done: do not block in poll()
-            self.transport.poll(0 if busy else timeout)
-            now = time.monotonic()
-            if now >= self._next_check:
-                self._next_check = now + HOUSEKEEPING
-                self._housekeeping(now)
-        except BaseException as exc:  # a bug: fail everything loudly rather than hang
-            logger.exception("rank %d: progress loop crashed", self.rank)
-            self.break_job(TotalReduceError(f"rank {self.rank}: internal error in the "
-                                            f"progress loop: {exc!r}"))
-            self._finish()
-
-    def _run_command(self, cmd: str, arg: Any, future: Any) -> None:
-        if cmd == "submit":
-            self.start(arg, future)
-        elif cmd == "forget":
-            self.ops.done.forget(arg)
-        elif cmd == "join":
-            self.serving.start(arg)
-        elif cmd == "joined":
-            self.serving.joined()
-        elif cmd == "abort":
-            self.break_job(PeerFailureError(self.rank, f"rank {self.rank} failed: {arg}"),
-                           self.rank)
-        elif self._shutdown_deadline is None:
-            self._shutdown_deadline = self._begin_shutdown()
-
-    def _housekeeping(self, now: float) -> None:
-        for op, error in self.mismatches.due(now):
-            self.fail(op, error)
-        for op, error in overdue(self.rank, self.ops.live(), now, self._config):
-            self.fail(op, error)
 
     # --- starting and ending ops -------------------------------------------------------
 
@@ -325,52 +256,3 @@ class Engine:
         for op in self.ops.live():
             self.fail(op, error)
         self.inbox.clear_floating()
-
-    # --- shutting down -----------------------------------------------------------------
-
-    def _begin_shutdown(self) -> float:
-        """Fail what is pending (as Horovod does), then tell every peer we are leaving.
-
-        Nothing of ours is sent after the GOODBYE, so a peer that reads it knows which of
-        its ops can no longer finish and fails them at once (peers.py)."""
-        self.closing = True
-        self.transport.resume()
-        for op in self.ops.live():
-            self.fail(op, TransportClosedError(
-                f"rank {self.rank}: {op.spec.label} was still pending at shutdown()"))
-        if self.broken is None:  # a broken job has told its peers already (ABORT)
-            self.outbox.tell_all(Header(Kind.GOODBYE))
-        return time.monotonic() + self._config.shutdown_timeout
-
-    def _shutdown_done(self, deadline: float) -> bool:
-        """Once our last message is out, half-close and wait only until every peer's
-        transport has seen that (it closes its end at once, whatever its application is
-        doing): closing with unread bytes would reset the connection.  We never wait
-        for the peers' own shutdown()."""
-        outbox = self.outbox
-        if time.monotonic() >= deadline:
-            left = sorted(set(outbox.peers) - outbox.closed)
-            if left:
-                logger.debug("rank %d: shutdown: links to %s still open after %.1f s",
-                             self.rank, left, self._config.shutdown_timeout)
-            return True
-        if not self._writes_closed:
-            if self.transport.pending_output() or outbox.has_control():
-                return False
-            self._writes_closed = True
-            # A broken job leaves at once: its peers read the ABORT before our end.
-            self._await_eof = self.transport.close_writes() and self.broken is None
-        return not self._await_eof or set(outbox.peers) <= outbox.closed
-
-    def _finish(self) -> None:
-        self.closing = True
-        for op in self.ops.live():
-            self.fail(op, self.broken or TransportClosedError(
-                f"rank {self.rank}: {op.spec.label} was still pending at shutdown()"))
-        while self._commands:
-            _cmd, _arg, future = self._commands.popleft()
-            if future is not None:
-                future.resolve(ShutdownError("cannot submit after shutdown()"))
-        self.transport.abort()
-        self._closed.set()
-        self._driver.closed()

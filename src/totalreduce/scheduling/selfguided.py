@@ -125,6 +125,11 @@ class SelfGuided:
         # repeat, and building and freezing the view dict cost ~15 us of a 1 MB op's ~200.
         self._known: LRU[tuple[Any, ...], tuple[dict[str, Any], int]] = LRU(_SPEC_CACHE)
 
+    def caller_waits(self) -> Any:
+        """``with ops.caller_waits():`` this thread waits for what it submits inside, and
+        drives the engine's loop itself meanwhile, so the progress thread is not woken."""
+        return self._engine.caller_waits()
+
     def stats(self) -> dict[str, int]:
         """Sizes of the bounded tables (tests and memory checks read them)."""
         with self._lock:
@@ -197,7 +202,7 @@ class SelfGuided:
     # --- allreduce ------------------------------------------------------------------
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
-                  inplace: bool, blocking: bool = False) -> Handle:
+                  inplace: bool) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "allreduce", name)
         check_op_dtype(rop, arr.dtype, _what("allreduce", name))
@@ -210,7 +215,7 @@ class SelfGuided:
             return {"kind": "allreduce", "dtype": str(arr.dtype), "shape": list(arr.shape),
                     "op": rop.label}
 
-        future = self._submit_reduce(ident, view, arr.dtype, work, rop, priority, blocking,
+        future = self._submit_reduce(ident, view, arr.dtype, work, rop, priority,
                                      ("allreduce", arr.dtype, arr.shape, rop))
 
         def finish() -> np.ndarray:
@@ -231,7 +236,7 @@ class SelfGuided:
     def _submit_reduce(self, ident: _Ident,
                        view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
                        work: np.ndarray, rop: ReduceOp, priority: int,
-                       blocking: bool = False, known: tuple[Any, ...] | None = None
+                       known: tuple[Any, ...] | None = None
                        ) -> OpFuture:
         small = self._config.small_bytes
         if small < 0:
@@ -257,10 +262,10 @@ class SelfGuided:
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
                           ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe)
-        return self._engine.submit(spec, blocking)
+        return self._engine.submit(spec)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
-                          priority: int, inplace: bool, blocking: bool = False) -> Handle:
+                          priority: int, inplace: bool) -> Handle:
         """Arrays of at least ``_FUSE_BELOW`` bytes go as ops of their own (in place when
         they can: no copy at all); the smaller ones of each dtype are fused into one op.
 
@@ -296,8 +301,7 @@ class SelfGuided:
                 writeback = inplace
             view = {"kind": "grouped_allreduce", "dtype": str(dtype),
                     "shape": [list(arrs[i].shape) for i in idx], "op": rop.label}
-            futures.append(self._submit_reduce(ident, view, dtype, work, rop, priority,
-                                               blocking))
+            futures.append(self._submit_reduce(ident, view, dtype, work, rop, priority))
             outputs.append((idx, work, writeback))
 
         def finish() -> list[np.ndarray]:
@@ -318,7 +322,7 @@ class SelfGuided:
     # --- broadcast ------------------------------------------------------------------
 
     def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
-                  inplace: bool, blocking: bool = False) -> Handle:
+                  inplace: bool) -> Handle:
         arr = _check_array(x, "broadcast", name)
         self._check_root(root_rank, "broadcast", name)
         if inplace and not isinstance(x, np.ndarray):
@@ -333,7 +337,7 @@ class SelfGuided:
         schedule = chain_broadcast(self.rank, self.size, int(root_rank), work.size,
                                    self._seg(arr.dtype))
         future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
-                                                work, priority), blocking)
+                                                work, priority))
 
         def finish() -> np.ndarray:
             if writeback:
@@ -349,8 +353,7 @@ class SelfGuided:
 
     # --- reducescatter --------------------------------------------------------------
 
-    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int,
-                      blocking: bool = False) -> Handle:
+    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "reducescatter", name)
         check_op_dtype(rop, arr.dtype, _what("reducescatter", name))
@@ -367,7 +370,7 @@ class SelfGuided:
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
         future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
                                                 work, priority, ufunc=UFUNCS[rop],
-                                                finalize=finalize), blocking)
+                                                finalize=finalize))
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         return Handle([future], lambda: work[lo:hi].reshape(shape), ident.label)
@@ -392,8 +395,7 @@ class SelfGuided:
         first.add_done_callback(start_second)
         return outer
 
-    def allgather(self, x: Any, name: str | None, priority: int,
-                  blocking: bool = False) -> Handle:
+    def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
         arr = _check_array(x, "allgather", name)
         if arr.ndim == 0:
             raise ValueError("allgather needs an array with at least one dimension")
@@ -405,8 +407,7 @@ class SelfGuided:
         sizes[rank] = arr.shape[0]
         sched = ring_allgatherv(rank, n, tuple(range(n + 1)), 1)
         first = self._engine.submit(self._spec(sizes_id, dict(view, phase="sizes"),
-                                               sizes.dtype, n, sched, sizes, priority),
-                                    blocking)
+                                               sizes.dtype, n, sched, sizes, priority))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         state: dict[str, np.ndarray] = {}
 
@@ -424,8 +425,7 @@ class SelfGuided:
                       lambda: state["out"].reshape((int(sizes.sum()), *arr.shape[1:])),
                       sizes_id.label)
 
-    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
-                 blocking: bool = False) -> Handle:
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
         arr = _check_array(x, "alltoall", name)
         what = "alltoall" + (f" '{name}'" if name else "")
         if arr.ndim == 0:
@@ -453,7 +453,7 @@ class SelfGuided:
         sched = pairwise_alltoallv(rank, n, unit, unit, 1)
         first = self._engine.submit(self._spec(splits_id, dict(view, phase="splits"),
                                                recv_rows.dtype, 0, sched, recv_rows, priority,
-                                               source=send_rows), blocking)
+                                               source=send_rows))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         flat = np.ascontiguousarray(arr).reshape(-1)
         state: dict[str, np.ndarray] = {}
@@ -501,8 +501,8 @@ class SelfGuided:
                           source=times, epoch=self._join_rounds + 1)
         self._engine.begin_join(serve)
         try:
-            Handle([self._engine.submit(spec, blocking=True)], lambda: None,
-                   ident.label).wait()
+            with self._engine.caller_waits():
+                Handle([self._engine.submit(spec)], lambda: None, ident.label).wait()
         finally:
             self._join_rounds += 1
             self._engine.end_join()
@@ -510,10 +510,9 @@ class SelfGuided:
 
     # --- barrier --------------------------------------------------------------------
 
-    def barrier(self, blocking: bool = False) -> Handle:
+    def barrier(self) -> Handle:
         ident = self._ident("barrier", None)
         work = np.zeros(1, np.uint8)
         view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
-        future = self._submit_reduce(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30,
-                                     blocking)
+        future = self._submit_reduce(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
         return Handle([future], lambda: None, ident.label)

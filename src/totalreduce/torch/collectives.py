@@ -90,6 +90,13 @@ def synchronize(handle: TorchHandle) -> Any:
     return handle.wait()
 
 
+def _blocking(start: Any) -> Any:
+    """A blocking form: ``start()`` submits the async form, and this thread waits for it,
+    driving the engine's loop itself (the progress thread is not woken for it)."""
+    with _ops().caller_waits():
+        return start().wait()
+
+
 def poll(handle: TorchHandle) -> bool:
     """True once the async collective behind ``handle`` is done; never blocks."""
     return handle.done()
@@ -208,8 +215,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         PeerFailureError: a rank died or left.
     """
     compressed, ctx = compression.compress(tensor)
-    out = allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
-                          process_set).wait()
+    out = _blocking(lambda: allreduce_async(compressed, average, name, op, prescale_factor,
+                                            postscale_factor, process_set))
     return compression.decompress(out, ctx)
 
 
@@ -217,8 +224,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                            process_set).wait()
+    return _blocking(lambda: allreduce_async_(tensor, average, name, op, prescale_factor,
+                                              postscale_factor, process_set))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -246,8 +253,9 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce a list of tensors together and return a list of new tensors."""
     pairs = [compression.compress(t) for t in tensors]
-    outs = _grouped([p[0] for p in pairs], average, name, op, prescale_factor,
-                    postscale_factor, process_set, inplace=False).wait()
+    outs = _blocking(lambda: _grouped([p[0] for p in pairs], average, name, op,
+                                      prescale_factor, postscale_factor, process_set,
+                                      inplace=False))
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]
 
 
@@ -256,8 +264,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`; returns ``tensors``."""
-    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor,
-                    process_set, inplace=True).wait()
+    return _blocking(lambda: _grouped(tensors, average, name, op, prescale_factor,
+                                      postscale_factor, process_set, inplace=True))
 
 
 def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | None,
@@ -301,7 +309,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    return allgather_async(tensor, name, process_set).wait()
+    return _blocking(lambda: allgather_async(tensor, name, process_set))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -335,12 +343,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    return broadcast_async(tensor, root_rank, name, process_set).wait()
+    return _blocking(lambda: broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+    return _blocking(lambda: broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
@@ -368,7 +376,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
-    return alltoall_async(tensor, splits, name, process_set).wait()
+    return _blocking(lambda: alltoall_async(tensor, splits, name, process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
@@ -395,8 +403,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     compressed, ctx = compression.compress(tensor)
-    out = reducescatter_async(compressed, name, op, process_set, prescale_factor,
-                              postscale_factor).wait()
+    out = _blocking(lambda: reducescatter_async(compressed, name, op, process_set,
+                                                prescale_factor, postscale_factor))
     return compression.decompress(out, ctx)
 
 

@@ -99,7 +99,7 @@ class TcpTransport(Transport):
         if self._ring_blocked():
             timeout = min(timeout, _RING_RETRY)
         try:
-            self._poller.select(timeout, WAIT_SLOT)
+            self._poller.select(timeout, WAIT_SLOT, self._pending)
         except (OSError, ValueError):
             return  # closed under us by the thread that holds the lock
 

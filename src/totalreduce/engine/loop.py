@@ -1,0 +1,164 @@
+"""One turn of the engine's loop, and the way out of it.
+
+A turn runs the commands other threads queued (submit, join, forget, abort, shutdown),
+takes the reduce thread's results, lets the transport do its I/O (which calls the
+outbox, the inbox and peers.py), and every ``HOUSEKEEPING`` seconds fails the ops that
+are mismatched or overdue.  Whoever drives (driving.py) calls :meth:`Loop.step`.
+
+Shutting down: fail what is pending (as Horovod does), tell every peer GOODBYE, wait
+until that is out, half-close, and wait only for each peer's transport to close its end
+(which it does on reading our EOF, whatever its application is doing), never for the
+peers' own shutdown().
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..config import Config
+from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError, TransportClosedError
+from ..transport.wire import Header, Kind
+from .driving import HOUSEKEEPING
+from .payload import OpFuture
+from .stall import overdue
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class Loop:
+    def __init__(self, engine: Engine, config: Config) -> None:
+        self._engine = engine
+        self._config = config
+        self._transport = engine.transport
+        self.commands: deque[tuple[str, Any, Any]] = deque()
+        self.completions: deque[Any] = deque()  # the reduce thread's results
+        self.closed = threading.Event()
+        self.on_close: Callable[[], None] | None = None  # told once the loop has ended
+        self._shutdown_deadline: float | None = None
+        self._writes_closed = False  # GOODBYE (or ABORT) out, our write sides half-closed
+        self._await_eof = True  # whether the transport reports each peer's end
+        self._next_check = time.monotonic() + HOUSEKEEPING
+
+    # --- what the driver asks (driving.Loop) -------------------------------------------
+
+    def wanted(self) -> bool:
+        return bool(self._engine.ops.active or self.commands or self.completions) \
+            or self._shutdown_deadline is not None or self._transport.has_backlog()
+
+    def idle_for(self) -> float | None:
+        if self.commands or self.completions:
+            return None
+        return max(0.0, min(HOUSEKEEPING, self._next_check - time.monotonic()))
+
+    def leaving(self) -> bool:
+        return self._shutdown_deadline is not None
+
+    def step(self, timeout: float | None, until: OpFuture | None = None) -> None:
+        """One turn; the caller holds the drive lock (or, unthreaded, is the only thread).
+        ``timeout=None``: start what was submitted and flush, but read nothing (a submit
+        returns quickly); ``until``: the driver's future (the turn that resolves it never
+        blocks)."""
+        if self.closed.is_set():
+            return
+        engine = self._engine
+        try:
+            while self.commands:
+                self._run(*self.commands.popleft())
+            while self.completions:
+                engine.inbox.reduced(*self.completions.popleft())
+            if self._shutdown_deadline is not None and \
+                    self._shutdown_done(self._shutdown_deadline):
+                self.finish()
+                return
+            if timeout is None:
+                self._transport.flush()
+                return
+            busy = bool(self.commands or self.completions) or (
+                until is not None and until.done())  # done: do not block in poll()
+            self._transport.poll(0 if busy else timeout)
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + HOUSEKEEPING
+                for op, error in engine.mismatches.due(now):
+                    engine.fail(op, error)
+                for op, error in overdue(engine.rank, engine.ops.live(), now, self._config):
+                    engine.fail(op, error)
+        except BaseException as exc:  # a bug: fail everything loudly rather than hang
+            logger.exception("rank %d: progress loop crashed", engine.rank)
+            engine.break_job(TotalReduceError(f"rank {engine.rank}: internal error in the "
+                                              f"progress loop: {exc!r}"))
+            self.finish()
+
+    def _run(self, cmd: str, arg: Any, future: Any) -> None:
+        engine = self._engine
+        if cmd == "submit":
+            engine.start(arg, future)
+        elif cmd == "forget":
+            engine.ops.done.forget(arg)
+        elif cmd == "join":
+            engine.serving.start(arg)
+        elif cmd == "joined":
+            engine.serving.joined()
+        elif cmd == "abort":
+            engine.break_job(PeerFailureError(engine.rank, f"rank {engine.rank} failed: "
+                                              f"{arg}"), engine.rank)
+        elif self._shutdown_deadline is None:
+            self._shutdown_deadline = self._begin_shutdown()
+
+    # --- the way out -------------------------------------------------------------------
+
+    def _begin_shutdown(self) -> float:
+        """Fail what is pending, then tell every peer we are leaving.  Nothing of ours is
+        sent after the GOODBYE, so a peer that reads it knows which of its ops can no
+        longer finish and fails them at once (peers.py)."""
+        engine = self._engine
+        engine.closing = True
+        self._transport.resume()
+        for op in engine.ops.live():
+            engine.fail(op, TransportClosedError(
+                f"rank {engine.rank}: {op.spec.label} was still pending at shutdown()"))
+        if engine.broken is None:  # a broken job has told its peers already (ABORT)
+            engine.outbox.tell_all(Header(Kind.GOODBYE))
+        return time.monotonic() + self._config.shutdown_timeout
+
+    def _shutdown_done(self, deadline: float) -> bool:
+        """Once our last message is out, half-close and wait only until every peer's
+        transport has seen that: closing with unread bytes would reset the connection."""
+        outbox = self._engine.outbox
+        if time.monotonic() >= deadline:
+            left = sorted(set(outbox.peers) - outbox.closed)
+            if left:
+                logger.debug("rank %d: shutdown: links to %s still open after %.1f s",
+                             self._engine.rank, left, self._config.shutdown_timeout)
+            return True
+        if not self._writes_closed:
+            if self._transport.pending_output() or outbox.has_control():
+                return False
+            self._writes_closed = True
+            # A broken job leaves at once: its peers read the ABORT before our end.
+            self._await_eof = self._transport.close_writes() and self._engine.broken is None
+        return not self._await_eof or set(outbox.peers) <= outbox.closed
+
+    def finish(self) -> None:
+        """Close: fail whatever is left, refuse what was queued, end the transport."""
+        engine = self._engine
+        engine.closing = True
+        for op in engine.ops.live():
+            engine.fail(op, engine.broken or TransportClosedError(
+                f"rank {engine.rank}: {op.spec.label} was still pending at shutdown()"))
+        while self.commands:
+            _cmd, _arg, future = self.commands.popleft()
+            if future is not None:
+                future.resolve(ShutdownError("cannot submit after shutdown()"))
+        self._transport.abort()
+        self.closed.set()
+        if self.on_close is not None:
+            self.on_close()
