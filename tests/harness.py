@@ -25,10 +25,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from reporting import read_reports
 from totalreduce.launcher.mpiexec import find_mpiexec
 
 HERE = Path(__file__).resolve().parent
@@ -44,6 +47,11 @@ class Result:
     stdout: str
     stderr: str
     elapsed: float
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def report(self, rank: int) -> dict[str, Any]:
+        """What rank ``rank`` reported (reporting.py); empty if it reported nothing."""
+        return self.reports.get(rank, {})
 
     def lines(self, rank: int) -> list[str]:
         out = []
@@ -63,6 +71,15 @@ class Result:
 def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
            env: dict[str, str] | None = None, launcher_args: tuple[str, ...] = (),
            transport: str = "shm") -> Result:
+    with tempfile.TemporaryDirectory(prefix="trtest-reports-") as reports:
+        result = _launch(n, target, arg, timeout, dict(env or {}, WORKER_REPORT_DIR=reports),
+                         launcher_args, transport)
+        result.reports = read_reports(reports)
+        return result
+
+
+def _launch(n: int, target: str, arg: object, timeout: float, env: dict[str, str],
+            launcher_args: tuple[str, ...], transport: str) -> Result:
     full_env = dict(os.environ)
     for key in list(full_env):
         if key.startswith("TOTALREDUCE_"):

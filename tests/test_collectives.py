@@ -12,11 +12,11 @@ pytestmark = pytest.mark.multiprocess
 
 def _check(result, n: int, transport: str = "") -> None:
     for r in range(n):
-        lines = [ln for ln in result.lines(r) if ln.startswith("checked ")]
-        assert len(lines) == 1, result.explain()
+        got = result.report(r)
+        assert got.get("checked", 0) > 0, result.explain()
         # The shm runs really used rings with every other rank; the others used none.
         want = [p for p in range(n) if p != r] if transport == "shm" else []
-        assert lines[0].endswith(f"rings with {want}"), lines[0]
+        assert got["rings"] == want, got
 
 
 def _shm_files() -> set[str]:
@@ -71,10 +71,9 @@ def test_lent_bodies_match_numpy(n: int) -> None:
                     env={"TOTALREDUCE_CMA_BYTES": "1",
                          "TOTALREDUCE_SEGMENT_BYTES": str(128 << 10)}, timeout=150)
     for r in range(n):
-        lent = [ln for ln in result.lines(r) if ln.startswith("lent ")]
-        assert len(lent) == 1, result.explain()
+        lent = result.report(r)["lent"]
         if cma_works():
-            assert int(lent[0].split()[1]) > 10, lent[0]
+            assert lent > 10, lent
 
 
 def test_large_bodies_are_copied_when_lending_is_off() -> None:
@@ -82,7 +81,7 @@ def test_large_bodies_are_copied_when_lending_is_off() -> None:
                     env={"TOTALREDUCE_CMA_BYTES": "0",
                          "TOTALREDUCE_SEGMENT_BYTES": str(128 << 10)}, timeout=150)
     for r in range(2):
-        assert "lent 0 bodies" in result.lines(r), result.explain()
+        assert result.report(r)["lent"] == 0, result.explain()
 
 
 def test_out_of_order_async_ops(transport: str) -> None:
@@ -98,8 +97,7 @@ def test_lagging_rank_stays_under_floating_cap(transport: str) -> None:
     # 200 ops x 16 KiB raced ahead: far more than the cap, so flow control had to work.
     # Over TCP early data must be read off the socket, so some of it floats; over the
     # rings it may all wait in the ring until its op is submitted (peak 0).
-    peaks = [int(line.split()[2]) for r in range(3) for line in result.lines(r)
-             if line.startswith("floating peak")]
+    peaks = [result.report(r)["floating_peak"] for r in range(3)]
     assert len(peaks) == 3 and max(peaks) <= cap, result.explain()
     if transport == "tcp":
         assert max(peaks) > 0, result.explain()
@@ -109,9 +107,8 @@ def test_lagging_rank_stays_under_floating_cap(transport: str) -> None:
 def test_data_before_the_op_waits_in_the_ring_but_never_blocks(transport: str) -> None:
     result = run_ok(2, "workers:early_data", {}, timeout=60, transport=transport)
     for r in range(2):
-        assert "early data ok" in result.lines(r), result.explain()
-    floated = [int(ln.split()[-1]) for ln in result.lines(1)
-               if ln.startswith("floating after one early op")]
+        assert result.report(r)["early_data_ok"], result.explain()
+    floated = [result.report(1)["floating_after_early_op"]]
     # Over the rings the early piece is reduced straight out of the ring; over TCP it
     # must be read off the socket, so it floats.
     assert floated == ([0] if transport == "shm" else [1_000_004]), result.explain()
@@ -125,11 +122,7 @@ def test_ready_rides_on_data_unless_credit_runs_out(cap: int) -> None:
     # forever; the later rank may already hold its peer's READY and let its DATA say it.
     result = run_ok(2, "workers:ready_messages", {"elems": 10001},
                     env={"TOTALREDUCE_FLOATING_CAP": str(cap)}, timeout=60)
-    sent = []
-    for r in range(2):
-        sent += [int(line.split()[2]) for line in result.lines(r)
-                 if line.startswith("ready sent")]
-    assert len(sent) == 2, result.explain()
+    sent = [result.report(r)["ready_sent"] for r in range(2)]
     if cap > 4096:
         assert sent == [0, 0], result.explain()
     else:
@@ -138,7 +131,7 @@ def test_ready_rides_on_data_unless_credit_runs_out(cap: int) -> None:
 
 def test_priority_overtakes_big_op(transport: str) -> None:
     result = run_ok(2, "workers:priority", {}, timeout=90, transport=transport)
-    assert all("small first: True" in result.lines(r) for r in range(2)), result.explain()
+    assert all(result.report(r)["small_first"] for r in range(2)), result.explain()
 
 
 def test_submit_while_a_floating_body_is_arriving() -> None:

@@ -19,7 +19,7 @@ def test_env_and_prefixed_output_and_exit_code() -> None:
                     timeout=30)
     assert result.returncode == 7, result.explain()
     for r in range(3):
-        assert f"env rank={r} size=3" in result.lines(r), result.explain()
+        assert result.report(r) == {"env_rank": r, "env_size": 3}, result.explain()
     assert re.search(r"rank 2 \(pid \d+\) failed: exit code 7", result.stderr)
 
 

@@ -6,6 +6,7 @@ compares its own distributed result with it.
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 import totalreduce.torch as hvd
+from reporting import report
 
 torch.set_num_threads(1)
 
@@ -150,7 +152,7 @@ def collectives(arg: dict) -> None:
         time.sleep(0.001)
     close(hvd.synchronize(h), torch.zeros(3), "poll")
     hvd.barrier()
-    print("collectives ok")
+    report(collectives_ok=True)
 
 
 def t_np(dtype: torch.dtype) -> np.dtype:
@@ -211,7 +213,7 @@ def equivalence(arg: dict) -> None:
         for (name, p), q in zip(model.named_parameters(), reference.parameters(),
                                 strict=True):
             close(p.detach(), q.detach(), f"{case} {name}", tol)
-        print("equivalent", case)
+        report(**{f"equivalent {json.dumps(case, sort_keys=True)}": True})
 
 
 def optimizer_state(arg: dict) -> None:
@@ -240,7 +242,7 @@ def optimizer_state(arg: dict) -> None:
                                      named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(fresh, root_rank=0)
     assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state_dict()["state"]
-    print("optimizer state ok")
+    report(optimizer_state_ok=True)
 
 
 def horovod_script(arg: dict) -> None:
@@ -274,8 +276,7 @@ def overlap(arg: dict) -> None:
             early += 1
         waits.append(t.waited)
         spans.append(max(t.completions) - min(t.launches))
-    print(f"overlap early={early} waited={[round(w, 4) for w in waits]} "
-          f"comm={[round(s, 4) for s in spans]}")
+    report(overlap_early=early, waited=waits, comm=spans)
     assert early == 4, "no reduction started before backward ended"
     assert sorted(w < s for w, s in zip(waits, spans, strict=True)).count(True) >= 3, \
         (waits, spans)
@@ -329,7 +330,7 @@ def unused_and_join(arg: dict) -> None:
             close(p.detach(), q.detach(), f"epoch {epoch} {name}", 1e-5)
     assert torch.equal(model.unused.weight.detach(), before)
     assert torch.equal(model.unused.weight.grad, torch.zeros(4, 4))
-    print("unused and join ok", last)
+    report(unused_and_join_ok=last)
 
 
 def joined_rank_refuses(arg: dict) -> None:
@@ -338,13 +339,13 @@ def joined_rank_refuses(arg: dict) -> None:
     r = hvd.rank()
     if r == 0:
         hvd.join()
-        print("joined")
+        report(joined=True)
         return
     try:
         hvd.broadcast(torch.ones(3), root_rank=1, name="after-join")
     except hvd.MismatchError as exc:
         assert "join()" in str(exc), exc
-        print("refused:", exc)
+        report(refused=str(exc))
     else:
         raise AssertionError("a broadcast ran with a joined rank")
     hvd.join()
@@ -360,7 +361,7 @@ def model_mismatch(arg: dict) -> None:
                                  named_parameters=model.named_parameters())
     except hvd.MismatchError as exc:
         assert "2.weight" in str(exc) or "0.weight" in str(exc), exc
-        print("mismatch:", exc)
+        report(mismatch=str(exc))
         return
     raise AssertionError("a model whose shapes differ was accepted")
 
@@ -410,7 +411,7 @@ def misuse(arg: dict) -> None:
         assert "backward_passes_per_step" in str(exc), exc
     else:
         raise AssertionError("a third backward pass was accepted")
-    print("misuse ok")
+    report(misuse_ok=True)
 
 
 def ddp_hook(arg: dict) -> None:
@@ -434,7 +435,7 @@ def ddp_hook(arg: dict) -> None:
     for a, b in zip(*weights, strict=True):
         close(a, b, "hooked vs gloo", 1e-5)
     dist.destroy_process_group()
-    print("ddp hook ok")
+    report(ddp_hook_ok=True)
 
 
 def cuda_tensors(arg: dict) -> None:
@@ -446,4 +447,4 @@ def cuda_tensors(arg: dict) -> None:
     close(out.cpu(), torch.full((1000,), float(n * (n + 1) // 2)), "cuda allreduce")
     hvd.allreduce_(x, op=hvd.Sum)
     close(x.cpu(), torch.full((1000,), float(n * (n + 1) // 2)), "cuda in place")
-    print("cuda ok")
+    report(cuda_ok=True)

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import totalreduce as tr
+from reporting import report
 
 DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64, np.float16,
           np.float32, np.float64]
@@ -157,7 +158,7 @@ def check_collectives(arg: dict) -> None:
     rings = transport.ring_peers() if hasattr(transport, "ring_peers") else []
     tr.barrier()
     tr.shutdown()
-    print(f"checked {checked} results on {n} ranks; rings with {rings}")
+    report(checked=checked, rings=rings)
 
 
 def out_of_order(arg: dict) -> None:
@@ -257,7 +258,7 @@ def lent_bodies(arg: dict) -> None:
     tr.barrier()
     lent = tr.transport_stats()["bodies_lent"]
     tr.shutdown()
-    print(f"lent {lent} bodies")
+    report(lent=lent)
 
 
 def ready_messages(arg: dict) -> None:
@@ -273,7 +274,7 @@ def ready_messages(arg: dict) -> None:
         want = reference_reduce([data(i, r, (arg["elems"],), np.float32) for r in range(n)],
                                 "Sum")
         assert_same(tr.allreduce(x, op=tr.Sum, name=f"r{i}"), want, f"r{i}")
-    print("ready sent", current().engine.stats()["ready_sent"] - before)
+    report(ready_sent=current().engine.stats()["ready_sent"] - before)
 
 
 def lagging_rank(arg: dict) -> None:
@@ -294,7 +295,7 @@ def lagging_rank(arg: dict) -> None:
         assert_same(h.wait(timeout=60), want, f"lag{i}")
     stats = current().engine.stats()
     assert stats["floating_peak"] <= stats["floating_cap"], stats
-    print(f"floating peak {stats['floating_peak']} cap {stats['floating_cap']}")
+    report(floating_peak=stats["floating_peak"], floating_cap=stats["floating_cap"])
     tr.shutdown()
 
 
@@ -315,7 +316,7 @@ def mismatch(arg: dict) -> None:
     try:
         tr.allreduce(x, op=op, name="grad.w")
     except tr.MismatchError as exc:
-        print(f"MISMATCH after {time.monotonic() - start:.2f}s: {exc}".replace("\n", " | "))
+        report(mismatch=str(exc), after_s=time.monotonic() - start)
     else:
         raise AssertionError("no MismatchError")
     # The job goes on after a mismatch.
@@ -338,7 +339,7 @@ def killed_peer(arg: dict) -> None:
         while True:
             tr.allreduce(x)
     except tr.PeerFailureError as exc:
-        print(f"CAUGHT rank={exc.rank} after {time.monotonic() - start:.2f}s: {exc}")
+        report(caught_rank=exc.rank, after_s=time.monotonic() - start, caught=str(exc))
         sys.exit(3)
 
 
@@ -379,7 +380,7 @@ def strangers(arg: dict) -> None:
     got = tr.allreduce(np.arange(10, dtype=np.float64) * (tr.rank() + 1), op=tr.Sum)
     assert np.array_equal(got, np.arange(10) * sum(range(1, tr.size() + 1)))
     tr.shutdown()
-    print("job finished correctly")
+    report(finished=True)
 
 
 def tr_rank() -> int:
@@ -396,7 +397,7 @@ def priority(arg: dict) -> None:
     big_done_first = hbig.done()
     assert hbig.wait(timeout=60)[0] == tr.size()
     assert hsmall.wait()[0] == tr.size()
-    print(f"small first: {not big_done_first}")
+    report(small_first=not big_done_first)
     assert not big_done_first, "the 64 MB op finished before the urgent small one"
     tr.shutdown()
 
@@ -409,7 +410,7 @@ def op_timeout(arg: dict) -> None:
     try:
         tr.allreduce(np.ones(3), name=f"late{tr.rank()}")
     except tr.OpTimeoutError as exc:
-        print(f"TIMEOUT after {time.monotonic() - start:.2f}s: {exc}")
+        report(timeout=str(exc), after_s=time.monotonic() - start)
     else:
         raise AssertionError("no OpTimeoutError")
     # Leaving now would fail the late rank's op (PeerFailureError) before it times out.
@@ -434,7 +435,7 @@ def sleep_forever(arg: dict) -> None:
 
 def exit_with(arg: dict) -> None:
     rank = tr_rank()
-    print(f"env rank={rank} size={os.environ['TOTALREDUCE_SIZE']}")
+    report(env_rank=rank, env_size=int(os.environ["TOTALREDUCE_SIZE"]))
     if rank == arg["rank"]:
         sys.exit(arg["code"])
     time.sleep(arg.get("others_sleep", 0))
@@ -472,7 +473,7 @@ def early_data(arg: dict) -> None:
         time.sleep(0.3)  # rank 0's piece is in our ring, unread, before we submit
     assert_same(tr.allreduce(ins[rank], op=tr.Sum, name="early"), reference_reduce(ins, "Sum"),
                 "early")
-    print(f"floating after one early op {engine.stats()['floating_peak']}")
+    report(floating_after_early_op=engine.stats()["floating_peak"])
     # Rank 1 submits y before x, rank 0 x before y: with y running, the x piece in front
     # of y's in the ring must be read (and floated), or rank 1 would wait forever.
     xs = [data(2, r, (1001,), np.float64) for r in range(n)]
@@ -497,7 +498,7 @@ def early_data(arg: dict) -> None:
         time.sleep(1.5)
         assert engine.broken is None, engine.broken
         tr.shutdown()
-    print("early data ok")
+    report(early_data_ok=True)
 
 
 # --- defects: memory, mismatched broadcasts, failures, interrupts -----------------------
@@ -592,7 +593,7 @@ def soak(arg: dict) -> None:
             time.sleep(mine.uniform(0, 0.003))
     while pending:
         settle(pending.pop())
-    print(f"RSS warm {rss['warm']:.1f} MB end {_rss_mb():.1f} MB after {arg['ops']} ops")
+    report(rss_warm_mb=rss["warm"], rss_end_mb=_rss_mb(), ops=arg["ops"])
     tr.shutdown()
 
 
@@ -614,10 +615,9 @@ def broadcast_mismatch(arg: dict) -> None:
             else:
                 tr.allreduce(x, name="weights")
     except tr.MismatchError as exc:
-        text = str(exc).replace("\n", " | ")
-        print(f"MISMATCH after {time.monotonic() - start:.2f}s: {text}")
+        report(mismatch=str(exc), after_s=time.monotonic() - start)
     else:
-        print("RETURNED DATA")
+        report(returned_data=True)
     tr.shutdown()
 
 
@@ -628,11 +628,11 @@ def raise_midloop(arg: dict) -> None:
     try:
         for i in range(1_000_000):
             if rank == arg["victim"] and i == 30:
-                print(f"RAISING at {time.time():.3f}", flush=True)
+                report(raising_at=time.time())
                 raise RuntimeError(f"boom on rank {rank}")
             tr.allreduce(np.ones(1000), name="step")
     except tr.PeerFailureError as exc:
-        print(f"CAUGHT rank={exc.rank} at {time.time():.3f}: {exc}", flush=True)
+        report(caught_rank=exc.rank, caught_at=time.time(), caught=str(exc))
         raise
 
 
@@ -650,7 +650,7 @@ def leave_midop(arg: dict) -> None:
     try:
         tr.allreduce(np.ones(10), name="never")
     except tr.PeerFailureError as exc:
-        print(f"CAUGHT rank={exc.rank} after {time.monotonic() - start:.2f}s: {exc}")
+        report(caught_rank=exc.rank, after_s=time.monotonic() - start, caught=str(exc))
     else:
         raise AssertionError("the op finished without rank 1")
     tr.shutdown()
@@ -665,7 +665,7 @@ def slow_to_shutdown(arg: dict) -> None:
         time.sleep(arg["checkpoint"])
     start = time.monotonic()
     tr.shutdown()
-    print(f"SHUTDOWN took {time.monotonic() - start:.2f}s")
+    report(shutdown_s=time.monotonic() - start)
 
 
 def interruptible_loop(arg: dict) -> None:
@@ -722,9 +722,9 @@ def fuzz_acceptor(arg: dict) -> None:
         assert_same(tr.allreduce(x, op=tr.Sum, name=f"fz{i}"), want, f"fz{i}")
     if rank == 0:
         thrower.join(60)
-        print(f"fuzzed the listener with {tried[0]} inputs")
+        report(fuzzed=tried[0])
     tr.barrier()
-    print("job finished correctly")
+    report(finished=True)
 
 
 def transport_contract(arg: dict) -> None:
@@ -737,5 +737,4 @@ def transport_contract(arg: dict) -> None:
     stats = check_rank(connected.transport)
     if connected.close is not None:
         connected.close()
-    print(f"contract kept: {stats}")
-    print("contract kept")
+    report(contract_kept=stats)

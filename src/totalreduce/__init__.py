@@ -106,14 +106,6 @@ def _ops() -> Any:
     return _runtime.current().collectives
 
 
-def _blocking(call: Any) -> Any:
-    """Run a blocking collective: ``call(ops)`` submits, and this thread waits for it,
-    driving the engine's loop itself (the progress thread is not woken for it)."""
-    ops = _ops()
-    with ops.caller_waits():
-        return call(ops).wait()
-
-
 # --- allreduce ------------------------------------------------------------------------
 
 
@@ -153,13 +145,17 @@ def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
         PeerFailureError: a rank died.
         OpTimeoutError: the op waited longer than ``TOTALREDUCE_OP_TIMEOUT``.
     """
-    return _blocking(lambda ops: ops.allreduce(x, op, name, priority, inplace=False))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.allreduce(x, op, name, priority, inplace=False).wait()
 
 
 def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
                priority: int = 0) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``x``."""
-    return _blocking(lambda ops: ops.allreduce(x, op, name, priority, inplace=True))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.allreduce(x, op, name, priority, inplace=True).wait()
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
@@ -170,7 +166,9 @@ def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
 
 def grouped_allreduce(xs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                       priority: int = 0) -> list[np.ndarray]:
-    return _blocking(lambda ops: ops.grouped_allreduce(xs, op, name, priority, False))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.grouped_allreduce(xs, op, name, priority, False).wait()
 
 
 def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
@@ -181,7 +179,9 @@ def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
 
 def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
                        name: str | None = None, priority: int = 0) -> list[np.ndarray]:
-    return _blocking(lambda ops: ops.grouped_allreduce(xs, op, name, priority, True))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.grouped_allreduce(xs, op, name, priority, True).wait()
 
 
 # --- the others -----------------------------------------------------------------------
@@ -193,7 +193,9 @@ def allgather_async(x: Any, name: str | None = None, priority: int = 0) -> Handl
 
 
 def allgather(x: Any, name: str | None = None, priority: int = 0) -> np.ndarray:
-    return _blocking(lambda ops: ops.allgather(x, name, priority))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.allgather(x, name, priority).wait()
 
 
 def broadcast_async(x: Any, root_rank: int, name: str | None = None,
@@ -213,12 +215,16 @@ def broadcast_async_(x: np.ndarray, root_rank: int, name: str | None = None,
 
 def broadcast(x: Any, root_rank: int, name: str | None = None,
               priority: int = 0) -> np.ndarray:
-    return _blocking(lambda ops: ops.broadcast(x, root_rank, name, priority, inplace=False))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.broadcast(x, root_rank, name, priority, inplace=False).wait()
 
 
 def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
                priority: int = 0) -> np.ndarray:
-    return _blocking(lambda ops: ops.broadcast(x, root_rank, name, priority, inplace=True))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.broadcast(x, root_rank, name, priority, inplace=True).wait()
 
 
 def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
@@ -237,7 +243,9 @@ def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
 
 def alltoall(x: Any, splits: Any = None, name: str | None = None,
              priority: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    return _blocking(lambda ops: ops.alltoall(x, splits, name, priority))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.alltoall(x, splits, name, priority).wait()
 
 
 def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
@@ -251,12 +259,16 @@ def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
 
 def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
                   priority: int = 0) -> np.ndarray:
-    return _blocking(lambda ops: ops.reducescatter(x, op, name, priority))
+    ops = _ops()
+    with ops.caller_waits():
+        return ops.reducescatter(x, op, name, priority).wait()
 
 
 def barrier() -> None:
     """Return once every rank has entered the barrier."""
-    _blocking(lambda ops: ops.barrier())
+    ops = _ops()
+    with ops.caller_waits():
+        ops.barrier().wait()
 
 
 def join() -> int:

@@ -38,6 +38,8 @@ class Loop(Protocol):
         """How long the progress thread may wait for I/O without the lock before the
         loop's next check; None: it has queued work and must not wait."""
 
+    ended: bool  # the loop has closed for good
+
     def leaving(self) -> bool:
         """Whether the engine is shutting down (the progress thread then drives even
         while callers do, until the loop ends)."""
@@ -57,10 +59,13 @@ class Driver:
         self._closed = closed
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding the lock (to refuse re-entry)
-        self._idle = threading.Condition()  # the progress thread sleeps here meanwhile
+        # The progress thread sleeps here while callers drive.
+        self._idle = threading.Condition(threading.Lock())
         self._drivers = 0  # threads waiting for their op, driving it themselves
         self._driving = _Driving(self)
         self.waiting = Waiting(self)
+        self._local = threading.local()  # .waits: depth of caller_waits() on this thread
+        self._caller_waits = CallerWaits(self)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -77,15 +82,32 @@ class Driver:
 
     # --- entry points ------------------------------------------------------------------
 
-    def kick(self) -> None:
-        """Start what was just submitted on this thread if nobody drives; else the driver
-        picks it up."""
+    def kick(self, future: OpFuture) -> None:
+        """Start what was just submitted (``future``'s op) on this thread if nobody drives;
+        else the driver picks it up.  Inside :meth:`caller_waits`, keep driving until
+        ``future`` is done: the caller waits for it next anyway, and keeping the loop saves
+        the trip back out and in again through wait(), which lies on the path of the rank
+        that arrives last (a 4-byte allreduce at 2 ranks: 42 us instead of 50)."""
         if not self._lock.acquire(blocking=False):
             self._transport.wake()  # whoever holds the lock picks the command up
             return
+        if not getattr(self._local, "waits", 0):
+            with self._driving:
+                if not self._loop.ended:
+                    self._step(None)
+            return
         with self._driving:
-            if not self._closed.is_set():
-                self._step(None)
+            if not self._loop.ended:
+                self._step(None)  # start and send; then look for replies
+            while not future.done() and not self._loop.ended:
+                if ctrl_c.pending:
+                    ctrl_c.raise_if_pending()
+                self._step(HOUSEKEEPING, future)
+
+    def caller_waits(self) -> CallerWaits:
+        """``with driver.caller_waits():`` this thread waits for each op it submits inside,
+        and drives the loop meanwhile (see :meth:`kick`)."""
+        return self._caller_waits
 
     def wait(self, future: OpFuture, timeout: float | None) -> bool:
         """Wait for ``future`` (any future resolved by the loop) by driving the loop on this
@@ -112,7 +134,7 @@ class Driver:
                         self._transport.wake()  # a holder blocked in poll() lets go sooner
                     continue
                 with self._driving:
-                    while not future.done() and not self._closed.is_set():
+                    while not future.done() and not self._loop.ended:
                         if ctrl_c.pending:
                             ctrl_c.raise_if_pending()
                         left = None if deadline is None else deadline - time.monotonic()
@@ -206,6 +228,30 @@ class Waiting:
 
     def __exit__(self, *exc: object) -> None:
         driver = self._driver
+        with driver._idle:
+            driver._drivers -= 1
+        driver.nudge()
+
+
+class CallerWaits:
+    """See :meth:`Driver.caller_waits`: a driver (the progress thread stays asleep) whose
+    thread drives each op it submits to the end."""
+
+    __slots__ = ("_driver",)
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+
+    def __enter__(self) -> None:
+        driver = self._driver
+        with driver._idle:
+            driver._drivers += 1
+        local = driver._local
+        local.waits = getattr(local, "waits", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        driver = self._driver
+        driver._local.waits -= 1
         with driver._idle:
             driver._drivers -= 1
         driver.nudge()

@@ -36,7 +36,7 @@ from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError
 from ..interrupts import deferred as ctrl_c
 from ..transport.base import Transport
 from ..transport.wire import Header, Kind
-from .driving import Driver, Waiting
+from .driving import CallerWaits, Driver
 from .handler import Handler
 from .inbox import Inbox
 from .ledger import CreditLedger
@@ -98,17 +98,17 @@ class Engine:
             future.resolve(ShutdownError("cannot submit after shutdown()"))
             return future
         self._commands.append(("submit", spec, future))
-        self._driver.kick()
+        self._driver.kick(future)
         self._driver.nudge()  # the progress thread takes over, unless a caller waits
         if ctrl_c.pending:
             ctrl_c.raise_if_pending()
         return future
 
-    def caller_waits(self) -> Waiting:
-        """``with engine.caller_waits():`` this thread waits for what it submits inside,
-        driving the loop itself, so the progress thread is left asleep (a blocking call:
-        no hand-off between threads on its path)."""
-        return self._driver.waiting
+    def caller_waits(self) -> CallerWaits:
+        """``with engine.caller_waits():`` this thread waits for each op it submits inside,
+        driving the loop itself until the op is done, so the progress thread is left
+        asleep (a blocking call: no hand-off between threads on its path)."""
+        return self._driver.caller_waits()
 
     def wait(self, future: OpFuture, timeout: float | None) -> bool:
         """Wait for ``future`` (any future resolved by this engine's loop), driving the
@@ -207,14 +207,15 @@ class Engine:
             if spec.finalize is not None and hi > lo:
                 spec.finalize(spec.work[lo:hi])
         inbox = self.inbox
-        for item in inbox.take_floating(key):
-            if op.finished:
-                inbox.scratch.put(item.buf)
-            else:
-                inbox.deliver(op, item.src, item.header, item.buf, True)
-        if op.finished or op.mismatch is not None:
-            return  # a mismatch found in floating pieces: housekeeping raises after grace
-        if self.mismatches.started(op):
+        if key in inbox.floating:
+            for item in inbox.take_floating(key):
+                if op.finished:
+                    inbox.scratch.put(item.buf)
+                else:
+                    inbox.deliver(op, item.src, item.header, item.buf, True)
+            if op.finished or op.mismatch is not None:
+                return  # a mismatch found in floating pieces: housekeeping raises later
+        if len(self.mismatches) and self.mismatches.started(op):
             return
         # A peer we send to right away learns that we are ready from that DATA message
         # (FLAG_READY): one message fewer per op and peer.  The others get a READY now.

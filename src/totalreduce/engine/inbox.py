@@ -37,7 +37,7 @@ class Inbox:
         self._reducer = reducer
         self._reduce_min = config.reduce_thread_bytes
         self._routes: dict[int, Route] = {}
-        self._floating: dict[OpKey, list[FloatingBody]] = {}
+        self.floating: dict[OpKey, list[FloatingBody]] = {}  # bodies before their op
         self.floating_bytes = 0
         self.floating_peak = 0
         self.scratch = ScratchPool(config.scratch_bytes)
@@ -102,7 +102,7 @@ class Inbox:
             key = header.op_key
             op = self._ops.active.get(key)
             if op is None and key not in self._ops.done:
-                self._floating.setdefault(key, []).append(item)
+                self.floating.setdefault(key, []).append(item)
                 return
             # The op was submitted (or even failed) while this body was still arriving.
             self._unfloat(item)
@@ -146,28 +146,28 @@ class Inbox:
     def take_floating(self, key: OpKey) -> list[FloatingBody]:
         """The bodies of op ``key`` that came before it was submitted here, no longer
         counted as floating (their credit now owed back)."""
-        items = self._floating.pop(key, [])
+        items = self.floating.pop(key, [])
         for item in items:
             self._unfloat(item)
         return items
 
     def drop_floating(self, key: OpKey | None = None) -> None:
         """Throw away the floating bodies of op ``key`` (None: of every op)."""
-        keys = list(self._floating) if key is None else [key]
+        keys = list(self.floating) if key is None else [key]
         for k in keys:
             for item in self.take_floating(k):
                 self.scratch.put(item.buf)
 
     def clear_floating(self) -> None:
         """The job is broken: every floating body goes, and no credit is owed for it."""
-        for items in self._floating.values():
+        for items in self.floating.values():
             for item in items:
                 self.floating_bytes -= item.charge
-        self._floating.clear()
+        self.floating.clear()
 
     def waiting(self) -> list[tuple[int, Header]]:
         """The first floating message of each op not submitted here: (sender, header)."""
-        return [(items[0].src, items[0].header) for items in self._floating.values() if items]
+        return [(items[0].src, items[0].header) for items in self.floating.values() if items]
 
     def _unfloat(self, item: FloatingBody) -> None:
         self.floating_bytes -= item.charge

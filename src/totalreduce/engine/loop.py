@@ -41,6 +41,7 @@ class Loop:
         self.commands: deque[tuple[str, Any, Any]] = deque()
         self.completions: deque[Any] = deque()  # the reduce thread's results
         self.closed = threading.Event()
+        self.ended = False  # closed is set (a plain attribute: read on every turn)
         self.on_close: Callable[[], None] | None = None  # told once the loop has ended
         self._shutdown_deadline: float | None = None
         self._writes_closed = False  # GOODBYE (or ABORT) out, our write sides half-closed
@@ -66,7 +67,7 @@ class Loop:
         ``timeout=None``: start what was submitted and flush, but read nothing (a submit
         returns quickly); ``until``: the driver's future (the turn that resolves it never
         blocks)."""
-        if self.closed.is_set():
+        if self.ended:
             return
         engine = self._engine
         try:
@@ -159,6 +160,7 @@ class Loop:
             if future is not None:
                 future.resolve(ShutdownError("cannot submit after shutdown()"))
         self._transport.abort()
+        self.ended = True
         self.closed.set()
         if self.on_close is not None:
             self.on_close()

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine.algorithms import doubling_allreduce, ring_allreduce
+from ..engine.algorithms import Algorithms
 from ..engine.payload import OpSpec
-from ..transport.wire import DTYPES, RECIPE_DOUBLING_ALLREDUCE, RECIPE_RING_ALLREDUCE, Header
+from ..transport.wire import DTYPES, Header
 from .ops import UFUNCS, ReduceOp, averager
 
 
@@ -39,24 +39,26 @@ def identity(op: ReduceOp, dtype: np.dtype) -> object:
     return info.max if op == ReduceOp.MIN else info.min
 
 
-def served_spec(header: Header, rank: int, size: int, segment_bytes: int) -> OpSpec | None:
+def served_spec(header: Header, algorithms: Algorithms) -> OpSpec | None:
     """This rank's part of the op ``header`` belongs to, or None if it cannot take part
     (not an allreduce)."""
     algorithm, code = header.recipe & 0xF, header.recipe >> 4
     dtype = DTYPES.get(header.dtype)
-    if dtype is None or algorithm not in (RECIPE_RING_ALLREDUCE, RECIPE_DOUBLING_ALLREDUCE):
+    if dtype is None:
         return None
     try:
         op = ReduceOp(code)
     except ValueError:
         return None
     count = header.count
-    seg = max(1, segment_bytes // dtype.itemsize)
-    build = ring_allreduce if algorithm == RECIPE_RING_ALLREDUCE else doubling_allreduce
+    schedule = algorithms.allreduce_from_recipe(algorithm, count, dtype)
+    if schedule is None:
+        return None
+    size = algorithms.size
     work = np.full(count, identity(op, dtype), dtype)
     finalize = averager(dtype, size) if op == ReduceOp.AVERAGE else None
     return OpSpec(header.op_key, f"allreduce {header.op_key} served after join()",
                   header.sig, header.dtype, count,
                   {"kind": "allreduce", "served": "after join()"},
-                  build(rank, size, count, seg), work, ufunc=UFUNCS[op], finalize=finalize,
+                  schedule, work, ufunc=UFUNCS[op], finalize=finalize,
                   recipe=header.recipe, epoch=header.epoch)

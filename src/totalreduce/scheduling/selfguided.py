@@ -21,21 +21,12 @@ from typing import Any
 import numpy as np
 
 from ..config import Config
-from ..engine.algorithms import (
-    chain_broadcast,
-    doubling_allreduce,
-    pairwise_alltoallv,
-    ring_allgatherv,
-    ring_allreduce,
-    ring_reducescatter,
-)
+from ..engine.algorithms import Algorithms
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
 from ..engine.schedule import Schedule, even_bounds
 from ..lru import LRU
 from ..transport.wire import (
-    RECIPE_DOUBLING_ALLREDUCE,
-    RECIPE_RING_ALLREDUCE,
     Header,
     dtype_code,
 )
@@ -111,6 +102,9 @@ class SelfGuided:
         self._config = config
         self.rank = engine.rank
         self.size = engine.size
+        self._caller_waits = engine.caller_waits()
+        self._algorithms = Algorithms(engine.rank, engine.size, config.segment_bytes,
+                                      config.small_bytes)
         self._lock = threading.Lock()
         # name (+ phase) -> [hash, calls so far]; a name forgotten here is forgotten by the
         # engine too, so its next call starts afresh at 0 (config.py: name_capacity).
@@ -128,7 +122,7 @@ class SelfGuided:
     def caller_waits(self) -> Any:
         """``with ops.caller_waits():`` this thread waits for what it submits inside, and
         drives the engine's loop itself meanwhile, so the progress thread is not woken."""
-        return self._engine.caller_waits()
+        return self._caller_waits
 
     def stats(self) -> dict[str, int]:
         """Sizes of the bounded tables (tests and memory checks read them)."""
@@ -196,9 +190,6 @@ class SelfGuided:
         return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
                       work, priority=priority, **kw)
 
-    def _seg(self, dtype: np.dtype) -> int:
-        return max(1, self._config.segment_bytes // np.dtype(dtype).itemsize)
-
     # --- allreduce ------------------------------------------------------------------
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
@@ -238,27 +229,15 @@ class SelfGuided:
                        work: np.ndarray, rop: ReduceOp, priority: int,
                        known: tuple[Any, ...] | None = None
                        ) -> OpFuture:
-        small = self._config.small_bytes
-        if small < 0:
-            # Auto: doubling (fewest hops) up to 1 MiB, the ring above.  At 2 ranks doubling
-            # moves the same bytes as the ring, but each rank reduces the whole buffer and a
-            # piece that arrives before our own send of it has left must be copied aside;
-            # the ring reduces half and never waits on itself.  Up to 2 MiB at 2 ranks the
-            # ring's second hop costs more than that: doubling was 15-20% faster at 2 MB,
-            # even at 3-4 MB and slower from 6 MB (docs/dev/perf-log.md).
-            small = 2 << 20 if self.size == 2 else 1 << 20
-        if work.nbytes <= small:
+        plan = self._algorithms.allreduce(work.size, dtype)
+        if plan.algorithm != "ring":
             base = view
 
             def view() -> dict[str, Any]:
-                return dict(base() if callable(base) else base, algorithm="doubling")
+                return dict(base() if callable(base) else base, algorithm=plan.algorithm)
 
-            schedule = doubling_allreduce(self.rank, self.size, work.size, self._seg(dtype))
-            known = None if known is None else (*known, "doubling")
-            recipe = RECIPE_DOUBLING_ALLREDUCE | int(rop) << 4
-        else:
-            schedule = ring_allreduce(self.rank, self.size, work.size, self._seg(dtype))
-            recipe = RECIPE_RING_ALLREDUCE | int(rop) << 4
+            known = None if known is None else (*known, plan.algorithm)
+        schedule, recipe = plan.schedule, plan.recipe | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
                           ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe)
@@ -334,8 +313,7 @@ class SelfGuided:
             work, writeback = np.empty(arr.size, arr.dtype), False
         view = {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
                 "root": int(root_rank)}
-        schedule = chain_broadcast(self.rank, self.size, int(root_rank), work.size,
-                                   self._seg(arr.dtype))
+        schedule = self._algorithms.broadcast(int(root_rank), work.size, arr.dtype)
         future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
                                                 work, priority))
 
@@ -366,7 +344,7 @@ class SelfGuided:
         work = np.array(arr, copy=True, order="C").reshape(-1)
         view = {"kind": "reducescatter", "dtype": str(arr.dtype), "shape": list(arr.shape),
                 "op": rop.label}
-        schedule = ring_reducescatter(self.rank, self.size, bounds, self._seg(arr.dtype))
+        schedule = self._algorithms.reducescatter(bounds, arr.dtype)
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
         future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
                                                 work, priority, ufunc=UFUNCS[rop],
@@ -405,7 +383,7 @@ class SelfGuided:
         n, rank = self.size, self.rank
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
-        sched = ring_allgatherv(rank, n, tuple(range(n + 1)), 1)
+        sched = self._algorithms.allgather(tuple(range(n + 1)))
         first = self._engine.submit(self._spec(sizes_id, dict(view, phase="sizes"),
                                                sizes.dtype, n, sched, sizes, priority))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
@@ -416,7 +394,7 @@ class SelfGuided:
             out = np.empty(bounds[-1], arr.dtype)
             out[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
             state["out"] = out
-            schedule = ring_allgatherv(rank, n, bounds, self._seg(arr.dtype))
+            schedule = self._algorithms.allgather(bounds, arr.dtype)
             return self._engine.submit(self._spec(data_id, view, arr.dtype, bounds[-1],
                                                   schedule, out, priority))
 
@@ -450,7 +428,7 @@ class SelfGuided:
         recv_rows = np.zeros(n, np.int64)
         recv_rows[rank] = send_rows[rank]
         unit = tuple(range(n + 1))
-        sched = pairwise_alltoallv(rank, n, unit, unit, 1)
+        sched = self._algorithms.alltoall(unit, unit)
         first = self._engine.submit(self._spec(splits_id, dict(view, phase="splits"),
                                                recv_rows.dtype, 0, sched, recv_rows, priority,
                                                source=send_rows))
@@ -463,7 +441,7 @@ class SelfGuided:
             out = np.empty(rb[-1], arr.dtype)
             out[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
             state["out"] = out
-            schedule = pairwise_alltoallv(rank, n, sb, rb, self._seg(arr.dtype))
+            schedule = self._algorithms.alltoall(sb, rb, arr.dtype)
             return self._engine.submit(self._spec(data_id, view, arr.dtype, 0, schedule,
                                                   out, priority, source=flat))
 
@@ -488,7 +466,7 @@ class SelfGuided:
         got[rank] = now
 
         def serve(header: Header) -> OpSpec | None:
-            spec = served_spec(header, rank, n, self._config.segment_bytes)
+            spec = served_spec(header, self._algorithms)
             if spec is not None:
                 self.count_served(header.name_key, header.seq)
             return spec
@@ -497,7 +475,7 @@ class SelfGuided:
         # ever serves it in place of its own join() call.
         unit = tuple(range(n + 1))
         spec = self._spec(ident, {"kind": "join"}, got.dtype, 0,
-                          pairwise_alltoallv(rank, n, unit, unit, 1), got, -(1 << 30),
+                          self._algorithms.alltoall(unit, unit), got, -(1 << 30),
                           source=times, epoch=self._join_rounds + 1)
         self._engine.begin_join(serve)
         try:

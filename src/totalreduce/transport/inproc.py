@@ -110,6 +110,10 @@ class InprocTransport(Transport):
             self._write_closed = True
             world.cond.notify_all()
 
+    def flush(self) -> None:
+        if self._pending and not self._closed and self._handler is not None:
+            self._send()
+
     def poll(self, timeout: float | None) -> None:
         if self._closed or self._handler is None:
             return

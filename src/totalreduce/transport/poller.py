@@ -62,7 +62,13 @@ class Poller:
     def rings_ready(self) -> bool:
         """Whether a ring has a record for us or has freed room for a message that found
         it full."""
-        return any(link.ready() or link.room_freed() for link in self.rings)
+        for link in self.rings:  # a plain loop: this runs on every spin turn
+            ring = link.ring_in
+            if ring is not None and not link.deferred and ring.ready():
+                return True
+            if link.blocked is not None and link.room_freed():
+                return True
+        return False
 
     def select(self, timeout: float | None, slot: int = POLL_SLOT,
                pending: set[int] | None = None) -> list[tuple[Any, int]]:

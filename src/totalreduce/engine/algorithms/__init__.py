@@ -7,6 +7,7 @@ from .chain import chain_broadcast
 from .doubling import doubling_allreduce
 from .pairwise import pairwise_alltoallv
 from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
+from .select import Algorithms, AllreducePlan
 
-__all__ = ["chain_broadcast", "doubling_allreduce", "pairwise_alltoallv", "ring_allgatherv",
-           "ring_allreduce", "ring_reducescatter"]
+__all__ = ["AllreducePlan", "Algorithms", "chain_broadcast", "doubling_allreduce",
+           "pairwise_alltoallv", "ring_allgatherv", "ring_allreduce", "ring_reducescatter"]
