@@ -63,8 +63,20 @@ def test_op_timeout_fails_instead_of_hanging() -> None:
 
 
 def test_stall_warning_names_op_and_rank() -> None:
-    result = run_ok(2, "workers:stall", {}, env={"TOTALREDUCE_STALL_WARNING": "1"},
+    result = run_ok(2, "workers:stall", {}, env={"TOTALREDUCE_STALL_CHECK_TIME": "1"},
                     timeout=60)
     warnings = [ln for ln in result.lines(0) if "has waited" in ln]
     assert warnings, result.explain()
-    assert "'slowpoke'" in warnings[0] and "rank(s) [1]" in warnings[0], warnings
+    assert "'slowpoke'" in warnings[0], warnings
+    assert "submitted by rank(s) [0], not (yet) by rank(s) [1]" in warnings[0], warnings
+
+
+def test_stall_shutdown_time_fails_the_waiting_ranks() -> None:
+    result = run_ok(3, "workers:stall_shutdown", {"hold": 4.0},
+                    env={"TOTALREDUCE_STALL_SHUTDOWN_TIME": "1"}, timeout=60)
+    for r in (0, 1):
+        got = result.report(r)
+        assert got.get("kind") == "OpTimeoutError", result.explain()
+        assert "'ghost'" in got["error"] and "not (yet) by rank(s) [2]" in got["error"], got
+        assert "TOTALREDUCE_STALL_SHUTDOWN_TIME=1" in got["error"], got
+        assert 0.9 < got["after_s"] < 3.5, got

@@ -426,6 +426,23 @@ def stall(arg: dict) -> None:
     tr.shutdown()
 
 
+def stall_shutdown(arg: dict) -> None:
+    """Rank 2 never submits 'ghost'; with a stall shutdown time the others fail it."""
+    tr.init()
+    tr.allreduce(np.ones(3), name="before")
+    start = time.monotonic()
+    if tr.rank() == 2:
+        time.sleep(arg["hold"])  # busy elsewhere (not gone: that would be another error)
+    else:
+        try:
+            tr.allreduce(np.ones(3), name="ghost")
+        except tr.TotalReduceError as exc:
+            report(error=str(exc), kind=type(exc).__name__, after_s=time.monotonic() - start)
+        else:
+            report(returned=True)
+    tr.shutdown()
+
+
 def sleep_forever(arg: dict) -> None:
     print(f"PID {os.getpid()}", flush=True)
     if arg and arg.get("ignore_term"):

@@ -13,8 +13,13 @@ TOTALREDUCE_FLOATING_CAP           bytes this rank accepts for ops it has not   
 TOTALREDUCE_REDUCE_THREAD_BYTES    pieces at least this big are reduced on the     -1
                                    reduce thread, smaller ones inline (0 = always
                                    thread, -1 = never: no reduce thread at all)
-TOTALREDUCE_STALL_WARNING          seconds before a waiting op is reported         60
-TOTALREDUCE_OP_TIMEOUT             seconds before a waiting op fails (0 = never)   1800
+TOTALREDUCE_STALL_CHECK_TIME       seconds before a waiting op is reported, with   60
+                                   the ranks that submitted it and those that did
+                                   not (0 = never)
+TOTALREDUCE_STALL_SHUTDOWN_TIME    seconds before a stalled op fails on every      0
+                                   rank instead of waiting on (0 = never)
+TOTALREDUCE_OP_TIMEOUT             seconds before a waiting op fails here, however 1800
+                                   it stalled (self-guided mode; 0 = never)
 TOTALREDUCE_CONNECT_TIMEOUT        seconds to rendezvous and connect all peers     60
 TOTALREDUCE_SHUTDOWN_TIMEOUT       longest shutdown() waits for its last messages  10
                                    to leave and the peers' links to close (it
@@ -43,7 +48,25 @@ TOTALREDUCE_BUCKET_BYTES           gradient bucket size of the torch            
 TOTALREDUCE_GC_FREEZE              1: init() moves every object alive then out of  1
                                    the garbage collector's full walks
                                    (gc.freeze()); 0: leave the collector alone
+TOTALREDUCE_COORDINATION           selfguided: ops start at once and find each     selfguided
+                                   other by name; negotiated: a coordinator
+                                   (rank 0) says when every rank has asked for a
+                                   tensor, as Horovod does (scheduling/)
+TOTALREDUCE_CYCLE_TIME_MS          negotiated: milliseconds between coordination   1
+                                   cycles
+TOTALREDUCE_CACHE_CAPACITY         negotiated: responses remembered, so repeated   1024
+                                   tensors skip the coordinator (0 = off)
+TOTALREDUCE_FUSION_THRESHOLD       negotiated: allreduces ready in one cycle are   128 MiB
+                                   fused into ops of up to this many bytes
+                                   (0 = off)
+TOTALREDUCE_TIMELINE               a file to write a Chrome trace of every op to   (none)
+                                   (rank 0's; other ranks write PATH.RANK)
 =================================  ==============================================  =========
+
+A Horovod job's settings carry over: where a ``TOTALREDUCE_*`` variable above is unset, its
+Horovod counterpart is read (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``,
+``HOROVOD_CACHE_CAPACITY``, ``HOROVOD_TIMELINE``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``,
+``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``), and rank 0 prints a one-line notice for each.
 
 Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
 machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-memory rings
@@ -108,6 +131,26 @@ from collections.abc import Mapping
 from typing import Any
 
 _PREFIX = "TOTALREDUCE_"
+# Horovod's names for our settings (read when ours is unset), and the factor from its unit.
+_HOROVOD = {
+    "fusion_threshold": ("HOROVOD_FUSION_THRESHOLD", 1),
+    "cycle_time_ms": ("HOROVOD_CYCLE_TIME", 1),
+    "cache_capacity": ("HOROVOD_CACHE_CAPACITY", 1),
+    "timeline": ("HOROVOD_TIMELINE", 1),
+    "stall_check_time": ("HOROVOD_STALL_CHECK_TIME_SECONDS", 1),
+    "stall_shutdown_time": ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 1),
+}
+
+
+def horovod_notices(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per Horovod variable read in place of an unset ``TOTALREDUCE_*`` one."""
+    env = os.environ if environ is None else environ
+    out = []
+    for name, (hvd, _unit) in _HOROVOD.items():
+        ours = _PREFIX + name.upper()
+        if not env.get(ours) and env.get(hvd):
+            out.append(f"totalreduce: {ours} is unset; using {hvd}={env[hvd]}")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +158,8 @@ class Config:
     segment_bytes: int = 2 << 20
     floating_cap: int = 64 << 20
     reduce_thread_bytes: int = -1
-    stall_warning: float = 60.0
+    stall_check_time: float = 60.0
+    stall_shutdown_time: float = 0.0
     op_timeout: float = 1800.0
     connect_timeout: float = 60.0
     shutdown_timeout: float = 10.0
@@ -128,6 +172,11 @@ class Config:
     name_capacity: int = 1 << 16
     bucket_bytes: int = 16 << 20
     gc_freeze: int = 1
+    coordination: str = "selfguided"
+    cycle_time_ms: float = 1.0
+    cache_capacity: int = 1024
+    fusion_threshold: int = 128 << 20
+    timeline: str = ""
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
@@ -147,8 +196,14 @@ class Config:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.floating_cap < 0:
             raise ValueError(f"floating_cap must be >= 0, got {self.floating_cap}")
-        for name in ("stall_warning", "op_timeout", "connect_timeout", "shutdown_timeout",
-                     "mismatch_grace"):
+        if self.coordination not in ("selfguided", "negotiated"):
+            raise ValueError("coordination must be selfguided or negotiated; got "
+                             f"{self.coordination!r}")
+        if self.cache_capacity < 0 or self.fusion_threshold < 0:
+            raise ValueError("cache_capacity and fusion_threshold must be >= 0")
+        for name in ("stall_check_time", "stall_shutdown_time", "op_timeout",
+                     "connect_timeout", "shutdown_timeout", "mismatch_grace",
+                     "cycle_time_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -181,6 +236,8 @@ class Config:
                 values[name] = overrides[name]
                 continue
             raw = env.get(_PREFIX + name.upper())
+            if (raw is None or raw == "") and name in _HOROVOD:
+                raw = env.get(_HOROVOD[name][0])
             if raw is None or raw == "":
                 continue
             kind = {"int": int, "str": str}.get(str(field.type), float)

@@ -90,7 +90,8 @@ class Loop:
                 self._next_check = now + HOUSEKEEPING
                 for op, error in engine.mismatches.due(now):
                     engine.fail(op, error)
-                for op, error in overdue(engine.rank, engine.ops.live(), now, self._config):
+                for op, error in overdue(engine.rank, engine.size, engine.ops.live(), now,
+                                         self._config):
                     engine.fail(op, error)
         except BaseException as exc:  # a bug: fail everything loudly rather than hang
             logger.exception("rank %d: progress loop crashed", engine.rank)

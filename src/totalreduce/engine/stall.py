@@ -1,8 +1,12 @@
-"""The stall inspector: ops that wait too long get a warning, then an error.
+"""The stall inspector (self-guided mode): ops that wait too long get a warning, then an
+error.
 
 A collective waits until every rank has submitted it, so a rank that skipped one, or
-submitted ops in a different order under the same names, shows up here as a stall; the
-messages say which ranks this one is still waiting for.
+submitted ops in a different order under the same names, shows up here as a stall.  A
+rank knows which peers have submitted an op from their READY (or the data they sent), so
+the warning names the ranks that submitted it and the ranks that have not.  Every rank
+that waits on the op runs the same clock, so with ``TOTALREDUCE_STALL_SHUTDOWN_TIME`` each
+of them fails it rather than wait on.
 """
 
 from __future__ import annotations
@@ -17,29 +21,40 @@ from .opstate import LiveOp
 logger = logging.getLogger(__name__)
 
 
-def waiting_on(op: LiveOp) -> str:
-    ranks = sorted(p for p, left in op.pending_from.items() if left > 0)
-    if not ranks:
+def waiting_on(rank: int, size: int, op: LiveOp) -> str:
+    """Who has submitted ``op`` as far as this rank knows, and whose data is missing."""
+    missing = sorted(p for p, left in op.pending_from.items() if left > 0)
+    if not missing:
         return "all data arrived; its last sends are still leaving this rank"
-    return f"waiting for data from rank(s) {ranks}"
+    heard = op.ready_peers | {p for p, _step, _piece in op.got}
+    submitted = sorted({rank} | heard)
+    not_yet = sorted(set(range(size)) - set(submitted))
+    text = f"submitted by rank(s) {submitted}"
+    if not_yet:
+        text += f", not (yet) by rank(s) {not_yet}"
+    return text + f"; waiting for data from rank(s) {missing}"
 
 
-def overdue(rank: int, ops: Iterable[LiveOp], now: float, cfg: Config
+def overdue(rank: int, size: int, ops: Iterable[LiveOp], now: float, cfg: Config
             ) -> list[tuple[LiveOp, OpTimeoutError]]:
-    """Warn (once per op) about ops waiting longer than ``stall_warning``; return those
-    past ``op_timeout`` with the error to fail them with."""
+    """Warn (once per op) about ops waiting longer than ``stall_check_time``; return those
+    past ``stall_shutdown_time`` or ``op_timeout`` with the error to fail them with."""
+    limits = [(t, name) for t, name in ((cfg.stall_shutdown_time,
+                                         "TOTALREDUCE_STALL_SHUTDOWN_TIME"),
+                                        (cfg.op_timeout, "TOTALREDUCE_OP_TIMEOUT")) if t]
+    limit, setting = min(limits) if limits else (0.0, "")
     failed = []
     for op in ops:
         waited = now - op.t_start
-        if cfg.op_timeout and waited > cfg.op_timeout:
+        if limit and waited > limit:
             failed.append((op, OpTimeoutError(
                 op.spec.describe.get("name", ""),
-                f"rank {rank}: {op.spec.label} did not complete within "
-                f"TOTALREDUCE_OP_TIMEOUT={cfg.op_timeout:g} s; {waiting_on(op)}. "
-                "Check that every rank submits it, or raise TOTALREDUCE_OP_TIMEOUT.")))
-        elif cfg.stall_warning and waited > cfg.stall_warning and not op.warned:
+                f"rank {rank}: {op.spec.label} did not complete within {setting}="
+                f"{limit:g} s; {waiting_on(rank, size, op)}. Check that every rank "
+                f"submits it, or raise {setting}.")))
+        elif cfg.stall_check_time and waited > cfg.stall_check_time and not op.warned:
             op.warned = True
-            logger.warning("rank %d: %s has waited %.0f s; %s. Some rank may not have "
-                           "submitted it (TOTALREDUCE_STALL_WARNING=%g)", rank,
-                           op.spec.label, waited, waiting_on(op), cfg.stall_warning)
+            logger.warning("rank %d: %s has waited %.0f s; %s "
+                           "(TOTALREDUCE_STALL_CHECK_TIME=%g)", rank, op.spec.label, waited,
+                           waiting_on(rank, size, op), cfg.stall_check_time)
     return failed
