@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Any
 
-from .config import Config
+from .config import Config, horovod_notices
 from .engine.engine import Engine
 from .exceptions import PeerFailureError, ShutdownError
-from .scheduling import SelfGuided
+from .scheduling import Negotiated, SelfGuided
 from .transport.registry import connect
 
 logger = logging.getLogger(__name__)
@@ -47,11 +47,19 @@ class Runtime:
         self.local_rank, self.local_size = connected.local_rank, connected.local_size
         self._close_also = connected.close
         self.engine = Engine(self.transport, config)
-        self.collectives = SelfGuided(self.engine, config)
+        self.collectives: SelfGuided | Negotiated = \
+            Negotiated(self.engine, config) if config.coordination == "negotiated" \
+            else SelfGuided(self.engine, config)
+        if self.rank == 0:
+            for line in horovod_notices():
+                print(line, file=sys.stderr)
 
     def shutdown(self) -> None:
         try:
-            self.engine.shutdown()
+            try:
+                self.collectives.close()
+            finally:
+                self.engine.shutdown()
         finally:
             if self._close_also is not None:
                 self._close_also()

@@ -27,6 +27,10 @@ class Handle:
         self._finished = False
         self.label = label
 
+    @property
+    def futures(self) -> list[OpFuture]:
+        return self._futures
+
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
@@ -77,6 +81,14 @@ class Handle:
             error = future.error()
             if error is not None:
                 raise error
+        if not self._finished:
+            self._result = self._finish()
+            self._finished = True
+        return self._result
+
+    def result_now(self) -> Any:
+        """The result of a handle known to be done without error (a completion callback's
+        view: no waiting, no Ctrl-C check)."""
         if not self._finished:
             self._result = self._finish()
             self._finished = True

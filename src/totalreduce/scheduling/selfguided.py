@@ -119,6 +119,9 @@ class SelfGuided:
         # repeat, and building and freezing the view dict cost ~15 us of a 1 MB op's ~200.
         self._known: LRU[tuple[Any, ...], tuple[dict[str, Any], int]] = LRU(_SPEC_CACHE)
 
+    def close(self) -> None:
+        """Nothing to stop: every op is the engine's."""
+
     def caller_waits(self) -> Any:
         """``with ops.caller_waits():`` this thread waits for what it submits inside, and
         drives the engine's loop itself meanwhile, so the progress thread is not woken."""

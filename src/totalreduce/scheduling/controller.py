@@ -1,0 +1,333 @@
+"""The coordination cycle of negotiated mode: a background thread that, every
+``TOTALREDUCE_CYCLE_TIME_MS``, agrees with the other ranks on which tensors every rank has
+asked for, then runs them, in the same order everywhere.
+
+One cycle:
+
+1. Take the requests submitted since the last cycle.  Each is a HIT in the response cache
+   (same name, same params), INVALID (same name, other params) or a MISS.
+2. Allreduce a bit vector with bitwise AND (``Min`` over bools): three status bits, stored
+   inverted so that AND also answers "does any rank...?" (SHOULD_SHUT_DOWN,
+   UNCACHED_IN_QUEUE, INVALID_IN_QUEUE), then one bit per cache entry this rank has ready.
+   A cache bit that survives the AND is ready on every rank: no coordinator needed.
+3. Only if some rank has an invalid entry: a second allreduce with bitwise OR (``Max``)
+   finds them all, and every rank evicts them (the requests are negotiated afresh).
+4. Only if some rank has uncached requests: they are gathered to rank 0 (an alltoall that
+   sends to rank 0 only), whose coordinator (coordinator.py) answers with the responses
+   whose every rank has asked; the list is broadcast, cached in order, and run.
+5. Run the responses: adjacent allreduces fused (fusion.py), each op through the
+   self-guided scheduler with the tensor's name, which every rank now submits alike.
+
+So steady-state training costs one small allreduce per cycle and nothing reaches the
+coordinator.  A cached tensor that waits past ``stall_check_time`` is marked invalid, so
+that it goes to the coordinator, which names the ranks that have not submitted it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..config import Config
+from ..exceptions import MismatchError, OpTimeoutError, ShutdownError, TotalReduceError
+from ..threads import start_daemon
+from ..timeline import Timeline
+from .coordinator import STALLED, Coordinator
+from .fusion import FusionBuffers, groups
+from .handle import Handle
+from .ops import ReduceOp
+from .requests import Request, Response, decode_requests, decode_responses, encode
+from .response_cache import ResponseCache
+from .selfguided import SelfGuided
+
+logger = logging.getLogger(__name__)
+
+_SHUT_DOWN, _UNCACHED, _INVALID = 0, 1, 2  # status bits, set when the condition is absent
+_STATUS = 3
+_CONTROL = 1 << 30  # priority of the cycle's own ops: ahead of any data piece
+_BITS, _INVALIDS = "\x00ctl.bits", "\x00ctl.invalid"
+_GATHER, _ANSWER = "\x00ctl.requests", "\x00ctl.responses"
+
+
+class Controller:
+    def __init__(self, ops: SelfGuided, config: Config, timeline: Timeline | None) -> None:
+        self._ops = ops
+        self.rank, self.size = ops.rank, ops.size
+        self._cycle = config.cycle_time_ms / 1000.0
+        self._cache = ResponseCache(config.cache_capacity)
+        self._threshold = config.fusion_threshold
+        self._buffers = FusionBuffers(config.fusion_threshold)
+        self._stall_check = config.stall_check_time
+        self._coordinator = Coordinator(self.size, config.stall_check_time,
+                                        config.stall_shutdown_time) if self.rank == 0 else None
+        self._timeline = timeline
+        self._queue: deque[Request] = deque()
+        self._pending: dict[str, Request] = {}
+        self._negotiating: set[str] = set()
+        self._stop = threading.Event()
+        self._error: TotalReduceError | None = None
+        self.counts = {"cycles": 0, "requests_sent": 0, "engine_ops": 0, "fused_ops": 0,
+                       "tensors": 0}
+        self._thread = start_daemon(self._run, "totalreduce-controller")
+
+    # --- any thread ----------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        if self._error is not None:
+            request.future.resolve(self._error)
+            return
+        self._queue.append(request)
+        if self._error is not None and request in self._queue:  # lost a race with the end
+            request.future.resolve(self._error)
+
+    def stop(self, timeout: float) -> None:
+        """Ask every rank to stop coordinating (at the next cycle), and wait for ours."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counts, cache_entries=len(self._cache), cache_hits=self._cache.hits,
+                   cache_misses=self._cache.misses, cache_evictions=self._cache.evictions,
+                   pending=len(self._pending) + len(self._queue),
+                   fusion_idle_bytes=self._buffers.idle_bytes())
+        if self._coordinator is not None:
+            out["coordinator_received"] = self._coordinator.requests_received
+            out["coordinator_table"] = len(self._coordinator)
+        return out
+
+    # --- the cycle thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        due = time.monotonic()
+        while True:
+            wait = due - time.monotonic()
+            if wait > 0:
+                self._stop.wait(wait)
+            due = max(due + self._cycle, time.monotonic())
+            try:
+                if self._one_cycle():
+                    self._end(ShutdownError("a rank called shutdown(): no more collectives "
+                                            "run in negotiated mode"))
+                    return
+            except TotalReduceError as exc:
+                self._end(exc)
+                return
+            except BaseException as exc:  # a bug: fail loudly rather than hang
+                logger.exception("rank %d: coordination cycle crashed", self.rank)
+                self._end(TotalReduceError(f"rank {self.rank}: coordination cycle crashed: "
+                                           f"{exc!r}"))
+                return
+
+    def _end(self, error: TotalReduceError) -> None:
+        self._error = error
+        while self._queue:
+            self._queue.popleft().future.resolve(error)
+        for request in self._pending.values():
+            request.future.resolve(error)
+        self._pending.clear()
+
+    def _one_cycle(self) -> bool:
+        """One cycle; returns whether the ranks agreed to stop."""
+        self.counts["cycles"] += 1
+        while self._queue:
+            request = self._queue.popleft()
+            if request.name in self._pending:
+                request.future.resolve(ValueError(
+                    f"rank {self.rank}: a collective named '{request.name}' is still in "
+                    "flight; names must be unique among pending collectives"))
+                continue
+            self._pending[request.name] = request
+        cap = self._cache.capacity
+        bits = np.zeros(_STATUS + cap, np.bool_)
+        uncached: list[Request] = []
+        invalid: list[int] = []
+        now = time.monotonic()
+        for name, request in self._pending.items():
+            if name in self._negotiating:
+                continue
+            status, bit = self._cache.lookup(name, request.params) if cap else ("miss", -1)
+            if status == "hit":
+                if self._stall_check and now - request.t_submit > self._stall_check:
+                    invalid.append(bit)  # to the coordinator, which can name who is missing
+                else:
+                    bits[_STATUS + bit] = True
+            elif status == "invalid":
+                invalid.append(bit)
+            else:
+                uncached.append(request)
+        news = False
+        if self._coordinator is not None:
+            self._coordinator.check()
+            news = self._coordinator.due()
+        bits[_SHUT_DOWN] = not self._stop.is_set()
+        bits[_UNCACHED] = not uncached and not news
+        bits[_INVALID] = not invalid
+        self._control(lambda: self._ops.allreduce(bits, ReduceOp.MIN, _BITS, _CONTROL, True))
+        if not bits[_INVALID]:
+            mark = np.zeros(cap, np.bool_)
+            mark[invalid] = True
+            self._control(lambda: self._ops.allreduce(mark, ReduceOp.MAX, _INVALIDS, _CONTROL,
+                                                      True))
+            for bit in np.flatnonzero(mark).tolist():
+                bits[_STATUS + bit] = False
+                self._cache.evict(bit)
+        responses: list[Response] = []
+        for bit in np.flatnonzero(bits[_STATUS:]).tolist():
+            response = self._cache.at(bit)
+            if response is not None:
+                self._cache.touch(bit)
+                responses.append(response)
+        if not bits[_UNCACHED]:
+            responses += self._negotiate(uncached)
+        self._run_responses(responses)
+        return not bits[_SHUT_DOWN]
+
+    def _control(self, start: Any) -> Any:
+        """Run one of the cycle's own collectives to the end on this thread."""
+        with self._ops.caller_waits():
+            return start().wait()
+
+    def _negotiate(self, uncached: list[Request]) -> list[Response]:
+        payload = encode([r.wire() for r in uncached])
+        for request in uncached:
+            self._negotiating.add(request.name)
+        self.counts["requests_sent"] += len(uncached)
+        splits = np.zeros(self.size, np.int64)
+        splits[0] = payload.size
+        got, received = self._control(lambda: self._ops.alltoall(payload, splits, _GATHER,
+                                                                 _CONTROL))
+        answer = np.zeros(0, np.uint8)
+        if self._coordinator is not None:
+            offset = 0
+            for rank, n in enumerate(received.tolist()):
+                self._coordinator.add(rank, decode_requests(got[offset:offset + n]))
+                offset += n
+            answer = encode([r.wire() for r in self._coordinator.responses()])
+        length = np.array([answer.size], np.int64)
+        length = self._control(lambda: self._ops.broadcast(length, 0, _ANSWER + ".len",
+                                                           _CONTROL, True))
+        if self.rank != 0:
+            answer = np.zeros(int(length[0]), np.uint8)
+        answer = self._control(lambda: self._ops.broadcast(answer, 0, _ANSWER, _CONTROL,
+                                                           True))
+        responses = decode_responses(answer)
+        for response in responses:
+            self._negotiating.discard(response.name)
+            if not response.error:
+                self._cache.put(response)
+        return responses
+
+    # --- running the responses -------------------------------------------------------------
+
+    def _run_responses(self, responses: list[Response]) -> None:
+        pairs: list[tuple[Response, Request]] = []
+        now = time.monotonic()
+        for response in responses:
+            request = self._pending.pop(response.name, None)
+            if request is None:
+                continue  # a stall error for a tensor this rank never asked for
+            request.t_ready = now
+            if self._timeline is not None:
+                self._timeline.span(request.name, "NEGOTIATE", request.t_submit, now)
+            if response.error:
+                request.future.resolve(self._error_of(response))
+                continue
+            pairs.append((response, request))
+        for run in groups(pairs, self._threshold):
+            self.counts["engine_ops"] += 1
+            self.counts["tensors"] += len(run)
+            if len(run) == 1:
+                self._run_one(*run[0])
+            else:
+                self.counts["fused_ops"] += 1
+                self._run_fused(run)
+
+    def _error_of(self, response: Response) -> TotalReduceError:
+        text = f"rank {self.rank}: {response.error}"
+        if response.error.startswith(STALLED):
+            return OpTimeoutError(response.name, text)
+        return MismatchError(response.name, text)
+
+    def _run_one(self, response: Response, request: Request) -> None:
+        kind, _dtype, _shape, op, root = response.params
+        ops, arr, name, prio = self._ops, request.array, request.name, request.priority
+        try:
+            if kind == "allreduce":
+                handle = ops.allreduce(arr, op, name, prio, request.inplace)
+            elif kind == "broadcast":
+                handle = ops.broadcast(arr, root, name, prio, request.inplace)
+            elif kind == "allgather":
+                handle = ops.allgather(arr, name, prio)
+            elif kind == "alltoall":
+                handle = ops.alltoall(arr, request.splits, name, prio)
+            elif kind == "reducescatter":
+                handle = ops.reducescatter(arr, op, name, prio)
+            else:
+                handle = ops.barrier()
+        except BaseException as exc:  # noqa: BLE001 - it belongs to the request's waiter
+            request.future.resolve(exc)
+            return
+        label = kind.upper()
+        started = time.monotonic()
+
+        def done(h: Handle) -> None:
+            if self._timeline is not None:
+                self._timeline.span(name, label, started, time.monotonic())
+            error = h.error()
+            if error is None:
+                request.result = h.result_now()
+            request.future.resolve(error)
+
+        handle.add_done_callback(done)
+
+    def _run_fused(self, run: list[tuple[Response, Request]]) -> None:
+        first = run[0][1]
+        assert first.array is not None
+        sizes = [r.array.size for _resp, r in run if r.array is not None]
+        total = sum(sizes)
+        t0 = time.monotonic()
+        buf = self._buffers.take(first.array.dtype, total)
+        offset = 0
+        for (_resp, request), n in zip(run, sizes, strict=True):
+            assert request.array is not None
+            buf[offset:offset + n] = request.array.reshape(-1)
+            offset += n
+        t1 = time.monotonic()
+        timeline = self._timeline
+        if timeline is not None:
+            for _resp, request in run:
+                timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
+        op = run[0][0].params[3]
+        priority = max(request.priority for _resp, request in run)
+        handle = self._ops.allreduce(buf, op, "\x00fused." + first.name, priority, True)
+
+        def done(h: Handle) -> None:
+            t2 = time.monotonic()
+            error = h.error()
+            offset = 0
+            for (_resp, request), n in zip(run, sizes, strict=True):
+                piece = buf[offset:offset + n]
+                offset += n
+                if error is not None:
+                    continue
+                arr = request.array
+                assert arr is not None
+                if request.inplace:
+                    arr[...] = piece.reshape(arr.shape)
+                    request.result = arr
+                else:
+                    request.result = piece.reshape(arr.shape).copy()
+            t3 = time.monotonic()
+            self._buffers.give(buf)
+            for _resp, request in run:
+                if timeline is not None:
+                    timeline.span(request.name, "ALLREDUCE", t1, t2)
+                    timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
+                request.future.resolve(error)
+
+        handle.add_done_callback(done)

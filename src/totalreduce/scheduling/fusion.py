@@ -1,0 +1,75 @@
+"""Tensor fusion (negotiated mode): adjacent allreduce responses that share a dtype and a
+reduction travel as one engine op, up to ``TOTALREDUCE_FUSION_THRESHOLD`` bytes.
+
+Their inputs are copied into a fusion buffer, reduced in place as one op, and copied back
+out.  Buffers are reused: a fused op holds one until it finishes (the next cycle's fused op
+may start before that), and the idle ones kept are bounded by bytes (the threshold: what
+one cycle's fused ops of one dtype need at most).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from .requests import Request, Response
+
+
+def fusable(response: Response) -> bool:
+    return response.kind == "allreduce" and not response.error
+
+
+def groups(pairs: list[tuple[Response, Request]], threshold: int
+           ) -> Iterator[list[tuple[Response, Request]]]:
+    """Runs of adjacent allreduces with one dtype and op, each within ``threshold`` bytes;
+    everything else (and every tensor when ``threshold`` is 0) alone."""
+    run: list[tuple[Response, Request]] = []
+    size = 0
+    for pair in pairs:
+        response, request = pair
+        nbytes = 0 if request.array is None else request.array.nbytes
+        if run and fusable(response) and threshold and \
+                response.params[1] == run[0][0].params[1] and \
+                response.params[3] == run[0][0].params[3] and size + nbytes <= threshold:
+            run.append(pair)
+            size += nbytes
+            continue
+        if run:
+            yield run
+        if fusable(response) and threshold and nbytes <= threshold:
+            run, size = [pair], nbytes
+        else:
+            run, size = [], 0
+            yield [pair]
+    if run:
+        yield run
+
+
+class FusionBuffers:
+    def __init__(self, idle_bytes: int) -> None:
+        self._idle: dict[np.dtype, list[np.ndarray]] = {}
+        self._idle_bytes = idle_bytes
+        self._lock = threading.Lock()  # taken on the cycle thread, given back by the loop
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for bufs in self._idle.values() for b in bufs)
+
+    def take(self, dtype: np.dtype, count: int) -> np.ndarray:
+        with self._lock:
+            idle = self._idle.get(dtype, [])
+            for i, buf in enumerate(idle):
+                if buf.size >= count:
+                    return idle.pop(i)[:count]
+        return np.empty(max(count, 1), dtype)[:count]
+
+    def give(self, buf: np.ndarray) -> None:
+        base = buf.base if isinstance(buf.base, np.ndarray) else buf
+        with self._lock:
+            idle = self._idle.setdefault(base.dtype, [])
+            idle.append(base)
+            idle.sort(key=lambda b: b.size)
+            while idle and sum(b.nbytes for b in idle) > self._idle_bytes:
+                idle.pop(0)  # the smallest goes: the big ones are the costly ones to make

@@ -1,0 +1,137 @@
+"""Negotiated scheduling (Horovod's model): a collective starts only once every rank has
+asked for it, as the coordination cycle (controller.py) finds out.
+
+It has the self-guided scheduler's interface, so the numpy and torch APIs run over either
+(``TOTALREDUCE_COORDINATION``).  A call becomes a request with a name (unnamed calls get
+``kind.N`` from a per-rank counter, as in Horovod); the cycle answers it, and the op then
+runs through the self-guided scheduler under that name, on every rank in the same order.
+A request's handle is waited on like any other: a waiting thread drives the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..config import Config
+from ..engine.engine import Engine
+from ..engine.payload import OpFuture
+from ..exceptions import TotalReduceError
+from ..timeline import Timeline, timeline_path
+from .controller import Controller
+from .handle import Handle
+from .ops import as_reduce_op, check_op_dtype
+from .requests import Request, params_of
+from .selfguided import SelfGuided, _check_array, _what
+
+
+class Negotiated:
+    def __init__(self, engine: Engine, config: Config) -> None:
+        self._engine = engine
+        self.rank, self.size = engine.rank, engine.size
+        self._ops = SelfGuided(engine, config)
+        self._timeline = Timeline(timeline_path(config.timeline, self.rank), self.rank) \
+            if config.timeline else None
+        self._controller = Controller(self._ops, config, self._timeline)
+        self._unnamed = itertools.count()
+        self._stop_timeout = config.shutdown_timeout + 10.0
+
+    def caller_waits(self) -> Any:
+        return self._ops.caller_waits()
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._ops.stats(), **self._controller.stats())
+
+    def close(self) -> None:
+        """Stop coordinating (every rank stops at the same cycle), then the timeline."""
+        self._controller.stop(self._stop_timeout)
+        if self._timeline is not None:
+            self._timeline.close()
+
+    # --- requests ------------------------------------------------------------------------
+
+    def _name(self, kind: str, name: str | None) -> str:
+        if name is None:
+            return f"{kind}.noname.{next(self._unnamed)}"
+        if not isinstance(name, str):
+            raise TypeError(f"{kind}: name must be a str or None, got {type(name).__name__} "
+                            f"{name!r}")
+        return name
+
+    def _request(self, kind: str, name: str | None, arr: np.ndarray | None, op: int = -1,
+                 root: int = -1, inplace: bool = False, priority: int = 0,
+                 splits: Any = None) -> Request:
+        request = Request(self._name(kind, name), params_of(kind, arr, op, root), arr,
+                          inplace, priority, splits)
+        request.future = OpFuture(self._engine.wait)  # a waiter drives the engine
+        self._controller.submit(request)
+        return request
+
+    @staticmethod
+    def _handle(request: Request) -> Handle:
+        return Handle([request.future], lambda: request.result, request.name)
+
+    def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
+                  inplace: bool) -> Handle:
+        rop = as_reduce_op(op)
+        arr = _check_array(x, "allreduce", name)
+        check_op_dtype(rop, arr.dtype, _what("allreduce", name))
+        if inplace and not isinstance(x, np.ndarray):
+            raise TypeError("allreduce_: the in-place form needs a numpy array")
+        if inplace and not arr.flags.writeable:
+            raise ValueError("in-place collective on a read-only array")
+        return self._handle(self._request("allreduce", name, arr, int(rop), inplace=inplace,
+                                          priority=priority))
+
+    def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
+                          priority: int, inplace: bool) -> Handle:
+        base = self._name("grouped_allreduce", name)
+        handles = [self.allreduce(x, op, f"{base}.{i}", priority, inplace)
+                   for i, x in enumerate(xs)]
+        futures = [h.futures[0] for h in handles]
+        return Handle(futures, lambda: [h.result_now() for h in handles], base)
+
+    def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
+                  inplace: bool) -> Handle:
+        arr = _check_array(x, "broadcast", name)
+        if not isinstance(root_rank, int | np.integer) or not 0 <= root_rank < self.size:
+            raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of this "
+                             f"{self.size}-rank job")
+        if inplace and not isinstance(x, np.ndarray):
+            raise TypeError("broadcast_: the in-place form needs a numpy array")
+        return self._handle(self._request("broadcast", name, arr, root=int(root_rank),
+                                          inplace=inplace, priority=priority))
+
+    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
+        rop = as_reduce_op(op)
+        arr = _check_array(x, "reducescatter", name)
+        check_op_dtype(rop, arr.dtype, _what("reducescatter", name))
+        if arr.ndim == 0:
+            raise ValueError("reducescatter needs an array with at least one dimension")
+        return self._handle(self._request("reducescatter", name, arr, int(rop),
+                                          priority=priority))
+
+    def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
+        arr = _check_array(x, "allgather", name)
+        if arr.ndim == 0:
+            raise ValueError("allgather needs an array with at least one dimension")
+        return self._handle(self._request("allgather", name, arr, priority=priority))
+
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
+        arr = _check_array(x, "alltoall", name)
+        if arr.ndim == 0:
+            raise ValueError("alltoall needs an array with at least one dimension")
+        return self._handle(self._request("alltoall", name, arr, priority=priority,
+                                          splits=splits))
+
+    def barrier(self) -> Handle:
+        return self._handle(self._request("barrier", None, None))
+
+    def join(self) -> int:
+        raise TotalReduceError(
+            "join() runs only with TOTALREDUCE_COORDINATION=selfguided (the default): "
+            "negotiated mode has no way yet for a rank to stand in for tensors it never "
+            "submits")

@@ -1,0 +1,103 @@
+"""What a rank asks the coordinator for (a request) and what it answers (a response), in
+negotiated mode.
+
+A request names one tensor and says what every rank must agree on: the kind of
+collective, the dtype, the shape (for allgather and alltoall only the trailing
+dimensions: the first may differ), the reduction and the root.  That tuple is its
+``params``: equal params on every rank make a response, and a cached response is reused
+while a rank's params for the name stay equal.  Requests and responses travel as JSON
+(never pickle), in engine ops with reserved names.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from ..engine.payload import OpFuture
+
+Params = tuple[Any, ...]  # (kind, dtype, shape, op, root)
+
+# Kinds whose first dimension may differ between ranks.
+RAGGED = frozenset({"allgather", "alltoall"})
+
+
+def params_of(kind: str, arr: np.ndarray | None, op: int, root: int) -> Params:
+    if arr is None:
+        return (kind, "", (), op, root)
+    shape = tuple(arr.shape[1:]) if kind in RAGGED else tuple(arr.shape)
+    return (kind, str(arr.dtype), shape, op, root)
+
+
+class Request:
+    """One tensor submitted on this rank, waiting for its response."""
+
+    __slots__ = ("name", "params", "array", "inplace", "priority", "splits", "future",
+                 "result", "t_submit", "t_ready")
+
+    def __init__(self, name: str, params: Params, array: np.ndarray | None, inplace: bool,
+                 priority: int, splits: Any = None) -> None:
+        self.name = name
+        self.params = params
+        self.array = array
+        self.inplace = inplace
+        self.priority = priority
+        self.splits = splits
+        self.future = OpFuture()
+        self.result: Any = None
+        self.t_submit = time.monotonic()
+        self.t_ready = 0.0
+
+    @property
+    def kind(self) -> str:
+        return str(self.params[0])
+
+    def wire(self) -> list[Any]:
+        kind, dtype, shape, op, root = self.params
+        return [self.name, kind, dtype, list(shape), op, root]
+
+
+def params_from_wire(item: list[Any]) -> tuple[str, Params]:
+    """(name, params) of a request as sent; ValueError if it is not one."""
+    if not (isinstance(item, list) and len(item) == 6 and isinstance(item[0], str)):
+        raise ValueError(f"not a request: {item!r}")
+    name, kind, dtype, shape, op, root = item
+    return name, (str(kind), str(dtype), tuple(int(d) for d in shape), int(op), int(root))
+
+
+class Response:
+    """What every rank runs for one tensor (or the error every rank raises for it)."""
+
+    __slots__ = ("name", "params", "error")
+
+    def __init__(self, name: str, params: Params, error: str = "") -> None:
+        self.name = name
+        self.params = params
+        self.error = error
+
+    @property
+    def kind(self) -> str:
+        return str(self.params[0])
+
+    def wire(self) -> list[Any]:
+        kind, dtype, shape, op, root = self.params
+        return [self.name, kind, dtype, list(shape), op, root, self.error]
+
+
+def encode(items: list[list[Any]]) -> np.ndarray:
+    return np.frombuffer(json.dumps(items, separators=(",", ":")).encode(), np.uint8).copy()
+
+
+def decode_requests(buf: np.ndarray) -> list[tuple[str, Params]]:
+    return [params_from_wire(item) for item in json.loads(buf.tobytes() or b"[]")]
+
+
+def decode_responses(buf: np.ndarray) -> list[Response]:
+    out = []
+    for item in json.loads(buf.tobytes() or b"[]"):
+        name, params = params_from_wire(item[:6])
+        out.append(Response(name, params, str(item[6])))
+    return out

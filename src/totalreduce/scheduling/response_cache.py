@@ -1,0 +1,75 @@
+"""The response cache of negotiated mode: responses remembered by tensor name, each at a
+bit position, identical on every rank.
+
+Every rank makes the same changes in the same order (puts in the order of the
+coordinator's response list, touches in bit order of the cycle's ready set, evictions in
+bit order), so the same name sits at the same bit everywhere and one bitwise-AND
+allreduce of "which cached tensors I have ready" tells every rank which are ready on all.
+Full: the least recently used entry goes and its bit is reused (lowest free bit first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .requests import Params, Response
+
+
+class ResponseCache:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._by_name: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
+        self._by_bit: list[Response | None] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))  # pop() gives the lowest
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def lookup(self, name: str, params: Params) -> tuple[str, int]:
+        """("hit", bit), ("invalid", bit) or ("miss", -1) for a request."""
+        bit = self._by_name.get(name)
+        if bit is None:
+            self.misses += 1
+            return "miss", -1
+        response = self._by_bit[bit]
+        assert response is not None
+        if response.params == params:
+            self.hits += 1
+            return "hit", bit
+        return "invalid", bit
+
+    def at(self, bit: int) -> Response | None:
+        return self._by_bit[bit] if 0 <= bit < self.capacity else None
+
+    def touch(self, bit: int) -> None:
+        response = self._by_bit[bit]
+        if response is not None:
+            self._by_name.move_to_end(response.name)
+
+    def put(self, response: Response) -> None:
+        if not self.capacity:
+            return
+        old = self._by_name.get(response.name)
+        if old is not None:
+            self._by_bit[old] = response
+            self._by_name.move_to_end(response.name)
+            return
+        if not self._free:
+            oldest, bit = next(iter(self._by_name.items()))
+            self.evict(bit)
+        bit = self._free.pop()
+        self._by_bit[bit] = response
+        self._by_name[response.name] = bit
+
+    def evict(self, bit: int) -> None:
+        response = self._by_bit[bit]
+        if response is None:
+            return
+        self.evictions += 1
+        self._by_bit[bit] = None
+        del self._by_name[response.name]
+        self._free.append(bit)
+        self._free.sort(reverse=True)
