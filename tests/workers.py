@@ -755,3 +755,86 @@ def transport_contract(arg: dict) -> None:
     if connected.close is not None:
         connected.close()
     report(contract_kept=stats)
+
+
+def negotiated_cache(arg: dict) -> None:
+    """A repeated set of tensors: after the first step nothing goes to the coordinator;
+    then one name changes shape on every rank and is renegotiated."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    names = [f"w{i}" for i in range(20)]
+
+    def step(shapes: list[tuple[int, ...]]) -> None:
+        handles = [tr.allreduce_async(np.full(shapes[i], rank + i, np.float32), op=tr.Sum,
+                                      name=name) for i, name in enumerate(names)]
+        for i, h in enumerate(handles):
+            got = h.wait()
+            assert got.shape == shapes[i] and np.all(got == sum(r + i for r in range(n))), \
+                (names[i], got)
+
+    shapes = [(3,)] * len(names)
+    step(shapes)
+    first = current().collectives.stats()
+    for _ in range(10):
+        step(shapes)
+    steady = current().collectives.stats()
+    shapes[5] = (7,)
+    step(shapes)
+    step(shapes)
+    changed = current().collectives.stats()
+    tr.shutdown()
+    report(first=first, steady=steady, changed=changed)
+
+
+def negotiated_fusion(arg: dict) -> None:
+    """100 small tensors submitted at once travel as a few fused engine ops."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    tr.barrier()
+    before = current().collectives.stats()
+    inputs = [np.arange(i % 7 + 1, dtype=np.float64) * (rank + 1) + i for i in range(100)]
+    handles = [tr.allreduce_async(x, op=tr.Sum, name=f"small.{i}")
+               for i, x in enumerate(inputs)]
+    for i, h in enumerate(handles):
+        want = sum(np.arange(i % 7 + 1, dtype=np.float64) * (r + 1) + i for r in range(n))
+        assert_same(h.wait(), want, f"fused small.{i}")
+    after = current().collectives.stats()
+    tr.shutdown()
+    report(engine_ops=after["engine_ops"] - before["engine_ops"],
+           fused_ops=after["fused_ops"] - before["fused_ops"],
+           tensors=after["tensors"] - before["tensors"])
+
+
+def timeline_run(arg: dict) -> None:
+    """A few steps of small fused tensors and a bigger one, with the timeline on."""
+    tr.init()
+    for _step in range(5):
+        handles = [tr.allreduce_async(np.ones(10, np.float32) * i, name=f"g{i}")
+                   for i in range(8)]
+        for h in handles:
+            h.wait()
+        tr.allreduce(np.ones(100_000, np.float32), name="big")
+        time.sleep(0.03)
+    if arg.get("kill_rank") == tr.rank():
+        os.kill(os.getpid(), signal.SIGKILL)
+    tr.shutdown()
+
+
+def stall_cached(arg: dict) -> None:
+    """'step' runs three times everywhere (cached); then rank 1 stops submitting it."""
+    tr.init()
+    for _ in range(3):
+        tr.allreduce(np.ones(3), name="step")
+    start = time.monotonic()
+    if tr.rank() == 0:
+        try:
+            tr.allreduce(np.ones(3), name="step")
+        except tr.TotalReduceError as exc:
+            report(error=str(exc), kind=type(exc).__name__, after_s=time.monotonic() - start)
+    else:
+        time.sleep(4.0)
+    tr.shutdown()

@@ -23,6 +23,7 @@ from .config import Config, horovod_notices
 from .engine.engine import Engine
 from .exceptions import PeerFailureError, ShutdownError
 from .scheduling import Negotiated, SelfGuided
+from .timeline import Timeline, timeline_path
 from .transport.registry import connect
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,15 @@ class Runtime:
         self.rank, self.size = self.transport.rank, self.transport.size
         self.local_rank, self.local_size = connected.local_rank, connected.local_size
         self._close_also = connected.close
-        self.engine = Engine(self.transport, config)
+        self.timeline = Timeline(timeline_path(config.timeline, self.rank), self.rank) \
+            if config.timeline else None
+        negotiated = config.coordination == "negotiated"
+        # Self-guided ops are traced by the engine; negotiated ones by the cycle, which
+        # knows the tensors behind a fused op.
+        self.engine = Engine(self.transport, config,
+                             timeline=None if negotiated else self.timeline)
         self.collectives: SelfGuided | Negotiated = \
-            Negotiated(self.engine, config) if config.coordination == "negotiated" \
+            Negotiated(self.engine, config, self.timeline) if negotiated \
             else SelfGuided(self.engine, config)
         if self.rank == 0:
             for line in horovod_notices():
@@ -60,6 +67,8 @@ class Runtime:
                 self.collectives.close()
             finally:
                 self.engine.shutdown()
+                if self.timeline is not None:
+                    self.timeline.close()
         finally:
             if self._close_also is not None:
                 self._close_also()

@@ -34,6 +34,7 @@ from typing import Any
 from ..config import Config
 from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError
 from ..interrupts import deferred as ctrl_c
+from ..timeline import Timeline
 from ..transport.base import Transport
 from ..transport.wire import Header, Kind
 from .driving import CallerWaits, Driver
@@ -58,10 +59,11 @@ class Engine:
     :meth:`shutdown` may be called from any thread; everything else runs on whichever
     thread drives the loop."""
 
-    def __init__(self, transport: Transport, config: Config, *, threaded: bool = True
-                 ) -> None:
+    def __init__(self, transport: Transport, config: Config, *, threaded: bool = True,
+                 timeline: Timeline | None = None) -> None:
         """``threaded=False``: no progress thread and no reduce thread; the loop runs only
-        when a caller drives it (``wait``, or ``engine.loop.step``): one-process tests."""
+        when a caller drives it (``wait``, or ``engine.loop.step``): one-process tests.
+        ``timeline``: where to trace each op (self-guided mode)."""
         self.rank = transport.rank
         self.size = transport.size
         self.transport = transport
@@ -71,7 +73,7 @@ class Engine:
         self.loop = Loop(self, config)
         self._commands = self.loop.commands
         peers = [p for p in range(self.size) if p != self.rank]
-        self.ops = OpTable()
+        self.ops = OpTable(timeline)
         self.ledger = CreditLedger(peers, config.floating_cap // max(1, self.size - 1))
         self.outbox = Outbox(peers, self.ledger, transport)
         reducer = ReduceThread(self.loop.completions.append, transport.wake) \
@@ -208,6 +210,7 @@ class Engine:
                 spec.finalize(spec.work[lo:hi])
         inbox = self.inbox
         if key in inbox.floating:
+            op.t_floated = min(item.t for item in inbox.floating[key])
             for item in inbox.take_floating(key):
                 if op.finished:
                     inbox.scratch.put(item.buf)

@@ -10,6 +10,7 @@ which go to the outbox.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..config import Config
@@ -239,6 +240,8 @@ class Inbox:
         self._after_recv(op, rkey, recv)
 
     def _after_recv(self, op: LiveOp, rkey: PieceKey, recv: Recv) -> None:
+        if not op.t_first:
+            op.t_first = time.monotonic()
         spec = op.spec
         if recv.final and spec.finalize is not None and recv.hi > recv.lo:
             spec.finalize(spec.work[recv.lo:recv.hi])

@@ -19,7 +19,8 @@ class LiveOp:
 
     __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
                  "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
-                 "source_bytes", "itemsize", "left", "held", "announce")
+                 "source_bytes", "itemsize", "left", "held", "announce", "t_first",
+                 "t_floated")
 
     def __init__(self, spec: OpSpec, future: OpFuture) -> None:
         self.spec = spec
@@ -31,6 +32,8 @@ class LiveOp:
         self.ready_peers: set[int] = set()
         self.announce: set[int] = set()  # peers whose READY rides on our first DATA to them
         self.t_start = time.monotonic()
+        self.t_first = 0.0  # when the first piece from a peer was applied (timeline)
+        self.t_floated = 0.0  # when the first piece that came before the op arrived
         self.warned = False
         self.finished = False
         self.mismatch: MismatchRecord | None = None
@@ -90,10 +93,11 @@ class Route:
 
 
 class FloatingBody:
-    __slots__ = ("src", "header", "buf", "charge")
+    __slots__ = ("src", "header", "buf", "charge", "t")
 
     def __init__(self, src: int, header: Header, buf: memoryview, charge: int) -> None:
         self.src = src
         self.header = header
         self.buf = buf
         self.charge = charge
+        self.t = time.monotonic()

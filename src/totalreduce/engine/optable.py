@@ -3,8 +3,11 @@ failed before this rank submitted them.  An op's own state lives in its :class:`
 
 from __future__ import annotations
 
+import time
+
 from ..exceptions import PeerFailureError
 from ..lru import LRU
+from ..timeline import Timeline
 from .opstate import LiveOp
 from .payload import OpKey
 
@@ -12,7 +15,8 @@ _FAILED_EARLY_ENTRIES = 4096
 
 
 class OpTable:
-    def __init__(self) -> None:
+    def __init__(self, timeline: Timeline | None = None) -> None:
+        self._timeline = timeline
         self.active: dict[OpKey, LiveOp] = {}
         self.done = DoneSet()
         # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
@@ -31,6 +35,8 @@ class OpTable:
             op.finished = True
             del self.active[op.spec.key]
             self.done.add(op.spec.key)
+            if self._timeline is not None:
+                self._trace(op)
             op.future.resolve(None)
 
     def end(self, op: LiveOp, error: BaseException) -> bool:
@@ -41,8 +47,24 @@ class OpTable:
         key = op.spec.key
         self.active.pop(key, None)
         self.done.add(key)
+        if self._timeline is not None:
+            self._trace(op, "FAILED ")
         op.future.resolve(error)
         return True
+
+    def _trace(self, op: LiveOp, prefix: str = "") -> None:
+        """The op's spans on the timeline: the op, its wait for a peer's first piece, and
+        how long pieces sent ahead of it waited here for it."""
+        assert self._timeline is not None
+        spec = op.spec
+        name = str(spec.describe.get("name") or spec.label)
+        now = time.monotonic()
+        kind = str(spec.describe.get("kind", "op")).upper()
+        self._timeline.span(name, prefix + kind, op.t_start, now)
+        if op.t_first > op.t_start:
+            self._timeline.span(name, "WAIT_FOR_PEER", op.t_start, op.t_first)
+        if 0 < op.t_floated < op.t_start:
+            self._timeline.span(name, "FLOATING", op.t_floated, op.t_start)
 
 
 class DoneSet:

@@ -52,8 +52,8 @@ def _view(params: Params) -> dict[str, Any]:
 def describe_mismatch(name: str, by_rank: dict[int, Params]) -> str:
     views = {r: _view(p) for r, p in sorted(by_rank.items())}
     differing = [f for f in _FIELDS if len({str(v.get(f)) for v in views.values()}) > 1]
-    kinds = sorted({v["kind"] for v in views.values()})
-    lines = [f"ranks disagree on {'/'.join(kinds)} '{name}' (differs: {', '.join(differing)}):"]
+    kind = views[min(views)]["kind"]
+    lines = [f"ranks disagree on {kind} '{name}' (differs: {', '.join(differing)}):"]
     for r, v in views.items():
         lines.append(f"  rank {r}: " + ", ".join(f"{k}={v[k]}" for k in _FIELDS if k in v))
     lines.append("Every rank must call the same collectives, with the same names, shapes, "

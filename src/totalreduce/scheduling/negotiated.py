@@ -20,7 +20,7 @@ from ..config import Config
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture
 from ..exceptions import TotalReduceError
-from ..timeline import Timeline, timeline_path
+from ..timeline import Timeline
 from .controller import Controller
 from .handle import Handle
 from .ops import as_reduce_op, check_op_dtype
@@ -29,13 +29,12 @@ from .selfguided import SelfGuided, _check_array, _what
 
 
 class Negotiated:
-    def __init__(self, engine: Engine, config: Config) -> None:
+    def __init__(self, engine: Engine, config: Config, timeline: Timeline | None = None
+                 ) -> None:
         self._engine = engine
         self.rank, self.size = engine.rank, engine.size
         self._ops = SelfGuided(engine, config)
-        self._timeline = Timeline(timeline_path(config.timeline, self.rank), self.rank) \
-            if config.timeline else None
-        self._controller = Controller(self._ops, config, self._timeline)
+        self._controller = Controller(self._ops, config, timeline)
         self._unnamed = itertools.count()
         self._stop_timeout = config.shutdown_timeout + 10.0
 
@@ -46,10 +45,8 @@ class Negotiated:
         return dict(self._ops.stats(), **self._controller.stats())
 
     def close(self) -> None:
-        """Stop coordinating (every rank stops at the same cycle), then the timeline."""
+        """Stop coordinating (every rank stops at the same cycle)."""
         self._controller.stop(self._stop_timeout)
-        if self._timeline is not None:
-            self._timeline.close()
 
     # --- requests ------------------------------------------------------------------------
 

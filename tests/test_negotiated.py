@@ -1,0 +1,152 @@
+"""Negotiated coordination (TOTALREDUCE_COORDINATION=negotiated): the same results as
+self-guided mode, the response cache, fusion, and the timeline of both modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import launch, run_ok
+
+pytestmark = pytest.mark.multiprocess
+
+NEGOTIATED = {"TOTALREDUCE_COORDINATION": "negotiated"}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_core_matrix_matches_numpy(n: int) -> None:
+    result = run_ok(n, "workers:check_collectives", {}, env=NEGOTIATED, timeout=240)
+    for r in range(n):
+        assert result.report(r).get("checked", 0) > 0, result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_repeated_tensors_skip_the_coordinator_and_a_changed_shape_is_renegotiated(
+        n: int) -> None:
+    result = run_ok(n, "workers:negotiated_cache", {}, env=NEGOTIATED, timeout=90)
+    for r in range(n):
+        got = result.report(r)
+        first, steady, changed = got["first"], got["steady"], got["changed"]
+        assert first["requests_sent"] == 20, got
+        # Ten more steps of the same 20 tensors: nothing sent, every request a cache hit.
+        assert steady["requests_sent"] == first["requests_sent"], got
+        assert steady["cache_hits"] - first["cache_hits"] >= 200, got
+        # w5 changed shape on every rank: evicted once, negotiated once, cached again.
+        assert changed["requests_sent"] - steady["requests_sent"] == 1, got
+        assert changed["cache_evictions"] - steady["cache_evictions"] == 1, got
+    coordinator = result.report(0)
+    assert coordinator["steady"]["coordinator_received"] == \
+        coordinator["first"]["coordinator_received"] == 20 * n, coordinator
+    assert coordinator["changed"]["coordinator_received"] == 21 * n, coordinator
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_small_tensors_are_fused(n: int) -> None:
+    result = run_ok(n, "workers:negotiated_fusion", {}, env=NEGOTIATED, timeout=90)
+    for r in range(n):
+        got = result.report(r)
+        assert got["tensors"] == 100 and got["engine_ops"] <= 5, got
+        assert got["fused_ops"] >= 1, got
+
+
+def _load_trace(path: Path) -> list[dict]:
+    text = path.read_text()
+    if not text.rstrip().endswith("]"):
+        # Cut off: as trace viewers do, close the array after the last whole event.
+        text = text[:text.rstrip().rfind("}") + 1] + "]"
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("mode", ["negotiated", "selfguided"])
+def test_timeline_holds_every_phase(tmp_path: Path, mode: str) -> None:
+    trace = tmp_path / "trace.json"
+    run_ok(2, "workers:timeline_run", {}, timeout=60,
+           env={"TOTALREDUCE_COORDINATION": mode, "TOTALREDUCE_TIMELINE": str(trace)})
+    for path in (trace, Path(f"{trace}.1")):
+        events = json.loads(path.read_text())  # closed at shutdown: plain JSON
+        phases = {e["name"] for e in events if e["ph"] == "X"}
+        rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert {"g0", "g7", "big"} <= rows, rows
+        if mode == "negotiated":
+            assert {"NEGOTIATE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE",
+                    "MEMCPY_OUT_FUSION_BUFFER"} <= phases, phases
+        else:
+            assert {"ALLREDUCE", "WAIT_FOR_PEER"} <= phases, phases
+        assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_timeline_of_a_killed_rank_still_loads(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    result = launch(2, "workers:timeline_run", {"kill_rank": 1}, timeout=60,
+                    env=dict(NEGOTIATED, TOTALREDUCE_TIMELINE=str(trace)))
+    assert result.returncode != 0, result.explain()
+    killed = Path(f"{trace}.1")
+    assert not killed.read_text().rstrip().endswith("]")
+    events = _load_trace(killed)
+    assert any(e["name"] == "NEGOTIATE" for e in events), events[:5]
+
+
+@pytest.mark.parametrize("what,values", [
+    ("shape", ("(4,)", "(5,)")),
+    ("dtype", ("float32", "float64")),
+    ("layout", ("(3, 2)", "(2, 3)")),
+    ("op", ("op=Average", "op=Max")),
+])
+def test_mismatch_raises_on_every_rank(what: str, values: tuple[str, str]) -> None:
+    n = 3
+    result = run_ok(n, "workers:mismatch", {"what": what}, env=NEGOTIATED, timeout=60)
+    for r in range(n):
+        got = result.report(r)
+        msg = got.get("mismatch", "")
+        assert msg.startswith(f"rank {r}: ranks disagree on allreduce 'grad.w'"), \
+            result.explain()
+        assert f"differs: {what.replace('layout', 'shape')}" in msg, msg
+        assert values[0] in msg and values[1] in msg, msg
+        assert all(f"rank {q}: kind=allreduce" in msg for q in range(n)), msg
+        assert got["after_s"] < 5, got
+
+
+@pytest.mark.parametrize("variant", ["every_rank_its_own_root", "last_rank_other_root",
+                                     "broadcast_against_allreduce"])
+def test_disagreeing_broadcast_raises_on_every_rank(variant: str) -> None:
+    n = 3
+    result = run_ok(n, "workers:broadcast_mismatch", {"variant": variant}, env=NEGOTIATED,
+                    timeout=60)
+    differs = "kind" if variant == "broadcast_against_allreduce" else "root"
+    for r in range(n):
+        got = result.report(r)
+        assert not got.get("returned_data") and "mismatch" in got, result.explain()
+        assert f"differs: {differs}" in got["mismatch"], got
+
+
+def test_stall_warning_names_tensor_and_missing_rank() -> None:
+    result = run_ok(2, "workers:stall", {}, timeout=60,
+                    env=dict(NEGOTIATED, TOTALREDUCE_STALL_CHECK_TIME="1"))
+    warnings = [ln for ln in result.lines(0) if "has waited" in ln]
+    assert warnings, result.explain()
+    assert "allreduce 'slowpoke'" in warnings[0], warnings
+    assert "submitted by rank(s) [0], not (yet) by rank(s) [1]" in warnings[0], warnings
+
+
+def test_stall_shutdown_time_fails_the_waiting_ranks() -> None:
+    result = run_ok(3, "workers:stall_shutdown", {"hold": 4.0}, timeout=60,
+                    env=dict(NEGOTIATED, TOTALREDUCE_STALL_SHUTDOWN_TIME="1"))
+    for r in (0, 1):
+        got = result.report(r)
+        assert got.get("kind") == "OpTimeoutError", result.explain()
+        assert "'ghost'" in got["error"] and "not (yet) by rank(s) [2]" in got["error"], got
+        assert 0.9 < got["after_s"] < 3.5, got
+
+
+def test_stalled_cached_tensor_is_reported_too() -> None:
+    # A tensor every rank has run before is a cache hit; when one rank stops submitting
+    # it, the others' requests leave the cache for the coordinator, which names who is
+    # missing.
+    result = run_ok(2, "workers:stall_cached", {}, timeout=60,
+                    env=dict(NEGOTIATED, TOTALREDUCE_STALL_CHECK_TIME="1",
+                             TOTALREDUCE_STALL_SHUTDOWN_TIME="2"))
+    got = result.report(0)
+    assert got.get("kind") == "OpTimeoutError", result.explain()
+    assert "not (yet) by rank(s) [1]" in got["error"], got
