@@ -37,7 +37,11 @@ class OpFuture:
     """Completion of one op; resolved by whichever thread runs the engine loop, waited on
     anywhere.  ``waiter`` (the engine's) lets a waiting thread run the loop itself."""
 
-    __slots__ = ("_done", "_event", "_error", "_callbacks", "_lock", "_waiter")
+    __slots__ = ("_done", "_event", "_error", "_callbacks", "_waiter")
+
+    # One lock for every future: it is held for a few field writes only (callbacks run
+    # outside it), and a lock per future cost a third of a small op's bookkeeping.
+    _lock = threading.Lock()
 
     def __init__(self, waiter: Callable[[OpFuture, float | None], bool] | None = None
                  ) -> None:
@@ -46,8 +50,7 @@ class OpFuture:
         # itself never does, and an Event costs a Condition and two locks.
         self._event: threading.Event | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[OpFuture], None]] = []
-        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[OpFuture], None]] | None = None  # made on first use
         self._waiter = waiter
 
     def done(self) -> bool:
@@ -76,7 +79,10 @@ class OpFuture:
     def add_done_callback(self, fn: Callable[[OpFuture], None]) -> None:
         with self._lock:
             if not self._done:
-                self._callbacks.append(fn)
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
                 return
         fn(self)
 
@@ -87,8 +93,9 @@ class OpFuture:
             self._error = error
             self._done = True
             event = self._event
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks, self._callbacks = self._callbacks, None
         if event is not None:
             event.set()
-        for fn in callbacks:
-            fn(self)
+        if callbacks is not None:
+            for fn in callbacks:
+                fn(self)

@@ -286,48 +286,45 @@ class Controller:
         handle.add_done_callback(done)
 
     def _run_fused(self, run: list[tuple[Response, Request]]) -> None:
-        first = run[0][1]
-        assert first.array is not None
-        sizes = [r.array.size for _resp, r in run if r.array is not None]
-        total = sum(sizes)
+        requests = [request for _resp, request in run]
+        flats = [r.array.reshape(-1) for r in requests]  # type: ignore[union-attr]
+        sizes = [f.size for f in flats]
         t0 = time.monotonic()
-        buf = self._buffers.take(first.array.dtype, total)
-        offset = 0
-        for (_resp, request), n in zip(run, sizes, strict=True):
-            assert request.array is not None
-            buf[offset:offset + n] = request.array.reshape(-1)
-            offset += n
+        buf = self._buffers.take(flats[0].dtype, int(sum(sizes)))
+        np.concatenate(flats, out=buf)
         t1 = time.monotonic()
         timeline = self._timeline
         if timeline is not None:
-            for _resp, request in run:
+            for request in requests:
                 timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
         op = run[0][0].params[3]
-        priority = max(request.priority for _resp, request in run)
-        handle = self._ops.allreduce(buf, op, "\x00fused." + first.name, priority, True)
+        priority = max(request.priority for request in requests)
+        handle = self._ops.allreduce(buf, op, "\x00fused." + requests[0].name, priority, True)
 
         def done(h: Handle) -> None:
             t2 = time.monotonic()
             error = h.error()
-            offset = 0
-            for (_resp, request), n in zip(run, sizes, strict=True):
-                piece = buf[offset:offset + n]
-                offset += n
-                if error is not None:
-                    continue
-                arr = request.array
-                assert arr is not None
-                if request.inplace:
-                    arr[...] = piece.reshape(arr.shape)
+            if error is None:
+                start = 0
+                for request, flat, n in zip(requests, flats, sizes, strict=True):
+                    piece = buf[start:start + n]
+                    start += n
+                    arr = request.array
+                    assert arr is not None
+                    if not request.inplace:
+                        request.result = piece.reshape(arr.shape).copy()
+                        continue
+                    if flat.base is not None:  # a view of the array: write through it
+                        flat[...] = piece
+                    else:  # reshape(-1) had to copy: the array is not contiguous
+                        arr[...] = piece.reshape(arr.shape)
                     request.result = arr
-                else:
-                    request.result = piece.reshape(arr.shape).copy()
             t3 = time.monotonic()
             self._buffers.give(buf)
-            for _resp, request in run:
+            for request in requests:
                 if timeline is not None:
                     timeline.span(request.name, "ALLREDUCE", t1, t2)
                     timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
-                request.future.resolve(error)
+                request.resolve(error)
 
         handle.add_done_callback(done)

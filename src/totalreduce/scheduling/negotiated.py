@@ -18,14 +18,13 @@ import numpy as np
 
 from ..config import Config
 from ..engine.engine import Engine
-from ..engine.payload import OpFuture
 from ..exceptions import TotalReduceError
 from ..timeline import Timeline
 from .controller import Controller
 from .handle import Handle
 from .ops import as_reduce_op, check_op_dtype
 from .requests import Request, params_of
-from .selfguided import SelfGuided, _check_array, _what
+from .selfguided import SelfGuided, _check_array
 
 
 class Negotiated:
@@ -36,6 +35,7 @@ class Negotiated:
         self._ops = SelfGuided(engine, config)
         self._controller = Controller(self._ops, config, timeline)
         self._unnamed = itertools.count()
+        self._waiter = engine.wait
         self._stop_timeout = config.shutdown_timeout + 10.0
 
     def caller_waits(self) -> Any:
@@ -63,19 +63,18 @@ class Negotiated:
                  splits: Any = None) -> Request:
         request = Request(self._name(kind, name), params_of(kind, arr, op, root), arr,
                           inplace, priority, splits)
-        request.future = OpFuture(self._engine.wait)  # a waiter drives the engine
         self._controller.submit(request)
         return request
 
     @staticmethod
     def _handle(request: Request) -> Handle:
-        return Handle([request.future], lambda: request.result, request.name)
+        return Handle([request], request.get_result, request.name)
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "allreduce", name)
-        check_op_dtype(rop, arr.dtype, _what("allreduce", name))
+        check_op_dtype(rop, arr.dtype, "allreduce", name)
         if inplace and not isinstance(x, np.ndarray):
             raise TypeError("allreduce_: the in-place form needs a numpy array")
         if inplace and not arr.flags.writeable:
@@ -105,7 +104,7 @@ class Negotiated:
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "reducescatter", name)
-        check_op_dtype(rop, arr.dtype, _what("reducescatter", name))
+        check_op_dtype(rop, arr.dtype, "reducescatter", name)
         if arr.ndim == 0:
             raise ValueError("reducescatter needs an array with at least one dimension")
         return self._handle(self._request("reducescatter", name, arr, int(rop),

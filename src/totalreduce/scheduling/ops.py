@@ -42,10 +42,11 @@ def averager(dtype: np.dtype, size: int) -> Callable[[np.ndarray], None] | None:
     return lambda region: np.divide(region, size, out=region)
 
 
-def check_op_dtype(op: ReduceOp, dtype: np.dtype, what: str) -> None:
+def check_op_dtype(op: ReduceOp, dtype: np.dtype, kind: str, name: str | None) -> None:
     """Raises TypeError for Average of bools, which has no meaning (numpy's mean of bools
     is a float; ours would have to stay bool)."""
-    if op == ReduceOp.AVERAGE and dtype == np.bool_:
+    if op == 0 and dtype.kind == "b":  # 0: ReduceOp.AVERAGE, without the enum lookup
+        what = kind + (f" '{name}'" if name else "")
         raise TypeError(f"{what}: Average of a bool array is not defined; use Sum or Max "
                         "(logical or), or Min or Product (logical and)")
 
@@ -57,6 +58,8 @@ def as_reduce_op(op: object) -> ReduceOp:
         TypeError: ``op`` is not an op at all (``True`` included, though it equals 1).
         ValueError: an integer that names no op.
     """
+    if type(op) is ReduceOp:
+        return op  # the usual case, without the enum's lookup
     if isinstance(op, bool) or not isinstance(op, int):
         raise TypeError(f"op must be one of Sum, Average, Min, Max, Product, got "
                         f"{type(op).__name__} {op!r}")

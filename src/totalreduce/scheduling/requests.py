@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,28 +26,43 @@ Params = tuple[Any, ...]  # (kind, dtype, shape, op, root)
 RAGGED = frozenset({"allgather", "alltoall"})
 
 
+# str(dtype) costs ~2 us, so once per dtype; only dtypes totalreduce moves get here.
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
 def params_of(kind: str, arr: np.ndarray | None, op: int, root: int) -> Params:
     if arr is None:
         return (kind, "", (), op, root)
-    shape = tuple(arr.shape[1:]) if kind in RAGGED else tuple(arr.shape)
-    return (kind, str(arr.dtype), shape, op, root)
+    dtype = arr.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return (kind, name, arr.shape[1:] if kind in RAGGED else arr.shape, op, root)
 
 
-class Request:
-    """One tensor submitted on this rank, waiting for its response."""
+class Request(OpFuture):
+    """One tensor submitted on this rank, waiting for its response; it is also the future
+    its handle waits on (one object per tensor: the tiny-tensor case counts them)."""
 
-    __slots__ = ("name", "params", "array", "inplace", "priority", "splits", "future",
-                 "result", "t_submit", "t_ready")
+    __slots__ = ("name", "params", "array", "inplace", "priority", "splits", "result",
+                 "t_submit", "t_ready")
 
     def __init__(self, name: str, params: Params, array: np.ndarray | None, inplace: bool,
-                 priority: int, splits: Any = None) -> None:
+                 priority: int, splits: Any = None,
+                 waiter: Callable[[OpFuture, float | None], bool] | None = None) -> None:
+        # OpFuture's fields, set here rather than through super().__init__(): one call
+        # less for each of the many tiny tensors a training step may submit.
+        self._done = False
+        self._event = None
+        self._error = None
+        self._callbacks = None
+        self._waiter = waiter
         self.name = name
         self.params = params
         self.array = array
         self.inplace = inplace
         self.priority = priority
         self.splits = splits
-        self.future = OpFuture()
         self.result: Any = None
         self.t_submit = time.monotonic()
         self.t_ready = 0.0
@@ -54,6 +70,13 @@ class Request:
     @property
     def kind(self) -> str:
         return str(self.params[0])
+
+    @property
+    def future(self) -> OpFuture:
+        return self
+
+    def get_result(self) -> Any:
+        return self.result
 
     def wire(self) -> list[Any]:
         kind, dtype, shape, op, root = self.params

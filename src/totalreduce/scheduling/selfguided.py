@@ -63,13 +63,13 @@ def _check_array(x: Any, kind: str, name: str | None) -> np.ndarray:
     if name is not None and not isinstance(name, str):
         raise TypeError(f"{kind}: name must be a str or None, got {type(name).__name__} "
                         f"{name!r}")
-    arr = np.asarray(x)
-    if arr.dtype == object:
-        raise TypeError(f"{_what(kind, name)}: object arrays cannot be communicated; pass a "
-                        "numeric array")
+    arr = x if type(x) is np.ndarray else np.asarray(x)
     try:
         dtype_code(arr.dtype)
     except TypeError as exc:
+        if arr.dtype.kind == "O":
+            raise TypeError(f"{_what(kind, name)}: object arrays cannot be communicated; "
+                            "pass a numeric array") from None
         raise TypeError(f"{_what(kind, name)}: {exc}") from None
     return arr
 
@@ -199,7 +199,7 @@ class SelfGuided:
                   inplace: bool) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "allreduce", name)
-        check_op_dtype(rop, arr.dtype, _what("allreduce", name))
+        check_op_dtype(rop, arr.dtype, "allreduce", name)
         if inplace and not isinstance(x, np.ndarray):
             raise TypeError("allreduce_: the in-place form needs a numpy array")
         ident = self._ident("allreduce", name)
@@ -257,7 +257,7 @@ class SelfGuided:
         rop = as_reduce_op(op)
         arrs = [_check_array(x, "grouped_allreduce", name) for x in xs]
         for a in arrs:
-            check_op_dtype(rop, a.dtype, _what("grouped_allreduce", name))
+            check_op_dtype(rop, a.dtype, "grouped_allreduce", name)
         if inplace and not all(isinstance(x, np.ndarray) for x in xs):
             raise TypeError("grouped_allreduce_: the in-place form needs numpy arrays")
         parts: list[list[int]] = []
@@ -337,7 +337,7 @@ class SelfGuided:
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         rop = as_reduce_op(op)
         arr = _check_array(x, "reducescatter", name)
-        check_op_dtype(rop, arr.dtype, _what("reducescatter", name))
+        check_op_dtype(rop, arr.dtype, "reducescatter", name)
         if arr.ndim == 0:
             raise ValueError("reducescatter needs an array with at least one dimension")
         ident = self._ident("reducescatter", name)
