@@ -1,5 +1,5 @@
-"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train}``: side-by-side
-numbers.
+"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny}``:
+side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
 ``totalrun`` or ``mpiexec``, MPI's under ``mpiexec``, gloo's under ``totalrun`` — with the
@@ -14,6 +14,10 @@ Backends (``--backends``, comma-separated; all by default, unavailable ones skip
   mpi              mpi4py's own collectives under mpiexec (MPICH from the mpi extra)
   gloo             torch.distributed with the gloo backend (needs torch)
   ddp-hook         train only: DDP over gloo with totalreduce's comm hook (needs torch)
+Not run unless named (negotiated coordination, over totalreduce-shm's transport):
+  totalreduce-neg           TOTALREDUCE_COORDINATION=negotiated (cache and fusion on)
+  totalreduce-neg-nocache   the same with TOTALREDUCE_CACHE_CAPACITY=0
+  totalreduce-neg-nofusion  the same with TOTALREDUCE_FUSION_THRESHOLD=0
 
 ``train`` runs the totalreduce-shm, gloo and ddp-hook backends (the others have no
 optimizer): samples/s of one model under each, with a bucket-size sweep for totalreduce's
@@ -37,6 +41,12 @@ from .report import plot, print_table, summarize
 
 BACKENDS = ("totalreduce-shm", "totalreduce-tcp", "totalreduce-mpi", "mpi", "gloo",
             "ddp-hook")
+# Negotiated coordination, with its mechanisms on and off: named, never run by default.
+NEGOTIATED = {
+    "totalreduce-neg": {},
+    "totalreduce-neg-nocache": {"TOTALREDUCE_CACHE_CAPACITY": "0"},
+    "totalreduce-neg-nofusion": {"TOTALREDUCE_FUSION_THRESHOLD": "0"},
+}
 TRAIN_BACKENDS = ("totalreduce-shm", "gloo", "ddp-hook")
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 DEFAULT_SIZES = ("4", "64", "1K", "16K", "256K", "1M", "4M", "16M", "64M", "256M")
@@ -78,6 +88,8 @@ def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float,
     else:
         launcher = [sys.executable, "-m", "totalreduce.run", "-np", str(n)]
         env["TOTALREDUCE_TRANSPORT"] = "tcp" if backend == "totalreduce-tcp" else "shm"
+        if backend in NEGOTIATED:
+            env.update(NEGOTIATED[backend], TOTALREDUCE_COORDINATION="negotiated")
         if backend in ("gloo", "ddp-hook"):
             env["BENCH_GLOO_INIT"] = f"tcp://127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory(prefix="trbench-") as tmp:
@@ -131,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", default="1K")
     p.add_argument("--delay", type=float, default=0.002, help="seconds after the big op")
     p.add_argument("--reps", type=int, default=20)
+    p = sub.add_parser("tiny", parents=[common],
+                       help="many async 4-byte allreduces: per-op overhead")
+    p.add_argument("--count", type=int, default=1000, help="ops submitted before waiting")
+    p.add_argument("--reps", type=int, default=20)
     p = sub.add_parser("train", parents=[common], help="samples/s of a training step")
     p.add_argument("--model", default="mlp", help="mlp (communication-heavy) or convnet")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -150,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.test == "skew":
         cfg.update(model=args.model, max_delay=args.max_delay, reps=args.reps,
                    seed=args.seed)
+    elif args.test == "tiny":
+        cfg.update(count=args.count, reps=args.reps)
     elif args.test == "train":
         cfg.update(model=args.model, batch_size=args.batch_size, steps=args.steps,
                    reps=args.reps, buckets_mb=[float(b) for b in args.buckets_mb.split(",")])
@@ -164,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     elif "ddp-hook" in chosen and args.backends == ",".join(BACKENDS):
         chosen.remove("ddp-hook")  # train only
     for b in chosen:
-        if b not in BACKENDS:
-            ap.error(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+        if b not in BACKENDS and b not in NEGOTIATED:
+            ap.error(f"unknown backend {b!r}; choose from "
+                     f"{', '.join((*BACKENDS, *NEGOTIATED))}")
         why = unavailable(b)
         if why:
             print(f"skipping {b}: {why}", file=sys.stderr)

@@ -46,6 +46,10 @@ class Backend:
         """Latency (s) of ``small``'s allreduce, issued ``delay`` s after ``big``'s."""
         raise NotImplementedError
 
+    def tiny(self, count: int) -> Step:
+        """``count`` async allreduces of one float32 each, submitted, then all waited."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -161,6 +165,18 @@ class TotalReduceBackend(Backend):
         hbig.wait()
         return latency
 
+    def tiny(self, count: int) -> Step:
+        tr = self.tr
+        xs = [np.ones(1, np.float32) for _ in range(count)]
+        names = [f"tiny.{i}" for i in range(count)]
+
+        def step() -> None:
+            handles = [tr.allreduce_async_(x, op=tr.Sum, name=nm)
+                       for x, nm in zip(xs, names, strict=True)]
+            for h in handles:
+                h.wait()
+        return step
+
     def close(self) -> None:
         self.tr.shutdown()
 
@@ -234,6 +250,14 @@ class MpiBackend(Backend):
         latency = time.perf_counter() - t
         rbig.Wait()
         return latency
+
+    def tiny(self, count: int) -> Step:
+        MPI, comm = self.MPI, self.comm
+        xs = [np.ones(1, np.float32) for _ in range(count)]
+
+        def step() -> None:
+            MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, x, MPI.SUM) for x in xs])
+        return step
 
 
 class GlooBackend(Backend):
@@ -312,6 +336,15 @@ class GlooBackend(Backend):
         latency = time.perf_counter() - t
         wbig.wait()
         return latency
+
+    def tiny(self, count: int) -> Step:
+        torch, dist = self.torch, self.dist
+        xs = [torch.ones(1, dtype=torch.float32) for _ in range(count)]
+
+        def step() -> None:
+            for work in [dist.all_reduce(x, async_op=True) for x in xs]:
+                work.wait()
+        return step
 
     def close(self) -> None:
         self.dist.destroy_process_group()

@@ -105,6 +105,11 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
             r["samples_per_s"] = r["batch"] * r["ranks"] / r["median"]
             ref = ddp.get(r["ranks"])
             r["speed_vs_ddp"] = ref / r["median"] if ref else None
+    elif test == "tiny":
+        mpi = {r["ranks"]: r["median"] for r in rows if r["backend"] == "mpi" and "median" in r}
+        for r in rows:
+            if r["ranks"] in mpi and "median" in r:
+                r["speed_vs_mpi"] = mpi[r["ranks"]] / r["median"]
     elif test == "skew":
         mpi_flat = {r["ranks"]: r["flat_median"] for r in rows if r["backend"] == "mpi"}
         for r in rows:
@@ -163,6 +168,12 @@ def print_table(test: str, rows: list[Row]) -> None:
                 "time / ideal")
         body = [(r["model"], r["ranks"], r["backend"], _ms(r["median"]),
                  _ms(r["last_ready_median"]), _ms(r["ideal"]), _ratio(r["time_vs_ideal"]))
+                for r in sorted(rows, key=lambda r: (r["ranks"], r["median"]))]
+    elif test == "tiny":
+        head = ("n", "backend", "case", "median us/op", "p10-p90 us/op", "speed vs mpi")
+        body = [(r["ranks"], r["backend"], r["mode"], f"{r['median'] * 1e6:.1f}",
+                 f"{r['p10'] * 1e6:.1f}-{r['p90'] * 1e6:.1f}",
+                 _ratio(r["speed_vs_mpi"]) if "speed_vs_mpi" in r else "")
                 for r in sorted(rows, key=lambda r: (r["ranks"], r["median"]))]
     else:
         head = ("n", "backend", "small allreduce", "median ms", "p10-p90 ms")

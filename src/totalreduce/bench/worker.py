@@ -136,7 +136,15 @@ def preempt(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-TESTS = {"collectives": collectives, "replay": replay, "skew": skew, "preempt": preempt}
+def tiny(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Many async 4-byte allreduces submitted at once, then waited: per-op overhead."""
+    count = cfg["count"]
+    times = _timed(b, b.tiny(count), cfg["reps"])
+    return [{"mode": f"{count} x 4 B async", "times": [t / count for t in times]}]
+
+
+TESTS = {"collectives": collectives, "replay": replay, "skew": skew, "preempt": preempt,
+         "tiny": tiny}
 
 
 def main() -> None:
