@@ -150,3 +150,35 @@ def test_stalled_cached_tensor_is_reported_too() -> None:
     got = result.report(0)
     assert got.get("kind") == "OpTimeoutError", result.explain()
     assert "not (yet) by rank(s) [1]" in got["error"], got
+
+
+def test_torch_training_matches_one_process_in_negotiated_mode() -> None:
+    pytest.importorskip("torch")
+    cases = [{}, {"momentum": True}, {"fp16": True}]
+    result = run_ok(2, "torch_workers:equivalence", {"cases": cases}, env=NEGOTIATED,
+                    timeout=120)
+    for r in range(2):
+        done = [k for k in result.report(r) if k.startswith("equivalent")]
+        assert len(done) == len(cases), result.explain()
+
+
+def test_horovod_script_runs_in_negotiated_mode() -> None:
+    pytest.importorskip("torch")
+    here = Path(__file__).resolve().parent
+    result = run_ok(2, "torch_workers:horovod_script",
+                    {"path": str(here / "horovod_script.py")}, env=NEGOTIATED, timeout=120)
+    assert any(ln.startswith("done: 2 ranks") for ln in result.lines(0)), result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_uneven_join_in_negotiated_mode(n: int) -> None:
+    pytest.importorskip("torch")
+    result = run_ok(n, "torch_workers:unused_and_join", {}, env=NEGOTIATED, timeout=90)
+    for r in range(n):
+        assert result.report(r).get("unused_and_join_ok") == n - 2, result.explain()
+
+
+def test_broadcast_after_join_fails_loudly_in_negotiated_mode() -> None:
+    pytest.importorskip("torch")
+    result = run_ok(2, "torch_workers:joined_rank_refuses", {}, env=NEGOTIATED, timeout=60)
+    assert "join()" in result.report(1).get("refused", ""), result.explain()

@@ -40,6 +40,7 @@ from ..timeline import Timeline
 from .coordinator import STALLED, Coordinator
 from .fusion import FusionBuffers, groups
 from .handle import Handle
+from .joining import identity
 from .ops import ReduceOp
 from .requests import Request, Response, decode_requests, decode_responses, encode
 from .response_cache import ResponseCache
@@ -47,10 +48,13 @@ from .selfguided import SelfGuided
 
 logger = logging.getLogger(__name__)
 
-_SHUT_DOWN, _UNCACHED, _INVALID = 0, 1, 2  # status bits, set when the condition is absent
-_STATUS = 3
+# Status bits.  The first four are set when the condition is absent, so that the AND
+# answers "does any rank...?"; the last is set when it holds, so that it answers "do all?".
+_SHUT_DOWN, _UNCACHED, _INVALID, _NONE_JOINED, _ALL_JOINED = range(5)
+_STATUS = 5
 _CONTROL = 1 << 30  # priority of the cycle's own ops: ahead of any data piece
 _BITS, _INVALIDS = "\x00ctl.bits", "\x00ctl.invalid"
+_JOIN_AT = "\x00ctl.joined"
 _GATHER, _ANSWER = "\x00ctl.requests", "\x00ctl.responses"
 
 
@@ -71,6 +75,10 @@ class Controller:
         self._negotiating: set[str] = set()
         self._stop = threading.Event()
         self._error: TotalReduceError | None = None
+        # join(): this rank's pending join request, and the cycle it was made in.
+        self._join: Request | None = None
+        self._joined_at = -1
+        self._others_joined = False  # some rank had joined at the last cycle
         self.counts = {"cycles": 0, "requests_sent": 0, "engine_ops": 0, "fused_ops": 0,
                        "tensors": 0}
         self._thread = start_daemon(self._run, "totalreduce-controller")
@@ -134,8 +142,13 @@ class Controller:
     def _one_cycle(self) -> bool:
         """One cycle; returns whether the ranks agreed to stop."""
         self.counts["cycles"] += 1
+        uncached_join = False
         while self._queue:
             request = self._queue.popleft()
+            if request.kind == "join":
+                self._join, self._joined_at = request, self.counts["cycles"]
+                uncached_join = True
+                continue
             if request.name in self._pending:
                 request.future.resolve(ValueError(
                     f"rank {self.rank}: a collective named '{request.name}' is still in "
@@ -147,6 +160,7 @@ class Controller:
         uncached: list[Request] = []
         invalid: list[int] = []
         now = time.monotonic()
+        others_joined = self._others_joined
         for name, request in self._pending.items():
             if name in self._negotiating:
                 continue
@@ -154,6 +168,8 @@ class Controller:
             if status == "hit":
                 if self._stall_check and now - request.t_submit > self._stall_check:
                     invalid.append(bit)  # to the coordinator, which can name who is missing
+                elif others_joined and request.kind != "allreduce":
+                    invalid.append(bit)  # the coordinator refuses it while a rank has joined
                 else:
                     bits[_STATUS + bit] = True
             elif status == "invalid":
@@ -164,9 +180,18 @@ class Controller:
         if self._coordinator is not None:
             self._coordinator.check()
             news = self._coordinator.due()
+        joined = self._join is not None
+        if joined:
+            # A joined rank stands in for every allreduce: its bits say "ready" for all.
+            for bit in range(cap):
+                response = self._cache.at(bit)
+                if response is not None and response.kind == "allreduce":
+                    bits[_STATUS + bit] = True
         bits[_SHUT_DOWN] = not self._stop.is_set()
-        bits[_UNCACHED] = not uncached and not news
+        bits[_UNCACHED] = not uncached and not news and not uncached_join
         bits[_INVALID] = not invalid
+        bits[_NONE_JOINED] = not joined
+        bits[_ALL_JOINED] = joined
         self._control(lambda: self._ops.allreduce(bits, ReduceOp.MIN, _BITS, _CONTROL, True))
         if not bits[_INVALID]:
             mark = np.zeros(cap, np.bool_)
@@ -182,10 +207,33 @@ class Controller:
             if response is not None:
                 self._cache.touch(bit)
                 responses.append(response)
+        self._others_joined = not bits[_NONE_JOINED]
         if not bits[_UNCACHED]:
+            if uncached_join:
+                assert self._join is not None
+                uncached.append(self._join)
             responses += self._negotiate(uncached)
         self._run_responses(responses)
+        if bits[_ALL_JOINED]:
+            self._end_join()
         return not bits[_SHUT_DOWN]
+
+    def _end_join(self) -> None:
+        """Every rank has joined: each join() returns the rank that joined last (the
+        latest cycle; the highest rank among those that joined in it)."""
+        at = np.zeros(self.size, np.int64)
+        at[self.rank] = self._joined_at
+        at = self._control(lambda: self._ops.allreduce(at, ReduceOp.MAX, _JOIN_AT, _CONTROL,
+                                                       True))
+        last = int(np.flatnonzero(at == at.max())[-1])
+        request, self._join = self._join, None
+        self._others_joined = False
+        self._negotiating.discard(request.name if request is not None else "")
+        if self._coordinator is not None:
+            self._coordinator.end_join()
+        assert request is not None
+        request.result = last
+        request.resolve(None)
 
     def _control(self, start: Any) -> Any:
         """Run one of the cycle's own collectives to the end on this thread."""
@@ -230,7 +278,9 @@ class Controller:
         for response in responses:
             request = self._pending.pop(response.name, None)
             if request is None:
-                continue  # a stall error for a tensor this rank never asked for
+                if self._join is None or response.error or response.kind != "allreduce":
+                    continue  # e.g. a stall error for a tensor this rank never asked for
+                request = self._stand_in(response)
             request.t_ready = now
             if self._timeline is not None:
                 self._timeline.span(request.name, "NEGOTIATE", request.t_submit, now)
@@ -246,6 +296,13 @@ class Controller:
             else:
                 self.counts["fused_ops"] += 1
                 self._run_fused(run)
+
+    def _stand_in(self, response: Response) -> Request:
+        """This rank has joined: its part of a peer's allreduce is the op's identity (zeros
+        for Sum and Average, so averages divide by the whole world, as in Horovod)."""
+        _kind, dtype, shape, op, _root = response.params
+        arr = np.full(shape, identity(ReduceOp(op), np.dtype(dtype)), np.dtype(dtype))
+        return Request(response.name, response.params, arr, True, 0)
 
     def _error_of(self, response: Response) -> TotalReduceError:
         text = f"rank {self.rank}: {response.error}"

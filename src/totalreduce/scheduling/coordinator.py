@@ -68,6 +68,7 @@ class Coordinator:
         self._stall_shutdown = stall_shutdown_time
         self._table: dict[str, _Entry] = {}
         self._ready: list[Response] = []
+        self._joined: set[int] = set()
         self.requests_received = 0
 
     def __len__(self) -> int:
@@ -77,13 +78,41 @@ class Coordinator:
         now = time.monotonic()
         for name, params in requests:
             self.requests_received += 1
+            if params[0] == "join":
+                self._joined.add(rank)
+                for other in list(self._table):
+                    self._answer_if_ready(other)
+                continue
             entry = self._table.get(name)
             if entry is None:
                 entry = self._table[name] = _Entry(now)
             entry.by_rank[rank] = params
-            if len(entry.by_rank) == self._size:
-                del self._table[name]
-                self._ready.append(self._respond(name, entry.by_rank))
+            self._answer_if_ready(name)
+
+    def end_join(self) -> None:
+        """Every rank has joined: the next round starts with none."""
+        self._joined.clear()
+
+    def _answer_if_ready(self, name: str) -> None:
+        """Answer ``name`` once every rank has asked for it, a joined rank counting as
+        having asked (joining.py: it stands in with the identity) for an allreduce."""
+        entry = self._table[name]
+        waiting = set(range(self._size)) - set(entry.by_rank)
+        if waiting - self._joined:
+            return
+        del self._table[name]
+        if not waiting:
+            self._ready.append(self._respond(name, entry.by_rank))
+            return
+        first = next(iter(entry.by_rank.values()))
+        if first[0] == "allreduce" and len(set(entry.by_rank.values())) == 1:
+            self._ready.append(Response(name, first))
+        elif first[0] != "allreduce":
+            self._ready.append(Response(name, first, (
+                f"{first[0]} '{name}': rank(s) {sorted(waiting)} have called join(), and "
+                "only allreduce runs until every rank has joined")))
+        else:
+            self._ready.append(self._respond(name, entry.by_rank))
 
     def check(self) -> None:
         """The stall inspector's turn (every cycle): warn about names some ranks asked
@@ -113,7 +142,7 @@ class Coordinator:
         return out
 
     def _respond(self, name: str, by_rank: dict[int, Params]) -> Response:
-        first = by_rank[0]
+        first = next(iter(by_rank.values()))
         if all(p == first for p in by_rank.values()):
             return Response(name, first)
         return Response(name, first, describe_mismatch(name, by_rank))

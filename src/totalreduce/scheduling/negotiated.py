@@ -18,7 +18,6 @@ import numpy as np
 
 from ..config import Config
 from ..engine.engine import Engine
-from ..exceptions import TotalReduceError
 from ..timeline import Timeline
 from .controller import Controller
 from .handle import Handle
@@ -127,7 +126,7 @@ class Negotiated:
         return self._handle(self._request("barrier", None, None))
 
     def join(self) -> int:
-        raise TotalReduceError(
-            "join() runs only with TOTALREDUCE_COORDINATION=selfguided (the default): "
-            "negotiated mode has no way yet for a rank to stand in for tensors it never "
-            "submits")
+        """Stand in for this rank in every allreduce the others run (with the op's
+        identity) until every rank has joined; return the rank that joined last."""
+        with self._ops.caller_waits():
+            return int(self._handle(self._request("join", "\x00join", None)).wait())

@@ -1,0 +1,151 @@
+"""The pieces of negotiated mode on their own: the response cache's bits, the
+coordinator's message table, fusion groups, request params, and Horovod's setting names."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from totalreduce.config import Config, horovod_notices
+from totalreduce.scheduling.coordinator import STALLED, Coordinator
+from totalreduce.scheduling.fusion import FusionBuffers, groups
+from totalreduce.scheduling.requests import (
+    Request,
+    Response,
+    decode_requests,
+    decode_responses,
+    encode,
+    params_of,
+)
+from totalreduce.scheduling.response_cache import ResponseCache
+
+
+def _resp(name: str, shape: tuple[int, ...] = (3,), dtype: str = "float32") -> Response:
+    return Response(name, ("allreduce", dtype, shape, 1, -1))
+
+
+def test_cache_positions_are_the_same_for_the_same_sequence_of_changes() -> None:
+    def replay(seed: int) -> list[str | None]:
+        cache = ResponseCache(8)
+        rng = np.random.default_rng(seed)
+        for step in range(300):
+            name = f"t{rng.integers(20)}"
+            status, bit = cache.lookup(name, _resp(name).params)
+            if status == "miss":
+                cache.put(_resp(name))
+            elif step % 7 == 0:
+                cache.evict(bit)
+            else:
+                cache.touch(bit)
+        return [None if (r := cache.at(b)) is None else r.name for b in range(8)]
+
+    assert replay(1) == replay(1)  # every rank makes the same changes: same bits
+    cache = ResponseCache(2)
+    for name in ("a", "b", "c"):  # full: the least recently used goes, its bit reused
+        cache.put(_resp(name))
+    assert cache.lookup("a", _resp("a").params) == ("miss", -1)
+    assert cache.lookup("c", _resp("c").params)[0] == "hit"
+    assert cache.lookup("b", _resp("b", (4,)).params)[0] == "invalid"
+    assert len(cache) == 2 and cache.evictions == 1
+
+
+def test_cache_of_capacity_zero_keeps_nothing() -> None:
+    cache = ResponseCache(0)
+    cache.put(_resp("a"))
+    assert len(cache) == 0 and cache.lookup("a", _resp("a").params) == ("miss", -1)
+
+
+def test_coordinator_answers_when_every_rank_asked_and_names_differences() -> None:
+    coord = Coordinator(3, 0, 0)
+    ok, bad = _resp("ok").params, _resp("bad").params
+    coord.add(0, [("ok", ok), ("bad", bad)])
+    coord.add(1, [("ok", ok), ("bad", _resp("bad", (5,)).params)])
+    assert not coord.due()
+    coord.add(2, [("bad", bad), ("ok", ok)])
+    out = coord.responses()
+    assert [r.name for r in out] == ["bad", "ok"]  # in the order they became ready
+    assert out[1].error == "" and out[1].params == ok
+    assert "differs: shape" in out[0].error and "rank 1: kind=allreduce, dtype=float32, " \
+        "shape=(5,)" in out[0].error
+    assert coord.requests_received == 6 and len(coord) == 0
+
+
+def test_coordinator_stall_warning_then_error(caplog: pytest.LogCaptureFixture) -> None:
+    coord = Coordinator(3, 1e-9, 0)
+    coord.add(0, [("late", _resp("late").params)])
+    coord.add(2, [("late", _resp("late").params)])
+    with caplog.at_level(logging.WARNING):
+        coord.check()
+        coord.check()  # once only
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "submitted by rank(s) [0, 2], not (yet) by rank(s) [1]" \
+        in warned[0]
+    coord = Coordinator(2, 0, 1e-9)
+    coord.add(1, [("late", _resp("late").params)])
+    coord.check()
+    (out,) = coord.responses()
+    assert out.error.startswith(STALLED) and "not (yet) by rank(s) [0]" in out.error
+
+
+def test_requests_and_responses_round_trip_as_json_only() -> None:
+    arr = np.zeros((5, 3), np.int16)
+    req = Request("x", params_of("allgather", arr, -1, -1), arr, False, 0)
+    assert req.params == ("allgather", "int16", (3,), -1, -1)  # first dimension free
+    assert decode_requests(encode([req.wire()])) == [("x", req.params)]
+    resp = Response("x", req.params, "oops")
+    (back,) = decode_responses(encode([resp.wire()]))
+    assert (back.name, back.params, back.error) == ("x", req.params, "oops")
+    with pytest.raises(ValueError):
+        decode_requests(encode([["x", "allreduce"]]))
+
+
+def test_fusion_groups_adjacent_allreduces_of_one_dtype_and_op_within_threshold() -> None:
+    def pair(name: str, n: int, dtype: str = "float32", op: int = 1,
+             kind: str = "allreduce") -> tuple[Response, Request]:
+        arr = np.zeros(n, dtype)
+        params = params_of(kind, arr, op, -1)
+        return Response(name, params), Request(name, params, arr, False, 0)
+
+    pairs = [pair("a", 10), pair("b", 10), pair("c", 10, "float64"), pair("d", 10),
+             pair("e", 10, op=4), pair("f", 1000), pair("g", 10, kind="broadcast"),
+             pair("h", 10)]
+    got = [[resp.name for resp, _ in run] for run in groups(pairs, threshold=200)]
+    assert got == [["a", "b"], ["c"], ["d"], ["e"], ["f"], ["g"], ["h"]]
+    assert [len(run) for run in groups(pairs, threshold=0)] == [1] * 8
+
+
+def test_fusion_buffers_are_reused_and_bounded() -> None:
+    buffers = FusionBuffers(idle_bytes=1000)
+    a = buffers.take(np.dtype(np.float32), 100)
+    buffers.give(a)
+    b = buffers.take(np.dtype(np.float32), 50)
+    assert np.shares_memory(a, b)  # reused
+    buffers.give(b)
+    buffers.give(buffers.take(np.dtype(np.float32), 300))  # 1200 bytes: over the bound
+    assert buffers.idle_bytes() <= 1000
+
+
+def test_horovod_settings_are_read_when_ours_are_unset() -> None:
+    env = {"HOROVOD_FUSION_THRESHOLD": "1048576", "HOROVOD_CYCLE_TIME": "5",
+           "HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_TIMELINE": "/tmp/t.json",
+           "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
+           "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90",
+           "TOTALREDUCE_CYCLE_TIME_MS": "2"}
+    cfg = Config.from_env(env)
+    assert (cfg.fusion_threshold, cfg.cycle_time_ms, cfg.cache_capacity, cfg.timeline,
+            cfg.stall_check_time, cfg.stall_shutdown_time) == \
+        (1 << 20, 2.0, 0, "/tmp/t.json", 30.0, 90.0)  # ours wins where both are set
+    notes = horovod_notices(env)
+    assert len(notes) == 5 and not any("CYCLE" in n for n in notes)
+    assert "totalreduce: TOTALREDUCE_FUSION_THRESHOLD is unset; using " \
+        "HOROVOD_FUSION_THRESHOLD=1048576" \
+        in notes
+
+
+def test_coordination_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="coordination"):
+        Config(coordination="central")
+    with pytest.raises(ValueError):
+        Config(cache_capacity=-1)
