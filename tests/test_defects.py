@@ -132,11 +132,13 @@ def _wait_for_lines(proc: subprocess.Popen[str], pattern: str, count: int,
     return seen
 
 
-def test_ctrl_c_reaches_every_rank_as_keyboard_interrupt() -> None:
+@pytest.mark.parametrize("coordination", ["selfguided", "negotiated"])
+def test_ctrl_c_reaches_every_rank_as_keyboard_interrupt(coordination: str) -> None:
     n = 3
     proc = subprocess.Popen([sys.executable, "-m", "totalreduce.run", "-np", str(n),
                              *_worker_cmd("workers:interruptible_loop")],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(_env(), TOTALREDUCE_COORDINATION=coordination),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         ready = _wait_for_lines(proc, r"READY", n, 60)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ..interrupts import deferred as ctrl_c
 from .schedule import Schedule
+
+_CTRL_C_SLICE = 0.1
 
 OpKey = tuple[int, int]  # (name hash, per-name call count)
 
@@ -67,14 +71,25 @@ class OpFuture:
         return self.wait_event(timeout)
 
     def wait_event(self, timeout: float | None = None) -> bool:
-        """Sleep until resolved, without driving the engine."""
+        """Sleep until resolved, without driving the engine.  Ctrl-C meanwhile is kept by
+        our handler (interrupts.py), which cannot wake the sleep: it is checked every
+        ``_CTRL_C_SLICE`` seconds and raised here."""
         with self._lock:
             if self._done:
                 return True
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
-        return event.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _CTRL_C_SLICE if deadline is None else \
+                min(_CTRL_C_SLICE, deadline - time.monotonic())
+            if event.wait(max(0.0, left)):
+                return True
+            if ctrl_c.pending:
+                ctrl_c.raise_if_pending()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def add_done_callback(self, fn: Callable[[OpFuture], None]) -> None:
         with self._lock:
