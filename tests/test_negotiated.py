@@ -182,3 +182,29 @@ def test_broadcast_after_join_fails_loudly_in_negotiated_mode() -> None:
     pytest.importorskip("torch")
     result = run_ok(2, "torch_workers:joined_rank_refuses", {}, env=NEGOTIATED, timeout=60)
     assert "join()" in result.report(1).get("refused", ""), result.explain()
+
+
+def test_memory_stays_flat_in_negotiated_mode() -> None:
+    # Random sizes, kinds and names (a quarter never seen before, others reused with a
+    # new shape: cache evictions and renegotiation all the time), a cache of 64 entries
+    # and 512 remembered names, so every bound is reached during the warm-up.
+    ops, warmup = 4000, 2000
+    result = run_ok(3, "workers:soak", {"seed": 7, "ops": ops, "warmup": warmup,
+                                        "unique_names": True},
+                    env=dict(NEGOTIATED, TOTALREDUCE_SCRATCH_BYTES=str(4 << 20),
+                             TOTALREDUCE_NAME_CAPACITY="512",
+                             TOTALREDUCE_CACHE_CAPACITY="64",
+                             MALLOC_MMAP_THRESHOLD_=str(64 << 10)), timeout=240)
+    for r in range(3):
+        got = result.report(r)
+        grew = got["rss_end_mb"] - got["rss_warm_mb"]
+        assert grew < 5, f"rank {r} grew {grew:.1f} MB over {ops - warmup} ops: {got}"
+
+
+def test_blocking_big_ops_finish_when_the_other_ranks_have_left() -> None:
+    # A thread blocked in a negotiated call sleeps while the cycle and progress threads
+    # work; counting it as the engine's driver once left nobody to drive between cycles,
+    # and, after the others shut down, nobody at all.
+    for _ in range(3):
+        result = run_ok(4, "workers:big_then_leave", {"ops": 6}, env=NEGOTIATED, timeout=60)
+        assert all(result.report(r).get("done") for r in range(4)), result.explain()

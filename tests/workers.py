@@ -530,7 +530,8 @@ def _soak_input(i: int, rank: int, size: int, dtype: type) -> np.ndarray:
     return ((np.arange(size) % 7) + rank + i % 3).astype(dtype)
 
 
-def _soak_op(i: int, ops: random.Random, rank: int, n: int) -> tuple[object, object]:
+def _soak_op(i: int, ops: random.Random, rank: int, n: int,
+             unique: bool = False) -> tuple[object, object]:
     """Submit op ``i`` of the soak; returns its handle and the check of its result.  (A
     function of its own, so its inputs die with it: what stays alive is only what the
     pending checks need, and RSS samples see no leftover inputs.)"""
@@ -539,6 +540,10 @@ def _soak_op(i: int, ops: random.Random, rank: int, n: int) -> tuple[object, obj
     kind = ops.choice(["allreduce", "allgather", "broadcast", "reducescatter", "alltoall",
                        "grouped"])
     name = ops.choice([None, "fixed", f"{kind}.{dtype.__name__}", f"fresh.{i}"])
+    if unique and name is not None and not name.startswith("fresh"):
+        # Negotiated mode, as Horovod, refuses a name already in flight: reuse each name
+        # only after more ops than can be in flight, with its shape changing meanwhile.
+        name = f"{name}.{i % 8}"
     xs = [_soak_input(i, r, size, dtype) for r in range(n)]
     x = xs[rank]
     if kind == "allreduce":
@@ -603,7 +608,7 @@ def soak(arg: dict) -> None:
             while pending:
                 settle(pending.pop())
             rss["warm"] = _rss_mb()
-        pending.append(_soak_op(i, ops, rank, n))
+        pending.append(_soak_op(i, ops, rank, n, arg.get("unique_names", False)))
         if len(pending) > 6 or mine.random() < 0.3:
             settle(pending.pop(mine.randrange(len(pending))))
         if mine.random() < 0.01:
@@ -838,3 +843,16 @@ def stall_cached(arg: dict) -> None:
     else:
         time.sleep(4.0)
     tr.shutdown()
+
+
+def big_then_leave(arg: dict) -> None:
+    """Big blocking allreduces, then every rank leaves at once: a rank whose last op is
+    still receiving when the others have gone must finish it (or fail), never hang."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    x = np.full(4 << 20, rank + 1.0, np.float32)
+    for i in range(arg["ops"]):
+        got = tr.allreduce(x, op=tr.Sum, name=f"big.{i % 2}")
+        assert got[0] == got[-1] == n * (n + 1) / 2, got[:3]
+    tr.shutdown()
+    report(done=True)
