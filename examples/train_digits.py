@@ -29,7 +29,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the size")
-    p.add_argument("--compression", choices=["none", "fp16"], default="none")
+    p.add_argument("--compression", choices=["none", "fp16", "oktopk", "topka", "gtopk"],
+                   default="none", help="fp16 halves the bytes; oktopk, topka and gtopk "
+                   "send a --density share of the gradients (the rest waits in residuals)")
+    p.add_argument("--density", type=float, default=0.01,
+                   help="sparse compression: the share of gradient values sent per step")
     p.add_argument("--plot", metavar="PNG", help="write loss and accuracy curves here")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -76,7 +80,11 @@ def main() -> None:
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr * size, momentum=0.9)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    compression = hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
+    if args.compression in ("oktopk", "topka", "gtopk"):
+        compression = getattr(hvd.Compression, args.compression)(density=args.density)
+    else:
+        compression = hvd.Compression.fp16 if args.compression == "fp16" \
+            else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters(),
                                          compression=compression)
 

@@ -856,3 +856,51 @@ def big_then_leave(arg: dict) -> None:
         assert got[0] == got[-1] == n * (n + 1) / 2, got[:3]
     tr.shutdown()
     report(done=True)
+
+
+def sparse_allreduce(arg: dict) -> None:
+    """One sparse algorithm over several calls: identical outputs on every rank, the
+    conservation identity on every call, warm-up calls equal to dense, measured volume."""
+    from totalreduce import compression
+
+    tr.init()
+    rank, n_ranks = tr.rank(), tr.size()
+    n, calls = arg["n"], arg["calls"]
+    kind = arg["alg"]
+    cls = {"oktopk": compression.OkTopk, "topka": compression.TopkA,
+           "gtopk": compression.GTopk}[kind]
+    alg = cls(arg["density"], **arg.get("kwargs", {}))
+    old = np.zeros((n_ranks, n), np.float32)
+    volumes = []
+    worst = 0.0
+    for call in range(calls):
+        rng = np.random.default_rng([arg["seed"], call])
+        grads = (rng.standard_t(2, size=(n_ranks, n)) * 1e-2).astype(np.float32)
+        case = arg.get("case")
+        if case == "silent_rank":
+            grads[n_ranks - 1] = 0  # one rank selects nothing
+        elif case == "zeros":
+            grads[:] = 0
+        elif case == "ties":
+            grads = np.round(grads * 20) / 20  # many equal magnitudes at the threshold
+        out = alg.allreduce(grads[rank], "g")
+        every_out = tr.allgather(out.reshape(1, n))
+        assert all(np.array_equal(every_out[0], o) for o in every_out), "outputs differ"
+        new = tr.allgather(alg.residual("g").reshape(1, n))
+        lhs = n_ranks * out.astype(np.float64) + new.astype(np.float64).sum(axis=0)
+        rhs = (grads.astype(np.float64) + old).sum(axis=0)
+        scale = max(1.0, float(np.abs(rhs).max()))
+        err = float(np.abs(lhs - rhs).max()) / scale
+        worst = max(worst, err)
+        assert err < 1e-5, f"call {call}: conservation off by {err}"
+        warm = arg.get("kwargs", {}).get("warmup", 10) if kind == "oktopk" else 0
+        if call < warm:
+            dense = tr.allreduce(grads[rank] + old[rank], op=tr.Average)
+            assert np.array_equal(out, dense), "a warm-up call differs from dense"
+        st = alg.stats("g")
+        volumes.append({"call": call, "bytes_sent": st["bytes_sent"],
+                        "messages_sent": st["messages_sent"], "k": st["k"],
+                        "local": st["local_selected"], "global": st["global_selected"]})
+        old = new.astype(np.float32)
+    tr.shutdown()
+    report(volumes=volumes, worst=worst, nonzero=int(np.count_nonzero(out)))

@@ -3,6 +3,8 @@ one colour per phase, every rank's file side by side.
 
     python docs/timeline/plot_trace.py trace.json OUT.png [--window START_MS END_MS]
 
+Without ``--window`` it shows ``--span`` ms (40) from the middle of the run.
+
 It reads ``trace.json`` (rank 0) and ``trace.json.1``, ``.2``, ... beside it; a file cut off
 mid-run (no closing bracket) is read up to its last whole event.
 """
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("out")
     ap.add_argument("--window", nargs=2, type=float, metavar=("START_MS", "END_MS"))
+    ap.add_argument("--span", type=float, default=40.0, help="ms shown without --window")
     ap.add_argument("--rows", type=int, default=12, help="tensors shown per rank")
     args = ap.parse_args()
     import matplotlib
@@ -38,6 +41,10 @@ def main() -> None:
                              key=lambda p: int(p.suffix[1:]))
     ranks = [load(p) for p in files]
     phases = sorted({e["name"] for events in ranks for e in events if e["ph"] == "X"})
+    if not args.window:
+        ends = [e["ts"] for events in ranks for e in events if e["ph"] == "X"]
+        mid = (min(ends) + max(ends)) / 2 / 1e3
+        args.window = (mid, mid + args.span)
     colours = dict(zip(phases, plt.get_cmap("tab10").colors, strict=False))
     fig, axes = plt.subplots(len(ranks), 1, figsize=(12, 1.2 + 0.35 * args.rows * len(ranks)),
                              squeeze=False, sharex=True)

@@ -8,7 +8,8 @@
 - ``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
   ``allgather_object`` to start every rank from the same state (``state.py``).
 - ``join()`` for ranks that run out of data first (``join.py``).
-- :func:`ddp_comm_hook` for DDP users who keep DDP and reduce through totalreduce.
+- :func:`ddp_comm_hook` for DDP users who keep DDP and reduce through totalreduce, and
+  :func:`oktopk_hook` (``topka_hook``, ``gtopk_hook``) to reduce DDP's buckets sparsely.
 
 Needs the ``torch`` extra: ``pip install torch==2.13.0 && pip install "totalreduce[torch]"``.
 """
@@ -68,7 +69,7 @@ from .collectives import (
     synchronize,
 )
 from .compression import Compression, Compressor
-from .ddp import ddp_comm_hook
+from .ddp import ddp_comm_hook, gtopk_hook, oktopk_hook, topka_hook
 from .join import join
 from .optimizer import DistributedOptimizer, StepTimings
 from .state import broadcast_optimizer_state, broadcast_parameters
@@ -82,6 +83,7 @@ __all__ = [
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
     "cross_size", "cuda_built", "ddp_comm_hook", "gloo_built", "global_process_set",
+    "gtopk_hook", "oktopk_hook", "topka_hook",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "init", "is_initialized", "join", "local_rank", "local_size",
     "mpi_built", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async",

@@ -4,6 +4,11 @@ A compressor turns a tensor into what travels (``compress``) and the reduced res
 (``decompress``), with a context the first hands to the second.  ``Compression.fp16``
 halves the bytes of float32/float64 tensors at the cost of float16's range and precision
 (sums beyond 65504 overflow to inf); other dtypes pass through unchanged.
+
+``Compression.oktopk(density=0.01)`` (and ``topka``, ``gtopk``) are not of that kind: they
+replace the allreduce itself with a sparse one that keeps what it did not send in
+residuals (totalreduce.compression).  The DistributedOptimizer runs them on its fused
+gradient buckets when it synchronizes, and saves their state with its own.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ..compression import GTopk, OkTopk, SparseAllreduce, TopkA
 
 
 class Compressor:
@@ -51,8 +58,34 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tensor.to(ctx)
 
 
+class SparseCompressor:
+    """A sparse allreduce algorithm for the DistributedOptimizer's buckets (one instance
+    per optimizer: it holds the buckets' residuals)."""
+
+    def __init__(self, algorithm: SparseAllreduce) -> None:
+        self.algorithm = algorithm
+
+    def __repr__(self) -> str:
+        return f"SparseCompressor({self.algorithm.name}, density={self.algorithm.density})"
+
+
 class Compression:
-    """The compressors, under Horovod's names."""
+    """The compressors, under Horovod's names, and the sparse allreduces."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+
+    @staticmethod
+    def oktopk(density: float = 0.01, **knobs: Any) -> SparseCompressor:
+        """Ok-Topk: under 6k(P-1)/P words per rank (knobs: totalreduce.compression.OkTopk)."""
+        return SparseCompressor(OkTopk(density, **knobs))
+
+    @staticmethod
+    def topka(density: float = 0.01) -> SparseCompressor:
+        """Every rank's top-k to every rank: 2k(P-1) words per rank."""
+        return SparseCompressor(TopkA(density))
+
+    @staticmethod
+    def gtopk(density: float = 0.01) -> SparseCompressor:
+        """Top-k sets merged up a tree, then summed exactly at the winners."""
+        return SparseCompressor(GTopk(density))

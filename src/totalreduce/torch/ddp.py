@@ -54,3 +54,49 @@ def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
 
     handle.add_done_callback(done)
     return future
+
+
+def _sparse_hook(algorithm: Any) -> Any:
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        prefix = state if isinstance(state, str) else "ddp"
+        buffer = bucket.buffer()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        try:
+            staged = stage(buffer, f"{algorithm.name}_hook")
+            staged.array[...] = algorithm.allreduce(staged.array,
+                                                    f"{prefix}.bucket{bucket.index()}")
+            staged.write_back()
+        except BaseException as exc:  # DDP raises it from backward()
+            future.set_exception(exc)  # type: ignore[arg-type]
+            return future
+        future.set_result(buffer)
+        return future
+
+    hook.algorithm = algorithm  # type: ignore[attr-defined]  # its residuals, for checkpoints
+    return hook
+
+
+def oktopk_hook(density: float = 0.01, **knobs: Any) -> Any:
+    """A DDP comm hook that averages each bucket with Ok-Topk (residuals per bucket)::
+
+        model.register_comm_hook(None, totalreduce.torch.oktopk_hook(density=0.01))
+
+    The hook runs the sparse allreduce to completion inside backward (it is several
+    blocking collectives), and its residuals live in ``hook.algorithm``."""
+    from ..compression import OkTopk
+
+    return _sparse_hook(OkTopk(density, **knobs))
+
+
+def topka_hook(density: float = 0.01) -> Any:
+    """A DDP comm hook with TopkA (see :func:`oktopk_hook`)."""
+    from ..compression import TopkA
+
+    return _sparse_hook(TopkA(density))
+
+
+def gtopk_hook(density: float = 0.01) -> Any:
+    """A DDP comm hook with gTopk (see :func:`oktopk_hook`)."""
+    from ..compression import GTopk
+
+    return _sparse_hook(GTopk(density))

@@ -31,7 +31,7 @@ from .. import runtime as _runtime
 from ..exceptions import MismatchError
 from . import buckets as _buckets
 from .collectives import Average, ProcessSet, global_process_set
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, SparseCompressor
 from .tensors import stage
 
 _instances = itertools.count()
@@ -67,8 +67,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: the local optimizer; its ``step()`` runs on the averaged gradients.
         named_parameters: ``model.named_parameters()``; names appear in error messages.
             Without it, parameters are named by their position.
-        compression: ``Compression.none`` or ``Compression.fp16`` (half the bytes on the
-            wire, float16 precision and range).
+        compression: ``Compression.none``, ``Compression.fp16`` (half the bytes on the
+            wire, float16 precision and range), or a sparse allreduce:
+            ``Compression.oktopk(density=0.01)``, ``topka(...)``, ``gtopk(...)`` (a
+            fraction of the bytes; what is not sent waits in residuals, saved with
+            ``state_dict()``; buckets are reduced when the step synchronizes).
         backward_passes_per_step: backward passes accumulated locally before the
             gradients are reduced (gradient accumulation); ``step()`` must come after
             exactly that many.
@@ -88,7 +91,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 compression: type[Compressor] = Compression.none,
+                 compression: type[Compressor] | SparseCompressor = Compression.none,
                  backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  process_set: ProcessSet = global_process_set, *,
@@ -251,6 +254,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket.views[i].zero_()
                 p.grad = bucket.views[i]
         flat = bucket.flat
+        if isinstance(self._compression, SparseCompressor):
+            # A sparse allreduce is several blocking collectives: it runs when the step
+            # synchronizes (no overlap with backward), on the whole bucket.
+            bucket.launch_time = time.monotonic()
+            bucket.pending = (None, None, None, None)
+            return
         if self._predivide != 1.0:
             flat.div_(self._predivide)
         wire, ctx = self._compression.compress(flat)
@@ -269,12 +278,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _complete(self, bucket: _buckets.Bucket) -> None:
         handle, staged, wire, ctx = bucket.pending
         bucket.pending = None
+        if isinstance(self._compression, SparseCompressor):
+            self._sparse_reduce(bucket, self._compression)
+            return
         handle.wait()
         staged.write_back()
         if wire is not bucket.flat:
             bucket.flat.copy_(self._compression.decompress(wire, ctx))
         if self._predivide != 1.0:
             bucket.flat.mul_(self._predivide)
+
+    def _sparse_reduce(self, bucket: _buckets.Bucket, sparse: SparseCompressor) -> None:
+        staged = stage(bucket.flat, "DistributedOptimizer")
+        out = sparse.algorithm.allreduce(staged.array, f"{self._prefix}.b{bucket.index}")
+        if self._op == _tr.Sum:
+            out = out * _tr.size()
+        staged.array[...] = out
+        staged.write_back()
+        bucket.done_time = time.monotonic()
 
     # --- the public surface -----------------------------------------------------------
 
@@ -351,9 +372,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._timings
 
     def state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
+        state = self._optimizer.state_dict()
+        if isinstance(self._compression, SparseCompressor):
+            # The residuals are part of the model's progress: a resumed run that dropped
+            # them would lose every gradient not sent yet.
+            state = dict(state, totalreduce_sparse=self._compression.algorithm.state_dict())
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sparse = state_dict.get("totalreduce_sparse")
+        if sparse is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k != "totalreduce_sparse"}
+            if isinstance(self._compression, SparseCompressor):
+                self._compression.algorithm.load_state_dict(sparse)
         self._optimizer.load_state_dict(state_dict)
         self.state = self._optimizer.state
         self.param_groups = self._optimizer.param_groups

@@ -1,0 +1,158 @@
+"""Ok-Topk (Li and Hoefler, PPoPP 2022): a sparse allreduce whose volume per rank stays
+under 6k(P-1)/P words however many ranks there are.
+
+One call on ``acc = grad + residual`` (after ``warmup`` dense calls):
+
+1. Local selection: the indices with |acc| at or above the local threshold.  The
+   threshold is the exact k-th largest magnitude every ``tau_local`` calls and is reused
+   in between, with feedback: scaled by sqrt(last count / k), since residuals pile up
+   under a fixed threshold and the count drifts.  A reused threshold that still selects
+   more than ``max_ratio`` * k (or fewer than k / ``max_ratio``) is replaced by the exact
+   one at once, which keeps the volume bound.
+2. Regions: the index space is cut into P regions holding about equal numbers of
+   selected indices over all ranks (a histogram of selections, summed over ranks),
+   recomputed every ``tau_region`` calls.  Rank j owns region j.
+3. Split and reduce: every rank sends its selected pairs in region j to rank j (one
+   alltoall), and rank j sums what it gets for its region.
+4. Global selection: rank j keeps the entries of its region whose summed magnitude
+   reaches the global threshold: the exact k-th largest over all regions every
+   ``tau_global`` calls (from every rank's top candidates), reused in between, scaled by
+   sqrt(last global count / k) (every rank knows it), at most 25% per call; a region
+   never keeps more than its share of ``max_ratio`` * k.
+5. Allgatherv of the kept pairs: every rank has the same ~k global entries; the output
+   is their sums divided by P.
+
+A rank's residual is ``acc`` with zeros where its value reached the output: its own
+selected indices that won globally.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import totalreduce as tr
+
+from .sparse import SparseAllreduce, State, kth_largest, pack, select, top_k, unpack
+
+_BINS_PER_RANK = 64  # histogram resolution of the region cut
+
+
+class OkTopk(SparseAllreduce):
+    """``OkTopk(density)``; every knob has the published implementation's default.
+
+    Args:
+        density: k = density * n values per call (at least one).
+        warmup: calls reduced densely first (the model moves fastest then, and residuals
+            of early gradients would be stale by the time they are sent).
+        tau_local: calls between exact local thresholds; larger is cheaper (no
+            selection sort) but lets the local count drift from k.
+        tau_global: calls between exact global thresholds; larger saves the candidates'
+            allgather, smaller keeps the output closer to exactly k entries.
+        tau_region: calls between region cuts; larger saves the histogram allreduce,
+            smaller keeps the ranks' reduce work balanced as the selection moves.
+        max_ratio: how far a reused local threshold's count may stray from k before
+            the exact threshold replaces it; larger saves sorts, smaller keeps the
+            volume closer to the ideal.
+    """
+
+    name = "oktopk"
+
+    def __init__(self, density: float, warmup: int = 10, tau_local: int = 32,
+                 tau_global: int = 32, tau_region: int = 64, max_ratio: float = 1.5) -> None:
+        super().__init__(density)
+        for knob, value in (("tau_local", tau_local), ("tau_global", tau_global),
+                            ("tau_region", tau_region)):
+            if value < 1:
+                raise ValueError(f"{knob} must be >= 1, got {value}")
+        if warmup < 0 or max_ratio < 1.0:
+            raise ValueError("warmup must be >= 0 and max_ratio >= 1")
+        self.warmup, self.tau_local, self.tau_global = warmup, tau_local, tau_global
+        self.tau_region, self.max_ratio = tau_region, max_ratio
+
+    def _run(self, grad: np.ndarray, name: str, state: State
+             ) -> tuple[np.ndarray, int, int]:
+        n, size, rank = grad.size, tr.size(), tr.rank()
+        if state.calls < self.warmup:
+            acc = grad + state.residual
+            out = tr.allreduce(acc, op=tr.Average, name=f"{name}.oktopk.dense")
+            state.residual = np.zeros_like(acc)
+            return out, n, n
+        acc = grad + state.residual
+        k = self.k(n)
+        sel = self._local(acc, k, state)
+        bounds = self._regions(sel, n, size, state, name)
+        # Split and reduce: my selected pairs of region j go to rank j.
+        cuts = np.searchsorted(sel, bounds)
+        splits = np.diff(cuts)
+        rows, _counts = tr.alltoall(pack(sel, acc[sel], n), splits=splits,
+                                    name=f"{name}.oktopk.split")
+        idx, val = unpack(rows, n, acc.dtype)
+        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+        region = np.zeros(hi - lo, acc.dtype)
+        np.add.at(region, idx - lo, val)
+        # Global selection in my region.
+        if (state.calls - self.warmup) % self.tau_global == 0:
+            state.global_threshold = self._global_threshold(region, k, name)
+        elif state.stats.get("global_selected"):
+            ratio = state.stats["global_selected"] / k
+            state.global_threshold *= float(np.clip(np.sqrt(ratio), 0.8, 1.25))
+        keep = select(region, state.global_threshold)
+        cap = -(-int(self.max_ratio * k) // size)
+        if keep.size > cap:  # the threshold lagged: keep the region's largest share
+            keep = np.sort(keep[np.argpartition(np.abs(region[keep]), keep.size - cap)
+                                [keep.size - cap:]])
+        gathered = tr.allgather(pack(keep + lo, region[keep], n),
+                                name=f"{name}.oktopk.gather")
+        gidx, gval = unpack(gathered, n, acc.dtype)
+        out = np.zeros(n, acc.dtype)
+        out[gidx] = gval / size
+        won = sel[np.isin(sel, gidx, assume_unique=True)]
+        acc[won] = 0
+        state.residual = acc
+        return out, sel.size, gidx.size
+
+    def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
+        exact = (state.calls - self.warmup) % self.tau_local == 0 \
+            or state.local_threshold <= 0
+        if not exact:
+            state.local_threshold *= np.sqrt(max(state.last_local, 1) / k)
+            sel = select(acc, state.local_threshold)
+            nonzero = sel.size < k and int(np.count_nonzero(acc)) > sel.size
+            exact = bool(sel.size > self.max_ratio * k or
+                         (sel.size * self.max_ratio < k and nonzero))
+        if exact:
+            state.local_threshold = kth_largest(np.abs(acc), k)
+            sel = select(acc, state.local_threshold)
+        state.last_local = sel.size
+        return sel
+
+    def _regions(self, sel: np.ndarray, n: int, size: int, state: State,
+                 name: str) -> np.ndarray:
+        """Region boundaries (P + 1 of them, the same on every rank)."""
+        due = (state.calls - self.warmup) % self.tau_region == 0
+        if state.boundaries is not None and state.boundaries[-1] == n and not due:
+            return state.boundaries
+        bins = min(n, _BINS_PER_RANK * size)
+        edges = np.linspace(0, n, bins + 1).astype(np.int64)
+        hist = np.histogram(sel, bins=edges)[0].astype(np.int64)
+        hist = tr.allreduce(hist, op=tr.Sum, name=f"{name}.oktopk.regions")
+        total = int(hist.sum())
+        bounds = np.zeros(size + 1, np.int64)
+        bounds[-1] = n
+        if total:
+            cum = np.cumsum(hist)
+            for j in range(1, size):
+                b = int(np.searchsorted(cum, total * j / size))
+                bounds[j] = edges[min(b + 1, bins)]
+        else:
+            bounds[1:-1] = [n * j // size for j in range(1, size)]
+        bounds = np.maximum.accumulate(bounds)
+        state.boundaries = bounds
+        return bounds
+
+    def _global_threshold(self, region: np.ndarray, k: int, name: str) -> float:
+        """The exact k-th largest summed magnitude over every region: each rank offers
+        its region's top k (no more can win), every rank picks the same k-th."""
+        mine = np.sort(np.abs(region[top_k(region, k)]))[::-1].astype(np.float64)
+        candidates = tr.allgather(mine, name=f"{name}.oktopk.candidates")
+        return kth_largest(candidates, k)
