@@ -76,3 +76,17 @@ def test_k_of_one(alg: str) -> None:
                     {"alg": alg, "n": 999, "calls": 4, "density": 1e-6, "seed": 1,
                      "kwargs": kwargs}, timeout=60)
     assert result.report(0)["volumes"][-1]["k"] == 1
+
+
+@pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
+def test_distributed_optimizer_with_a_sparse_compressor(alg: str) -> None:
+    pytest.importorskip("torch")
+    result = run_ok(2, "torch_workers:sparse_optimizer", {"alg": alg}, timeout=120)
+    for r in range(2):
+        assert result.report(r).get("sparse_ok"), result.explain()
+
+
+def test_oktopk_ddp_hook() -> None:
+    pytest.importorskip("torch")
+    result = run_ok(2, "torch_workers:sparse_ddp_hook", {}, timeout=120)
+    assert result.report(0).get("hook_ok"), result.explain()

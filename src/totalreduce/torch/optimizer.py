@@ -290,7 +290,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _sparse_reduce(self, bucket: _buckets.Bucket, sparse: SparseCompressor) -> None:
         staged = stage(bucket.flat, "DistributedOptimizer")
-        out = sparse.algorithm.allreduce(staged.array, f"{self._prefix}.b{bucket.index}")
+        # Named by bucket alone, so that a resumed run's optimizer finds the residuals.
+        out = sparse.algorithm.allreduce(staged.array, f"sparse.b{bucket.index}")
         if self._op == _tr.Sum:
             out = out * _tr.size()
         staged.array[...] = out
