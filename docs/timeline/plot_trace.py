@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+_PARTS = {"WAIT_FOR_PEER", "FLOATING", "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"}
+
 
 def load(path: Path) -> list[dict]:
     text = path.read_text()
@@ -40,26 +42,33 @@ def main() -> None:
     files = [first] + sorted(first.parent.glob(first.name + ".*"),
                              key=lambda p: int(p.suffix[1:]))
     ranks = [load(p) for p in files]
-    phases = sorted({e["name"] for events in ranks for e in events if e["ph"] == "X"})
     if not args.window:
-        ends = [e["ts"] for events in ranks for e in events if e["ph"] == "X"]
-        mid = (min(ends) + max(ends)) / 2 / 1e3
+        starts = [e["ts"] for events in ranks for e in events if e["ph"] == "X"]
+        mid = (min(starts) + max(starts)) / 2 / 1e3
         args.window = (mid, mid + args.span)
+    lo, hi = (w * 1e3 for w in args.window)
+    shown = [[e for e in events if e["ph"] == "X" and e["ts"] + e["dur"] >= lo
+              and e["ts"] <= hi] for events in ranks]
+    phases = sorted({e["name"] for spans in shown for e in spans})
     colours = dict(zip(phases, plt.get_cmap("tab10").colors, strict=False))
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(12, 1.2 + 0.35 * args.rows * len(ranks)),
-                             squeeze=False, sharex=True)
-    for ax, events, path in zip(axes[:, 0], ranks, files, strict=True):
+    rows_per_rank = [sorted({e["tid"] for e in spans})[: args.rows] for spans in shown]
+    height = 1.0 + sum(0.6 + 0.3 * len(rows) for rows in rows_per_rank)
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(12, height), squeeze=False,
+                             sharex=True,
+                             gridspec_kw={"height_ratios": [max(1, len(r)) for r in
+                                                            rows_per_rank]})
+    for ax, events, spans, rows, path in zip(axes[:, 0], ranks, shown, rows_per_rank,
+                                             files, strict=True):
         names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
-        spans = [e for e in events if e["ph"] == "X"]
-        if args.window:
-            lo, hi = (w * 1e3 for w in args.window)
-            spans = [e for e in spans if e["ts"] + e["dur"] >= lo and e["ts"] <= hi]
-        rows = sorted({e["tid"] for e in spans})[: args.rows]
         y = {tid: i for i, tid in enumerate(rows)}
         for e in spans:
             if e["tid"] in y:
+                # Parts of an op (its wait, its copies) sit in the lower half of the row,
+                # so the op's own bar stays visible behind them.
+                part = e["name"] in _PARTS
                 ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.01))],
-                               (y[e["tid"]] - 0.4, 0.8), color=colours[e["name"]])
+                               (y[e["tid"]] + (0.0 if part else -0.4), 0.4 if part else 0.8),
+                               color=colours[e["name"]])
         ax.set_yticks(range(len(rows)), [names.get(t, str(t)) for t in rows], fontsize=7)
         ax.invert_yaxis()
         ax.set_title(path.name, fontsize=9, loc="left")
