@@ -70,7 +70,7 @@ def test_timeline_holds_every_phase(tmp_path: Path, mode: str) -> None:
         rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
         assert {"g0", "g7", "big"} <= rows, rows
         if mode == "negotiated":
-            assert {"NEGOTIATE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE",
+            assert {"NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE",
                     "MEMCPY_OUT_FUSION_BUFFER"} <= phases, phases
         else:
             assert {"ALLREDUCE", "WAIT_FOR_PEER"} <= phases, phases

@@ -3,7 +3,8 @@ through, for chrome://tracing or Perfetto (``TOTALREDUCE_TIMELINE=path.json``).
 
 One row per tensor name; each phase is a complete event ("ph": "X") with its start and
 duration in microseconds.  Negotiated mode writes NEGOTIATE (first request to ready on
-every rank), the copies in and out of the fusion buffer and the collective itself;
+every rank), QUEUE (ready to started), the copies in and out of the fusion buffer and
+the collective itself;
 self-guided mode writes the collective, the part of it spent waiting for a peer's first
 data (WAIT_FOR_PEER), and how long data sent ahead waited here for its op (FLOATING).
 

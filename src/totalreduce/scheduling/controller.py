@@ -331,6 +331,8 @@ class Controller:
             return
         label = kind.upper()
         started = time.monotonic()
+        if self._timeline is not None:
+            self._timeline.span(name, "QUEUE", request.t_ready, started)
 
         def done(h: Handle) -> None:
             if self._timeline is not None:
@@ -347,6 +349,9 @@ class Controller:
         flats = [r.array.reshape(-1) for r in requests]  # type: ignore[union-attr]
         sizes = [f.size for f in flats]
         t0 = time.monotonic()
+        if self._timeline is not None:
+            for request in requests:
+                self._timeline.span(request.name, "QUEUE", request.t_ready, t0)
         buf = self._buffers.take(flats[0].dtype, int(sum(sizes)))
         np.concatenate(flats, out=buf)
         t1 = time.monotonic()
