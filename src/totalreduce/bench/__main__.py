@@ -1,4 +1,4 @@
-"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny}``:
+"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny,sparse}``:
 side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
@@ -147,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="many async 4-byte allreduces: per-op overhead")
     p.add_argument("--count", type=int, default=1000, help="ops submitted before waiting")
     p.add_argument("--reps", type=int, default=20)
+    p = sub.add_parser("sparse", parents=[common],
+                       help="Ok-Topk, TopkA, gTopk against dense: time, words sent, nnz")
+    p.add_argument("--densities", default="0.01,0.02")
+    p.add_argument("--elements", type=int, default=1 << 20,
+                   help="heavy-tailed gradient length (the digits MLP has 50,890)")
+    p.add_argument("--calls", type=int, default=12)
     p = sub.add_parser("train", parents=[common], help="samples/s of a training step")
     p.add_argument("--model", default="mlp", help="mlp (communication-heavy) or convnet")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -168,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                    seed=args.seed)
     elif args.test == "tiny":
         cfg.update(count=args.count, reps=args.reps)
+    elif args.test == "sparse":
+        cfg.update(densities=[float(d) for d in args.densities.split(",")],
+                   n=args.elements, calls=args.calls)
     elif args.test == "train":
         cfg.update(model=args.model, batch_size=args.batch_size, steps=args.steps,
                    reps=args.reps, buckets_mb=[float(b) for b in args.buckets_mb.split(",")])

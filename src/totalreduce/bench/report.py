@@ -64,6 +64,9 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
                 slot["flat"] += _slowest([it["flat_times"] for it in items])
             else:
                 slot["times"] += _slowest([it["times"] for it in items])
+                if test == "sparse":
+                    slot["words_per_k"] = max(it["words_per_k"] for it in items)
+                    slot["nnz"] = first["nnz"]
     rows = list(pooled.values())
     for row in rows:
         if row["times"]:
@@ -105,6 +108,13 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
             r["samples_per_s"] = r["batch"] * r["ranks"] / r["median"]
             ref = ddp.get(r["ranks"])
             r["speed_vs_ddp"] = ref / r["median"] if ref else None
+    elif test == "sparse":
+        dense = {(r["ranks"], r["mode"].rsplit(" ", 1)[0]): r["median"] for r in rows
+                 if r["mode"].endswith(" dense") and "median" in r}
+        for r in rows:
+            ref = dense.get((r["ranks"], r["mode"].rsplit(" ", 1)[0]))
+            if ref and "median" in r:
+                r["time_vs_dense"] = r["median"] / ref
     elif test == "tiny":
         mpi = {r["ranks"]: r["median"] for r in rows if r["backend"] == "mpi" and "median" in r}
         for r in rows:
@@ -169,6 +179,16 @@ def print_table(test: str, rows: list[Row]) -> None:
         body = [(r["model"], r["ranks"], r["backend"], _ms(r["median"]),
                  _ms(r["last_ready_median"]), _ms(r["ideal"]), _ratio(r["time_vs_ideal"]))
                 for r in sorted(rows, key=lambda r: (r["ranks"], r["median"]))]
+    elif test == "sparse":
+        head = ("gradients", "density", "n", "algorithm", "median ms", "time / dense",
+                "words sent / k", "output nnz")
+        body = []
+        for r in sorted((r for r in rows if "median" in r),
+                        key=lambda r: (r["mode"].rsplit(" ", 2)[0], r["ranks"], r["mode"])):
+            source, density, alg = r["mode"].rsplit(" ", 2)
+            body.append((source, density, r["ranks"], alg, _ms(r["median"]),
+                         _ratio(r.get("time_vs_dense", 0.0)), f"{r['words_per_k']:.2f}",
+                         r["nnz"]))
     elif test == "tiny":
         head = ("n", "backend", "case", "median us/op", "p10-p90 us/op", "speed vs mpi")
         body = [(r["ranks"], r["backend"], r["mode"], f"{r['median'] * 1e6:.1f}",

@@ -7,6 +7,7 @@ starts right after a barrier, so per-rank times line up rep by rep.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -143,8 +144,73 @@ def tiny(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"mode": f"{count} x 4 B async", "times": [t / count for t in times]}]
 
 
+def _digits_gradients(rank: int, calls: int) -> list[np.ndarray]:
+    """Gradients of the digits example's MLP (64-256-128-10, 50,890 values) on this rank's
+    batches of scikit-learn's digits, taken along a short SGD run."""
+    import torch
+    from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 10))
+    x, y = load_digits(return_X_y=True)
+    xs = torch.tensor(x / 16.0, dtype=torch.float32)
+    ys = torch.tensor(y)
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(calls):
+        idx = torch.randint(0, len(xs), (32,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()
+                              if p.grad is not None]).numpy().copy())
+        opt.step()
+    return out
+
+
+def sparse(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each sparse algorithm against dense on the same gradients: time per call, payload
+    words sent per rank in units of k, output nonzeros."""
+    if not b.name.startswith("totalreduce"):
+        return [{"mode": "-", "unsupported": "totalreduce only"}]
+    from .. import compression
+
+    calls = cfg["calls"]
+    sources: dict[str, list[np.ndarray]] = {}
+    rng = np.random.default_rng([7, b.rank])
+    sources["heavy-tailed"] = [(rng.standard_t(2, cfg["n"]) * 1e-2).astype(np.float32)
+                               for _ in range(calls)]
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("sklearn"):
+        sources["digits MLP"] = _digits_gradients(b.rank, calls)
+    out = []
+    for source, grads in sources.items():
+        for density in cfg["densities"]:
+            algs = {"dense": compression.Dense(), "topka": compression.TopkA(density),
+                    "gtopk": compression.GTopk(density),
+                    "oktopk": compression.OkTopk(density, warmup=1)}
+            for name, alg in algs.items():
+                times, words, nnz = [], [], 0
+                for call, grad in enumerate(grads):
+                    b.barrier()
+                    t = time.perf_counter()
+                    result = alg.allreduce(grad, f"g.{source}.{density}")
+                    elapsed = time.perf_counter() - t
+                    st = alg.stats(f"g.{source}.{density}")
+                    if call >= 2:  # past Ok-Topk's warm-up and first exact thresholds
+                        times.append(elapsed)
+                        words.append((st["bytes_sent"] - 64 * st["messages_sent"]) / 4
+                                     / max(1, int(grad.size * density)))
+                    nnz = int(np.count_nonzero(result))
+                out.append({"mode": f"{source} {density:g} {name}", "times": times,
+                            "words_per_k": float(np.median(words)), "nnz": nnz,
+                            "n": int(grads[0].size)})
+    return out
+
+
 TESTS = {"collectives": collectives, "replay": replay, "skew": skew, "preempt": preempt,
-         "tiny": tiny}
+         "tiny": tiny, "sparse": sparse}
 
 
 def main() -> None:
