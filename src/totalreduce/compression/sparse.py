@@ -99,15 +99,16 @@ def select(acc: np.ndarray, threshold: float) -> np.ndarray:
 
 def top_k(acc: np.ndarray, k: int) -> np.ndarray:
     """Exactly min(k, nonzeros) indices of the largest magnitudes, sorted; ties at the
-    k-th magnitude are broken by position.  (One partition for the threshold, then
-    comparisons: half the time of an argpartition of the whole buffer, 12 ms against 22
-    for a million float32.)"""
-    mag = np.abs(acc)
-    if np.count_nonzero(mag) <= k:
-        return np.flatnonzero(mag)
+    k-th magnitude are broken by position.  One partition of the nonzero magnitudes for
+    the threshold, then comparisons: 17 ms against 22 for an argpartition on a dense
+    million float32, and 4 ms on a merged set of that length that is mostly zeros."""
+    nz = np.flatnonzero(acc)
+    if nz.size <= k:
+        return nz
+    mag = np.abs(acc[nz])
     threshold = np.partition(mag, mag.size - k)[mag.size - k]
-    above = np.flatnonzero(mag > threshold)
-    tied = np.flatnonzero(mag == threshold)[: k - above.size]
+    above = nz[mag > threshold]
+    tied = nz[mag == threshold][: k - above.size]
     return np.sort(np.concatenate([above, tied]))
 
 
