@@ -440,6 +440,10 @@ def stall_shutdown(arg: dict) -> None:
             report(error=str(exc), kind=type(exc).__name__, after_s=time.monotonic() - start)
         else:
             report(returned=True)
+        # Each waiting rank times out by its own clock (up to a housekeeping tick apart in
+        # self-guided mode): leaving at once would fail a peer's copy of the op as "rank
+        # shut down while needed" before its own timeout said why.
+        time.sleep(1.0)
     tr.shutdown()
 
 
