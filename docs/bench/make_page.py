@@ -235,8 +235,6 @@ sort.
 - Preemption over the rings: a 1 KB op issued 2 ms into a 64 MB one waited about as long
   with priorities as without (6.4 against 6.1 ms here); over TCP they help (10.9 against
   25.4 ms). Why has not been looked into yet.
-- Ok-Topk at 1% density on the digits model: 92.9% test accuracy after 30 epochs at 4
-  ranks, against 97.6% for dense at 20 (2%: 97.3% at 30; TopkA 1%: 97.1% at 30).
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up here, but 0.32-0.97x at 4 oversubscribed ranks between 1 and 16 MB.
 """]
