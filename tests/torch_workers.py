@@ -450,6 +450,26 @@ def cuda_tensors(arg: dict) -> None:
     report(cuda_ok=True)
 
 
+def _fit_one_batch(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, r: int,
+                   n: int) -> list[float]:
+    """``steps`` SGD steps on one batch, rank r taking every n-th row: the loss must fall."""
+    (x, y), = _batches(1, 16 * n)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[r::n]), y[r::n])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _assert_same_on_every_rank(model: torch.nn.Module) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = hvd.allgather(flat.reshape(1, -1))
+    assert all(torch.equal(every[0], row) for row in every), "parameters differ by rank"
+
+
 def sparse_optimizer(arg: dict) -> None:
     """DistributedOptimizer with a sparse compressor: every rank ends with the same
     parameters, the loss falls, and the residuals survive state_dict()."""
@@ -463,18 +483,8 @@ def sparse_optimizer(arg: dict) -> None:
         torch.optim.SGD(model.parameters(), lr=0.2),
         named_parameters=model.named_parameters(),
         compression=getattr(hvd.Compression, arg["alg"])(density=0.05))
-    batches = _batches(1, 16 * n) * 30  # one batch again and again: the loss must fall
-    losses = []
-    for x, y in batches:
-        xs, ys = x[r::n], y[r::n]
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(xs), ys)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = hvd.allgather(flat.reshape(1, -1))
-    assert all(torch.equal(every[0], row) for row in every), "parameters differ by rank"
+    losses = _fit_one_batch(model, opt, 30, r, n)
+    _assert_same_on_every_rank(model)
     assert sum(losses[-5:]) < sum(losses[:5]), losses
     # Resume: a fresh optimizer that loads the state has the same residuals.
     buf = io.BytesIO()
@@ -506,16 +516,8 @@ def sparse_ddp_hook(arg: dict) -> None:
     model = DDP(_model(3, hidden=64))
     model.register_comm_hook(None, hvd.oktopk_hook(density=0.05, warmup=2))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    losses = []
-    for x, y in _batches(1, 16 * n) * 20:  # one batch again and again: the loss must fall
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[r::n]), y[r::n])
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = hvd.allgather(flat.reshape(1, -1))
-    assert all(torch.equal(every[0], row) for row in every), "parameters differ by rank"
+    losses = _fit_one_batch(model, opt, 20, r, n)
+    _assert_same_on_every_rank(model)
     assert sum(losses[-5:]) < sum(losses[:5]), losses
     dist.destroy_process_group()
     report(hook_ok=True)

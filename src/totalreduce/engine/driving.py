@@ -75,11 +75,6 @@ class Driver:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    @property
-    def driven(self) -> bool:
-        """Whether a caller drives the loop now (the progress thread may stay asleep)."""
-        return bool(self._drivers)
-
     # --- entry points ------------------------------------------------------------------
 
     def kick(self, future: OpFuture) -> None:
@@ -233,25 +228,17 @@ class Waiting:
         driver.nudge()
 
 
-class CallerWaits:
+class CallerWaits(Waiting):
     """See :meth:`Driver.caller_waits`: a driver (the progress thread stays asleep) whose
     thread drives each op it submits to the end."""
 
-    __slots__ = ("_driver",)
-
-    def __init__(self, driver: Driver) -> None:
-        self._driver = driver
+    __slots__ = ()
 
     def __enter__(self) -> None:
-        driver = self._driver
-        with driver._idle:
-            driver._drivers += 1
-        local = driver._local
+        super().__enter__()
+        local = self._driver._local
         local.waits = getattr(local, "waits", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
-        driver = self._driver
-        driver._local.waits -= 1
-        with driver._idle:
-            driver._drivers -= 1
-        driver.nudge()
+        self._driver._local.waits -= 1
+        super().__exit__(*exc)

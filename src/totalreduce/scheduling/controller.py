@@ -87,11 +87,11 @@ class Controller:
 
     def submit(self, request: Request) -> None:
         if self._error is not None:
-            request.future.resolve(self._error)
+            request.resolve(self._error)
             return
         self._queue.append(request)
         if self._error is not None and request in self._queue:  # lost a race with the end
-            request.future.resolve(self._error)
+            request.resolve(self._error)
 
     def stop(self, timeout: float) -> None:
         """Ask every rank to stop coordinating (at the next cycle), and wait for ours."""
@@ -134,9 +134,9 @@ class Controller:
     def _end(self, error: TotalReduceError) -> None:
         self._error = error
         while self._queue:
-            self._queue.popleft().future.resolve(error)
+            self._queue.popleft().resolve(error)
         for request in self._pending.values():
-            request.future.resolve(error)
+            request.resolve(error)
         self._pending.clear()
 
     def _one_cycle(self) -> bool:
@@ -150,7 +150,7 @@ class Controller:
                 uncached_join = True
                 continue
             if request.name in self._pending:
-                request.future.resolve(ValueError(
+                request.resolve(ValueError(
                     f"rank {self.rank}: a collective named '{request.name}' is still in "
                     "flight; names must be unique among pending collectives"))
                 continue
@@ -285,7 +285,7 @@ class Controller:
             if self._timeline is not None:
                 self._timeline.span(request.name, "NEGOTIATE", request.t_submit, now)
             if response.error:
-                request.future.resolve(self._error_of(response))
+                request.resolve(self._error_of(response))
                 continue
             pairs.append((response, request))
         for run in groups(pairs, self._threshold):
@@ -327,7 +327,7 @@ class Controller:
             else:
                 handle = ops.barrier()
         except BaseException as exc:  # noqa: BLE001 - it belongs to the request's waiter
-            request.future.resolve(exc)
+            request.resolve(exc)
             return
         label = kind.upper()
         started = time.monotonic()
@@ -340,7 +340,7 @@ class Controller:
             error = h.error()
             if error is None:
                 request.result = h.result_now()
-            request.future.resolve(error)
+            request.resolve(error)
 
         handle.add_done_callback(done)
 

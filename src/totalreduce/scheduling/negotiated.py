@@ -24,7 +24,7 @@ from .controller import Controller
 from .handle import Handle
 from .ops import as_reduce_op, check_op_dtype
 from .requests import Request, params_of
-from .selfguided import SelfGuided, _check_array
+from .selfguided import SelfGuided, _check_array, check_allreduce
 
 
 class Negotiated:
@@ -74,11 +74,7 @@ class Negotiated:
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        rop = as_reduce_op(op)
-        arr = _check_array(x, "allreduce", name)
-        check_op_dtype(rop, arr.dtype, "allreduce", name)
-        if inplace and not isinstance(x, np.ndarray):
-            raise TypeError("allreduce_: the in-place form needs a numpy array")
+        rop, arr = check_allreduce(x, op, name, inplace)
         if inplace and not arr.flags.writeable:
             raise ValueError("in-place collective on a read-only array")
         return self._handle(self._request("allreduce", name, arr, int(rop), inplace=inplace,

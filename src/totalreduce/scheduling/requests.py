@@ -71,10 +71,6 @@ class Request(OpFuture):
     def kind(self) -> str:
         return str(self.params[0])
 
-    @property
-    def future(self) -> OpFuture:
-        return self
-
     def get_result(self) -> Any:
         return self.result
 

@@ -74,6 +74,17 @@ def _check_array(x: Any, kind: str, name: str | None) -> np.ndarray:
     return arr
 
 
+def check_allreduce(x: Any, op: Any, name: str | None,
+                    inplace: bool) -> tuple[ReduceOp, np.ndarray]:
+    """The reduction and the array of an allreduce call, or the error it deserves."""
+    rop = as_reduce_op(op)
+    arr = _check_array(x, "allreduce", name)
+    check_op_dtype(rop, arr.dtype, "allreduce", name)
+    if inplace and not isinstance(x, np.ndarray):
+        raise TypeError("allreduce_: the in-place form needs a numpy array")
+    return rop, arr
+
+
 def _what(kind: str, name: str | None) -> str:
     return kind + (f" '{name}'" if name else "")
 
@@ -197,11 +208,7 @@ class SelfGuided:
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        rop = as_reduce_op(op)
-        arr = _check_array(x, "allreduce", name)
-        check_op_dtype(rop, arr.dtype, "allreduce", name)
-        if inplace and not isinstance(x, np.ndarray):
-            raise TypeError("allreduce_: the in-place form needs a numpy array")
+        rop, arr = check_allreduce(x, op, name, inplace)
         ident = self._ident("allreduce", name)
         work, writeback = self._working_copy(arr, inplace)
 
