@@ -222,3 +222,45 @@ def test_peer_that_shuts_down_mid_op_fails_only_ops_that_need_it(seed: int) -> N
             assert "rank 2 shut down" in str(info.value), str(info.value)
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_name_forgotten_and_reused_while_a_slow_peer_still_remembers_it(seed: int) -> None:
+    """Two names' room: x is forgotten (y and z came after it) and used again at once.
+    A fast rank's call of the new x reaches a slow rank that still counts the old x's
+    call as finished; it must wait there for the slow rank's new x, not be dropped."""
+    n = 3
+    job = Job(n, seed, name_capacity=2)
+    try:
+        names = ["x", "y", "z", "x", "y", "z", "x"]
+        ins = [_inputs(n, 5 + i, np.float32, seed * 11 + i) for i in range(len(names))]
+        plans = [[lambda ops, i=i, r=r, name=name: ops.allreduce(
+            ins[i][r], tr.Sum, name, 0, inplace=False) for i, name in enumerate(names)]
+            for r in range(n)]
+        handles = job.run(plans, submit_chance=[1.0, 0.02, 0.3], max_turns=50_000)
+        for r in range(n):
+            for i, h in enumerate(handles[r]):
+                np.testing.assert_allclose(h.wait(), np.sum(ins[i], axis=0), rtol=1e-5)
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_name_forgotten_while_its_op_runs_leaves_no_finished_record(seed: int) -> None:
+    """x is forgotten on the fast rank (y and z came after it) while its op still waits
+    for the slow rank; when it ends, it must not be recorded as finished, or that record
+    would outlive the forgetting (and swallow a later call 0 of the same identity)."""
+    job = Job(2, seed, name_capacity=2)
+    try:
+        ins = [_inputs(2, 9, np.float64, seed * 5 + i) for i in range(3)]
+        plans = [[lambda ops, i=i, r=r, name=name: ops.allreduce(
+            ins[i][r], tr.Sum, name, 0, inplace=False) for i, name in enumerate("xyz")]
+            for r in range(2)]
+        handles = job.run(plans, submit_chance=[1.0, 0.01])
+        for r in range(2):
+            for i, h in enumerate(handles[r]):
+                np.testing.assert_allclose(h.wait(), np.sum(ins[i], axis=0), rtol=1e-12)
+        # Only y and z, the names still remembered, have finished calls on record.
+        assert job.engines[0].stats()["done_names"] == 2, job.engines[0].stats()
+    finally:
+        job.close()

@@ -34,8 +34,10 @@ def test_repeated_tensors_skip_the_coordinator_and_a_changed_shape_is_renegotiat
         assert steady["requests_sent"] == first["requests_sent"], got
         assert steady["cache_hits"] - first["cache_hits"] >= 200, got
         # w5 changed shape on every rank: evicted once, negotiated once, cached again.
+        # (The eviction is counted from "first": a faster peer's changed request can make
+        # this rank's cycle evict before this rank takes its "steady" snapshot.)
         assert changed["requests_sent"] - steady["requests_sent"] == 1, got
-        assert changed["cache_evictions"] - steady["cache_evictions"] == 1, got
+        assert changed["cache_evictions"] - first["cache_evictions"] == 1, got
     coordinator = result.report(0)
     assert coordinator["steady"]["coordinator_received"] == \
         coordinator["first"]["coordinator_received"] == 20 * n, coordinator

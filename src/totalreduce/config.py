@@ -93,11 +93,13 @@ size wins everywhere; see docs/dev/perf-log.md, "Ring footprint".
 Why names are forgotten: ops match across ranks by (name, call count), so every rank keeps
 a count per name.  A job that names ops afresh every step (``f"grad.{step}"``) would grow
 that table forever, so only the ``TOTALREDUCE_NAME_CAPACITY`` names used most recently are
-remembered; a forgotten name starts again at call 0.  That is safe when every rank forgets
-it too, which holds when ranks submit the same names (in any order nearby): a name is
-forgotten only after that many other names were used since its last call.  A job that
-reuses a name after more distinct names than that, with ranks far apart in their
-sequences, should raise the capacity.
+remembered; a forgotten name starts again at call 0, under another identity (a count of
+its forgettings, kept for as many names), so that a rank which has not forgotten it yet
+does not take a faster peer's new call 0 for its finished old one.  That is safe when
+every rank forgets it too, which holds when ranks submit the same names (in any order
+nearby): a name is forgotten only after that many other names were used since its last
+call.  A job that reuses a name after more distinct names than that, with ranks far apart
+in their sequences, should raise the capacity.
 
 Why 16 MiB gradient buckets: with ResNet-50's gradients all ready at once (``bench replay``,
 2 ranks, a quiet period of the host), the optimizer's buckets took 20.7 ms at 16 MiB, 22.6

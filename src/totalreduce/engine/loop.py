@@ -104,7 +104,7 @@ class Loop:
         if cmd == "submit":
             engine.start(arg, future)
         elif cmd == "forget":
-            engine.ops.done.forget(arg)
+            engine.ops.forget(arg)
         elif cmd == "join":
             engine.serving.start(arg)
         elif cmd == "joined":

@@ -20,7 +20,7 @@ class LiveOp:
     __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
                  "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
                  "source_bytes", "itemsize", "left", "held", "announce", "t_first",
-                 "t_floated")
+                 "t_floated", "forgotten")
 
     def __init__(self, spec: OpSpec, future: OpFuture) -> None:
         self.spec = spec
@@ -36,6 +36,7 @@ class LiveOp:
         self.t_floated = 0.0  # when the first piece that came before the op arrived
         self.warned = False
         self.finished = False
+        self.forgotten = False  # its name was forgotten while it ran (OpTable.forget)
         self.mismatch: MismatchRecord | None = None
         self.itemsize = spec.work.itemsize
         self.work_bytes = bytes_view(spec.work)

@@ -29,12 +29,25 @@ class OpTable:
     def live(self) -> list[LiveOp]:
         return list(self.active.values())
 
+    def forget(self, name_key: int) -> None:
+        """The scheduler forgot this name: its next call is 0 again.  An op of it still
+        running must not be counted finished when it ends, or that record would outlive
+        the forgetting and swallow a later use's messages."""
+        self.done.forget(name_key)
+        for key, op in self.active.items():
+            if key[0] == name_key:
+                op.forgotten = True
+
+    def _finished(self, op: LiveOp) -> None:
+        if not op.forgotten:
+            self.done.add(op.spec.key)
+
     def complete(self, op: LiveOp) -> None:
         """Resolve ``op`` if its last message came and its last went."""
         if op.recvs_left == 0 and op.sends_left == 0 and not op.finished:
             op.finished = True
             del self.active[op.spec.key]
-            self.done.add(op.spec.key)
+            self._finished(op)
             if self._timeline is not None:
                 self._trace(op)
             op.future.resolve(None)
@@ -46,7 +59,7 @@ class OpTable:
         op.finished = True
         key = op.spec.key
         self.active.pop(key, None)
-        self.done.add(key)
+        self._finished(op)
         if self._timeline is not None:
             self._trace(op, "FAILED ")
         op.future.resolve(error)

@@ -117,9 +117,14 @@ class SelfGuided:
         self._algorithms = Algorithms(engine.rank, engine.size, config.segment_bytes,
                                       config.small_bytes)
         self._lock = threading.Lock()
-        # name (+ phase) -> [hash, calls so far]; a name forgotten here is forgotten by the
-        # engine too, so its next call starts afresh at 0 (config.py: name_capacity).
+        # name (+ phase) -> [hash, calls so far, generation]; a name forgotten here is
+        # forgotten by the engine too, so its next call starts afresh at 0 (config.py:
+        # name_capacity).
         self._names: LRU[str, list[int]] = LRU(config.name_capacity, self._forget)
+        # How often each forgotten name was forgotten: its next use gets another hash, so
+        # that a rank still holding the old use's calls as finished cannot take a faster
+        # peer's call 0 of the new use for one of them and drop it.
+        self._generations: LRU[str, int] = LRU(config.name_capacity)
         # The same entries by hash, and the next call count of names this rank has not
         # used yet but served while joined (join.py): a served call counts as made.
         self._by_hash: dict[int, list[int]] = {}
@@ -146,7 +151,8 @@ class SelfGuided:
 
     # --- identity ---------------------------------------------------------------------
 
-    def _forget(self, _name: str, entry: list[int]) -> None:
+    def _forget(self, name: str, entry: list[int]) -> None:
+        self._generations.put(name, entry[2] + 1)
         self._by_hash.pop(entry[0], None)
         self._engine.forget_name(entry[0])
 
@@ -166,11 +172,12 @@ class SelfGuided:
         with self._lock:
             entry = self._names.get(key)
             if entry is None:
-                h = _hash64(key)
-                entry = [h, self._served_next.pop(h) or 0]
+                generation = self._generations.pop(key) or 0
+                h = _hash64(f"{key}\x00{generation}" if generation else key)
+                entry = [h, self._served_next.pop(h) or 0, generation]
                 self._names.put(key, entry)
                 self._by_hash[h] = entry
-            h, seq = entry
+            h, seq = entry[0], entry[1]
             entry[1] = seq + 1
         shown = f"{kind} '{name}'" if name is not None else f"{kind} (unnamed)"
         label = f"{shown} (call #{seq})" if name is None or seq else shown
