@@ -57,3 +57,24 @@ def test_collectives_command_runs_and_reports_every_backend(tmp_path) -> None:
                     for s in (4, 65536)}
     for b in backends:
         assert b in proc.stdout
+
+
+def test_convergence_summary_merges_ranks_and_finds_the_epoch_that_reaches_the_target(
+        ) -> None:
+    from totalreduce.bench.curves import summarize_curves
+
+    def job(backend: str, mode: str, accs: list[float], sent: list[list[float]]) -> dict:
+        return {"backend": backend, "ranks": 2, "round": 0, "per_rank": [
+            {"rank": r, "results": [{"mode": mode, "curve": [
+                {"epoch": e + 1, "accuracy": a, "bytes_sent": s[e], "seconds": 1.0 + r}
+                for e, a in enumerate(accs)]}]} for r, s in enumerate(sent)]}
+
+    raw = [job("totalreduce-shm", "dense", [0.90, 0.95, 0.97], [[10, 20, 30], [12, 22, 32]]),
+           job("totalreduce-shm", "oktopk 0.01", [0.80, 0.955, 0.96], [[1, 2, 3], [3, 4, 5]])]
+    rows = {r["mode"]: r for r in summarize_curves(raw)}
+    assert rows["dense"]["target"] == pytest.approx(0.96)
+    assert rows["dense"]["epochs_to_target"] == 3
+    sparse = rows["oktopk 0.01"]
+    assert sparse["epochs_to_target"] == 3  # 95.5% at epoch 2 is short of 96%
+    assert sparse["mb_to_target"] == pytest.approx(4e-6)  # the ranks' mean: (3 + 5) / 2
+    assert [p["seconds"] for p in sparse["curve"]] == [2.0, 2.0, 2.0]  # the slowest rank

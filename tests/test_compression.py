@@ -29,6 +29,16 @@ def test_identity_and_identical_outputs(alg: str, n_ranks: int) -> None:
         assert result.report(r)["worst"] < 1e-5, result.explain()
 
 
+def test_oktopk_in_one_alltoall_keeps_the_identity() -> None:
+    # pipeline=False: the split-and-reduce in one alltoall instead of P - 1 steps.
+    result = run_ok(3, "workers:sparse_allreduce",
+                    {"alg": "oktopk", "n": 20_011, "calls": 8, "density": 0.01, "seed": 4,
+                     "kwargs": {"warmup": 1, "tau_local": 4, "pipeline": False}},
+                    timeout=120)
+    for r in range(3):
+        assert result.report(r)["worst"] < 1e-5, result.explain()
+
+
 @pytest.mark.parametrize("n_ranks", [2, 3, 4])
 def test_oktopk_volume_stays_under_6k(n_ranks: int) -> None:
     k_density, n = 0.01, 100_000

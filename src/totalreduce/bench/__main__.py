@@ -1,4 +1,5 @@
-"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny,sparse}``:
+"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny,sparse,
+convergence}``:
 side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
@@ -21,7 +22,9 @@ Not run unless named (negotiated coordination, over totalreduce-shm's transport)
 
 ``train`` runs the totalreduce-shm, gloo and ddp-hook backends (the others have no
 optimizer): samples/s of one model under each, with a bucket-size sweep for totalreduce's
-DistributedOptimizer (see ``training.py``).
+DistributedOptimizer (see ``training.py``).  ``convergence`` trains the digits MLP with
+dense and sparse averaging (totalreduce-shm) and with torch's PowerSGD DDP hook (gloo):
+test accuracy against epochs and bytes sent (see ``convergence.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import tempfile
 from typing import Any
 
 from ..launcher.mpiexec import find_mpiexec
+from .curves import plot_curves, print_curves, summarize_curves
 from .report import plot, print_table, summarize
 
 BACKENDS = ("totalreduce-shm", "totalreduce-tcp", "totalreduce-mpi", "mpi", "gloo",
@@ -48,6 +52,7 @@ NEGOTIATED = {
     "totalreduce-neg-nofusion": {"TOTALREDUCE_FUSION_THRESHOLD": "0"},
 }
 TRAIN_BACKENDS = ("totalreduce-shm", "gloo", "ddp-hook")
+CONVERGENCE_BACKENDS = ("totalreduce-shm", "gloo")
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 DEFAULT_SIZES = ("4", "64", "1K", "16K", "256K", "1M", "4M", "16M", "64M", "256M")
 
@@ -153,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--elements", type=int, default=1 << 20,
                    help="heavy-tailed gradient length (the digits MLP has 50,890)")
     p.add_argument("--calls", type=int, default=12)
+    p = sub.add_parser("convergence", parents=[common],
+                       help="digits accuracy against epochs and bytes: dense, sparse, PowerSGD")
+    p.add_argument("--methods", default="oktopk,topka,gtopk")
+    p.add_argument("--densities", default="0.01,0.02")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p = sub.add_parser("train", parents=[common], help="samples/s of a training step")
     p.add_argument("--model", default="mlp", help="mlp (communication-heavy) or convnet")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -177,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.test == "sparse":
         cfg.update(densities=[float(d) for d in args.densities.split(",")],
                    n=args.elements, calls=args.calls)
+    elif args.test == "convergence":
+        cfg.update(methods=args.methods.split(","), epochs=args.epochs, batch=args.batch_size,
+                   densities=[float(d) for d in args.densities.split(",")])
     elif args.test == "train":
         cfg.update(model=args.model, batch_size=args.batch_size, steps=args.steps,
                    reps=args.reps, buckets_mb=[float(b) for b in args.buckets_mb.split(",")])
@@ -188,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.backends.split(",")
     if args.test == "train":
         chosen = [b for b in chosen if b in TRAIN_BACKENDS]
+    elif args.test == "convergence":
+        chosen = [b for b in chosen if b in CONVERGENCE_BACKENDS]
     elif "ddp-hook" in chosen and args.backends == ",".join(BACKENDS):
         chosen.remove("ddp-hook")  # train only
     for b in chosen:
@@ -215,14 +231,20 @@ def main(argv: list[str] | None = None) -> int:
         ranks = run_job(backend, n, cfg, args.timeout,
                         settings if backend.startswith("totalreduce") else None)
         raw.append({"round": rnd, "backend": backend, "ranks": n, "per_rank": ranks})
-    summary = summarize(args.test, raw)
     _print_machine(_machine())
-    print_table(args.test, summary)
+    if args.test == "convergence":
+        summary = summarize_curves(raw)
+        print_curves(summary)
+    else:
+        summary = summarize(args.test, raw)
+        print_table(args.test, summary)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "machine": _machine(), "summary": summary, "raw": raw},
                       f, indent=1)
-    if args.plot:
+    if args.plot and args.test == "convergence":
+        plot_curves(summary, args.plot)
+    elif args.plot:
         plot(args.test, summary, args.plot)
     return 0
 

@@ -189,7 +189,8 @@ def sparse(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         for density in cfg["densities"]:
             algs = {"dense": compression.Dense(), "topka": compression.TopkA(density),
                     "gtopk": compression.GTopk(density),
-                    "oktopk": compression.OkTopk(density, warmup=1)}
+                    "oktopk": compression.OkTopk(density, warmup=1),
+                    "oktopk-1a2a": compression.OkTopk(density, warmup=1, pipeline=False)}
             for name, alg in algs.items():
                 times, words, nnz = [], [], 0
                 for call, grad in enumerate(grads):
@@ -216,10 +217,13 @@ TESTS = {"collectives": collectives, "replay": replay, "skew": skew, "preempt": 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     out_path = sys.argv[2]
-    if cfg["test"] == "train":  # sets up its own framework (DDP or the optimizer)
-        from .training import train
+    if cfg["test"] in ("train", "convergence"):  # each sets up its own framework
+        if cfg["test"] == "train":
+            from .training import train as run
+        else:
+            from .convergence import convergence as run
 
-        rank, size, results = train(cfg["backend"], cfg)
+        rank, size, results = run(cfg["backend"], cfg)
         with open(f"{out_path}.{rank}", "w") as f:
             json.dump({"rank": rank, "size": size, "results": results}, f)
         return

@@ -12,8 +12,9 @@ One call on ``acc = grad + residual`` (after ``warmup`` dense calls):
 2. Regions: the index space is cut into P regions holding about equal numbers of
    selected indices over all ranks (a histogram of selections, summed over ranks),
    recomputed every ``tau_region`` calls.  Rank j owns region j.
-3. Split and reduce: every rank sends its selected pairs in region j to rank j (one
-   alltoall), and rank j sums what it gets for its region.
+3. Split and reduce: every rank sends its selected pairs in region j to rank j, in P - 1
+   rotation steps all in flight at once, and rank j sums each step's pairs for its region
+   as it arrives, while the later steps travel.
 4. Global selection: rank j keeps the entries of its region whose summed magnitude
    reaches the global threshold: the exact k-th largest over all regions every
    ``tau_global`` calls (from every rank's top candidates), reused in between, scaled by
@@ -53,12 +54,16 @@ class OkTopk(SparseAllreduce):
         max_ratio: how far a reused local threshold's count may stray from k before
             the exact threshold replaces it; larger saves sorts, smaller keeps the
             volume closer to the ideal.
+        pipeline: split-and-reduce in P - 1 rotation steps, summing one step's pairs
+            while the next travel (as published); False sends all in one alltoall,
+            which costs fewer messages and nothing to overlap.
     """
 
     name = "oktopk"
 
     def __init__(self, density: float, warmup: int = 10, tau_local: int = 32,
-                 tau_global: int = 32, tau_region: int = 64, max_ratio: float = 1.5) -> None:
+                 tau_global: int = 32, tau_region: int = 64, max_ratio: float = 1.5,
+                 pipeline: bool = True) -> None:
         super().__init__(density)
         for knob, value in (("tau_local", tau_local), ("tau_global", tau_global),
                             ("tau_region", tau_region)):
@@ -68,6 +73,7 @@ class OkTopk(SparseAllreduce):
             raise ValueError("warmup must be >= 0 and max_ratio >= 1")
         self.warmup, self.tau_local, self.tau_global = warmup, tau_local, tau_global
         self.tau_region, self.max_ratio = tau_region, max_ratio
+        self.pipeline = pipeline
 
     def _run(self, grad: np.ndarray, name: str, state: State
              ) -> tuple[np.ndarray, int, int]:
@@ -81,15 +87,8 @@ class OkTopk(SparseAllreduce):
         k = self.k(n)
         sel = self._local(acc, k, state)
         bounds = self._regions(sel, n, size, state, name)
-        # Split and reduce: my selected pairs of region j go to rank j.
-        cuts = np.searchsorted(sel, bounds)
-        splits = np.diff(cuts)
-        rows, _counts = tr.alltoall(pack(sel, acc[sel], n), splits=splits,
-                                    name=f"{name}.oktopk.split")
-        idx, val = unpack(rows, n, acc.dtype)
-        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-        region = np.zeros(hi - lo, acc.dtype)
-        np.add.at(region, idx - lo, val)
+        region = self._split_and_reduce(acc, sel, bounds, name)
+        lo = int(bounds[rank])
         # Global selection in my region.
         if (state.calls - self.warmup) % self.tau_global == 0:
             state.global_threshold = self._global_threshold(region, k, name)
@@ -110,6 +109,37 @@ class OkTopk(SparseAllreduce):
         acc[won] = 0
         state.residual = acc
         return out, sel.size, gidx.size
+
+    def _split_and_reduce(self, acc: np.ndarray, sel: np.ndarray, bounds: np.ndarray,
+                          name: str) -> np.ndarray:
+        """My region's sums of every rank's selected pairs in it: my selected pairs in
+        region j go to rank j.  Pipelined, in P - 1 steps: at step s rank r sends to
+        r + s and receives from r - s, every step in flight at once, and the pairs of one
+        step are summed while the later steps still travel."""
+        n, size, rank = acc.size, tr.size(), tr.rank()
+        cuts = np.searchsorted(sel, bounds)
+        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+        region = np.zeros(hi - lo, acc.dtype)
+        rows = pack(sel, acc[sel], n)
+        if not self.pipeline:
+            got, _counts = tr.alltoall(rows, splits=np.diff(cuts), name=f"{name}.oktopk.split")
+            idx, val = unpack(got, n, acc.dtype)
+            np.add.at(region, idx - lo, val)
+            return region
+        mine = sel[cuts[rank]:cuts[rank + 1]]
+        np.add.at(region, mine - lo, acc[mine])
+        steps = []
+        for s in range(1, size):
+            to = (rank + s) % size
+            splits = np.zeros(size, np.int64)
+            splits[to] = cuts[to + 1] - cuts[to]
+            steps.append(tr.alltoall_async(rows[cuts[to]:cuts[to + 1]], splits=splits,
+                                           name=f"{name}.oktopk.split{s}"))
+        for step in steps:
+            got, _counts = step.wait()
+            idx, val = unpack(got, n, acc.dtype)
+            np.add.at(region, idx - lo, val)
+        return region
 
     def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
         exact = (state.calls - self.warmup) % self.tau_local == 0 \
