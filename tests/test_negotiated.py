@@ -186,9 +186,6 @@ def test_broadcast_after_join_fails_loudly_in_negotiated_mode() -> None:
     assert "join()" in result.report(1).get("refused", ""), result.explain()
 
 
-@pytest.mark.xfail(strict=False, reason="open bug: now and then one rank's request for a "
-                   "name reused with a new shape ('fixed.1') never completes (seen in 2 "
-                   "of about 6 runs); the ranks then fail after the worker's 60 s wait")
 def test_memory_stays_flat_in_negotiated_mode() -> None:
     # Random sizes, kinds and names (a quarter never seen before, others reused with a
     # new shape: cache evictions and renegotiation all the time), a cache of 64 entries
