@@ -142,11 +142,12 @@ def main() -> None:
     if rank == 0:
         print(f"final test accuracy {history[-1][2]:.2%}")
         if args.plot:
-            plot(history, args.plot, size)
+            what = args.compression + (f" at density {args.density:g}" if sparse else "")
+            plot(history, args.plot, f"digits on {size} rank(s), compression {what}")
     hvd.shutdown()
 
 
-def plot(history: list[tuple[int, float, float]], path: str, size: int) -> None:
+def plot(history: list[tuple[int, float, float]], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +159,7 @@ def plot(history: list[tuple[int, float, float]], path: str, size: int) -> None:
     left.set(xlabel="epoch", ylabel="training loss", yscale="log")
     right.plot(epochs, [100 * h[2] for h in history])
     right.set(xlabel="epoch", ylabel="test accuracy (%)")
-    fig.suptitle(f"digits on {size} rank(s)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"curves written to {path}")

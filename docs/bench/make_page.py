@@ -168,12 +168,13 @@ columns to see what each mechanism buys.
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
 about what self-guided mode does per tensor (`-nofusion` against `totalreduce-shm`). The
-cache cuts the cost another 2.4-3x: without it, every tensor's request goes to rank 0
-and back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
-Python, per tensor. The faster mode, negotiated with cache and fusion, is 1.9x MPI's
-`Iallreduce` at 2 ranks and 3.0x at 4. An earlier run of the same command at 2 ranks, in
-a quieter period of the host, measured 5.4 µs per op (MPI: 11.0). The table's run came
-in a slower one: MPI took 16.8 µs.
+cache cuts the cost another 2.5x: without it, every tensor's request goes to rank 0 and
+back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
+Python, per tensor. The faster mode, negotiated with cache and fusion, is 1.3x MPI's
+`Iallreduce` at 2 ranks and 3.8x at 4. Its 8.5 µs per op at 2 ranks (5.0 at the 10th
+percentile) is Python on both sides of the cycle: submitting 1,000 requests takes about
+4 µs each (argument checks, the request, its handle), and the cycle's classification,
+fusion copies and per-request completion take the rest.
 
 **Skew** (as above, at 2 and 4 ranks). `{CMD_SKEW_NEG}` (`docs/bench/skew-neg.txt`):
 
@@ -208,7 +209,9 @@ digits example's MLP (50,890 values, real minibatches per rank). Words sent are
 per rank, per call, in units of k = density x n: the payload as 4-byte words, read from
 the transport's counters less the 64-byte message headers; the worst rank is shown,
 median over calls past the first two. Ok-Topk's bound is 6(P-1)/P: 3, 4 and 4.5 at 2, 3
-and 4 ranks. TopkA's volume is 2(P-1).
+and 4 ranks. TopkA's volume is 2(P-1). `oktopk` is the published, pipelined
+split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
+`OkTopk(pipeline=False)`, the same exchange in one alltoall.
 `python -m totalreduce.bench sparse -n 2,3,4 --backends totalreduce-shm --calls 10`
 (`docs/bench/sparse.txt`):
 
@@ -217,9 +220,45 @@ and 4 ranks. TopkA's volume is 2(P-1).
 On one host, where a dense allreduce moves memory at memory speed, every sparse
 algorithm is slower than dense: selection costs more than the bytes it saves. The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-3.8
-words per k, under its bound at every size, while TopkA's grows with the ranks. Ok-Topk
-is also the fastest of the three here, because its reused thresholds avoid a top-k
-sort.
+words per k, under its bound at every size, while TopkA's grows with the ranks. On the
+million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
+thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
+cores, so one alltoall is faster here (up to 1.7x at 4 ranks); with a core per rank and a
+real network between them, summing one step while the next travels is what the pipeline
+is for.
+
+## Training with sparse gradients: accuracy against epochs and bytes (digits, 4 ranks)
+
+The digits MLP (50,890 parameters) trained for 30 epochs at 4 ranks, per-rank batch 32,
+the same seed and shards for every method: dense averaging and the three sparse
+algorithms at 1% and 2% through the DistributedOptimizer, and torch's own PowerSGD DDP
+hook (rank 2, vanilla allreduce for the first 10 steps, as Ok-Topk's dense warm-up) over
+gloo. Learning rates are the example's: SGD 0.05 per rank with momentum 0.9 for dense and
+PowerSGD, plain SGD 0.25 per rank for the sparse methods (their residuals already carry
+held-back gradients forward; momentum on top made them unstable). Bytes are what a rank
+sent from the first step on: the transport's own count for totalreduce; for gloo, which
+keeps none, what the hook passed to `all_reduce` times 2(P-1)/P (a ring allreduce). The
+target is dense's final accuracy less one point.
+`python -m totalreduce.bench convergence -n 4 --epochs 30 --plot docs/bench/convergence-4.png`
+(`docs/bench/convergence-4.txt`):
+
+{table("convergence-4")[1]}
+
+![accuracy against epochs and against MB sent per rank](bench/convergence-4.png)
+
+Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 2%
+(18 against 9). Ok-Topk at 1% sends 0.078 MB per rank per epoch once its warm-up is over,
+against 0.127 for TopkA at the same density, 0.125 for PowerSGD and 4.07 for dense: 52x
+less than dense. Its first epoch is the dense warm-up (10 steps, about 4 MB), which is
+most of its bytes to target; PowerSGD's vanilla start costs the same. On this small model
+PowerSGD at rank 2 trains as well as dense in fewer bytes than Ok-Topk's warm-up plus
+sparse epochs; the sparse methods' volume advantage grows with the model, which the
+words-per-k table above measures.
+
+The example itself draws the same run's loss and accuracy with `--plot`:
+`totalrun -np 4 python examples/train_digits.py --epochs 30 --compression oktopk --density
+0.01 --plot docs/bench/digits-oktopk-1pct.png` (final 97.56%; at 0.02, `digits-oktopk-2pct.png`,
+97.78%; dense without `--compression`, `digits-dense.png`, 98.00%).
 
 ## Known weak spots
 
