@@ -80,6 +80,21 @@ def test_edge_cases(alg: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
+def test_a_buffer_longer_than_float32_counts_exactly(alg: str) -> None:
+    # Past 2^24 a float32 no longer holds every integer: an index carried in one would
+    # land a value beside its place, and the identity would fail there.
+    n = (1 << 24) + (1 << 20)
+    kwargs = {"warmup": 1} if alg == "oktopk" else {}
+    result = run_ok(2, "workers:sparse_allreduce",
+                    {"alg": alg, "n": n, "calls": 3, "density": 1e-4, "seed": 2,
+                     "kwargs": kwargs}, timeout=200)
+    for r in range(2):
+        got = result.report(r)
+        assert got["worst"] < 1e-5, result.explain()
+        assert got["last_nonzero"] >= 1 << 24, got  # some output lies past 2^24
+
+
+@pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
 def test_k_of_one(alg: str) -> None:
     kwargs = {"warmup": 1} if alg == "oktopk" else {}
     result = run_ok(2, "workers:sparse_allreduce",

@@ -907,4 +907,6 @@ def sparse_allreduce(arg: dict) -> None:
                         "local": st["local_selected"], "global": st["global_selected"]})
         old = new.astype(np.float32)
     tr.shutdown()
-    report(volumes=volumes, worst=worst, nonzero=int(np.count_nonzero(out)))
+    nz = np.flatnonzero(out)
+    report(volumes=volumes, worst=worst, nonzero=int(nz.size),
+           last_nonzero=int(nz[-1]) if nz.size else -1)
