@@ -64,6 +64,11 @@ class Controller:
         self.rank, self.size = ops.rank, ops.size
         self._cycle = config.cycle_time_ms / 1000.0
         self._cache = ResponseCache(config.cache_capacity)
+        # The cycle's bit vectors, allocated once: numpy lets go of the GIL to allocate
+        # 1 KiB or more, and taking it back from a thread busy submitting tensors cost the
+        # cycle up to a switch interval (5 ms) every time.
+        self._bits = np.zeros(_STATUS + config.cache_capacity, np.bool_)
+        self._mark = np.zeros(config.cache_capacity, np.bool_)
         self._threshold = config.fusion_threshold
         self._buffers = FusionBuffers(config.fusion_threshold)
         self._stall_check = config.stall_check_time
@@ -156,7 +161,8 @@ class Controller:
                 continue
             self._pending[request.name] = request
         cap = self._cache.capacity
-        bits = np.zeros(_STATUS + cap, np.bool_)
+        bits = self._bits
+        bits.fill(False)
         uncached: list[Request] = []
         invalid: list[int] = []
         now = time.monotonic()
@@ -194,19 +200,15 @@ class Controller:
         bits[_ALL_JOINED] = joined
         self._control(lambda: self._ops.allreduce(bits, ReduceOp.MIN, _BITS, _CONTROL, True))
         if not bits[_INVALID]:
-            mark = np.zeros(cap, np.bool_)
+            mark = self._mark
+            mark.fill(False)
             mark[invalid] = True
             self._control(lambda: self._ops.allreduce(mark, ReduceOp.MAX, _INVALIDS, _CONTROL,
                                                       True))
             for bit in np.flatnonzero(mark).tolist():
                 bits[_STATUS + bit] = False
                 self._cache.evict(bit)
-        responses: list[Response] = []
-        for bit in np.flatnonzero(bits[_STATUS:]).tolist():
-            response = self._cache.at(bit)
-            if response is not None:
-                self._cache.touch(bit)
-                responses.append(response)
+        responses = self._cache.ready(np.flatnonzero(bits[_STATUS:]).tolist())
         self._others_joined = not bits[_NONE_JOINED]
         if not bits[_UNCACHED]:
             if uncached_join:

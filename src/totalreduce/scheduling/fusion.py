@@ -17,29 +17,27 @@ import numpy as np
 from .requests import Request, Response
 
 
-def fusable(response: Response) -> bool:
-    return response.kind == "allreduce" and not response.error
-
-
 def groups(pairs: list[tuple[Response, Request]], threshold: int
            ) -> Iterator[list[tuple[Response, Request]]]:
     """Runs of adjacent allreduces with one dtype and op, each within ``threshold`` bytes;
     everything else (and every tensor when ``threshold`` is 0) alone."""
     run: list[tuple[Response, Request]] = []
     size = 0
+    dtype = op = None  # the run's
     for pair in pairs:
         response, request = pair
+        params = response.params
         nbytes = 0 if request.array is None else request.array.nbytes
-        if run and fusable(response) and threshold and \
-                response.params[1] == run[0][0].params[1] and \
-                response.params[3] == run[0][0].params[3] and size + nbytes <= threshold:
+        fusable = threshold and params[0] == "allreduce" and not response.error
+        if run and fusable and params[1] == dtype and params[3] == op and \
+                size + nbytes <= threshold:
             run.append(pair)
             size += nbytes
             continue
         if run:
             yield run
-        if fusable(response) and threshold and nbytes <= threshold:
-            run, size = [pair], nbytes
+        if fusable and nbytes <= threshold:
+            run, size, dtype, op = [pair], nbytes, params[1], params[3]
         else:
             run, size = [], 0
             yield [pair]

@@ -44,6 +44,17 @@ class ResponseCache:
     def at(self, bit: int) -> Response | None:
         return self._by_bit[bit] if 0 <= bit < self.capacity else None
 
+    def ready(self, bits: list[int]) -> list[Response]:
+        """The responses at ``bits`` (ready on every rank), each touched, in bit order."""
+        out = []
+        by_bit, by_name = self._by_bit, self._by_name
+        for bit in bits:
+            response = by_bit[bit]
+            if response is not None:
+                by_name.move_to_end(response.name)
+                out.append(response)
+        return out
+
     def touch(self, bit: int) -> None:
         response = self._by_bit[bit]
         if response is not None:
