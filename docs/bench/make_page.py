@@ -172,9 +172,10 @@ cache cuts the cost another 2.5x: without it, every tensor's request goes to ran
 back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
 Python, per tensor. The faster mode, negotiated with cache and fusion, is 1.3x MPI's
 `Iallreduce` at 2 ranks and 3.8x at 4. Its 8.5 µs per op at 2 ranks (5.0 at the 10th
-percentile) is Python on both sides of the cycle: submitting 1,000 requests takes about
-4 µs each (argument checks, the request, its handle), and the cycle's classification,
-fusion copies and per-request completion take the rest.
+percentile) is Python on both sides of the cycle: submitting a request takes about 2 µs
+(argument checks, the request, its handle), and the cycle's classification, fusion
+copies and per-request completion, competing with the submitting thread for the GIL,
+take the rest.
 
 **Skew** (as above, at 2 and 4 ranks). `{CMD_SKEW_NEG}` (`docs/bench/skew-neg.txt`):
 
