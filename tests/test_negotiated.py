@@ -210,3 +210,19 @@ def test_blocking_big_ops_finish_when_the_other_ranks_have_left() -> None:
     for _ in range(3):
         result = run_ok(4, "workers:big_then_leave", {"ops": 6}, env=NEGOTIATED, timeout=60)
         assert all(result.report(r).get("done") for r in range(4)), result.explain()
+
+
+def test_bad_calls_after_good_ones_are_still_refused() -> None:
+    result = run_ok(2, "workers:negotiated_checks_after_a_first_call", {}, env=NEGOTIATED,
+                    timeout=60)
+    for r in range(2):
+        refused = result.report(r)["refused"]
+        # Each refused with the argument checks' own message.
+        assert refused.get("bool average", "").startswith("TypeError: allreduce 'b': "
+                                                          "Average of a bool"), refused
+        assert refused.get("read-only in place") == \
+            "ValueError: in-place collective on a read-only array", refused
+        assert refused.get("int name", "").startswith("TypeError: allreduce: name must "
+                                                      "be a str"), refused
+        assert refused.get("op True", "").startswith("TypeError: op must be one of"), \
+            refused

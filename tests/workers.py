@@ -910,3 +910,27 @@ def sparse_allreduce(arg: dict) -> None:
     nz = np.flatnonzero(out)
     report(volumes=volumes, worst=worst, nonzero=int(nz.size),
            last_nonzero=int(nz[-1]) if nz.size else -1)
+
+
+def negotiated_checks_after_a_first_call(arg: dict) -> None:
+    """Negotiated mode remembers which (dtype, op) pairs it accepted, to skip the checks
+    for a training step's repeated tensors; bad calls after a good one must still fail."""
+    tr.init()
+    x = np.arange(5, dtype=np.float32)
+    assert_same(tr.allreduce(x, op=tr.Sum, name="good"), x * tr.size(), "good")
+    refused = {}
+    for what, call in {
+        "bool average": lambda: tr.allreduce(np.ones(3, np.bool_), op=tr.Average, name="b"),
+        "read-only in place": lambda: tr.allreduce_(np.frombuffer(b"\0" * 20, np.float32),
+                                                    op=tr.Sum, name="c"),
+        "int name": lambda: tr.allreduce(x, op=tr.Sum, name=123),
+        "op True": lambda: tr.allreduce(x, op=True, name="d"),
+    }.items():
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            refused[what] = f"{type(exc).__name__}: {exc}"
+    again = tr.allreduce_(x.copy(), op=tr.Sum, name="good")
+    assert_same(again, x * tr.size(), "good again")
+    tr.shutdown()
+    report(refused=refused)
