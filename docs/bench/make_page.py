@@ -16,7 +16,7 @@ PAGE = HERE.parent / "BENCHMARKS.md"
 CMD_4 = ("python -m totalreduce.bench collectives -n 4 --ops allreduce "
          "--sizes 4,1K,64K,1M,4M,16M,64M --rounds 2 --plot collectives-4.png")
 NEG = "totalreduce-shm,totalreduce-neg,totalreduce-neg-nocache,totalreduce-neg-nofusion,mpi"
-CMD_TINY = f"python -m totalreduce.bench tiny -n 2,4 --backends {NEG},gloo --rounds 2 --reps 10"
+CMD_TINY = f"python -m totalreduce.bench tiny -n 2,4 --backends {NEG},gloo --rounds 4 --reps 10"
 CMD_SKEW_NEG = f"python -m totalreduce.bench skew -n 2,4 --backends {NEG} --rounds 2 --reps 10"
 CMD_REPLAY_NEG = (f"python -m totalreduce.bench replay -n 2,4 --models resnet50 --backends {NEG} "
                   "--buckets-mb 16 --rounds 2 --reps 10")
@@ -168,14 +168,16 @@ columns to see what each mechanism buys.
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
 about what self-guided mode does per tensor (`-nofusion` against `totalreduce-shm`). The
-cache cuts the cost another 2.5x: without it, every tensor's request goes to rank 0 and
+cache cuts the cost another 2.4-2.7x: without it, every tensor's request goes to rank 0 and
 back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
-Python, per tensor. The faster mode, negotiated with cache and fusion, is 1.3x MPI's
-`Iallreduce` at 2 ranks and 3.8x at 4. Its 8.5 µs per op at 2 ranks (5.0 at the 10th
-percentile) is Python on both sides of the cycle: submitting a request takes about 2 µs
-(argument checks, the request, its handle), and the cycle's classification, fusion
-copies and per-request completion, competing with the submitting thread for the GIL,
-take the rest.
+Python, per tensor. The faster mode, negotiated with cache and fusion, is 1.7x MPI's
+`Iallreduce` at 2 ranks and 3.6x at 4. Its 7.8 µs per op at 2 ranks (4.2 at the 10th
+percentile) varies with the host more than MPI's does: four runs of the 2-rank case alone
+(`--backends totalreduce-neg,mpi --rounds 2`) gave medians of 4.5 to 7.0 µs while MPI's
+were 11 to 16. The time is Python on both sides of the cycle: submitting a request takes
+about 1.5 µs (a named array of a dtype and op already seen skips the argument checks),
+and the cycle's classification, fusion copies and per-request completion, competing with
+the submitting thread for the GIL, take the rest.
 
 **Skew** (as above, at 2 and 4 ranks). `{CMD_SKEW_NEG}` (`docs/bench/skew-neg.txt`):
 
