@@ -189,3 +189,11 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_ctrl_c_that_reaches_one_rank_late_is_still_a_keyboard_interrupt_there() -> None:
+    # The other ranks handle theirs 0.6 s earlier and shut down while the last rank's
+    # allreduce still needs them; that rank must see its own Ctrl-C, not their leaving.
+    result = launch(3, "workers:late_ctrl_c", {"late": 0.6}, timeout=60)
+    for r in range(3):
+        assert result.report(r).get("interrupted") is True, result.explain()

@@ -934,3 +934,26 @@ def negotiated_checks_after_a_first_call(arg: dict) -> None:
     assert_same(again, x * tr.size(), "good again")
     tr.shutdown()
     report(refused=refused)
+
+
+def late_ctrl_c(arg: dict) -> None:
+    """Ctrl-C reaches the last rank ``arg['late']`` s after the others (as when a launcher
+    forwards it to every rank but one is scheduled late): the others handle it and shut
+    down while the last still needs them; the last must still see KeyboardInterrupt."""
+    import threading
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    at = float(tr.broadcast(np.array([time.time() + 1.0]), root_rank=0, name="t")[0])
+    delay = at - time.time() + (arg["late"] if rank == n - 1 else 0.0)
+    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    i = 0
+    try:
+        while True:
+            tr.allreduce(np.ones(1000), name="grad")
+            i += 1
+    except KeyboardInterrupt:
+        report(interrupted=True, steps=i)
+    except tr.PeerFailureError as exc:
+        report(interrupted=False, error=str(exc))
+    tr.shutdown()

@@ -27,13 +27,15 @@ class ShutdownError(TotalReduceError):
 
 
 class PeerFailureError(TotalReduceError):
-    """A peer died or its link broke.  ``rank`` names the rank that was lost."""
+    """A peer died or its link broke.  ``rank`` names the rank that was lost;
+    ``orderly`` says it left by shutting down (while this rank still needed it)."""
 
     recoverable = True
 
-    def __init__(self, rank: int, message: str) -> None:
+    def __init__(self, rank: int, message: str, orderly: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
+        self.orderly = orderly
 
 
 class MismatchError(TotalReduceError):

@@ -11,6 +11,7 @@ above the engine too.
 from __future__ import annotations
 
 import threading
+import time
 
 
 class _Deferred:
@@ -25,6 +26,19 @@ class _Deferred:
         if self.pending and threading.current_thread() is threading.main_thread():
             self.pending = False
             raise KeyboardInterrupt
+
+
+    def wait_for(self, seconds: float) -> None:
+        """Give a Ctrl-C up to ``seconds`` to arrive, then raise it if it did (main
+        thread only).  A launcher forwards Ctrl-C to every rank at once, but a rank that
+        is scheduled first can handle it, shut down, and fail a peer's op before that
+        peer's own signal is handled: the peer should still see KeyboardInterrupt."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        deadline = time.monotonic() + seconds
+        while not self.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.raise_if_pending()
 
 
 deferred = _Deferred()

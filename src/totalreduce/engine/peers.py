@@ -111,5 +111,6 @@ class PeerEvents:
                 continue
             if op.awaits_from(peer) or op.sends_owed_to(peer):
                 reason = f"rank {peer} shut down while {op.spec.label} still needed it"
-                engine.fail(op, PeerFailureError(peer, f"rank {self._rank}: {reason}"))
+                engine.fail(op, PeerFailureError(peer, f"rank {self._rank}: {reason}",
+                                                 orderly=True))
                 self.tell_op_failed(op.spec.key, peer, reason)

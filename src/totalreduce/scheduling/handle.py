@@ -8,7 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.payload import OpFuture
+from ..exceptions import PeerFailureError
 from ..interrupts import deferred as ctrl_c
+
+# How long an op failed by a peer's orderly shutdown waits for a Ctrl-C of its own.
+_PEER_LEFT_GRACE = 1.0
 
 
 class Handle:
@@ -80,6 +84,9 @@ class Handle:
         for future in self._futures:
             error = future.error()
             if error is not None:
+                if isinstance(error, PeerFailureError) and error.orderly:
+                    # The peer may have left on a Ctrl-C that is on its way here too.
+                    ctrl_c.wait_for(_PEER_LEFT_GRACE)
                 raise error
         if not self._finished:
             self._result = self._finish()
