@@ -38,7 +38,7 @@ def test_cache_positions_are_the_same_for_the_same_sequence_of_changes() -> None
             elif step % 7 == 0:
                 cache.evict(bit)
             else:
-                cache.touch(bit)
+                cache.ready([bit])
         return [None if (r := cache.at(b)) is None else r.name for b in range(8)]
 
     assert replay(1) == replay(1)  # every rank makes the same changes: same bits

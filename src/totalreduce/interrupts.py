@@ -27,7 +27,6 @@ class _Deferred:
             self.pending = False
             raise KeyboardInterrupt
 
-
     def wait_for(self, seconds: float) -> None:
         """Give a Ctrl-C up to ``seconds`` to arrive, then raise it if it did (main
         thread only).  A launcher forwards Ctrl-C to every rank at once, but a rank that

@@ -150,10 +150,10 @@ def _digits_gradients(rank: int, calls: int) -> list[np.ndarray]:
     import torch
     from sklearn.datasets import load_digits  # type: ignore[import-untyped]
 
+    from .convergence import digits_mlp
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 10))
+    model = digits_mlp()
     x, y = load_digits(return_X_y=True)
     xs = torch.tensor(x / 16.0, dtype=torch.float32)
     ys = torch.tensor(y)

@@ -76,19 +76,15 @@ class Negotiated:
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        if type(x) is np.ndarray and type(op) is ReduceOp and type(name) is str and \
-                (x.dtype, op) in self._checked and (not inplace or x.flags.writeable):
-            # A training step's many tensors: a named numpy array of a dtype and op already
-            # checked skips the checks (a microsecond of a tiny tensor's few).
-            request = Request(name, params_of("allreduce", x, int(op), -1), x, inplace,
-                              priority)
-            self._controller.submit(request)
-            return Handle([request], request.get_result, name)
-        rop, arr = check_allreduce(x, op, name, inplace)
-        self._checked.add((arr.dtype, rop))
-        if inplace and not arr.flags.writeable:
-            raise ValueError("in-place collective on a read-only array")
-        return self._handle(self._request("allreduce", name, arr, int(rop), inplace=inplace,
+        # A training step's many tensors: a numpy array of a dtype and op already checked
+        # skips the checks (a microsecond of a tiny tensor's few).
+        if not (type(x) is np.ndarray and type(op) is ReduceOp and
+                (x.dtype, op) in self._checked and (not inplace or x.flags.writeable)):
+            op, x = check_allreduce(x, op, name, inplace)
+            if inplace and not x.flags.writeable:
+                raise ValueError("in-place collective on a read-only array")
+            self._checked.add((x.dtype, op))
+        return self._handle(self._request("allreduce", name, x, int(op), inplace=inplace,
                                           priority=priority))
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,

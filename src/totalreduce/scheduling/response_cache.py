@@ -55,11 +55,6 @@ class ResponseCache:
                 out.append(response)
         return out
 
-    def touch(self, bit: int) -> None:
-        response = self._by_bit[bit]
-        if response is not None:
-            self._by_name.move_to_end(response.name)
-
     def put(self, response: Response) -> None:
         if not self.capacity:
             return

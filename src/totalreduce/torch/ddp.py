@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import totalreduce as _tr
 
+from ..compression import GTopk, OkTopk, TopkA
 from .tensors import stage
 
 
@@ -83,20 +84,14 @@ def oktopk_hook(density: float = 0.01, **knobs: Any) -> Any:
 
     The hook runs the sparse allreduce to completion inside backward (it is several
     blocking collectives), and its residuals live in ``hook.algorithm``."""
-    from ..compression import OkTopk
-
     return _sparse_hook(OkTopk(density, **knobs))
 
 
 def topka_hook(density: float = 0.01) -> Any:
     """A DDP comm hook with TopkA (see :func:`oktopk_hook`)."""
-    from ..compression import TopkA
-
     return _sparse_hook(TopkA(density))
 
 
 def gtopk_hook(density: float = 0.01) -> Any:
     """A DDP comm hook with gTopk (see :func:`oktopk_hook`)."""
-    from ..compression import GTopk
-
     return _sparse_hook(GTopk(density))
