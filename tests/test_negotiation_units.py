@@ -26,13 +26,20 @@ def _resp(name: str, shape: tuple[int, ...] = (3,), dtype: str = "float32") -> R
     return Response(name, ("allreduce", dtype, shape, 1, -1))
 
 
+def _lookup(cache: ResponseCache, name: str, params: tuple) -> tuple[str, int]:
+    hit_bits, _hits, invalid, misses = cache.classify([Request(name, params, None, False, 0)])
+    if misses:
+        return "miss", -1
+    return ("hit", hit_bits[0]) if hit_bits else ("invalid", invalid[0])
+
+
 def test_cache_positions_are_the_same_for_the_same_sequence_of_changes() -> None:
     def replay(seed: int) -> list[str | None]:
         cache = ResponseCache(8)
         rng = np.random.default_rng(seed)
         for step in range(300):
             name = f"t{rng.integers(20)}"
-            status, bit = cache.lookup(name, _resp(name).params)
+            status, bit = _lookup(cache, name, _resp(name).params)
             if status == "miss":
                 cache.put(_resp(name))
             elif step % 7 == 0:
@@ -45,16 +52,16 @@ def test_cache_positions_are_the_same_for_the_same_sequence_of_changes() -> None
     cache = ResponseCache(2)
     for name in ("a", "b", "c"):  # full: the least recently used goes, its bit reused
         cache.put(_resp(name))
-    assert cache.lookup("a", _resp("a").params) == ("miss", -1)
-    assert cache.lookup("c", _resp("c").params)[0] == "hit"
-    assert cache.lookup("b", _resp("b", (4,)).params)[0] == "invalid"
+    assert _lookup(cache, "a", _resp("a").params) == ("miss", -1)
+    assert _lookup(cache, "c", _resp("c").params)[0] == "hit"
+    assert _lookup(cache, "b", _resp("b", (4,)).params)[0] == "invalid"
     assert len(cache) == 2 and cache.evictions == 1
 
 
 def test_cache_of_capacity_zero_keeps_nothing() -> None:
     cache = ResponseCache(0)
     cache.put(_resp("a"))
-    assert len(cache) == 0 and cache.lookup("a", _resp("a").params) == ("miss", -1)
+    assert len(cache) == 0 and _lookup(cache, "a", _resp("a").params) == ("miss", -1)
 
 
 def test_coordinator_answers_when_every_rank_asked_and_names_differences() -> None:
@@ -102,18 +109,17 @@ def test_requests_and_responses_round_trip_as_json_only() -> None:
 
 
 def test_fusion_groups_adjacent_allreduces_of_one_dtype_and_op_within_threshold() -> None:
-    def pair(name: str, n: int, dtype: str = "float32", op: int = 1,
-             kind: str = "allreduce") -> tuple[Response, Request]:
+    def request(name: str, n: int, dtype: str = "float32", op: int = 1,
+                kind: str = "allreduce") -> Request:
         arr = np.zeros(n, dtype)
-        params = params_of(kind, arr, op, -1)
-        return Response(name, params), Request(name, params, arr, False, 0)
+        return Request(name, params_of(kind, arr, op, -1), arr, False, 0)
 
-    pairs = [pair("a", 10), pair("b", 10), pair("c", 10, "float64"), pair("d", 10),
-             pair("e", 10, op=4), pair("f", 1000), pair("g", 10, kind="broadcast"),
-             pair("h", 10)]
-    got = [[resp.name for resp, _ in run] for run in groups(pairs, threshold=200)]
+    requests = [request("a", 10), request("b", 10), request("c", 10, "float64"),
+                request("d", 10), request("e", 10, op=4), request("f", 1000),
+                request("g", 10, kind="broadcast"), request("h", 10)]
+    got = [[r.name for r in run] for run in groups(requests, threshold=200)]
     assert got == [["a", "b"], ["c"], ["d"], ["e"], ["f"], ["g"], ["h"]]
-    assert [len(run) for run in groups(pairs, threshold=0)] == [1] * 8
+    assert [len(run) for run in groups(requests, threshold=0)] == [1] * 8
 
 
 def test_fusion_buffers_are_reused_and_bounded() -> None:

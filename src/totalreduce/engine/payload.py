@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -63,7 +63,9 @@ class OpFuture:
     def error(self) -> BaseException | None:
         return self._error
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until resolved (driving the engine meanwhile if the future's waiter
+        does); False if ``timeout`` seconds pass first."""
         if self._done:
             return True
         if self._waiter is not None:
@@ -100,6 +102,28 @@ class OpFuture:
                     self._callbacks.append(fn)
                 return
         fn(self)
+
+    @staticmethod
+    def resolve_all(futures: Iterable[OpFuture], error: BaseException | None = None
+                    ) -> None:
+        """:meth:`resolve` of many futures, taking the lock once (a fused op finishes
+        thousands of tiny tensors' futures at once)."""
+        woken = []
+        with OpFuture._lock:
+            for future in futures:
+                if future._done:
+                    continue
+                future._error = error
+                future._done = True
+                if future._event is not None or future._callbacks is not None:
+                    woken.append((future, future._event, future._callbacks))
+                    future._callbacks = None
+        for future, event, callbacks in woken:
+            if event is not None:
+                event.set()
+            if callbacks is not None:
+                for fn in callbacks:
+                    fn(future)
 
     def resolve(self, error: BaseException | None = None) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ that it goes to the coordinator, which names the ranks that have not submitted i
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -47,6 +48,7 @@ from .response_cache import ResponseCache
 from .selfguided import SelfGuided
 
 logger = logging.getLogger(__name__)
+_priority = operator.attrgetter("priority")
 
 # Status bits.  The first four are set when the condition is absent, so that the AND
 # answers "does any rank...?"; the last is set when it holds, so that it answers "do all?".
@@ -68,6 +70,7 @@ class Controller:
         # 1 KiB or more, and taking it back from a thread busy submitting tensors cost the
         # cycle up to a switch interval (5 ms) every time.
         self._bits = np.zeros(_STATUS + config.cache_capacity, np.bool_)
+        self._cache_bits = self._bits[_STATUS:]
         self._mark = np.zeros(config.cache_capacity, np.bool_)
         self._threshold = config.fusion_threshold
         self._buffers = FusionBuffers(config.fusion_threshold)
@@ -148,40 +151,32 @@ class Controller:
         """One cycle; returns whether the ranks agreed to stop."""
         self.counts["cycles"] += 1
         uncached_join = False
-        while self._queue:
-            request = self._queue.popleft()
+        queue, pending = self._queue, self._pending
+        for _ in range(len(queue)):  # a submitting thread may append meanwhile
+            request = queue.popleft()
             if request.kind == "join":
                 self._join, self._joined_at = request, self.counts["cycles"]
                 uncached_join = True
                 continue
-            if request.name in self._pending:
+            if request.name in pending:
                 request.resolve(ValueError(
                     f"rank {self.rank}: a collective named '{request.name}' is still in "
                     "flight; names must be unique among pending collectives"))
                 continue
-            self._pending[request.name] = request
-        cap = self._cache.capacity
-        bits = self._bits
-        bits.fill(False)
-        uncached: list[Request] = []
-        invalid: list[int] = []
+            pending[request.name] = request
+        negotiating = self._negotiating
+        candidates = [r for n, r in pending.items() if n not in negotiating] \
+            if negotiating else pending.values()
+        hit_bits, hits, invalid, uncached = self._cache.classify(candidates)
         now = time.monotonic()
         others_joined = self._others_joined
-        for name, request in self._pending.items():
-            if name in self._negotiating:
-                continue
-            status, bit = self._cache.lookup(name, request.params) if cap else ("miss", -1)
-            if status == "hit":
-                if self._stall_check and now - request.t_submit > self._stall_check:
-                    invalid.append(bit)  # to the coordinator, which can name who is missing
-                elif others_joined and request.kind != "allreduce":
-                    invalid.append(bit)  # the coordinator refuses it while a rank has joined
-                else:
-                    bits[_STATUS + bit] = True
-            elif status == "invalid":
-                invalid.append(bit)
-            else:
-                uncached.append(request)
+        # Pending requests are in submission order: the first hit is the oldest.
+        if hits and (others_joined or (self._stall_check and
+                                       now - hits[0].t_submit > self._stall_check)):
+            hit_bits = self._screen(hit_bits, hits, invalid, now)
+        bits = self._bits
+        bits.fill(False)
+        self._cache_bits[hit_bits] = True
         news = False
         if self._coordinator is not None:
             self._coordinator.check()
@@ -189,7 +184,7 @@ class Controller:
         joined = self._join is not None
         if joined:
             # A joined rank stands in for every allreduce: its bits say "ready" for all.
-            for bit in range(cap):
+            for bit in range(self._cache.capacity):
                 response = self._cache.at(bit)
                 if response is not None and response.kind == "allreduce":
                     bits[_STATUS + bit] = True
@@ -208,7 +203,7 @@ class Controller:
             for bit in np.flatnonzero(mark).tolist():
                 bits[_STATUS + bit] = False
                 self._cache.evict(bit)
-        responses = self._cache.ready(np.flatnonzero(bits[_STATUS:]).tolist())
+        responses = self._cache.ready(np.flatnonzero(self._cache_bits).tolist())
         self._others_joined = not bits[_NONE_JOINED]
         if not bits[_UNCACHED]:
             if uncached_join:
@@ -219,6 +214,21 @@ class Controller:
         if bits[_ALL_JOINED]:
             self._end_join()
         return not bits[_SHUT_DOWN]
+
+    def _screen(self, hit_bits: list[int], hits: list[Request], invalid: list[int],
+                now: float) -> list[int]:
+        """The hits' bits without those that must go to the coordinator after all (added
+        to ``invalid``): a tensor waiting past the stall check time (the coordinator can
+        name who is missing), and any but an allreduce while a rank has joined (the
+        coordinator refuses it)."""
+        keep = []
+        for bit, request in zip(hit_bits, hits, strict=True):
+            if (self._stall_check and now - request.t_submit > self._stall_check) or \
+                    (self._others_joined and request.kind != "allreduce"):
+                invalid.append(bit)
+            else:
+                keep.append(bit)
+        return keep
 
     def _end_join(self) -> None:
         """Every rank has joined: each join() returns the rank that joined last (the
@@ -275,26 +285,28 @@ class Controller:
     # --- running the responses -------------------------------------------------------------
 
     def _run_responses(self, responses: list[Response]) -> None:
-        pairs: list[tuple[Response, Request]] = []
+        ready: list[Request] = []
+        pop = self._pending.pop
+        timeline = self._timeline
         now = time.monotonic()
         for response in responses:
-            request = self._pending.pop(response.name, None)
+            request = pop(response.name, None)
             if request is None:
                 if self._join is None or response.error or response.kind != "allreduce":
                     continue  # e.g. a stall error for a tensor this rank never asked for
                 request = self._stand_in(response)
-            request.t_ready = now
-            if self._timeline is not None:
-                self._timeline.span(request.name, "NEGOTIATE", request.t_submit, now)
+            if timeline is not None:
+                request.t_ready = now
+                timeline.span(request.name, "NEGOTIATE", request.t_submit, now)
             if response.error:
                 request.resolve(self._error_of(response))
                 continue
-            pairs.append((response, request))
-        for run in groups(pairs, self._threshold):
+            ready.append(request)  # its params are the response's (checked equal)
+        for run in groups(ready, self._threshold):
             self.counts["engine_ops"] += 1
             self.counts["tensors"] += len(run)
             if len(run) == 1:
-                self._run_one(*run[0])
+                self._run_one(run[0])
             else:
                 self.counts["fused_ops"] += 1
                 self._run_fused(run)
@@ -312,8 +324,8 @@ class Controller:
             return OpTimeoutError(response.name, text)
         return MismatchError(response.name, text)
 
-    def _run_one(self, response: Response, request: Request) -> None:
-        kind, _dtype, _shape, op, root = response.params
+    def _run_one(self, request: Request) -> None:
+        kind, _dtype, _shape, op, root = request.params
         ops, arr, name, prio = self._ops, request.array, request.name, request.priority
         try:
             if kind == "allreduce":
@@ -346,49 +358,49 @@ class Controller:
 
         handle.add_done_callback(done)
 
-    def _run_fused(self, run: list[tuple[Response, Request]]) -> None:
-        requests = [request for _resp, request in run]
-        flats = [r.array.reshape(-1) for r in requests]  # type: ignore[union-attr]
-        sizes = [f.size for f in flats]
+    def _run_fused(self, requests: list[Request]) -> None:
+        """One allreduce for all of ``requests`` (one dtype and op): their arrays copied
+        into a fusion buffer, reduced in place, and copied back out.  The per-tensor work
+        is kept to a few numpy calls: a step may fuse thousands of tiny tensors."""
+        arrays: list[np.ndarray] = [r.array for r in requests]  # type: ignore[misc]
+        total = sum(a.size for a in arrays)
         t0 = time.monotonic()
-        if self._timeline is not None:
-            for request in requests:
-                self._timeline.span(request.name, "QUEUE", request.t_ready, t0)
-        buf = self._buffers.take(flats[0].dtype, int(sum(sizes)))
-        np.concatenate(flats, out=buf)
-        t1 = time.monotonic()
         timeline = self._timeline
         if timeline is not None:
             for request in requests:
+                timeline.span(request.name, "QUEUE", request.t_ready, t0)
+        buf = self._buffers.take(arrays[0].dtype, total)
+        np.concatenate(arrays, axis=None, out=buf)  # axis=None: each array flattened
+        t1 = time.monotonic()
+        if timeline is not None:
+            for request in requests:
                 timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
-        op = run[0][0].params[3]
-        priority = max(request.priority for request in requests)
-        handle = self._ops.allreduce(buf, op, "\x00fused." + requests[0].name, priority, True)
+        first = requests[0]
+        priority = max(map(_priority, requests))
+        handle = self._ops.allreduce(buf, first.params[3], "\x00fused." + first.name,
+                                     priority, True)
 
         def done(h: Handle) -> None:
             t2 = time.monotonic()
             error = h.error()
             if error is None:
                 start = 0
-                for request, flat, n in zip(requests, flats, sizes, strict=True):
-                    piece = buf[start:start + n]
-                    start += n
-                    arr = request.array
-                    assert arr is not None
+                for request, arr in zip(requests, arrays, strict=True):
+                    end = start + arr.size
+                    piece = buf[start:end]
+                    start = end
                     if not request.inplace:
                         request.result = piece.reshape(arr.shape).copy()
                         continue
-                    if flat.base is not None:  # a view of the array: write through it
-                        flat[...] = piece
-                    else:  # reshape(-1) had to copy: the array is not contiguous
-                        arr[...] = piece.reshape(arr.shape)
+                    # Assignment writes through any strides; only the shape must match.
+                    arr[...] = piece if arr.ndim == 1 else piece.reshape(arr.shape)
                     request.result = arr
             t3 = time.monotonic()
             self._buffers.give(buf)
-            for request in requests:
-                if timeline is not None:
+            if timeline is not None:
+                for request in requests:
                     timeline.span(request.name, "ALLREDUCE", t1, t2)
                     timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
-                request.resolve(error)
+            Request.resolve_all(requests, error)
 
         handle.add_done_callback(done)

@@ -14,33 +14,32 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .requests import Request, Response
+from .requests import Request
 
 
-def groups(pairs: list[tuple[Response, Request]], threshold: int
-           ) -> Iterator[list[tuple[Response, Request]]]:
+def groups(requests: list[Request], threshold: int) -> Iterator[list[Request]]:
     """Runs of adjacent allreduces with one dtype and op, each within ``threshold`` bytes;
-    everything else (and every tensor when ``threshold`` is 0) alone."""
-    run: list[tuple[Response, Request]] = []
+    everything else (and every tensor when ``threshold`` is 0) alone.  A request's params
+    are its response's: the cache or the coordinator found them equal."""
+    run: list[Request] = []
     size = 0
     dtype = op = None  # the run's
-    for pair in pairs:
-        response, request = pair
-        params = response.params
+    for request in requests:
+        params = request.params
         nbytes = 0 if request.array is None else request.array.nbytes
-        fusable = threshold and params[0] == "allreduce" and not response.error
+        fusable = threshold and params[0] == "allreduce"
         if run and fusable and params[1] == dtype and params[3] == op and \
                 size + nbytes <= threshold:
-            run.append(pair)
+            run.append(request)
             size += nbytes
             continue
         if run:
             yield run
         if fusable and nbytes <= threshold:
-            run, size, dtype, op = [pair], nbytes, params[1], params[3]
+            run, size, dtype, op = [request], nbytes, params[1], params[3]
         else:
             run, size = [], 0
-            yield [pair]
+            yield [request]
     if run:
         yield run
 

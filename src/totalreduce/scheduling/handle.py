@@ -1,11 +1,17 @@
-"""What async collectives return: a handle to wait on, as in Horovod."""
+"""What async collectives return: a handle to wait on, as in Horovod.
+
+:class:`Handle` is what the API promises; :class:`FutureHandle` is the handle of one or
+more engine ops.  Negotiated mode's requests (requests.py) are handles themselves: a
+training step may submit thousands of tiny tensors, and one object per tensor instead of
+two is a measurable part of each one's cost.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ..engine.payload import OpFuture
 from ..exceptions import PeerFailureError
@@ -22,14 +28,74 @@ class Handle:
     its error; ``done()`` never blocks.
     """
 
-    __slots__ = ("_futures", "_finish", "_result", "_finished", "label")
+    __slots__ = ()
+
+    @property
+    def label(self) -> str:
+        """The op, as messages name it."""
+        raise NotImplementedError
+
+    @property
+    def futures(self) -> list[OpFuture]:
+        """The futures the handle is done with when all are."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def error(self) -> BaseException | None:
+        """The first error among the handle's finished ops, or None."""
+        raise NotImplementedError
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(handle)`` once every op of the handle is done, on the thread that
+        finished the last one (at once if already done).  ``fn`` must not block: it may
+        run on the engine's progress thread."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the op completes and return its result.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the op keeps running).
+            TotalReduceError: the op failed (mismatch, lost peer, op timeout, shutdown).
+        """
+        raise NotImplementedError
+
+    def result_now(self) -> Any:
+        """The result of a handle known to be done without error (a completion callback's
+        view: no waiting, no Ctrl-C check)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Handle {self.label} {'done' if self.done() else 'pending'}>"
+
+
+def raise_failure(error: BaseException) -> NoReturn:
+    """Raise a finished op's error from ``wait()``."""
+    if isinstance(error, PeerFailureError) and error.orderly:
+        # The peer may have left on a Ctrl-C that is on its way here too; the application's
+        # except KeyboardInterrupt must see that, not the peer's leaving.
+        ctrl_c.wait_for(_PEER_LEFT_GRACE)
+    raise error
+
+
+class FutureHandle(Handle):
+    """The handle of engine ops: done when every future is, its result made by
+    ``finish()`` once."""
+
+    __slots__ = ("_futures", "_finish", "_result", "_finished", "_label")
 
     def __init__(self, futures: list[OpFuture], finish: Callable[[], Any], label: str) -> None:
         self._futures = futures
         self._finish = finish
         self._result: Any = None
         self._finished = False
-        self.label = label
+        self._label = label
+
+    @property
+    def label(self) -> str:
+        return self._label
 
     @property
     def futures(self) -> list[OpFuture]:
@@ -39,17 +105,13 @@ class Handle:
         return all(f.done() for f in self._futures)
 
     def error(self) -> BaseException | None:
-        """The first error among the handle's finished ops, or None."""
         for future in self._futures:
             error = future.error()
             if error is not None:
                 return error
         return None
 
-    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
-        """Call ``fn(handle)`` once every op of the handle is done, on the thread that
-        finished the last one (at once if already done).  ``fn`` must not block: it may
-        run on the engine's progress thread."""
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         if not self._futures:
             fn(self)
             return
@@ -67,39 +129,22 @@ class Handle:
             future.add_done_callback(one_done)
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until the op completes and return its result.
-
-        Raises:
-            TimeoutError: ``timeout`` seconds passed first (the op keeps running).
-            TotalReduceError: the op failed (mismatch, lost peer, op timeout, shutdown).
-        """
         deadline = None if timeout is None else time.monotonic() + timeout
         for future in self._futures:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not future.wait(left):
-                raise TimeoutError(f"{self.label} is not done after {timeout} s")
+            if not future.wait_done(left):
+                raise TimeoutError(f"{self._label} is not done after {timeout} s")
         # A Ctrl-C kept while the engine finished (or failed) the op still wins: the
         # application's except KeyboardInterrupt must see it, not what the op became.
         ctrl_c.raise_if_pending()
         for future in self._futures:
             error = future.error()
             if error is not None:
-                if isinstance(error, PeerFailureError) and error.orderly:
-                    # The peer may have left on a Ctrl-C that is on its way here too.
-                    ctrl_c.wait_for(_PEER_LEFT_GRACE)
-                raise error
-        if not self._finished:
-            self._result = self._finish()
-            self._finished = True
-        return self._result
+                raise_failure(error)
+        return self.result_now()
 
     def result_now(self) -> Any:
-        """The result of a handle known to be done without error (a completion callback's
-        view: no waiting, no Ctrl-C check)."""
         if not self._finished:
             self._result = self._finish()
             self._finished = True
         return self._result
-
-    def __repr__(self) -> str:
-        return f"<Handle {self.label} {'done' if self.done() else 'pending'}>"

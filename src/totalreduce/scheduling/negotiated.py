@@ -19,11 +19,12 @@ import numpy as np
 
 from ..config import Config
 from ..engine.engine import Engine
+from ..engine.payload import OpFuture
 from ..timeline import Timeline
 from .controller import Controller
-from .handle import Handle
+from .handle import FutureHandle, Handle
 from .ops import ReduceOp, as_reduce_op, check_op_dtype
-from .requests import Request, params_of
+from .requests import Params, Request, params_of
 from .selfguided import SelfGuided, _check_array, check_allreduce
 
 
@@ -35,8 +36,9 @@ class Negotiated:
         self._ops = SelfGuided(engine, config)
         self._controller = Controller(self._ops, config, timeline)
         self._unnamed = itertools.count()
-        # (dtype, op) pairs an allreduce has accepted: at most every dtype times every op.
-        self._checked: set[tuple[np.dtype, ReduceOp]] = set()
+        # The params of an allreduce by the (dtype, op) accepted: at most every dtype times
+        # every op.
+        self._checked: dict[tuple[np.dtype, ReduceOp], Params] = {}
         self._stop_timeout = config.shutdown_timeout + 10.0
 
     def caller_waits(self) -> Any:
@@ -65,35 +67,38 @@ class Negotiated:
     def _request(self, kind: str, name: str | None, arr: np.ndarray | None, op: int = -1,
                  root: int = -1, inplace: bool = False, priority: int = 0,
                  splits: Any = None) -> Request:
+        """The request, submitted: it is also the handle the caller waits on."""
         request = Request(self._name(kind, name), params_of(kind, arr, op, root), arr,
                           inplace, priority, splits)
         self._controller.submit(request)
         return request
 
-    @staticmethod
-    def _handle(request: Request) -> Handle:
-        return Handle([request], request.get_result, request.name)
-
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
-                  inplace: bool) -> Handle:
+                  inplace: bool) -> Request:
         # A training step's many tensors: a numpy array of a dtype and op already checked
         # skips the checks (a microsecond of a tiny tensor's few).
-        if not (type(x) is np.ndarray and type(op) is ReduceOp and
-                (x.dtype, op) in self._checked and (not inplace or x.flags.writeable)):
+        checked = self._checked.get((x.dtype, op)) if type(x) is np.ndarray and \
+            type(op) is ReduceOp else None
+        if checked is None or (inplace and not x.flags.writeable):
             op, x = check_allreduce(x, op, name, inplace)
             if inplace and not x.flags.writeable:
                 raise ValueError("in-place collective on a read-only array")
-            self._checked.add((x.dtype, op))
-        return self._handle(self._request("allreduce", name, x, int(op), inplace=inplace,
-                                          priority=priority))
+            checked = self._checked[(x.dtype, op)] = params_of("allreduce", x, int(op), -1)
+        if type(name) is not str:
+            name = self._name("allreduce", name)
+        # The checked params with this array's shape: params_of's work, done once.
+        request = Request(name, ("allreduce", checked[1], x.shape, checked[3], -1), x,
+                          inplace, priority)
+        self._controller.submit(request)
+        return request
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
                           priority: int, inplace: bool) -> Handle:
         base = self._name("grouped_allreduce", name)
-        handles = [self.allreduce(x, op, f"{base}.{i}", priority, inplace)
-                   for i, x in enumerate(xs)]
-        futures = [h.futures[0] for h in handles]
-        return Handle(futures, lambda: [h.result_now() for h in handles], base)
+        requests = [self.allreduce(x, op, f"{base}.{i}", priority, inplace)
+                    for i, x in enumerate(xs)]
+        futures: list[OpFuture] = list(requests)
+        return FutureHandle(futures, lambda: [r.result for r in requests], base)
 
     def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
                   inplace: bool) -> Handle:
@@ -103,8 +108,8 @@ class Negotiated:
                              f"{self.size}-rank job")
         if inplace and not isinstance(x, np.ndarray):
             raise TypeError("broadcast_: the in-place form needs a numpy array")
-        return self._handle(self._request("broadcast", name, arr, root=int(root_rank),
-                                          inplace=inplace, priority=priority))
+        return self._request("broadcast", name, arr, root=int(root_rank), inplace=inplace,
+                             priority=priority)
 
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         rop = as_reduce_op(op)
@@ -112,26 +117,24 @@ class Negotiated:
         check_op_dtype(rop, arr.dtype, "reducescatter", name)
         if arr.ndim == 0:
             raise ValueError("reducescatter needs an array with at least one dimension")
-        return self._handle(self._request("reducescatter", name, arr, int(rop),
-                                          priority=priority))
+        return self._request("reducescatter", name, arr, int(rop), priority=priority)
 
     def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
         arr = _check_array(x, "allgather", name)
         if arr.ndim == 0:
             raise ValueError("allgather needs an array with at least one dimension")
-        return self._handle(self._request("allgather", name, arr, priority=priority))
+        return self._request("allgather", name, arr, priority=priority)
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
         arr = _check_array(x, "alltoall", name)
         if arr.ndim == 0:
             raise ValueError("alltoall needs an array with at least one dimension")
-        return self._handle(self._request("alltoall", name, arr, priority=priority,
-                                          splits=splits))
+        return self._request("alltoall", name, arr, priority=priority, splits=splits)
 
     def barrier(self) -> Handle:
-        return self._handle(self._request("barrier", None, None))
+        return self._request("barrier", None, None)
 
     def join(self) -> int:
         """Stand in for this rank in every allreduce the others run (with the op's
         identity) until every rank has joined; return the rank that joined last."""
-        return int(self._handle(self._request("join", "\x00join", None)).wait())
+        return int(self._request("join", "\x00join", None).wait())

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..engine.payload import OpFuture
+from ..interrupts import deferred as ctrl_c
+from .handle import Handle, raise_failure
 
 Params = tuple[Any, ...]  # (kind, dtype, shape, op, root)
 
@@ -40,25 +41,27 @@ def params_of(kind: str, arr: np.ndarray | None, op: int, root: int) -> Params:
     return (kind, name, arr.shape[1:] if kind in RAGGED else arr.shape, op, root)
 
 
-class Request(OpFuture):
-    """One tensor submitted on this rank, waiting for its response; it is also the future
-    its handle waits on (one object per tensor: the tiny-tensor case counts them)."""
+class Request(OpFuture, Handle):
+    """One tensor submitted on this rank, waiting for its response.  It is also the
+    future the cycle resolves and the handle the application waits on: one object per
+    tensor, since a training step may submit thousands of tiny ones."""
 
-    __slots__ = ("name", "params", "array", "inplace", "priority", "splits", "result",
-                 "t_submit", "t_ready")
+    __slots__ = ("name", "params", "kind", "array", "inplace", "priority", "splits",
+                 "result", "t_submit", "t_ready")
 
     def __init__(self, name: str, params: Params, array: np.ndarray | None, inplace: bool,
-                 priority: int, splits: Any = None,
-                 waiter: Callable[[OpFuture, float | None], bool] | None = None) -> None:
+                 priority: int, splits: Any = None) -> None:
         # OpFuture's fields, set here rather than through super().__init__(): one call
-        # less for each of the many tiny tensors a training step may submit.
+        # less for each tiny tensor.  No waiter: the cycle thread does the work, so a
+        # waiting thread sleeps.
         self._done = False
         self._event = None
         self._error = None
         self._callbacks = None
-        self._waiter = waiter
+        self._waiter = None
         self.name = name
         self.params = params
+        self.kind: str = params[0]
         self.array = array
         self.inplace = inplace
         self.priority = priority
@@ -67,12 +70,29 @@ class Request(OpFuture):
         self.t_submit = time.monotonic()
         self.t_ready = 0.0
 
-    @property
-    def kind(self) -> str:
-        return str(self.params[0])
+    # --- the handle ----------------------------------------------------------------------
 
-    def get_result(self) -> Any:
+    @property
+    def label(self) -> str:
+        return f"{self.kind} '{self.name}'"
+
+    @property
+    def futures(self) -> list[OpFuture]:
+        return [self]
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done and not self.wait_done(timeout):
+            raise TimeoutError(f"{self.label} is not done after {timeout} s")
+        if ctrl_c.pending:  # kept while the op finished: the application must see it
+            ctrl_c.raise_if_pending()
+        if self._error is not None:
+            raise_failure(self._error)
         return self.result
+
+    def result_now(self) -> Any:
+        return self.result
+
+    # --- the wire ------------------------------------------------------------------------
 
     def wire(self) -> list[Any]:
         kind, dtype, shape, op, root = self.params
@@ -90,16 +110,13 @@ def params_from_wire(item: list[Any]) -> tuple[str, Params]:
 class Response:
     """What every rank runs for one tensor (or the error every rank raises for it)."""
 
-    __slots__ = ("name", "params", "error")
+    __slots__ = ("name", "params", "kind", "error")
 
     def __init__(self, name: str, params: Params, error: str = "") -> None:
         self.name = name
         self.params = params
+        self.kind: str = params[0]
         self.error = error
-
-    @property
-    def kind(self) -> str:
-        return str(self.params[0])
 
     def wire(self) -> list[Any]:
         kind, dtype, shape, op, root = self.params

@@ -11,8 +11,9 @@ Full: the least recently used entry goes and its bit is reused (lowest free bit 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
-from .requests import Params, Response
+from .requests import Request, Response
 
 
 class ResponseCache:
@@ -28,18 +29,31 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def lookup(self, name: str, params: Params) -> tuple[str, int]:
-        """("hit", bit), ("invalid", bit) or ("miss", -1) for a request."""
-        bit = self._by_name.get(name)
-        if bit is None:
-            self.misses += 1
-            return "miss", -1
-        response = self._by_bit[bit]
-        assert response is not None
-        if response.params == params:
-            self.hits += 1
-            return "hit", bit
-        return "invalid", bit
+    def classify(self, requests: Iterable[Request]
+                 ) -> tuple[list[int], list[Request], list[int], list[Request]]:
+        """Each request is a HIT (a response of that name and the same params is cached),
+        INVALID (one with other params is) or a MISS; returns the hits' bits and the hits,
+        the invalid requests' bits, and the misses.  One call for the whole cycle: it
+        may hold thousands of tiny tensors."""
+        by_name, by_bit = self._by_name, self._by_bit
+        hit_bits: list[int] = []
+        hits: list[Request] = []
+        invalid: list[int] = []
+        misses: list[Request] = []
+        for request in requests:
+            bit = by_name.get(request.name)
+            if bit is None:
+                misses.append(request)
+                continue
+            response = by_bit[bit]
+            if response is not None and response.params == request.params:
+                hit_bits.append(bit)
+                hits.append(request)
+            else:
+                invalid.append(bit)
+        self.hits += len(hits)
+        self.misses += len(misses)
+        return hit_bits, hits, invalid, misses
 
     def at(self, bit: int) -> Response | None:
         return self._by_bit[bit] if 0 <= bit < self.capacity else None

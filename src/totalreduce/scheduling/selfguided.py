@@ -30,7 +30,7 @@ from ..transport.wire import (
     Header,
     dtype_code,
 )
-from .handle import Handle
+from .handle import FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, as_reduce_op, averager, check_op_dtype
 
@@ -231,7 +231,7 @@ class SelfGuided:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return Handle([future], finish, ident.label)
+        return FutureHandle([future], finish, ident.label)
 
     def _working_copy(self, arr: np.ndarray, inplace: bool) -> tuple[np.ndarray, bool]:
         """A flat contiguous buffer; in place when the array allows it."""
@@ -313,7 +313,7 @@ class SelfGuided:
                     result[i] = a if inplace else part
             return result
 
-        return Handle(futures, finish, f"grouped_allreduce of {len(arrs)} arrays")
+        return FutureHandle(futures, finish, f"grouped_allreduce of {len(arrs)} arrays")
 
     # --- broadcast ------------------------------------------------------------------
 
@@ -339,7 +339,7 @@ class SelfGuided:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return Handle([future], finish, ident.label)
+        return FutureHandle([future], finish, ident.label)
 
     def _check_root(self, root: int, kind: str, name: str | None) -> None:
         if not isinstance(root, int | np.integer) or not 0 <= root < self.size:
@@ -368,7 +368,7 @@ class SelfGuided:
                                                 finalize=finalize))
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
-        return Handle([future], lambda: work[lo:hi].reshape(shape), ident.label)
+        return FutureHandle([future], lambda: work[lo:hi].reshape(shape), ident.label)
 
     # --- two-phase ops: allgather and alltoall ----------------------------------------
 
@@ -416,7 +416,7 @@ class SelfGuided:
                                                   schedule, out, priority))
 
         future = self._two_phase(first, second)
-        return Handle([future],
+        return FutureHandle([future],
                       lambda: state["out"].reshape((int(sizes.sum()), *arr.shape[1:])),
                       sizes_id.label)
 
@@ -468,7 +468,7 @@ class SelfGuided:
             out = state["out"].reshape((int(recv_rows.sum()), *arr.shape[1:]))
             return out, recv_rows.copy()
 
-        return Handle([future], finish, splits_id.label)
+        return FutureHandle([future], finish, splits_id.label)
 
     # --- join -----------------------------------------------------------------------
 
@@ -497,7 +497,7 @@ class SelfGuided:
         self._engine.begin_join(serve)
         try:
             with self._engine.caller_waits():
-                Handle([self._engine.submit(spec)], lambda: None, ident.label).wait()
+                FutureHandle([self._engine.submit(spec)], lambda: None, ident.label).wait()
         finally:
             self._join_rounds += 1
             self._engine.end_join()
@@ -510,4 +510,4 @@ class SelfGuided:
         work = np.zeros(1, np.uint8)
         view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
         future = self._submit_reduce(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
-        return Handle([future], lambda: None, ident.label)
+        return FutureHandle([future], lambda: None, ident.label)
