@@ -117,9 +117,10 @@ def test_fusion_groups_adjacent_allreduces_of_one_dtype_and_op_within_threshold(
     requests = [request("a", 10), request("b", 10), request("c", 10, "float64"),
                 request("d", 10), request("e", 10, op=4), request("f", 1000),
                 request("g", 10, kind="broadcast"), request("h", 10)]
-    got = [[r.name for r in run] for run in groups(requests, threshold=200)]
-    assert got == [["a", "b"], ["c"], ["d"], ["e"], ["f"], ["g"], ["h"]]
-    assert [len(run) for run in groups(requests, threshold=0)] == [1] * 8
+    got = [([r.name for r in run], nbytes) for run, nbytes in groups(requests, threshold=200)]
+    assert got == [(["a", "b"], 80), (["c"], 80), (["d"], 40), (["e"], 40), (["f"], 4000),
+                   (["g"], 40), (["h"], 40)]
+    assert [len(run) for run, _ in groups(requests, threshold=0)] == [1] * 8
 
 
 def test_fusion_buffers_are_reused_and_bounded() -> None:

@@ -302,14 +302,14 @@ class Controller:
                 request.resolve(self._error_of(response))
                 continue
             ready.append(request)  # its params are the response's (checked equal)
-        for run in groups(ready, self._threshold):
+        for run, nbytes in groups(ready, self._threshold):
             self.counts["engine_ops"] += 1
             self.counts["tensors"] += len(run)
             if len(run) == 1:
                 self._run_one(run[0])
             else:
                 self.counts["fused_ops"] += 1
-                self._run_fused(run)
+                self._run_fused(run, nbytes)
 
     def _stand_in(self, response: Response) -> Request:
         """This rank has joined: its part of a peer's allreduce is the op's identity (zeros
@@ -358,18 +358,18 @@ class Controller:
 
         handle.add_done_callback(done)
 
-    def _run_fused(self, requests: list[Request]) -> None:
+    def _run_fused(self, requests: list[Request], nbytes: int) -> None:
         """One allreduce for all of ``requests`` (one dtype and op): their arrays copied
         into a fusion buffer, reduced in place, and copied back out.  The per-tensor work
         is kept to a few numpy calls: a step may fuse thousands of tiny tensors."""
         arrays: list[np.ndarray] = [r.array for r in requests]  # type: ignore[misc]
-        total = sum(a.size for a in arrays)
+        dtype = arrays[0].dtype
         t0 = time.monotonic()
         timeline = self._timeline
         if timeline is not None:
             for request in requests:
                 timeline.span(request.name, "QUEUE", request.t_ready, t0)
-        buf = self._buffers.take(arrays[0].dtype, total)
+        buf = self._buffers.take(dtype, nbytes // dtype.itemsize)
         np.concatenate(arrays, axis=None, out=buf)  # axis=None: each array flattened
         t1 = time.monotonic()
         if timeline is not None:
@@ -393,8 +393,8 @@ class Controller:
                         request.result = piece.reshape(arr.shape).copy()
                         continue
                     # Assignment writes through any strides; only the shape must match.
+                    # (An in-place request's result is its array from the start.)
                     arr[...] = piece if arr.ndim == 1 else piece.reshape(arr.shape)
-                    request.result = arr
             t3 = time.monotonic()
             self._buffers.give(buf)
             if timeline is not None:

@@ -17,31 +17,33 @@ import numpy as np
 from .requests import Request
 
 
-def groups(requests: list[Request], threshold: int) -> Iterator[list[Request]]:
-    """Runs of adjacent allreduces with one dtype and op, each within ``threshold`` bytes;
-    everything else (and every tensor when ``threshold`` is 0) alone.  A request's params
-    are its response's: the cache or the coordinator found them equal."""
+def groups(requests: list[Request], threshold: int
+           ) -> Iterator[tuple[list[Request], int]]:
+    """Runs of adjacent allreduces with one dtype and op, each within ``threshold`` bytes,
+    with their bytes; everything else (and every tensor when ``threshold`` is 0) alone.
+    A request's params are its response's: the cache or the coordinator found them
+    equal."""
     run: list[Request] = []
     size = 0
     dtype = op = None  # the run's
     for request in requests:
         params = request.params
-        nbytes = 0 if request.array is None else request.array.nbytes
-        fusable = threshold and params[0] == "allreduce"
-        if run and fusable and params[1] == dtype and params[3] == op and \
-                size + nbytes <= threshold:
+        array = request.array
+        nbytes = 0 if array is None else array.nbytes
+        if params[1] == dtype and params[3] == op and params[0] == "allreduce" and \
+                size + nbytes <= threshold and run:
             run.append(request)
             size += nbytes
             continue
         if run:
-            yield run
-        if fusable and nbytes <= threshold:
+            yield run, size
+        if threshold and params[0] == "allreduce" and nbytes <= threshold:
             run, size, dtype, op = [request], nbytes, params[1], params[3]
         else:
-            run, size = [], 0
-            yield [request]
+            run, size, dtype, op = [], 0, None, None
+            yield [request], nbytes
     if run:
-        yield run
+        yield run, size
 
 
 class FusionBuffers:

@@ -66,7 +66,7 @@ class Request(OpFuture, Handle):
         self.inplace = inplace
         self.priority = priority
         self.splits = splits
-        self.result: Any = None
+        self.result: Any = array if inplace else None
         self.t_submit = time.monotonic()
         self.t_ready = 0.0
 
