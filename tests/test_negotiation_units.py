@@ -12,6 +12,7 @@ from totalreduce.config import Config, horovod_notices
 from totalreduce.scheduling.coordinator import STALLED, Coordinator
 from totalreduce.scheduling.fusion import FusionBuffers, groups
 from totalreduce.scheduling.requests import (
+    ParamsTable,
     Request,
     Response,
     decode_requests,
@@ -121,6 +122,16 @@ def test_fusion_groups_adjacent_allreduces_of_one_dtype_and_op_within_threshold(
     assert got == [(["a", "b"], 80), (["c"], 80), (["d"], 40), (["e"], 40), (["f"], 4000),
                    (["g"], 40), (["h"], 40)]
     assert [len(run) for run, _ in groups(requests, threshold=0)] == [1] * 8
+
+
+def test_checked_params_are_bounded_first_in_first_out() -> None:
+    table = ParamsTable(3)
+    f32 = np.dtype(np.float32)
+    for n in range(5):
+        table.add((f32, 1, (n,)), params_of("allreduce", np.zeros(n, f32), 1, -1))
+    assert len(table) == 3
+    assert table.get((f32, 1, (1,))) is None  # the first ones went
+    assert table.get((f32, 1, (4,))) == ("allreduce", "float32", (4,), 1, -1)
 
 
 def test_fusion_buffers_are_reused_and_bounded() -> None:

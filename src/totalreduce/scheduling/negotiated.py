@@ -24,8 +24,10 @@ from ..timeline import Timeline
 from .controller import Controller
 from .handle import FutureHandle, Handle
 from .ops import ReduceOp, as_reduce_op, check_op_dtype
-from .requests import Params, Request, params_of
+from .requests import ParamsTable, Request, params_of
 from .selfguided import SelfGuided, _check_array, check_allreduce
+
+_PARAMS_ENTRIES = 4096
 
 
 class Negotiated:
@@ -36,9 +38,7 @@ class Negotiated:
         self._ops = SelfGuided(engine, config)
         self._controller = Controller(self._ops, config, timeline)
         self._unnamed = itertools.count()
-        # The params of an allreduce by the (dtype, op) accepted: at most every dtype times
-        # every op.
-        self._checked: dict[tuple[np.dtype, ReduceOp], Params] = {}
+        self._params = ParamsTable(_PARAMS_ENTRIES)
         self._stop_timeout = config.shutdown_timeout + 10.0
 
     def caller_waits(self) -> Any:
@@ -48,7 +48,8 @@ class Negotiated:
         return contextlib.nullcontext()
 
     def stats(self) -> dict[str, int]:
-        return dict(self._ops.stats(), **self._controller.stats())
+        return dict(self._ops.stats(), **self._controller.stats(),
+                    checked_params=len(self._params))
 
     def close(self) -> None:
         """Stop coordinating (every rank stops at the same cycle)."""
@@ -75,20 +76,17 @@ class Negotiated:
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Request:
-        # A training step's many tensors: a numpy array of a dtype and op already checked
-        # skips the checks (a microsecond of a tiny tensor's few).
-        checked = self._checked.get((x.dtype, op)) if type(x) is np.ndarray and \
+        params = self._params.get((x.dtype, op, x.shape)) if type(x) is np.ndarray and \
             type(op) is ReduceOp else None
-        if checked is None or (inplace and not x.flags.writeable):
+        if params is None or (inplace and not x.flags.writeable):
             op, x = check_allreduce(x, op, name, inplace)
             if inplace and not x.flags.writeable:
                 raise ValueError("in-place collective on a read-only array")
-            checked = self._checked[(x.dtype, op)] = params_of("allreduce", x, int(op), -1)
+            params = params_of("allreduce", x, int(op), -1)
+            self._params.add((x.dtype, op, x.shape), params)
         if type(name) is not str:
             name = self._name("allreduce", name)
-        # The checked params with this array's shape: params_of's work, done once.
-        request = Request(name, ("allreduce", checked[1], x.shape, checked[3], -1), x,
-                          inplace, priority)
+        request = Request(name, params, x, inplace, priority)
         self._controller.submit(request)
         return request
 

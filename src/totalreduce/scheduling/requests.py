@@ -41,6 +41,29 @@ def params_of(kind: str, arr: np.ndarray | None, op: int, root: int) -> Params:
     return (kind, name, arr.shape[1:] if kind in RAGGED else arr.shape, op, root)
 
 
+ParamsKey = tuple[np.dtype, int, tuple[int, ...]]  # an allreduce's (dtype, op, shape)
+
+
+class ParamsTable:
+    """The params of allreduces already checked, by (dtype, op, shape), at most
+    ``capacity``, first in first out.  A tensor seen before skips the argument checks, and
+    its requests share one params tuple: a step's many tiny tensors then make one new
+    object each for the garbage collector to count, not three."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._by_key: dict[ParamsKey, Params] = {}
+        self.get = self._by_key.get  # the submit path's one lookup, without a method call
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def add(self, key: ParamsKey, params: Params) -> None:
+        if len(self._by_key) >= self.capacity:
+            del self._by_key[next(iter(self._by_key))]
+        self._by_key[key] = params
+
+
 class Request(OpFuture, Handle):
     """One tensor submitted on this rank, waiting for its response.  It is also the
     future the cycle resolves and the handle the application waits on: one object per
