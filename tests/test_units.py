@@ -178,3 +178,29 @@ def test_handshake_names_mixed_installs() -> None:
         and "install the same version on every host" in problem
     assert _check_hello(dict(mine, rank=1), mine) is None
     assert "size differs" in (_check_hello(dict(mine, size=3), mine) or "")
+
+
+def test_ctrl_c_while_starting_a_second_phase_is_kept_for_the_application() -> None:
+    # A two-phase op (allgather: sizes, then data) whose first phase is done already
+    # starts its second on the application's thread; a Ctrl-C landing there must not
+    # become that op's error and vanish.
+    from types import SimpleNamespace
+
+    from totalreduce.engine.payload import OpFuture
+    from totalreduce.interrupts import deferred
+    from totalreduce.scheduling.selfguided import SelfGuided
+
+    first = OpFuture()
+    first.resolve(None)
+
+    def second() -> OpFuture:
+        raise KeyboardInterrupt
+
+    ops = SelfGuided.__new__(SelfGuided)
+    ops._engine = SimpleNamespace(wait=lambda f, t: f.wait_event(t))  # type: ignore[assignment]
+    try:
+        outer = ops._two_phase(first, second)
+        assert outer.done() and isinstance(outer.error(), KeyboardInterrupt)
+        assert deferred.pending  # raised at the application's next call
+    finally:
+        deferred.pending = False

@@ -25,6 +25,7 @@ from ..engine.algorithms import Algorithms
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
 from ..engine.schedule import Schedule, even_bounds
+from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
 from ..transport.wire import (
     Header,
@@ -382,6 +383,13 @@ class SelfGuided:
                 return
             try:
                 second = then()
+            except KeyboardInterrupt as exc:
+                # Ctrl-C on the application's thread, which ran this callback because
+                # ``first`` was done already: the op cannot go on, and the application
+                # must still see its Ctrl-C (at its next call), not an op error.
+                outer.resolve(exc)
+                ctrl_c.pending = True
+                return
             except BaseException as exc:
                 outer.resolve(exc)
                 return
