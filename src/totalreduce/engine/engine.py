@@ -193,7 +193,8 @@ class Engine:
         if gone:
             ops.done.add(key)
             reason = f"{spec.label} needs rank {gone[0]}, which has shut down"
-            future.resolve(PeerFailureError(gone[0], f"rank {self.rank}: {reason}"))
+            future.resolve(PeerFailureError(gone[0], f"rank {self.rank}: {reason}",
+                                            orderly=True))
             self.peers.tell_op_failed(key, gone[0], reason)
             return
         early = ops.failed_early.pop(key)

@@ -54,9 +54,10 @@ class PeerEvents:
             self.bye.add(peer)
             self._left(peer)
         elif kind == Kind.OP_FAILED:
+            # Only a departure in order is reported this way (a crash breaks the job).
             error = PeerFailureError(header.step - 1, f"rank {self._rank}: "
                                      f"{body.decode(errors='replace')} (reported by rank "
-                                     f"{peer})")
+                                     f"{peer})", orderly=True)
             op = engine.ops.active.get(key)
             if op is not None:
                 engine.fail(op, error)
