@@ -138,13 +138,14 @@ class Controller:
                 self._end(TotalReduceError(f"rank {self.rank}: coordination cycle crashed: "
                                            f"{exc!r}"))
                 return
-            if not self._pending and not self._queue:
-                # Nothing waits: the next cycle comes a whole cycle after this one ended,
-                # not at once if this one overran.  A cycle that hands the application a
-                # result (a barrier's, say) is often followed by a burst of submissions; one
-                # started at once would find none, then wait for every rank's burst to end
-                # to agree on nothing, and only the cycle after it would run them.
-                due = max(due, time.monotonic() + self._cycle)
+            now = time.monotonic()
+            if now >= due and not self._pending and not self._queue:
+                # This cycle overran its period and nothing waits: the next comes a whole
+                # cycle later, not at once.  A cycle that hands the application a result (a
+                # barrier's, say) is often followed by a burst of submissions; one started
+                # at once would find none, then wait for every rank's burst to end to agree
+                # on nothing, and only the cycle after it would run them.
+                due = now + self._cycle
 
     def _end(self, error: TotalReduceError) -> None:
         self._error = error
