@@ -168,25 +168,28 @@ columns to see what each mechanism buys.
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
 about what self-guided mode does per tensor (`-nofusion` against `totalreduce-shm`). The
-cache cuts the cost another 2.4-2.7x: without it, every tensor's request goes to rank 0 and
+cache cuts the cost another 4x: without it, every tensor's request goes to rank 0 and
 back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
-Python, per tensor. The faster mode, negotiated with cache and fusion, is 1.7x MPI's
-`Iallreduce` at 2 ranks and 3.6x at 4. Its 7.8 µs per op at 2 ranks (4.2 at the 10th
-percentile) varies with the host more than MPI's does: four runs of the 2-rank case alone
-(`--backends totalreduce-neg,mpi --rounds 2`) gave medians of 4.5 to 7.0 µs while MPI's
-were 11 to 16. The time is Python on both sides of the cycle: submitting a request takes
-about 1.5 µs (a named array of a dtype and op already seen skips the argument checks),
-and the cycle's classification, fusion copies and per-request completion, competing with
-the submitting thread for the GIL, take the rest.
+Python, per tensor. The faster mode, negotiated with cache and fusion, takes 4.7 µs per
+op at 2 ranks, 3.5x MPI's `Iallreduce`, and 13.4 µs at 4 ranks (four processes on two
+cores), 6.1x. It varies with the host more than MPI's does (3.0 to 6.4 µs between the
+10th and 90th percentiles at 2 ranks): the whole cost is Python on the submitting thread
+and the cycle thread, and this host's speed changes from minute to minute (MPI's median
+ranged from 13.3 to 16.4 µs over the runs of this case). Per tensor, the submit takes
+about 1 µs (a tensor whose dtype, op and shape were seen before skips the argument checks
+and makes one new object); the cycle's classification, the fusion copies in and out and
+the completion take about as much again.
 
 **Skew** (as above, at 2 and 4 ranks). `{CMD_SKEW_NEG}` (`docs/bench/skew-neg.txt`):
 
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.6x (2 ranks) and 1.0x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice. Without fusion, each of the 161 tensors then runs as
-an engine op of its own behind that wait (1.46x at 4 ranks).
+so it finishes within 0.54x (2 ranks) and 0.99x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (0.82x and 1.02x). Without fusion, each of the 161
+tensors then runs as an engine op of its own behind that wait: 1.27x at 4 ranks, where
+the ops compete for two cores; at 2 ranks the tensors arrive spread out enough that
+running each alone (0.69x) beat fusing the few that a cycle finds together.
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{CMD_REPLAY_NEG}` (`docs/bench/replay-neg.txt`):
 
@@ -201,8 +204,9 @@ fusion helps per tensor (143.5 against 165.2 ms) but still trails self-guided gr
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
 skewed ranks, and everything latency-bound. The digits example, one small bucket per
-step, trains at 49,300 samples/s self-guided and 18,800 negotiated (2 ranks, 1 epoch):
-each step waits for a cycle.
+step, trains about twice as fast self-guided as negotiated (2 ranks, the third of 3
+epochs, three interleaved runs of each: 19,500-36,500 samples/s against 13,100-20,300 on
+this noisy host): each step waits for a cycle.
 
 ## Sparse allreduce: Ok-Topk, TopkA, gTopk (totalreduce.compression)
 
