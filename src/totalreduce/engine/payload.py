@@ -106,8 +106,9 @@ class OpFuture:
     @staticmethod
     def resolve_all(futures: Iterable[OpFuture], error: BaseException | None = None
                     ) -> None:
-        """:meth:`resolve` of many futures, taking the lock once (a fused op finishes
-        thousands of tiny tensors' futures at once)."""
+        """Resolve each of ``futures`` not done yet with ``error`` (None: success), taking
+        the lock once (a fused op finishes thousands of tiny tensors' futures at once);
+        wake their waiters and run their callbacks outside it."""
         woken = []
         with OpFuture._lock:
             for future in futures:
@@ -126,15 +127,4 @@ class OpFuture:
                     fn(future)
 
     def resolve(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._error = error
-            self._done = True
-            event = self._event
-            callbacks, self._callbacks = self._callbacks, None
-        if event is not None:
-            event.set()
-        if callbacks is not None:
-            for fn in callbacks:
-                fn(self)
+        OpFuture.resolve_all((self,), error)

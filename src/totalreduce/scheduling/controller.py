@@ -179,8 +179,7 @@ class Controller:
         now = time.monotonic()
         others_joined = self._others_joined
         # Pending requests are in submission order: the first hit is the oldest.
-        if hits and (others_joined or (self._stall_check and
-                                       now - hits[0].t_submit > self._stall_check)):
+        if hits and (others_joined or self._stalled(hits[0], now)):
             hit_bits = self._screen(hit_bits, hits, invalid, now)
         bits = self._bits
         bits.fill(False)
@@ -195,7 +194,7 @@ class Controller:
             for bit in range(self._cache.capacity):
                 response = self._cache.at(bit)
                 if response is not None and response.kind == "allreduce":
-                    bits[_STATUS + bit] = True
+                    self._cache_bits[bit] = True
         bits[_SHUT_DOWN] = not self._stop.is_set()
         bits[_UNCACHED] = not uncached and not news and not uncached_join
         bits[_INVALID] = not invalid
@@ -209,7 +208,7 @@ class Controller:
             self._control(lambda: self._ops.allreduce(mark, ReduceOp.MAX, _INVALIDS, _CONTROL,
                                                       True))
             for bit in np.flatnonzero(mark).tolist():
-                bits[_STATUS + bit] = False
+                self._cache_bits[bit] = False
                 self._cache.evict(bit)
         responses = self._cache.ready(np.flatnonzero(self._cache_bits).tolist())
         self._others_joined = not bits[_NONE_JOINED]
@@ -231,12 +230,15 @@ class Controller:
         coordinator refuses it)."""
         keep = []
         for bit, request in zip(hit_bits, hits, strict=True):
-            if (self._stall_check and now - request.t_submit > self._stall_check) or \
+            if self._stalled(request, now) or \
                     (self._others_joined and request.kind != "allreduce"):
                 invalid.append(bit)
             else:
                 keep.append(bit)
         return keep
+
+    def _stalled(self, request: Request, now: float) -> bool:
+        return bool(self._stall_check) and now - request.t_submit > self._stall_check
 
     def _end_join(self) -> None:
         """Every rank has joined: each join() returns the rank that joined last (the

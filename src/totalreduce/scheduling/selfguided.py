@@ -425,8 +425,8 @@ class SelfGuided:
 
         future = self._two_phase(first, second)
         return FutureHandle([future],
-                      lambda: state["out"].reshape((int(sizes.sum()), *arr.shape[1:])),
-                      sizes_id.label)
+                            lambda: state["out"].reshape((int(sizes.sum()), *arr.shape[1:])),
+                            sizes_id.label)
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
         arr = _check_array(x, "alltoall", name)
