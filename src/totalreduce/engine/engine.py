@@ -29,27 +29,31 @@ business; ops a joined rank serves, serving.py's.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 from ..config import Config
-from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError
+from ..exceptions import ShutdownError
 from ..interrupts import deferred as ctrl_c
 from ..timeline import Timeline
 from ..transport.base import Transport
-from ..transport.wire import Header, Kind
+from .applier import Applier
+from .departures import Departures
 from .driving import CallerWaits, Driver
+from .floating import Floating
 from .handler import Handler
 from .inbox import Inbox
+from .job import JobState
 from .ledger import CreditLedger
 from .loop import Loop
 from .mismatch_tracker import MismatchTracker
-from .opstate import LiveOp
 from .optable import OpTable
 from .outbox import Outbox
 from .payload import OpFuture, OpSpec
 from .peers import PeerEvents
-from .reducer import ReduceThread
+from .reducer import ReduceThread, ScratchPool
 from .serving import JoinServer, Server
+from .starter import Starter
 
 logger = logging.getLogger(__name__)
 
@@ -57,36 +61,55 @@ logger = logging.getLogger(__name__)
 class Engine:
     """Runs ops over a transport.  Thread-safe: :meth:`submit`, :meth:`wait` and
     :meth:`shutdown` may be called from any thread; everything else runs on whichever
-    thread drives the loop."""
+    thread drives the loop.
+
+    The engine only wires its parts (each gets the collaborators it uses, nothing more)
+    and offers the scheduler's entry points; every decision is one part's."""
 
     def __init__(self, transport: Transport, config: Config, *, threaded: bool = True,
                  timeline: Timeline | None = None) -> None:
         """``threaded=False``: no progress thread and no reduce thread; the loop runs only
         when a caller drives it (``wait``, or ``engine.loop.step``): one-process tests.
         ``timeline``: where to trace each op (self-guided mode)."""
-        self.rank = transport.rank
-        self.size = transport.size
+        self.rank = rank = transport.rank
+        self.size = size = transport.size
         self.transport = transport
         self._config = config
-        self.broken: TotalReduceError | None = None
-        self.closing = False
-        self.loop = Loop(self, config)
-        self._commands = self.loop.commands
-        peers = [p for p in range(self.size) if p != self.rank]
-        self.ops = OpTable(timeline)
-        self.ledger = CreditLedger(peers, config.floating_cap // max(1, self.size - 1))
-        self.outbox = Outbox(peers, self.ledger, transport)
-        reducer = ReduceThread(self.loop.completions.append, transport.wake) \
+        peers = [p for p in range(size) if p != rank]
+        ledger = CreditLedger(peers, config.floating_cap // max(1, size - 1),
+                              transport.want_send)
+        outbox = Outbox(peers, ledger, transport)
+        ops = OpTable(timeline)
+        ops.on_fail(outbox.drop_op)
+        scratch = ScratchPool(config.scratch_bytes)
+        floating = Floating(ledger, scratch)
+        self.job = job = JobState(rank, size, outbox, ops, floating, transport.resume)
+        mismatches = MismatchTracker(rank, size, ops, outbox, config.mismatch_grace)
+        ops.on_fail(mismatches.forget)
+        departures = Departures(outbox)
+        completions: deque[Any] = deque()  # the reduce thread's results, for the loop
+        reducer = ReduceThread(completions.append, transport.wake) \
             if threaded and config.reduce_thread_bytes >= 0 else None
         self._reducer = reducer
-        self.inbox = Inbox(self, config, self.ledger, reducer)
-        self.mismatches = MismatchTracker(self, config)
-        self.peers = PeerEvents(self)
-        self.serving = JoinServer(self)
-        self._closed = self.loop.closed
-        self._driver = Driver(self.rank, transport, self.loop, self._closed)
-        self.loop.on_close = self._driver.closed
-        transport.start(Handler(self))
+        applier = Applier(rank, ops, outbox, mismatches, scratch, reducer,
+                          config.reduce_thread_bytes)
+        serving = JoinServer()
+        starter = Starter(job, ops, ledger, outbox, floating, applier, mismatches, departures,
+                          serving, scratch, transport.resume)
+        peer_events = PeerEvents(job, ops, outbox, ledger, mismatches, departures, serving,
+                                 starter)
+        inbox = Inbox(job, ops, ledger, outbox, mismatches, floating, applier, starter,
+                      peer_events, scratch, use_in_place=reducer is None)
+        self.loop = loop = Loop(job, config, transport, ops, outbox, applier, mismatches,
+                                starter, serving, completions)
+        self._commands = loop.commands
+        self._closed = loop.closed
+        self._driver = Driver(rank, transport, loop, self._closed)
+        loop.on_close = self._driver.closed
+        # What stats() reports on.
+        self._ops, self._ledger, self._outbox = ops, ledger, outbox
+        self._floating, self._scratch, self._mismatches = floating, scratch, mismatches
+        transport.start(Handler(outbox, inbox, applier, peer_events))
         if threaded:
             self._driver.start()
 
@@ -96,7 +119,7 @@ class Engine:
         """Start an op (on this thread, unless another drives the loop now).  The future
         resolves with None or the op's error."""
         future = OpFuture(self.wait)
-        if self.closing or self._closed.is_set():
+        if self.job.closing or self._closed.is_set():
             future.resolve(ShutdownError("cannot submit after shutdown()"))
             return future
         self._commands.append(("submit", spec, future))
@@ -158,106 +181,22 @@ class Engine:
         if self._reducer is not None:
             self._reducer.stop()
 
+    @property
+    def broken(self) -> BaseException | None:
+        """The failure that ended the job here, if one has."""
+        return self.job.broken
+
     def stats(self) -> dict[str, int]:
-        inbox = self.inbox
-        return {"floating_bytes": inbox.floating_bytes, "floating_peak": inbox.floating_peak,
-                "ready_sent": self.outbox.ready_sent, "parks": self.outbox.parks,
-                "floating_cap": self._config.floating_cap, "active_ops": len(self.ops.active),
-                "scratch_idle_bytes": inbox.scratch.idle_bytes,
-                "done_names": self.ops.done.names(), "early_ready": self.ledger.early_count(),
-                "mismatch_records": len(self.mismatches)}
+        return {"floating_bytes": self._floating.bytes, "floating_peak": self._floating.peak,
+                "ready_sent": self._outbox.ready_sent, "parks": self._outbox.parks,
+                "floating_cap": self._config.floating_cap,
+                "active_ops": len(self._ops.active),
+                "scratch_idle_bytes": self._scratch.idle_bytes,
+                "done_names": self._ops.done.names(),
+                "early_ready": self._ledger.early_count(),
+                "mismatch_records": len(self._mismatches)}
 
     def _command(self, what: str, arg: Any) -> None:
         self._commands.append((what, arg, None))
         self.transport.wake()
         self._driver.nudge()
-
-    # --- starting and ending ops -------------------------------------------------------
-
-    def start(self, spec: OpSpec, future: OpFuture) -> None:
-        if self.broken is not None:
-            future.resolve(self.broken)
-            return
-        ops = self.ops
-        key = spec.key
-        if ops.known(key):
-            future.resolve(TotalReduceError(
-                f"rank {self.rank}: {spec.label} was submitted twice (internal error)"))
-            return
-        if spec.epoch < 0:
-            spec.epoch = self.serving.epoch
-        op = LiveOp(spec, future)
-        departed = self.peers.departed()
-        gone = sorted((set(op.pending_from) | spec.schedule.first_peers) & departed) \
-            if departed else None
-        if gone:
-            ops.done.add(key)
-            reason = f"{spec.label} needs rank {gone[0]}, which has shut down"
-            future.resolve(PeerFailureError(gone[0], f"rank {self.rank}: {reason}",
-                                            orderly=True))
-            self.peers.tell_op_failed(key, gone[0], reason)
-            return
-        early = ops.failed_early.pop(key)
-        if early is not None:
-            ops.done.add(key)
-            future.resolve(early)
-            return
-        ops.active[key] = op
-        self.transport.resume()
-        op.ready_peers = self.ledger.pop_early(key)
-        self.serving.forget(key)
-        for lo, hi in spec.schedule.local_final:
-            if spec.finalize is not None and hi > lo:
-                spec.finalize(spec.work[lo:hi])
-        inbox = self.inbox
-        if key in inbox.floating:
-            op.t_floated = min(item.t for item in inbox.floating[key])
-            for item in inbox.take_floating(key):
-                if op.finished:
-                    inbox.scratch.put(item.buf)
-                else:
-                    inbox.deliver(op, item.src, item.header, item.buf, True)
-            if op.finished or op.mismatch is not None:
-                return  # a mismatch found in floating pieces: housekeeping raises later
-        if len(self.mismatches) and self.mismatches.started(op):
-            return
-        # A peer we send to right away learns that we are ready from that DATA message
-        # (FLAG_READY): one message fewer per op and peer.  The others get a READY now.
-        first_to = spec.schedule.first_peers
-        outbox = self.outbox
-        for peer, left in op.pending_from.items():
-            if left <= 0:
-                continue
-            if peer in first_to:
-                op.announce.add(peer)
-            else:
-                outbox.announce(op, peer)
-        for send in spec.schedule.first:
-            outbox.queue(op, send)
-        ops.complete(op)
-
-    def fail(self, op: LiveOp, error: BaseException) -> None:
-        if self.ops.end(op, error):
-            key = op.spec.key
-            self.mismatches.forget(key)
-            self.outbox.drop_op(key)
-
-    def break_job(self, error: TotalReduceError, lost: int | None = None) -> None:
-        """The job cannot go on: fail every op, and tell every peer (an ABORT naming the
-        rank that was lost, if any)."""
-        if self.broken is not None:
-            return
-        self.broken = error
-        self.transport.resume()
-        if lost != self.rank:
-            logger.error("%s", error)
-        body = str(error).encode()[:4096]
-        outbox = self.outbox
-        abort = Header(Kind.ABORT, step=0 if lost is None else lost + 1, nbytes=len(body))
-        for peer in outbox.peers:
-            if peer not in outbox.closed and peer != lost:
-                outbox.drop_data(peer)
-                outbox.control(peer, abort, body)
-        for op in self.ops.live():
-            self.fail(op, error)
-        self.inbox.clear_floating()

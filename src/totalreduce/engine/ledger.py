@@ -11,6 +11,8 @@ so its peers send to it freely from then on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..lru import LRU
 from ..transport.wire import FLAG_CREDITED, HEADER_SIZE, Header
 from .payload import OpKey
@@ -32,8 +34,13 @@ def charged(header: Header) -> int:
 
 
 class CreditLedger:
-    def __init__(self, peers: list[int], budget: int) -> None:
+    """``want_send(peer)`` asks the transport for a chance to send to ``peer``: called once
+    enough credit is owed to it to be worth a message of its own."""
+
+    def __init__(self, peers: list[int], budget: int, want_send: Callable[[int], None]
+                 ) -> None:
         self.budget = budget
+        self._want_send = want_send
         self._credit = dict.fromkeys(peers, budget)
         self._owed = dict.fromkeys(peers, 0)
         self._return_at = max(1, budget // 4)
@@ -59,11 +66,12 @@ class CreditLedger:
 
     # --- what we owe -----------------------------------------------------------------
 
-    def owe(self, peer: int, charge: int) -> bool:
-        """A credited message from ``peer`` was consumed; returns whether enough is owed
-        now to be worth a message of its own."""
-        self._owed[peer] += charge
-        return self._owed[peer] >= self._return_at
+    def owe(self, peer: int, charge: int) -> None:
+        """A message from ``peer`` that cost it ``charge`` credit was consumed."""
+        if charge:
+            self._owed[peer] += charge
+            if self._owed[peer] >= self._return_at:
+                self._want_send(peer)
 
     def due(self, peer: int) -> bool:
         return self._owed[peer] >= self._return_at

@@ -18,28 +18,42 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import Config
 from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError, TransportClosedError
+from ..transport.base import Transport
 from ..transport.wire import Header, Kind
+from .applier import Applier
 from .driving import HOUSEKEEPING
+from .job import JobState
+from .mismatch_tracker import MismatchTracker
+from .optable import OpTable
+from .outbox import Outbox
 from .payload import OpFuture
+from .serving import JoinServer
 from .stall import overdue
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .starter import Starter
 
 logger = logging.getLogger(__name__)
 
 
 class Loop:
-    def __init__(self, engine: Engine, config: Config) -> None:
-        self._engine = engine
+    def __init__(self, job: JobState, config: Config, transport: Transport, ops: OpTable,
+                 outbox: Outbox, applier: Applier, mismatches: MismatchTracker,
+                 starter: Starter, serving: JoinServer, completions: deque[Any]) -> None:
+        """``completions``: where the reduce thread leaves its results for the loop."""
+        self._job = job
         self._config = config
-        self._transport = engine.transport
+        self._transport = transport
+        self._ops = ops
+        self._outbox = outbox
+        self._applier = applier
+        self._mismatches = mismatches
+        self._starter = starter
+        self._serving = serving
         self.commands: deque[tuple[str, Any, Any]] = deque()
-        self.completions: deque[Any] = deque()  # the reduce thread's results
+        self.completions = completions
         self.closed = threading.Event()
         self.ended = False  # closed is set (a plain attribute: read on every turn)
         self.on_close: Callable[[], None] | None = None  # told once the loop has ended
@@ -51,7 +65,7 @@ class Loop:
     # --- what the driver asks (driving.Loop) -------------------------------------------
 
     def wanted(self) -> bool:
-        return bool(self._engine.ops.active or self.commands or self.completions) \
+        return bool(self._ops.active or self.commands or self.completions) \
             or self._shutdown_deadline is not None or self._transport.has_backlog()
 
     def idle_for(self) -> float | None:
@@ -69,12 +83,11 @@ class Loop:
         blocks)."""
         if self.ended:
             return
-        engine = self._engine
         try:
             while self.commands:
                 self._run(*self.commands.popleft())
             while self.completions:
-                engine.inbox.reduced(*self.completions.popleft())
+                self._applier.reduced(*self.completions.popleft())
             if self._shutdown_deadline is not None and \
                     self._shutdown_done(self._shutdown_deadline):
                 self.finish()
@@ -88,30 +101,31 @@ class Loop:
             now = time.monotonic()
             if now >= self._next_check:
                 self._next_check = now + HOUSEKEEPING
-                for op, error in engine.mismatches.due(now):
-                    engine.fail(op, error)
-                for op, error in overdue(engine.rank, engine.size, engine.ops.live(), now,
-                                         self._config):
-                    engine.fail(op, error)
+                ops = self._ops
+                for op, error in self._mismatches.due(now):
+                    ops.fail(op, error)
+                job = self._job
+                for op, error in overdue(job.rank, job.size, ops.live(), now, self._config):
+                    ops.fail(op, error)
         except BaseException as exc:  # a bug: fail everything loudly rather than hang
-            logger.exception("rank %d: progress loop crashed", engine.rank)
-            engine.break_job(TotalReduceError(f"rank {engine.rank}: internal error in the "
-                                              f"progress loop: {exc!r}"))
+            rank = self._job.rank
+            logger.exception("rank %d: progress loop crashed", rank)
+            self._job.break_job(TotalReduceError(f"rank {rank}: internal error in the "
+                                                 f"progress loop: {exc!r}"))
             self.finish()
 
     def _run(self, cmd: str, arg: Any, future: Any) -> None:
-        engine = self._engine
         if cmd == "submit":
-            engine.start(arg, future)
+            self._starter.start(arg, future)
         elif cmd == "forget":
-            engine.ops.forget(arg)
+            self._ops.forget(arg)
         elif cmd == "join":
-            engine.serving.start(arg)
+            self._starter.begin_join(arg)
         elif cmd == "joined":
-            engine.serving.joined()
+            self._serving.joined()
         elif cmd == "abort":
-            engine.break_job(PeerFailureError(engine.rank, f"rank {engine.rank} failed: "
-                                              f"{arg}"), engine.rank)
+            rank = self._job.rank
+            self._job.break_job(PeerFailureError(rank, f"rank {rank} failed: {arg}"), rank)
         elif self._shutdown_deadline is None:
             self._shutdown_deadline = self._begin_shutdown()
 
@@ -121,41 +135,43 @@ class Loop:
         """Fail what is pending, then tell every peer we are leaving.  Nothing of ours is
         sent after the GOODBYE, so a peer that reads it knows which of its ops can no
         longer finish and fails them at once (peers.py)."""
-        engine = self._engine
-        engine.closing = True
+        job = self._job
+        job.closing = True
         self._transport.resume()
-        for op in engine.ops.live():
-            engine.fail(op, TransportClosedError(
-                f"rank {engine.rank}: {op.spec.label} was still pending at shutdown()"))
-        if engine.broken is None:  # a broken job has told its peers already (ABORT)
-            engine.outbox.tell_all(Header(Kind.GOODBYE))
+        ops = self._ops
+        for op in ops.live():
+            ops.fail(op, TransportClosedError(
+                f"rank {job.rank}: {op.spec.label} was still pending at shutdown()"))
+        if job.broken is None:  # a broken job has told its peers already (ABORT)
+            self._outbox.tell_all(Header(Kind.GOODBYE))
         return time.monotonic() + self._config.shutdown_timeout
 
     def _shutdown_done(self, deadline: float) -> bool:
         """Once our last message is out, half-close and wait only until every peer's
         transport has seen that: closing with unread bytes would reset the connection."""
-        outbox = self._engine.outbox
+        outbox = self._outbox
         if time.monotonic() >= deadline:
             left = sorted(set(outbox.peers) - outbox.closed)
             if left:
                 logger.debug("rank %d: shutdown: links to %s still open after %.1f s",
-                             self._engine.rank, left, self._config.shutdown_timeout)
+                             self._job.rank, left, self._config.shutdown_timeout)
             return True
         if not self._writes_closed:
             if self._transport.pending_output() or outbox.has_control():
                 return False
             self._writes_closed = True
             # A broken job leaves at once: its peers read the ABORT before our end.
-            self._await_eof = self._transport.close_writes() and self._engine.broken is None
+            self._await_eof = self._transport.close_writes() and self._job.broken is None
         return not self._await_eof or set(outbox.peers) <= outbox.closed
 
     def finish(self) -> None:
         """Close: fail whatever is left, refuse what was queued, end the transport."""
-        engine = self._engine
-        engine.closing = True
-        for op in engine.ops.live():
-            engine.fail(op, engine.broken or TransportClosedError(
-                f"rank {engine.rank}: {op.spec.label} was still pending at shutdown()"))
+        job = self._job
+        job.closing = True
+        ops = self._ops
+        for op in ops.live():
+            ops.fail(op, job.broken or TransportClosedError(
+                f"rank {job.rank}: {op.spec.label} was still pending at shutdown()"))
         while self.commands:
             _cmd, _arg, future = self.commands.popleft()
             if future is not None:

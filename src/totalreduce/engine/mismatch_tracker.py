@@ -8,18 +8,16 @@ that hears of it, so each rank's error can name all ranks and what differed.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..config import Config
 from ..lru import LRU
 from ..transport.wire import DTYPES, Header, Kind
 from .mismatch import MismatchRecord, decode_view, encode_view
 from .opstate import LiveOp
+from .optable import OpTable
+from .outbox import Outbox
 from .payload import OpKey
 from .schedule import Recv
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 # Views of mismatched ops, kept until the op fails here (or, for ops this rank never
 # submits, until they are the stalest of this many).
@@ -27,11 +25,14 @@ _MISMATCH_ENTRIES = 4096
 
 
 class MismatchTracker:
-    def __init__(self, engine: Engine, config: Config) -> None:
-        self._engine = engine
-        self._rank = engine.rank
-        self._size = engine.size
-        self._grace = config.mismatch_grace
+    def __init__(self, rank: int, size: int, ops: OpTable, outbox: Outbox, grace: float
+                 ) -> None:
+        """``grace``: how long to wait for every rank's view once the first arrives."""
+        self._rank = rank
+        self._size = size
+        self._ops = ops
+        self._outbox = outbox
+        self._grace = grace
         self._records: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
 
     def __len__(self) -> int:
@@ -65,7 +66,7 @@ class MismatchTracker:
 
     def heard(self, peer: int, key: OpKey, view: dict[str, Any]) -> None:
         """``peer`` sent its view of op ``key`` (a MISMATCH message)."""
-        ops = self._engine.ops
+        ops = self._ops
         op = ops.active.get(key)
         if op is None and key in ops.done:
             return
@@ -88,7 +89,7 @@ class MismatchTracker:
         """Mismatched ops whose views are all in, or whose grace period is over, with
         the error to fail each with."""
         out: list[tuple[LiveOp, BaseException]] = []
-        active = self._engine.ops.active
+        active = self._ops.active
         for key, record in self._records.items():
             op = active.get(key)
             if op is not None and op.mismatch is record and (
@@ -102,7 +103,7 @@ class MismatchTracker:
     def tell_view(self, key: OpKey, view: dict[str, Any]) -> None:
         """Tell every live peer this rank's view of op ``key`` (a MISMATCH)."""
         body = encode_view(view)
-        self._engine.outbox.tell_all(
+        self._outbox.tell_all(
             Header(Kind.MISMATCH, name_key=key[0], seq=key[1], nbytes=len(body)), body)
 
     def _record(self, key: OpKey, label: str) -> MismatchRecord:
@@ -121,7 +122,7 @@ class MismatchTracker:
             record.announced = True
             self.tell_view(op.spec.key, op.spec.describe)
         if record.complete():
-            self._engine.fail(op, record.error(self._rank, op.spec.describe.get("name", "")))
+            self._ops.fail(op, record.error(self._rank, op.spec.describe.get("name", "")))
 
 
 def read_view(body: bytes) -> dict[str, Any]:

@@ -22,18 +22,19 @@ class LiveOp:
                  "source_bytes", "itemsize", "left", "held", "announce", "t_first",
                  "t_floated", "forgotten")
 
-    def __init__(self, spec: OpSpec, future: OpFuture) -> None:
+    def __init__(self, spec: OpSpec, future: OpFuture, ready_peers: set[int] | None = None,
+                 t_floated: float = 0.0) -> None:
         self.spec = spec
         self.future = future
         self.recvs_left = len(spec.schedule.recvs)
         self.sends_left = spec.schedule.n_sends
         self.got: set[tuple[int, int, int]] = set()
         self.pending_from = spec.schedule.expected_from()
-        self.ready_peers: set[int] = set()
+        self.ready_peers: set[int] = ready_peers if ready_peers is not None else set()
         self.announce: set[int] = set()  # peers whose READY rides on our first DATA to them
         self.t_start = time.monotonic()
         self.t_first = 0.0  # when the first piece from a peer was applied (timeline)
-        self.t_floated = 0.0  # when the first piece that came before the op arrived
+        self.t_floated = t_floated  # when the first piece that came before the op arrived
         self.warned = False
         self.finished = False
         self.forgotten = False  # its name was forgotten while it ran (OpTable.forget)

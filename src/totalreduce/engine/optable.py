@@ -1,9 +1,11 @@
 """The op table: every op running here, which ops have finished, and the ops a peer
-failed before this rank submitted them.  An op's own state lives in its :class:`LiveOp`."""
+failed before this rank submitted them.  An op's own state lives in its :class:`LiveOp`;
+how it ends (``finished``, ``forgotten``) is decided here and nowhere else."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ..exceptions import PeerFailureError
 from ..lru import LRU
@@ -21,6 +23,12 @@ class OpTable:
         self.done = DoneSet()
         # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
         self.failed_early: LRU[OpKey, PeerFailureError] = LRU(_FAILED_EARLY_ENTRIES)
+        self._on_fail: list[Callable[[OpKey], None]] = []
+
+    def on_fail(self, forget: Callable[[OpKey], None]) -> None:
+        """Have ``forget(key)`` called whenever an op fails, after its future is resolved:
+        the parts that keep something per op (parked pieces, mismatch views) drop it."""
+        self._on_fail.append(forget)
 
     def known(self, key: OpKey) -> bool:
         """Whether op ``key`` runs here or has ended here."""
@@ -52,10 +60,10 @@ class OpTable:
                 self._trace(op)
             op.future.resolve(None)
 
-    def end(self, op: LiveOp, error: BaseException) -> bool:
-        """Fail ``op`` with ``error``; False if it had ended already."""
+    def fail(self, op: LiveOp, error: BaseException) -> None:
+        """Fail ``op`` with ``error`` (nothing if it has ended already)."""
         if op.finished:
-            return False
+            return
         op.finished = True
         key = op.spec.key
         self.active.pop(key, None)
@@ -63,7 +71,13 @@ class OpTable:
         if self._timeline is not None:
             self._trace(op, "FAILED ")
         op.future.resolve(error)
-        return True
+        for forget in self._on_fail:
+            forget(key)
+
+    def refuse(self, key: OpKey) -> None:
+        """Op ``key`` will not run here (a peer it needs has left or failed it, or a joined
+        rank cannot serve it): count it ended, so its late messages are discarded."""
+        self.done.add(key)
 
     def _trace(self, op: LiveOp, prefix: str = "") -> None:
         """The op's spans on the timeline: the op, its wait for a peer's first piece, and

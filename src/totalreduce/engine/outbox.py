@@ -6,6 +6,9 @@ pieces: that is the preemption.  The transport pulls from here (:meth:`next_outg
 whenever a link can take a message.  A piece for an op the peer has not announced needs
 credit (ledger.py); without enough it is *parked* here, a view of this rank's own array
 and no copy, until credit or the peer's READY comes.
+
+The sending side of an op's state is this part's: which peers have said READY, which are
+told READY on our first DATA, and which sends have left.
 """
 
 from __future__ import annotations
@@ -44,6 +47,27 @@ class Outbox:
         return list(self._heaps)
 
     # --- filling it --------------------------------------------------------------------
+
+    def begin(self, op: LiveOp) -> None:
+        """``op`` was submitted here: queue its first sends, and tell each peer it still
+        expects data from that it is ready.  A peer we send to right away learns that from
+        that DATA message (FLAG_READY): one message fewer per op and peer."""
+        schedule = op.spec.schedule
+        first_to = schedule.first_peers
+        for peer, left in op.pending_from.items():
+            if left <= 0:
+                continue
+            if peer in first_to:
+                op.announce.add(peer)
+            else:
+                self.announce(op, peer)
+        for send in schedule.first:
+            self.queue(op, send)
+
+    def peer_ready(self, op: LiveOp, peer: int) -> None:
+        """``peer`` has submitted ``op``: its pieces go to it without credit from now on."""
+        op.ready_peers.add(peer)
+        self.unpark(peer, op.spec.key)
 
     def queue(self, op: LiveOp, send: Send) -> None:
         heapq.heappush(self._heaps[send.peer],
@@ -126,6 +150,17 @@ class Outbox:
             return Outgoing(Header(Kind.CREDIT, credit=ledger.take_owed(peer)).pack(), None,
                             None)
         return None
+
+    def sent(self, token: object) -> LiveOp | None:
+        """The transport has sent the message of ``token`` (``Outgoing.token``); returns
+        its op if that is still running (a send of it has left)."""
+        if not isinstance(token, QueuedMsg) or token.op.finished:
+            return None
+        op = token.op
+        op.sends_left -= 1
+        send = token.send
+        op.left.add((send.peer, send.step, send.piece))
+        return op
 
     def has_control(self) -> bool:
         """Whether a control message waits for a peer still reachable."""

@@ -1,0 +1,117 @@
+"""Applying an arrived piece to its op: a copy into place or a reduction (inline, or on the
+reduce thread for big pieces), then what that unlocks (the sends that waited for it, the
+op's end).
+
+The receiving side of an op's state is this part's: which pieces arrived, which wait for a
+send of ours to leave first (``held``), and how many are still to come from each peer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..exceptions import TotalReduceError
+from ..transport.wire import Header
+from .mismatch_tracker import MismatchTracker
+from .opstate import LiveOp
+from .optable import OpTable
+from .outbox import Outbox
+from .reducer import ReduceThread, ScratchPool, reduce_into
+from .schedule import COPY, Recv
+
+PieceKey = tuple[int, int, int]  # (peer, step, piece)
+
+
+class Applier:
+    def __init__(self, rank: int, ops: OpTable, outbox: Outbox, mismatches: MismatchTracker,
+                 scratch: ScratchPool, reducer: ReduceThread | None, reduce_min: int) -> None:
+        self._rank = rank
+        self._ops = ops
+        self._outbox = outbox
+        self._mismatches = mismatches
+        self._scratch = scratch
+        self._reducer = reducer
+        self._reduce_min = reduce_min  # pieces at least this big go to the reduce thread
+
+    def deliver(self, op: LiveOp, peer: int, header: Header, body: memoryview,
+                pooled: bool) -> None:
+        """Apply one arrived piece of ``op`` by copy or reduction.  ``pooled``: ``body``
+        is a scratch buffer this call now owns; else it is only valid during the call."""
+        recv = self._mismatches.check(op, peer, header)
+        if recv is None:  # dropped: a mismatch is under way
+            if pooled:
+                self._scratch.put(body)
+            return
+        rkey = (peer, header.step, header.piece)
+        if recv.mode == COPY:
+            if body.nbytes:
+                op.region(recv.lo, recv.hi)[:] = body
+            if pooled:
+                self._scratch.put(body)
+            self.applied(op, rkey, recv)
+        else:
+            self.reduce(op, rkey, recv, body, pooled)
+
+    def applied(self, op: LiveOp, rkey: PieceKey, recv: Recv) -> None:
+        """A COPY piece is in place (it arrived straight into the op's array)."""
+        op.got.add(rkey)
+        self._after_recv(op, rkey, recv)
+
+    def reduce(self, op: LiveOp, rkey: PieceKey, recv: Recv, buf: memoryview,
+               pooled: bool) -> None:
+        """Reduce a REDUCE piece into place, now or once the send it would overwrite has
+        left."""
+        op.got.add(rkey)
+        if recv.after and not op.left.issuperset(recv.after):
+            # This body would overwrite bytes that a send of ours has yet to read.
+            if not pooled:
+                copy = self._scratch.get(buf.nbytes)  # a ring slot is only ours during
+                copy[:] = buf                          # this call
+                buf, pooled = copy, True
+            op.held.append((rkey, recv, buf, pooled))
+            return
+        spec = op.spec
+        assert spec.ufunc is not None
+        dest = spec.work[recv.lo:recv.hi]
+        token = (op, rkey, recv, buf if pooled else None)
+        if self._reducer is not None and dest.nbytes >= self._reduce_min:
+            self._reducer.submit(spec.ufunc, dest, buf, token)
+            return
+        reduce_into(spec.ufunc, dest, buf)
+        self.reduced(token, None)
+
+    def reduced(self, token: Any, error: BaseException | None) -> None:
+        """A reduction finished (inline, or on the reduce thread)."""
+        op, rkey, recv, pooled = token
+        if pooled is not None:
+            self._scratch.put(pooled)
+        if op.finished:
+            return
+        if error is not None:
+            self._ops.fail(op, TotalReduceError(
+                f"rank {self._rank}: reduction failed in {op.spec.label}: {error!r}"))
+            return
+        self._after_recv(op, rkey, recv)
+
+    def send_left(self, op: LiveOp) -> None:
+        """A send of ``op`` left: the pieces that waited for it may be reduced now, and the
+        op may be over."""
+        if op.held:
+            held, op.held = op.held, []
+            for item in held:
+                self.reduce(op, *item)
+        self._ops.complete(op)
+
+    def _after_recv(self, op: LiveOp, rkey: PieceKey, recv: Recv) -> None:
+        if not op.t_first:
+            op.t_first = time.monotonic()
+        spec = op.spec
+        if recv.final and spec.finalize is not None and recv.hi > recv.lo:
+            spec.finalize(spec.work[recv.lo:recv.hi])
+        op.recvs_left -= 1
+        op.pending_from[rkey[0]] -= 1
+        outbox = self._outbox
+        for send in recv.then:
+            outbox.queue(op, send)
+        self._ops.complete(op)

@@ -1,0 +1,125 @@
+"""Starting an op here: a submitted one, or one a joined rank serves.
+
+Starting checks that the op can run at all (the job is whole, no peer it needs has left,
+no peer failed it already), applies the pieces that floated in before it, joins a
+mismatch peers already reported, and hands the op to the outbox, which sends its first
+pieces and READYs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..exceptions import PeerFailureError, TotalReduceError
+from ..transport.wire import Header
+from .applier import Applier
+from .departures import Departures
+from .floating import Floating
+from .job import JobState
+from .ledger import CreditLedger
+from .mismatch_tracker import MismatchTracker
+from .opstate import LiveOp
+from .optable import OpTable
+from .outbox import Outbox
+from .payload import OpFuture, OpSpec
+from .reducer import ScratchPool
+from .serving import JoinServer, Server
+
+
+class Starter:
+    def __init__(self, job: JobState, ops: OpTable, ledger: CreditLedger, outbox: Outbox,
+                 floating: Floating, applier: Applier, mismatches: MismatchTracker,
+                 departures: Departures, serving: JoinServer, scratch: ScratchPool,
+                 resume: Callable[[], None]) -> None:
+        """``resume()``: the transport reads again (it may stop while nothing runs)."""
+        self._job = job
+        self._ops = ops
+        self._ledger = ledger
+        self._outbox = outbox
+        self._floating = floating
+        self._applier = applier
+        self._mismatches = mismatches
+        self._departures = departures
+        self._serving = serving
+        self._scratch = scratch
+        self._resume = resume
+
+    def start(self, spec: OpSpec, future: OpFuture) -> None:
+        job = self._job
+        if job.broken is not None:
+            future.resolve(job.broken)
+            return
+        ops = self._ops
+        key = spec.key
+        if ops.known(key):
+            future.resolve(TotalReduceError(
+                f"rank {job.rank}: {spec.label} was submitted twice (internal error)"))
+            return
+        serving = self._serving
+        if spec.epoch < 0:
+            spec.epoch = serving.epoch
+        departed = self._departures.departed()
+        if departed:
+            gone = sorted((set(spec.schedule.expected_from()) | spec.schedule.first_peers)
+                          & departed)
+            if gone:
+                ops.refuse(key)
+                reason = f"{spec.label} needs rank {gone[0]}, which has shut down"
+                future.resolve(PeerFailureError(gone[0], f"rank {job.rank}: {reason}",
+                                                orderly=True))
+                self._departures.tell_op_failed(key, gone[0], reason)
+                return
+        early = ops.failed_early.pop(key)
+        if early is not None:
+            ops.refuse(key)
+            future.resolve(early)
+            return
+        floating = self._floating
+        op = LiveOp(spec, future, self._ledger.pop_early(key), floating.first_arrival(key))
+        ops.active[key] = op
+        self._resume()
+        serving.forget(key)
+        for lo, hi in spec.schedule.local_final:
+            if spec.finalize is not None and hi > lo:
+                spec.finalize(spec.work[lo:hi])
+        if key in floating:
+            for item in floating.take(key):
+                if op.finished:
+                    self._scratch.put(item.buf)
+                else:
+                    self._applier.deliver(op, item.src, item.header, item.buf, True)
+            if op.finished or op.mismatch is not None:
+                return  # a mismatch found in floating pieces: housekeeping raises later
+        if len(self._mismatches) and self._mismatches.started(op):
+            return
+        self._outbox.begin(op)
+        ops.complete(op)
+
+    # --- after join() ------------------------------------------------------------------
+
+    def begin_join(self, server: Server) -> None:
+        """Serve from now on, beginning with the ops already waiting here."""
+        waiting = self._serving.begin(server)
+        waiting += [header for _peer, header in self._floating.waiting()]
+        for header in waiting:
+            if not self._ops.known(header.op_key):
+                self.try_serve(header)
+
+    def try_serve(self, header: Header) -> bool:
+        """If the op of ``header`` (not submitted here) is this rank's to serve, start its
+        part of it now, or refuse it; returns whether it was."""
+        if not self._serving.serves(header):
+            return False
+        key = header.op_key
+        spec = self._serving.spec_for(header)
+        if spec is not None:
+            self.start(spec, OpFuture())
+            return True
+        # Nothing here can take part: fail it on the peers now rather than let them wait.
+        self._ops.refuse(key)
+        self._ledger.pop_early(key)
+        self._floating.drop(key)
+        self._mismatches.tell_view(key, {
+            "kind": "none: this rank has called join(), and only allreduce (and barrier) "
+                    "run while a rank has joined"})
+        return True
