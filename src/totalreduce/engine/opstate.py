@@ -15,7 +15,32 @@ from .schedule import Recv, Send
 
 
 class LiveOp:
-    """Live state of one submitted op."""
+    """Live state of one submitted op, and the one place its state machine can be read.
+
+    An op is *started* (starter.py builds it, with the READYs and floating pieces that came
+    before it), then *runs* while two sides advance independently, and *ends* once, by
+    completing or failing.  Each field is written by the one part that owns its phase
+    (test_engine_parts.py checks this):
+
+    ==========================  ==============  ==========================================
+    field                       written by      meaning
+    ==========================  ==============  ==========================================
+    ready_peers, t_floated      starter (init)  who said READY early; when pieces floated
+    ready_peers, announce,      outbox          who said READY; whose READY rides on our
+    sends_left, left                            first DATA; sends still due; sends gone
+    got, held, recvs_left,      applier         pieces arrived; reductions waiting for a
+    pending_from, t_first                       send to leave; pieces due (per peer)
+    mismatch                    mismatch        the ranks' views once they disagree
+                                tracker
+    warned                      stall           a stall warning was logged
+    finished, forgotten         optable         ended (completed or failed); its name was
+                                                forgotten while it ran
+    ==========================  ==============  ==========================================
+
+    It completes when ``recvs_left == sends_left == 0`` (OpTable.complete), and fails at
+    most once (OpTable.fail); after either, ``finished`` is set and pieces still arriving
+    for it are discarded.
+    """
 
     __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
                  "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",

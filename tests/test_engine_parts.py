@@ -1,0 +1,815 @@
+"""Each part of the engine alone, in one process, its collaborators replaced by fakes that
+record what they are asked (no transport, no other rank).  The whole engine over the
+in-process transport is test_engine_inproc.py's."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import threading
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pytest
+
+import totalreduce
+from totalreduce.config import Config
+from totalreduce.engine.algorithms import chain_broadcast, doubling_allreduce
+from totalreduce.engine.applier import Applier
+from totalreduce.engine.departures import Departures
+from totalreduce.engine.driving import Driver
+from totalreduce.engine.floating import Floating
+from totalreduce.engine.handler import Handler
+from totalreduce.engine.inbox import Inbox
+from totalreduce.engine.job import JobState
+from totalreduce.engine.ledger import CreditLedger
+from totalreduce.engine.loop import Loop
+from totalreduce.engine.mismatch_tracker import MismatchTracker
+from totalreduce.engine.opstate import FloatingBody, LiveOp
+from totalreduce.engine.optable import OpTable
+from totalreduce.engine.outbox import Outbox
+from totalreduce.engine.payload import OpFuture, OpSpec
+from totalreduce.engine.peers import PeerEvents
+from totalreduce.engine.reducer import ReduceThread, ScratchPool
+from totalreduce.engine.schedule import Schedule
+from totalreduce.engine.serving import JoinServer
+from totalreduce.engine.starter import Starter
+from totalreduce.exceptions import (
+    MismatchError,
+    OpTimeoutError,
+    PeerFailureError,
+    TotalReduceError,
+    TransportClosedError,
+)
+from totalreduce.transport.wire import (
+    FLAG_CREDITED,
+    FLAG_READY,
+    Header,
+    Kind,
+    dtype_code,
+    unpack_header,
+)
+
+# --- fakes and makers ------------------------------------------------------------------
+
+
+class Fake:
+    """Records every method called on it, as (name, args); ``returns`` gives a method's
+    return value (a callable is called with the arguments).  Plain attributes may be set
+    as keywords."""
+
+    def __init__(self, returns: dict[str, Any] | None = None, **attrs: Any) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._returns = returns or {}
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, args + tuple(kwargs.values())))
+            value = self._returns.get(name)
+            return value(*args) if callable(value) else value
+        return method
+
+    def __len__(self) -> int:
+        return int(self._returns.get("len", 0))
+
+    def __contains__(self, item: object) -> bool:
+        return bool(self._returns.get("contains", False))
+
+    def named(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for called, args in self.calls if called == name]
+
+
+def spec_of(schedule: Schedule, work: np.ndarray, key: tuple[int, int] = (11, 0),
+            priority: int = 0, **describe: Any) -> OpSpec:
+    return OpSpec(key=key, label=f"allreduce 'op{key[0]}' (call #{key[1]})", sig=7,
+                  dtype=dtype_code(work.dtype), count=work.size,
+                  describe={"kind": "allreduce", "dtype": str(work.dtype),
+                            "shape": list(work.shape), "name": f"op{key[0]}", **describe},
+                  schedule=schedule, work=work, ufunc=np.add, priority=priority)
+
+
+def allreduce_op(key: tuple[int, int] = (11, 0), count: int = 4, priority: int = 0,
+                 rank: int = 0) -> LiveOp:
+    """Rank ``rank``'s part of a 2-rank allreduce by recursive doubling: one send to the
+    peer, one REDUCE receive from it that must wait for that send."""
+    work = np.arange(count, dtype=np.float32) + 1
+    return LiveOp(spec_of(doubling_allreduce(rank, 2, count, 1 << 20), work, key, priority),
+                  OpFuture())
+
+
+def data_header(op: LiveOp, src_step: int = 1, piece: int = 0, flags: int = 0,
+                **change: Any) -> Header:
+    spec = op.spec
+    header = Header(Kind.DATA, spec.dtype, flags, src_step, spec.key[0], spec.key[1],
+                    spec.sig, piece, spec.work.nbytes, spec.count)
+    return header._replace(**change)
+
+
+# --- the credit ledger -----------------------------------------------------------------
+
+
+def test_ledger_spends_returns_and_asks_to_send_once_a_quarter_is_owed() -> None:
+    wants: list[int] = []
+    ledger = CreditLedger([1, 2], 4096, wants.append)
+    assert ledger.spend(1, 1000) and ledger.credit(1) == 3096
+    assert not ledger.spend(1, 4000)  # not enough: nothing taken
+    assert ledger.credit(1) == 3096
+    assert ledger.spend(2, 0) and ledger.credit(2) == 4096 - 64  # a header's worth at least
+    ledger.grant(1, 1000)
+    assert ledger.credit(1) == 4096
+    ledger.owe(2, 500)
+    assert wants == [] and not ledger.due(2)
+    ledger.owe(2, 600)  # 1100 >= 4096 / 4
+    assert wants == [2] and ledger.due(2)
+    assert ledger.take_owed(2) == 1100 and ledger.take_owed(2) == 0
+    ledger.owe(1, 0)
+    assert wants == [2]
+    ledger.early_ready((5, 0), 1)
+    ledger.early_ready((5, 0), 2)
+    assert ledger.pop_early((5, 0)) == {1, 2} and ledger.pop_early((5, 0)) == set()
+
+
+# --- the outbox ------------------------------------------------------------------------
+
+
+def _outbox(budget: int = 1 << 20) -> tuple[Outbox, Fake, CreditLedger]:
+    transport = Fake()
+    ledger = CreditLedger([1], budget, transport.want_send)
+    return Outbox([1], ledger, transport), transport, ledger  # type: ignore[arg-type]
+
+
+def test_outbox_sends_control_first_then_the_most_urgent_piece() -> None:
+    outbox, transport, _ledger = _outbox()
+    big = allreduce_op((1, 0), count=1000, priority=0)
+    urgent = allreduce_op((2, 0), count=4, priority=5)
+    for op in (big, urgent):
+        op.ready_peers.add(1)
+    outbox.queue(big, big.spec.schedule.first[0])
+    outbox.queue(urgent, urgent.spec.schedule.first[0])
+    outbox.control(1, Header(Kind.GOODBYE))
+    assert transport.named("want_send") == [(1,), (1,), (1,)]
+    kinds = []
+    while (out := outbox.next_outgoing(1)) is not None:
+        header = unpack_header(out.header)
+        kinds.append((Kind(header.kind).name, header.name_key))
+    assert kinds == [("GOODBYE", 0), ("DATA", 2), ("DATA", 1)]
+
+
+def test_outbox_parks_pieces_without_credit_until_the_peer_is_ready() -> None:
+    outbox, _transport, ledger = _outbox(budget=64)
+    op = allreduce_op(count=100)  # 400 bytes: more than the peer lets us float
+    outbox.begin(op)
+    assert op.announce == {1}  # our READY would ride on the first DATA ...
+    assert outbox.next_outgoing(1) is None  # ... which must wait: parked
+    assert op.announce == set() and outbox.parks == 1
+    out = outbox.next_outgoing(1)  # so the READY goes alone
+    assert out is not None and Kind(unpack_header(out.header).kind) == Kind.READY
+    assert outbox.next_outgoing(1) is None
+    outbox.peer_ready(op, 1)
+    out = outbox.next_outgoing(1)
+    assert out is not None
+    header = unpack_header(out.header)
+    assert header.kind == Kind.DATA and not header.flags & FLAG_CREDITED
+    assert outbox.sent(out.token) is op and op.sends_left == 0 and op.left == {(1, 1, 0)}
+    assert ledger.credit(1) == 64
+
+
+def test_outbox_spends_credit_and_flags_ready_on_the_first_data() -> None:
+    outbox, _transport, ledger = _outbox()
+    op = allreduce_op(count=100)
+    outbox.begin(op)
+    out = outbox.next_outgoing(1)
+    assert out is not None
+    header = unpack_header(out.header)
+    assert header.flags & FLAG_CREDITED and header.flags & FLAG_READY
+    assert ledger.credit(1) == (1 << 20) - 400 and outbox.ready_sent == 0
+
+
+def test_outbox_skips_the_pieces_of_an_ended_op_and_forgets_what_it_parked() -> None:
+    outbox, _transport, _ledger = _outbox(budget=64)
+    op = allreduce_op(count=100)
+    outbox.queue(op, op.spec.schedule.first[0])
+    assert outbox.next_outgoing(1) is None  # parked: no credit
+    outbox.drop_op(op.spec.key)
+    outbox.unpark(1)
+    assert outbox.next_outgoing(1) is None
+    done = allreduce_op((3, 0))
+    done.ready_peers.add(1)
+    outbox.queue(done, done.spec.schedule.first[0])
+    done.finished = True
+    assert outbox.next_outgoing(1) is None
+    assert outbox.sent(object()) is None
+
+
+# --- the op table ----------------------------------------------------------------------
+
+
+def test_op_table_completes_fails_once_and_tells_the_parts_that_keep_per_op_state() -> None:
+    forgotten: list[Any] = []
+    ops = OpTable()
+    ops.on_fail(forgotten.append)
+    op = allreduce_op((1, 0))
+    ops.active[op.spec.key] = op
+    ops.complete(op)  # its send and receive are still due
+    assert not op.future.done()
+    op.recvs_left = op.sends_left = 0
+    ops.complete(op)
+    assert op.future.done() and op.future.error() is None and (1, 0) in ops.done
+    other = allreduce_op((2, 0))
+    ops.active[other.spec.key] = other
+    error = TotalReduceError("boom")
+    ops.fail(other, error)
+    ops.fail(other, TotalReduceError("again"))
+    assert other.future.error() is error and forgotten == [(2, 0)]
+    assert not ops.active and ops.known((2, 0))
+    ops.refuse((9, 4))
+    assert (9, 4) in ops.done and (9, 3) not in ops.done
+
+
+def test_op_table_forgets_a_name_even_while_one_of_its_ops_runs() -> None:
+    ops = OpTable()
+    op = allreduce_op((1, 0))
+    ops.active[op.spec.key] = op
+    ops.done.add((1, 5))
+    ops.forget(1)
+    assert (1, 5) not in ops.done and op.forgotten
+    ops.fail(op, TotalReduceError("x"))
+    assert not ops.known((1, 0))  # a later use of the name starts at call 0 again
+
+
+# --- floating bodies -------------------------------------------------------------------
+
+
+def test_floating_bodies_are_counted_until_taken_and_their_credit_owed_back() -> None:
+    ledger, scratch = Fake(), Fake()
+    floating = Floating(ledger, scratch)  # type: ignore[arg-type]
+    op = allreduce_op()
+    header = data_header(op, flags=FLAG_CREDITED)
+    body = memoryview(bytearray(16))
+    floating.receiving(100)
+    floating.keep(FloatingBody(1, header, body, 100))
+    assert op.spec.key in floating and floating.bytes == 100 and floating.peak == 100
+    assert floating.first_arrival(op.spec.key) > 0 and floating.first_arrival((0, 0)) == 0
+    assert floating.waiting() == [(1, header)]
+    items = floating.take(op.spec.key)
+    assert [item.buf for item in items] == [body] and floating.bytes == 0
+    assert ledger.named("owe") == [(1, 100)]
+    floating.receiving(50)
+    floating.keep(FloatingBody(1, header, body, 50))
+    floating.drop(op.spec.key)
+    assert scratch.named("put") == [(body,)] and ledger.named("owe")[-1] == (1, 50)
+    floating.receiving(70)
+    floating.keep(FloatingBody(1, header, body, 70))
+    floating.clear()  # a broken job owes no credit
+    assert floating.bytes == 0 and len(ledger.named("owe")) == 2 and floating.peak == 100
+
+
+# --- the mismatch tracker --------------------------------------------------------------
+
+
+def test_mismatch_tracker_gathers_both_views_and_fails_the_op_naming_each_rank() -> None:
+    ops, outbox = OpTable(), Fake()
+    tracker = MismatchTracker(0, 2, ops, outbox, grace=5.0)  # type: ignore[arg-type]
+    op = allreduce_op()
+    ops.active[op.spec.key] = op
+    fits = data_header(op)
+    assert tracker.check(op, 1, fits) is op.spec.schedule.recvs[(1, 1, 0)]
+    wrong = data_header(op, dtype=dtype_code(np.dtype(np.float64)), count=5)
+    assert tracker.check(op, 1, wrong) is None
+    assert op.mismatch is not None and len(tracker) == 1
+    assert [h.kind for h, _body in outbox.named("tell_all")] == [Kind.MISMATCH]
+    assert not op.future.done()  # the peer's own view is not in yet
+    tracker.heard(1, op.spec.key, {"kind": "allreduce", "dtype": "float64", "shape": [5]})
+    error = op.future.error()
+    assert isinstance(error, MismatchError)
+    text = str(error)
+    assert "rank 0: kind=allreduce, dtype=float32, shape=(4,)" in text
+    assert "rank 1: kind=allreduce, dtype=float64, shape=(5,)" in text
+    assert "(differs: dtype, shape)" in text
+    tracker.forget(op.spec.key)
+    assert len(tracker) == 0
+
+
+def test_mismatch_heard_before_the_op_starts_joins_it_at_start() -> None:
+    ops, outbox = OpTable(), Fake()
+    tracker = MismatchTracker(0, 2, ops, outbox, grace=5.0)  # type: ignore[arg-type]
+    op = allreduce_op()
+    tracker.heard(1, op.spec.key, {"kind": "broadcast"})
+    ops.active[op.spec.key] = op
+    assert tracker.started(op)
+    assert isinstance(op.future.error(), MismatchError)
+    assert not tracker.started(allreduce_op((99, 0)))
+
+
+def test_mismatch_due_after_the_grace_period_with_views_missing() -> None:
+    ops, outbox = OpTable(), Fake()
+    tracker = MismatchTracker(0, 3, ops, outbox, grace=0.5)  # type: ignore[arg-type]
+    op = allreduce_op()
+    ops.active[op.spec.key] = op
+    tracker.heard(1, op.spec.key, {"kind": "broadcast"})
+    assert tracker.started(op) and not op.future.done()  # rank 2 not heard from
+    assert tracker.due(0.0) == []
+    [(due_op, error)] = tracker.due(float("inf"))
+    assert due_op is op and "ranks [2]: not heard from" in str(error)
+
+
+# --- serving after join ----------------------------------------------------------------
+
+
+def test_join_server_serves_only_ops_begun_before_its_round_ended() -> None:
+    serving = JoinServer()
+    old = Header(Kind.READY, name_key=1, recipe=1, epoch=0)
+    assert not serving.serves(old)
+    serving.remember(old)
+    serving.remember(Header(Kind.READY, name_key=2, recipe=0))  # cannot be served: not kept
+    built: list[Header] = []
+
+    def server(header: Header) -> OpSpec | None:
+        built.append(header)
+        return None
+
+    assert serving.begin(server) == [old]
+    assert serving.serves(old)
+    assert not serving.serves(old._replace(epoch=1))
+    assert serving.spec_for(old) is None and built == [old]
+    assert serving.begin(server) == []  # spec_for took it
+    serving.joined()
+    serving.joined()
+    assert serving.epoch == 2
+
+
+# --- applying pieces -------------------------------------------------------------------
+
+
+def _applier(ops: OpTable, outbox: Any = None, reducer: Any = None,
+             reduce_min: int = 0) -> tuple[Applier, ScratchPool]:
+    scratch = ScratchPool(1 << 20)
+    mismatches = Fake(returns={
+        "check": lambda op, peer, header: op.spec.schedule.recvs.get(
+            (peer, header.step, header.piece))})
+    outbox = outbox if outbox is not None else Fake()
+    return Applier(0, ops, outbox, mismatches, scratch,  # type: ignore[arg-type]
+                   reducer, reduce_min), scratch
+
+
+def test_applier_holds_a_reduction_until_the_send_it_would_overwrite_has_left() -> None:
+    ops = OpTable()
+    applier, scratch = _applier(ops)
+    op = allreduce_op()
+    ops.active[op.spec.key] = op
+    peer_data = np.full(4, 10, np.float32)
+    applier.deliver(op, 1, data_header(op), memoryview(peer_data).cast("B"), False)
+    assert op.held and op.recvs_left == 1  # our send of the same bytes has not left
+    np.testing.assert_array_equal(op.spec.work, [1, 2, 3, 4])
+    op.sends_left = 0
+    op.left.add((1, 1, 0))
+    applier.send_left(op)
+    np.testing.assert_array_equal(op.spec.work, [11, 12, 13, 14])
+    assert op.future.done() and op.future.error() is None and op.pending_from[1] == 0
+    assert scratch.idle_bytes > 0  # the held copy went back to the pool
+
+
+def test_applier_copies_a_piece_and_queues_the_sends_it_unlocks() -> None:
+    ops, outbox = OpTable(), Fake()
+    applier, _scratch = _applier(ops, outbox)
+    work = np.zeros(4, np.int32)
+    op = LiveOp(spec_of(chain_broadcast(1, 2, 0, 4, 1 << 20), work), OpFuture())
+    ops.active[op.spec.key] = op
+    body = np.array([5, 6, 7, 8], np.int32)
+    applier.deliver(op, 0, data_header(op, src_step=0), memoryview(body).cast("B"), False)
+    np.testing.assert_array_equal(work, body)
+    [(queued_op, send)] = outbox.named("queue")
+    assert queued_op is op and send.peer == 0  # the broadcast's acknowledgement
+    assert not op.future.done()  # until that has left
+
+
+def test_applier_hands_big_reductions_to_the_reduce_thread_and_fails_on_its_error() -> None:
+    ops, reducer = OpTable(), Fake()
+    applier, _scratch = _applier(ops, reducer=reducer, reduce_min=1)
+    op = allreduce_op()
+    ops.active[op.spec.key] = op
+    op.left.add((1, 1, 0))
+    applier.deliver(op, 1, data_header(op), memoryview(bytearray(16)), True)
+    [(_ufunc, _dest, _buf, token)] = reducer.named("submit")
+    applier.reduced(token, ValueError("bad"))
+    error = op.future.error()
+    assert isinstance(error, TotalReduceError) and "reduction failed" in str(error)
+
+
+# --- starting ops ----------------------------------------------------------------------
+
+
+def _starter(**over: Any) -> tuple[Starter, dict[str, Any]]:
+    parts: dict[str, Any] = {
+        "job": Fake(rank=0, broken=None), "ops": OpTable(),
+        "ledger": Fake(returns={"pop_early": lambda key: {1}}),
+        "outbox": Fake(), "floating": Fake(returns={"first_arrival": 0.0, "take": []}),
+        "applier": Fake(), "mismatches": Fake(),
+        "departures": Fake(returns={"departed": set}), "serving": JoinServer(),
+        "scratch": Fake(), "resume": lambda: None}
+    parts.update(over)
+    return Starter(**parts), parts
+
+
+def test_starter_starts_an_op_with_its_early_readies_and_hands_it_to_the_outbox() -> None:
+    starter, parts = _starter()
+    op_future = OpFuture()
+    spec = allreduce_op().spec
+    starter.start(spec, op_future)
+    op = parts["ops"].active[spec.key]
+    assert op.ready_peers == {1} and spec.epoch == 0
+    assert parts["outbox"].named("begin") == [(op,)]
+    starter.start(spec, second := OpFuture())
+    assert "submitted twice" in str(second.error())
+
+
+def test_starter_applies_pieces_that_floated_in_before_the_op() -> None:
+    item = FloatingBody(1, Header(Kind.DATA), memoryview(bytearray(16)), 0)
+    floating = Fake(returns={"first_arrival": 3.0, "take": [item], "contains": True})
+    starter, parts = _starter(floating=floating)
+    spec = allreduce_op().spec
+    starter.start(spec, OpFuture())
+    op = parts["ops"].active[spec.key]
+    assert op.t_floated == 3.0
+    assert parts["applier"].named("deliver") == [(op, 1, item.header, item.buf, True)]
+
+
+def test_starter_refuses_an_op_that_cannot_run() -> None:
+    broken = TotalReduceError("job broken")
+    starter, _parts = _starter(job=Fake(rank=0, broken=broken))
+    future = OpFuture()
+    starter.start(allreduce_op().spec, future)
+    assert future.error() is broken
+
+    departures = Fake(returns={"departed": lambda: {1}})
+    starter, parts = _starter(departures=departures)
+    future = OpFuture()
+    spec = allreduce_op().spec
+    starter.start(spec, future)
+    error = future.error()
+    assert isinstance(error, PeerFailureError) and error.rank == 1 and error.orderly
+    assert "needs rank 1, which has shut down" in str(error)
+    assert departures.named("tell_op_failed")[0][:2] == (spec.key, 1)
+    assert spec.key in parts["ops"].done
+
+    starter, parts = _starter()
+    early = PeerFailureError(1, "rank 1 left", orderly=True)
+    parts["ops"].failed_early.put(spec.key, early)
+    future = OpFuture()
+    starter.start(spec, future)
+    assert future.error() is early
+
+
+def test_starter_refuses_to_serve_what_a_joined_rank_cannot_build() -> None:
+    mismatches = Fake()
+    starter, parts = _starter(mismatches=mismatches)
+    header = Header(Kind.READY, name_key=4, recipe=1)
+    assert not starter.try_serve(header)  # not joined
+    parts["serving"].begin(lambda header: None)
+    assert starter.try_serve(header)
+    assert (4, 0) in parts["ops"].done
+    [(key, view)] = mismatches.named("tell_view")
+    assert key == (4, 0) and "called join()" in view["kind"]
+
+
+# --- what peers tell us ----------------------------------------------------------------
+
+
+def _peer_events(**over: Any) -> tuple[PeerEvents, dict[str, Any]]:
+    parts: dict[str, Any] = {
+        "job": Fake(rank=0, closing=False), "ops": OpTable(), "outbox": Fake(),
+        "ledger": Fake(), "mismatches": Fake(), "departures": Fake(bye=set()),
+        "serving": Fake(), "starter": Fake(returns={"try_serve": False})}
+    parts.update(over)
+    return PeerEvents(**parts), parts
+
+
+def test_peer_ready_unparks_a_running_op_or_is_kept_for_a_later_one() -> None:
+    events, parts = _peer_events()
+    op = allreduce_op()
+    parts["ops"].active[op.spec.key] = op
+    events.ready(1, Header(Kind.READY, name_key=11))
+    assert parts["outbox"].named("peer_ready") == [(op, 1)]
+    later = Header(Kind.READY, name_key=12, recipe=1)
+    events.control(1, later, b"")
+    assert parts["ledger"].named("early_ready") == [((12, 0), 1)]
+    assert parts["serving"].named("remember") == [(later,)]
+
+
+def test_peer_abort_and_a_lost_link_break_the_job_naming_the_lost_rank() -> None:
+    events, parts = _peer_events()
+    events.control(2, Header(Kind.ABORT, step=2), b"rank 1 failed: ValueError")
+    [(error, lost)] = parts["job"].named("break_job")
+    assert isinstance(error, PeerFailureError) and lost == 1
+    assert "reported by rank 2" in str(error)
+    events.lost(3, "connection reset", orderly=False)
+    error, lost = parts["job"].named("break_job")[-1]
+    assert lost == 3 and "lost rank 3: connection reset" in str(error)
+    assert parts["outbox"].named("close") == [(3,)]
+
+    events, parts = _peer_events(job=Fake(rank=0, closing=True))
+    events.lost(3, "eof", orderly=False)
+    assert parts["job"].named("break_job") == []  # we are leaving anyway
+
+
+def test_peer_goodbye_fails_only_the_ops_that_still_need_it() -> None:
+    events, parts = _peer_events()
+    ops = parts["ops"]
+    needs = allreduce_op((1, 0))
+    spared = allreduce_op((2, 0))
+    spared.pending_from[1] = 0
+    spared.sends_left = 0
+    spared.left.add((1, 1, 0))
+    for op in (needs, spared):
+        ops.active[op.spec.key] = op
+    events.control(1, Header(Kind.GOODBYE), b"")
+    assert 1 in parts["departures"].bye
+    error = needs.future.error()
+    assert isinstance(error, PeerFailureError) and error.orderly
+    assert not spared.future.done()
+    assert [args[:2] for args in parts["departures"].named("tell_op_failed")] == \
+        [((1, 0), 1)]
+    events.control(2, Header(Kind.OP_FAILED, step=2, name_key=2), b"rank 1 shut down")
+    assert isinstance(spared.future.error(), PeerFailureError)
+    events.control(2, Header(Kind.OP_FAILED, step=2, name_key=3), b"rank 1 shut down")
+    assert ops.failed_early.get((3, 0)) is not None
+
+
+# --- routing arriving bodies -----------------------------------------------------------
+
+
+def _inbox(**over: Any) -> tuple[Inbox, dict[str, Any]]:
+    ops = OpTable()
+    parts: dict[str, Any] = {
+        "job": Fake(rank=0, broken=None, returns={"usable": True}), "ops": ops,
+        "ledger": Fake(), "outbox": Fake(),
+        "mismatches": Fake(returns={"check": lambda op, peer, h: op.spec.schedule.recvs.get(
+            (peer, h.step, h.piece))}),
+        "floating": Fake(), "applier": Fake(), "starter": Fake(returns={"try_serve": False}),
+        "peers": Fake(), "scratch": ScratchPool(1 << 20), "use_in_place": True}
+    parts.update(over)
+    return Inbox(**parts), parts
+
+
+def test_inbox_routes_by_header_alone() -> None:
+    inbox, parts = _inbox()
+    ops = parts["ops"]
+    work = np.zeros(4, np.int32)
+    op = LiveOp(spec_of(chain_broadcast(1, 2, 0, 4, 1 << 20), work), OpFuture())
+    ops.active[op.spec.key] = op
+    header = data_header(op, src_step=0, flags=FLAG_CREDITED)
+    buf = inbox.body_buffer(0, header)
+    assert np.shares_memory(np.frombuffer(buf, np.int32), work)  # straight into place
+    inbox.received(0, header, buf)
+    assert parts["applier"].named("applied")[0][0] is op
+    assert parts["ledger"].named("owe") == [(0, 64)]  # a header's worth at least
+
+    unknown = header._replace(name_key=99)
+    buf = inbox.body_buffer(0, unknown)
+    inbox.received(0, unknown, buf)
+    assert parts["floating"].named("receiving") == [(64,)]
+    [(item,)] = parts["floating"].named("keep")
+    assert item.header == unknown
+
+    ops.refuse((98, 0))
+    late = header._replace(name_key=98)
+    inbox.received(0, late, inbox.body_buffer(0, late))
+    assert parts["ledger"].named("owe")[-1] == (0, 64)  # discarded, credit returned
+
+    note = Header(Kind.GOODBYE, nbytes=3)
+    inbox.body_buffer(0, note)[:] = b"bye"
+    inbox.received(0, note, memoryview(b"bye"))
+    assert parts["peers"].named("control") == [(0, note, b"bye")]
+
+
+def test_inbox_passes_on_credit_and_readies_carried_on_headers() -> None:
+    inbox, parts = _inbox()
+    op = allreduce_op()
+    parts["ops"].active[op.spec.key] = op
+    header = data_header(op, flags=FLAG_READY, credit=500)
+    inbox.received_view(1, header, memoryview(bytearray(16)))
+    assert parts["ledger"].named("grant") == [(1, 500)]
+    assert parts["outbox"].named("unpark") == [(1,)]
+    assert parts["peers"].named("ready") == [(1, header)]
+    assert parts["applier"].named("deliver")[0][0] is op
+    assert inbox.can_defer(1, header._replace(name_key=5)) is False  # an op runs
+
+
+# --- the job's state -------------------------------------------------------------------
+
+
+def test_breaking_the_job_fails_every_op_and_tells_every_peer_still_there() -> None:
+    ops = OpTable()
+    outbox = Fake(peers=[1, 2, 3], closed={3})
+    floating, resumed = Fake(), []
+    job = JobState(0, 4, outbox, ops, floating, lambda: resumed.append(1))  # type: ignore
+    op = allreduce_op()
+    ops.active[op.spec.key] = op
+    error = PeerFailureError(2, "rank 0: lost rank 2")
+    job.break_job(error, lost=2)
+    job.break_job(TotalReduceError("later"))
+    assert job.broken is error and not job.usable() and op.future.error() is error
+    assert [args[0] for args in outbox.named("control")] == [1]  # not 2 (lost), not 3
+    header = outbox.named("control")[0][1]
+    assert header.kind == Kind.ABORT and header.step == 3
+    assert floating.named("clear") == [()] and resumed == [1]
+
+
+def test_departures_are_closed_links_and_goodbyes() -> None:
+    outbox = Fake(closed={2})
+    departures = Departures(outbox)  # type: ignore[arg-type]
+    departures.bye.add(3)
+    assert departures.departed() == {2, 3}
+    departures.tell_op_failed((5, 1), 3, "rank 3 shut down")
+    [(header, body, skip)] = outbox.named("tell_all")
+    assert header.kind == Kind.OP_FAILED and header.step == 4 and header.op_key == (5, 1)
+    assert body == b"rank 3 shut down" and skip == {3}
+
+
+# --- the loop, the handler, the driver -------------------------------------------------
+
+
+def _loop(config: Config | None = None, **over: Any) -> tuple[Loop, dict[str, Any]]:
+    ops = OpTable()
+    parts: dict[str, Any] = {
+        "job": JobState(0, 2, Fake(peers=[1], closed=set()), ops, Fake(), lambda: None),
+        "config": config or Config(), "transport": Fake(returns={
+            "has_backlog": False, "pending_output": False, "close_writes": True}),
+        "ops": ops, "outbox": Fake(peers=[1], closed=set(), returns={"has_control": False}),
+        "applier": Fake(), "mismatches": Fake(returns={"due": []}), "starter": Fake(),
+        "serving": Fake(), "completions": deque()}
+    parts.update(over)
+    return Loop(**parts), parts
+
+
+def test_loop_runs_queued_commands_and_reduce_results_in_order() -> None:
+    loop, parts = _loop()
+    spec, future = allreduce_op().spec, OpFuture()
+    loop.commands.extend([("submit", spec, future), ("forget", 11, None),
+                          ("join", "server", None), ("joined", None, None)])
+    parts["completions"].append(("token", None))
+    assert loop.wanted()
+    loop.step(None)
+    assert parts["starter"].calls == [("start", (spec, future)), ("begin_join", ("server",))]
+    assert parts["serving"].named("joined") == [()]
+    assert parts["applier"].named("reduced") == [("token", None)]
+    assert parts["transport"].named("flush") == [()]  # a submit's turn reads nothing
+
+
+def test_loop_housekeeping_fails_overdue_ops_and_shutdown_says_goodbye() -> None:
+    loop, parts = _loop(Config(op_timeout=1e-9))
+    ops = parts["ops"]
+    op = allreduce_op()
+    ops.active[op.spec.key] = op
+    loop._next_check = 0.0
+    loop.step(0)
+    assert isinstance(op.future.error(), OpTimeoutError)
+    assert "TOTALREDUCE_OP_TIMEOUT" in str(op.future.error())
+
+    waiting = allreduce_op((2, 0))
+    ops.active[waiting.spec.key] = waiting
+    loop.commands.append(("shutdown", None, None))
+    loop.step(0)
+    assert isinstance(waiting.future.error(), TransportClosedError)
+    assert [h.kind for h, *_ in parts["outbox"].named("tell_all")] == [Kind.GOODBYE]
+    assert loop.leaving() and not loop.ended
+    parts["outbox"].closed.add(1)  # the peer read our end and closed its own
+    loop.step(0)
+    assert loop.ended and loop.closed.is_set() and parts["transport"].named("abort")
+
+
+def test_loop_breaks_the_job_on_an_internal_error_instead_of_hanging() -> None:
+    loop, parts = _loop(starter=Fake(returns={"start": _raise}))
+    future = OpFuture()
+    loop.commands.append(("submit", allreduce_op().spec, future))
+    loop.step(0)
+    assert loop.ended and "internal error in the progress loop" in str(parts["job"].broken)
+
+
+def _raise(*args: Any) -> None:
+    raise RuntimeError("bug")
+
+
+def test_handler_sends_each_event_to_its_part() -> None:
+    op = allreduce_op()
+    outbox, inbox, applier, peers = Fake(returns={"sent": op}), Fake(), Fake(), Fake()
+    handler = Handler(outbox, inbox, applier, peers)  # type: ignore[arg-type]
+    handler.sent(1, "token")
+    assert outbox.named("sent") == [("token",)] and applier.named("send_left") == [(op,)]
+    handler.peer_lost(1, "eof", True)
+    assert inbox.named("lost") == [(1,)] and peers.named("lost") == [(1, "eof", True)]
+
+
+def test_driver_drives_the_loop_on_the_waiting_thread_until_the_future_resolves() -> None:
+    future = OpFuture()
+    turns: list[Any] = []
+
+    class FakeLoop:
+        ended = False
+
+        def step(self, timeout: float | None, until: OpFuture | None = None) -> None:
+            turns.append((timeout, until))
+            if len(turns) == 3:
+                future.resolve(None)
+
+        def wanted(self) -> bool:
+            return False
+
+        def idle_for(self) -> float | None:
+            return 0.0
+
+        def leaving(self) -> bool:
+            return False
+
+    driver = Driver(0, Fake(), FakeLoop(), threading.Event())  # type: ignore[arg-type]
+    assert driver.wait(future, timeout=5.0)
+    assert len(turns) == 3 and all(until is future for _t, until in turns)
+    assert turns[0][0] is not None  # a waiting turn may block in poll
+    assert not driver.wait(OpFuture(), timeout=0.0)
+
+
+def test_reduce_thread_reduces_in_order_and_reports_each_result() -> None:
+    done: deque[Any] = deque()
+    woken = threading.Semaphore(0)
+    reducer = ReduceThread(done.append, woken.release)
+    dest = np.ones(3, np.float32)
+    reducer.submit(np.add, dest, memoryview(np.full(3, 2, np.float32)).cast("B"), "a")
+    reducer.submit(np.add, dest[:0], memoryview(b""), "b")
+    for _ in range(2):
+        assert woken.acquire(timeout=30)
+    reducer.stop()
+    assert list(done) == [("a", None), ("b", None)]
+    np.testing.assert_array_equal(dest, [3, 3, 3])
+
+
+# --- who writes a live op's fields -----------------------------------------------------
+
+_ENGINE_DIR = pathlib.Path(totalreduce.__file__).parent / "engine"
+
+_OWNERS = {
+    "ready_peers": {"outbox"}, "announce": {"outbox"}, "sends_left": {"outbox"},
+    "left": {"outbox"}, "got": {"applier"}, "held": {"applier"},
+    "recvs_left": {"applier"}, "pending_from": {"applier"}, "t_first": {"applier"},
+    "mismatch": {"mismatch_tracker"}, "warned": {"stall"},
+    "finished": {"optable"}, "forgotten": {"optable"},
+}
+_MUTATORS = {"add", "discard", "append", "pop", "clear", "update", "remove"}
+
+
+def _writes(tree: ast.AST) -> set[str]:
+    """Fields of any object written in ``tree``: assigned, augmented, subscripted or
+    changed through a mutating method."""
+    fields: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets
+                       for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _MUTATORS:
+            targets = [node.func.value]
+        for target in targets:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and not (
+                    isinstance(target.value, ast.Name) and target.value.id == "self"):
+                fields.add(target.attr)
+    return fields
+
+
+def test_each_live_op_field_is_written_only_by_the_part_that_owns_its_phase() -> None:
+    engine_dir = _ENGINE_DIR
+    strays = []
+    for path in sorted(engine_dir.glob("*.py")):
+        if path.stem == "opstate":
+            continue  # the constructor
+        for field in _writes(ast.parse(path.read_text())) & set(_OWNERS):
+            if path.stem not in _OWNERS[field]:
+                strays.append(f"{path.name} writes LiveOp.{field}")
+    assert strays == []
+    assert set(_OWNERS) | {"spec", "future", "t_start", "t_floated", "itemsize",
+                           "work_bytes", "source_bytes"} == set(LiveOp.__slots__)
+
+
+@pytest.mark.parametrize("part", ["applier", "departures", "floating", "handler", "inbox",
+                                  "job", "loop", "mismatch_tracker", "optable", "outbox",
+                                  "peers", "serving", "starter", "driving", "stall"])
+def test_no_part_holds_the_engine(part: str) -> None:
+    path = _ENGINE_DIR / f"{part}.py"
+    reaches = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "engine":
+            reaches.append(f"imports from .engine (line {node.lineno})")
+        elif isinstance(node, ast.Attribute) and node.attr in ("engine", "_engine"):
+            reaches.append(f".{node.attr} (line {node.lineno})")
+        elif isinstance(node, ast.Name) and node.id in ("engine", "Engine"):
+            reaches.append(f"{node.id} (line {node.lineno})")
+    assert reaches == []
