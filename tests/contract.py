@@ -126,10 +126,10 @@ def check_rank(transport: Transport, timeout: float = 60.0) -> dict[str, int]:
     timer = threading.Timer(0.2, transport.wake)
     start = time.monotonic()
     timer.start()
-    transport.poll(10.0)
+    transport.poll(60.0)
     woke_after = time.monotonic() - start
     timer.join()
-    assert woke_after < 5.0, f"poll() returned {woke_after:.1f} s after wake()"
+    assert woke_after < 30.0, f"poll(60) returned {woke_after:.1f} s after wake()"
 
     _check_counts(transport, rec)
 

@@ -37,6 +37,13 @@ from totalreduce.launcher.mpiexec import find_mpiexec
 HERE = Path(__file__).resolve().parent
 TRANSPORTS = ("shm", "tcp", "mpi")
 
+# Ceilings for "fails fast" and "the job ends": far above what the step takes on a loaded
+# 2-core machine (under a few seconds), far below what a hang runs into (the job's own
+# timeout, or TOTALREDUCE_OP_TIMEOUT).  Tests assert order and outcome; these only catch
+# a hang.
+PROMPTLY = 20.0
+JOB_ENDS = 40.0
+
 
 mpiexec = find_mpiexec
 

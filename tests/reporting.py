@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +37,22 @@ def read_reports(folder: str) -> dict[int, dict[str, Any]]:
     for path in Path(folder).glob("*.json"):
         out[int(path.stem)] = json.loads(path.read_text())
     return out
+
+
+def wait_for_report(rank: int, key: str, timeout: float) -> bool:
+    """Wait until rank ``rank`` has reported ``key`` (True), or ``timeout`` seconds pass
+    (False).  Lets a test order events across ranks without guessing how long a step
+    takes: a rank that must outlast a peer's step waits for the peer to report it."""
+    folder = os.environ.get("WORKER_REPORT_DIR")
+    if not folder:
+        return True
+    path = Path(folder) / f"{rank}.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if key in json.loads(path.read_text()):
+                return True
+        except (OSError, ValueError):
+            pass  # not written yet
+        time.sleep(0.05)
+    return False

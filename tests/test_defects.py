@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import HERE, launch, mpiexec, run_ok
+from harness import HERE, JOB_ENDS, PROMPTLY, launch, mpiexec, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,7 +60,7 @@ def test_disagreeing_broadcast_raises_on_every_rank(n: int, variant: str,
         got = result.report(r)
         assert not got.get("returned_data") and "mismatch" in got, result.explain()
         msg = got["mismatch"]
-        assert got["after_s"] < 5, got
+        assert got["after_s"] < PROMPTLY, got
         assert f"rank {r}: ranks disagree on broadcast 'weights'" in msg or \
             f"rank {r}: ranks disagree on allreduce 'weights'" in msg, msg
         assert f"differs: {differs}" in msg or f"differs: {differs}," in msg \
@@ -82,11 +82,12 @@ def test_exception_on_one_rank_fails_every_rank_fast(launch_kind: str) -> None:
         assert got.get("caught_rank") == victim, result.explain()
         assert "RuntimeError: boom on rank 1" in got["caught"], got
         t_caught = got["caught_at"]
-        assert t_caught - t_raise < 5, f"rank {r} learned of it after {t_caught - t_raise}s"
+        assert t_caught - t_raise < PROMPTLY, \
+            f"rank {r} learned of it after {t_caught - t_raise}s"
     # The failing rank's own traceback, printed once and not buried under the library's.
     own = [ln for ln in result.lines(victim) if "RuntimeError: boom on rank 1" in ln]
     assert len(own) == 1, result.explain()
-    assert result.elapsed < 20, result.explain()
+    assert result.elapsed < JOB_ENDS, result.explain()
     if launch_kind in ("shm", "tcp"):
         assert re.search(rf"rank {victim} \(pid \d+\) failed: exit code 1", result.stderr), \
             result.explain()
@@ -97,14 +98,14 @@ def test_rank_leaving_fails_the_ops_that_need_it(transport: str) -> None:
     for r in (0, 2):
         got = result.report(r)
         assert got.get("caught_rank") == 1, result.explain()
-        assert got["after_s"] < 3, got
+        assert got["after_s"] < PROMPTLY, got
 
 
 def test_a_slow_rank_does_not_hold_up_the_others_shutdown(transport: str) -> None:
-    result = run_ok(2, "workers:slow_to_shutdown", {"checkpoint": 3.0}, timeout=60,
+    result = run_ok(2, "workers:slow_to_shutdown", {"checkpoint": PROMPTLY}, timeout=60,
                     transport=transport)
-    took = [result.report(r)["shutdown_s"] for r in range(2)]
-    assert max(took) < 1.5, result.explain()
+    # Rank 1 held back its own shutdown() until rank 0's had returned.
+    assert result.report(1)["peer_left_first"] is True, result.explain()
     assert "goodbye" not in result.stderr and "WARNING" not in result.stderr, result.explain()
 
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from harness import launch, run_ok
+from harness import JOB_ENDS, PROMPTLY, launch, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,7 +23,7 @@ def test_mismatch_raises_on_every_rank(what: str, values: tuple[str, str],
         got = result.report(r)
         assert "mismatch" in got, result.explain()
         msg = got["mismatch"]
-        assert got["after_s"] < 10, got
+        assert got["after_s"] < PROMPTLY, got
         assert "'grad.w'" in msg and what.replace("layout", "shape") in msg, msg
         assert values[0] in msg and values[1] in msg, msg
         assert "rank 1:" in msg and "rank 0:" in msg, msg
@@ -33,14 +33,14 @@ def test_killed_worker_fails_every_rank_and_launcher() -> None:
     n = 3
     result = launch(n, "workers:killed_peer", {"victim": 1}, timeout=60)
     assert result.returncode != 0, result.explain()
-    assert result.elapsed < 15, result.explain()
+    assert result.elapsed < JOB_ENDS, result.explain()
     assert "rank 1" in result.stderr and "SIGKILL" in result.stderr, result.explain()
     assert re.search(r"rank 1 \(pid \d+\) failed: killed by SIGKILL", result.stderr)
     assert re.search(r"1\s+\d+\s+killed by SIGKILL\s+<- first failure", result.stderr)
     for r in (0, 2):
         got = result.report(r)
         assert got.get("caught_rank") == 1, result.explain()
-        assert got["after_s"] < 10, got
+        assert got["after_s"] < PROMPTLY, got
 
 
 def test_strangers_are_refused_and_job_finishes() -> None:
@@ -59,7 +59,8 @@ def test_op_timeout_fails_instead_of_hanging() -> None:
         got = result.report(r)
         assert f"'late{r}'" in got.get("timeout", ""), result.explain()
         assert "TOTALREDUCE_OP_TIMEOUT" in got["timeout"]
-        assert 1.4 < got["after_s"] < 5, got
+        assert got["after_s"] >= 1.5, got  # not before the limit
+        assert got["after_s"] < 1.5 + PROMPTLY, got
 
 
 def test_stall_warning_names_op_and_rank() -> None:
@@ -72,11 +73,13 @@ def test_stall_warning_names_op_and_rank() -> None:
 
 
 def test_stall_shutdown_time_fails_the_waiting_ranks() -> None:
-    result = run_ok(3, "workers:stall_shutdown", {"hold": 4.0},
+    result = run_ok(3, "workers:stall_shutdown", {"hold": 40.0},
                     env={"TOTALREDUCE_STALL_SHUTDOWN_TIME": "1"}, timeout=60)
     for r in (0, 1):
         got = result.report(r)
         assert got.get("kind") == "OpTimeoutError", result.explain()
         assert "'ghost'" in got["error"] and "not (yet) by rank(s) [2]" in got["error"], got
         assert "TOTALREDUCE_STALL_SHUTDOWN_TIME=1" in got["error"], got
-        assert 0.9 < got["after_s"] < 3.5, got
+        assert got["after_s"] >= 1.0, got  # not before the limit
+        assert got["after_s"] < 1.0 + PROMPTLY, got
+    assert result.report(2)["outlasted"] is True, result.explain()

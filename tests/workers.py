@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import totalreduce as tr
-from reporting import report
+from reporting import report, wait_for_report
 
 DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64, np.float16,
           np.float32, np.float64]
@@ -427,23 +427,24 @@ def stall(arg: dict) -> None:
 
 
 def stall_shutdown(arg: dict) -> None:
-    """Rank 2 never submits 'ghost'; with a stall shutdown time the others fail it."""
+    """Rank 2 never submits 'ghost'; with a stall shutdown time the others fail it.  It
+    stays (busy elsewhere: leaving would be another error) until both have."""
     tr.init()
     tr.allreduce(np.ones(3), name="before")
     start = time.monotonic()
     if tr.rank() == 2:
-        time.sleep(arg["hold"])  # busy elsewhere (not gone: that would be another error)
+        report(outlasted=all(wait_for_report(r, "kind", arg["hold"]) for r in (0, 1)))
     else:
         try:
             tr.allreduce(np.ones(3), name="ghost")
         except tr.TotalReduceError as exc:
             report(error=str(exc), kind=type(exc).__name__, after_s=time.monotonic() - start)
         else:
-            report(returned=True)
+            report(returned=True, kind=None)
         # Each waiting rank times out by its own clock (up to a housekeeping tick apart in
         # self-guided mode): leaving at once would fail a peer's copy of the op as "rank
         # shut down while needed" before its own timeout said why.
-        time.sleep(1.0)
+        wait_for_report(1 - tr.rank(), "kind", arg["hold"])
     tr.shutdown()
 
 
@@ -683,15 +684,15 @@ def leave_midop(arg: dict) -> None:
 
 
 def slow_to_shutdown(arg: dict) -> None:
-    """Rank 1 'saves a checkpoint' for a while before shutdown(): rank 0 leaves at once."""
+    """Rank 1 'saves a checkpoint' before shutdown(), and takes as long as rank 0's
+    shutdown does: rank 0 must leave without waiting for it."""
     tr.init()
     rank = tr.rank()
     tr.allreduce(np.ones(10), name="last")
     if rank == 1:
-        time.sleep(arg["checkpoint"])
-    start = time.monotonic()
+        report(peer_left_first=wait_for_report(0, "shut_down", arg["checkpoint"]))
     tr.shutdown()
-    report(shutdown_s=time.monotonic() - start)
+    report(shut_down=True)
 
 
 def interruptible_loop(arg: dict) -> None:
