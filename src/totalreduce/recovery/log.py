@@ -1,0 +1,65 @@
+"""What a rank keeps in memory so that a replacement can catch up without anyone
+recomputing: its last checkpoint, and the result of every collective since.
+
+The results are bounded by ``TOTALREDUCE_RECOVERY_LOG_BYTES``.  Past the bound the log
+stops taking results and says so once: a failure after that point cannot be recovered
+from this rank's memory (checkpoint more often, or raise the bound), and recovery then
+fails with that reason rather than replaying from a partial log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from .plan import OpId
+
+logger = logging.getLogger(__name__)
+
+
+class ResultLog:
+    def __init__(self, cap_bytes: int) -> None:
+        self._cap = cap_bytes
+        self._results: dict[OpId, tuple[str, list[np.ndarray]]] = {}
+        self.bytes = 0
+        self.overflowed = False  # some result since the last checkpoint was not kept
+        self.version = 0
+        self.state: dict[str, Any] | None = None  # the checkpoint of ``version``
+        self.last_checkpoint: OpId | None = None  # the op that made it
+
+    def __contains__(self, op: OpId) -> bool:
+        return op in self._results or op == self.last_checkpoint
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def add(self, op: OpId, kind: str, arrays: list[np.ndarray]) -> None:
+        """Keep copies of ``arrays``, the result of ``op`` (a ``kind`` collective)."""
+        if op in self._results:
+            return
+        size = sum(a.nbytes for a in arrays)
+        if self.bytes + size > self._cap:
+            if not self.overflowed:
+                logger.warning(
+                    "the results of the collectives since checkpoint %d pass "
+                    "TOTALREDUCE_RECOVERY_LOG_BYTES=%d: a failure before the next "
+                    "checkpoint cannot be recovered (checkpoint more often, or raise it)",
+                    self.version, self._cap)
+            self.overflowed = True
+            return
+        self._results[op] = (kind, [np.array(a, copy=True) for a in arrays])
+        self.bytes += size
+
+    def get(self, op: OpId) -> tuple[str, list[np.ndarray]]:
+        return self._results[op]
+
+    def commit(self, op: OpId, state: dict[str, Any] | None) -> None:
+        """A checkpoint (made by ``op``) is taken: results before it are not needed."""
+        self.version += 1
+        self.state = state
+        self.last_checkpoint = op
+        self._results.clear()
+        self.bytes = 0
+        self.overflowed = False
