@@ -14,6 +14,30 @@ from harness import HERE, JOB_ENDS, launch
 pytestmark = pytest.mark.multiprocess
 
 
+def test_max_restarts_restarts_only_the_dead_rank_with_the_same_rank() -> None:
+    result = launch(3, "workers:die_on_early_lives", {"victim": 1, "deaths": 2}, timeout=60,
+                    launcher_args=("--max-restarts", "2"))
+    assert result.returncode == 0, result.explain()
+    victim = result.report(1)
+    assert set(victim) == {"life0", "life1", "life2"}, victim
+    assert len(set(victim.values())) == 3  # a new process each life
+    for r in (0, 2):  # the others were never restarted
+        assert set(result.report(r)) == {"life0"}, result.explain()
+    assert "restarting it (1/2 restarts of this rank)" in result.stderr, result.explain()
+    assert "restarting it (2/2 restarts of this rank)" in result.stderr, result.explain()
+    assert "job finished after 2 restart(s)" in result.stderr, result.explain()
+
+
+def test_a_rank_that_has_used_its_restarts_ends_the_job() -> None:
+    result = launch(2, "workers:die_on_early_lives", {"victim": 1, "deaths": 2}, timeout=60,
+                    launcher_args=("--max-restarts", "1"))
+    assert result.returncode == 128 + signal.SIGKILL, result.explain()
+    assert re.search(r"1\s+\d+\s+killed by SIGKILL\s+\(restarted\)", result.stderr), \
+        result.explain()
+    assert re.search(r"1\s+\d+\s+killed by SIGKILL\s+<- first failure", result.stderr), \
+        result.explain()
+
+
 def test_env_and_prefixed_output_and_exit_code() -> None:
     result = launch(3, "workers:exit_with", {"rank": 2, "code": 7, "others_sleep": 0.2},
                     timeout=30)

@@ -463,6 +463,19 @@ def exit_with(arg: dict) -> None:
     time.sleep(arg.get("others_sleep", 0))
 
 
+def die_on_early_lives(arg: dict) -> None:
+    """Rank ``victim`` kills itself in its first ``deaths`` lives; every life reports its
+    attempt and pid, and the others stay until the victim's last life has reported."""
+    rank = tr_rank()
+    attempt = int(os.environ["TOTALREDUCE_ATTEMPT"])
+    report(**{f"life{attempt}": os.getpid()})
+    if rank == arg["victim"]:
+        if attempt < arg["deaths"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    wait_for_report(arg["victim"], f"life{arg['deaths']}", 30.0)
+
+
 def submit_while_streaming(arg: dict) -> None:
     """Large ops submitted at jittered times, so a piece's body is often still arriving
     (as a floating message) at the moment the local rank submits its op."""

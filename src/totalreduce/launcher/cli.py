@@ -15,6 +15,8 @@ TOTALREDUCE_LOCAL_SIZE     N
 TOTALREDUCE_RENDEZVOUS     host:port of the launcher's authenticated address store
 TOTALREDUCE_SECRET         a fresh random job secret; every connection must prove it
 TOTALREDUCE_JOB_ID         a fresh random job id
+TOTALREDUCE_MAX_RESTARTS   the ``--max-restarts`` value (init() turns recovery on when > 0)
+TOTALREDUCE_ATTEMPT        0 in a worker's first life, 1 after its first restart, ...
 RANK, WORLD_SIZE,          what ``torch.distributed``'s ``env://`` init reads, so that
 LOCAL_RANK,                ``init_process_group("gloo")`` (DDP, with or without
 LOCAL_WORLD_SIZE,          ``totalreduce.torch.ddp_comm_hook``) works under totalrun too;
@@ -34,7 +36,12 @@ sent to totalrun is forwarded to every worker the same way (in the workers it ar
 deep they sit under the command (a wrapper script, ``bash -c``): a watchdog process ends
 their process groups (``watchdog.py``), so no orphans remain.
 
-Ranks are not stable across restarts: a restarted job may place workers differently.
+Restarts: with ``--max-restarts K``, a worker that exits non-zero or is killed is started
+again with the same rank (``TOTALREDUCE_ATTEMPT`` one higher), up to K times per rank,
+while the others keep running: they wait in their current collective for it and hand it
+the last checkpoint and the results since (see ``totalreduce.checkpoint``).  Only when a
+rank has used its K restarts does a failure end the job as above.  A whole job started
+again by hand (or by another launcher) is a new job: ranks may be placed differently.
 """
 
 from __future__ import annotations
@@ -59,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=float(os.environ.get("TOTALRUN_GRACE", "5")),
                    help="seconds the other workers get to exit after one fails "
                         "(env TOTALRUN_GRACE, default 5)")
+    p.add_argument("--max-restarts", type=int,
+                   default=int(os.environ.get("TOTALRUN_MAX_RESTARTS", "0")),
+                   help="restart a worker that dies, with the same rank, up to this many "
+                        "times per rank, while the others wait for it and keep their "
+                        "memory; the job must checkpoint with totalreduce.checkpoint() "
+                        "(env TOTALRUN_MAX_RESTARTS, default 0: a failure ends the job)")
     p.add_argument("--output-dir", default=os.environ.get("TOTALRUN_OUTPUT_DIR"),
                    help="also write each rank's output to DIR/rank.NN/ "
                         "(env TOTALRUN_OUTPUT_DIR)")
@@ -78,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("no command given (e.g. totalrun -np 2 python train.py)")
     if args.np < 1:
         _parser().error(f"-np must be at least 1, got {args.np}")
+    if args.max_restarts < 0:
+        _parser().error(f"--max-restarts must be at least 0, got {args.max_restarts}")
     secret = secrets.token_hex(32)
     job_id = secrets.token_hex(8)
     store = KVServer("127.0.0.1", 0, secret.encode(), job_id)
@@ -93,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         "LOCAL_WORLD_SIZE": str(args.np),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
+        "TOTALREDUCE_MAX_RESTARTS": str(args.max_restarts),
     })
     try:
-        supervisor = Supervisor(args.command, args.np, env, args.grace, args.output_dir)
+        supervisor = Supervisor(args.command, args.np, env, args.grace, args.output_dir,
+                                args.max_restarts, store.set_generation)
         return supervisor.run()
     finally:
         store.close()

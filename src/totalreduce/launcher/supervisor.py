@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import IO, Any
 
 _KILL_AFTER_TERM = 3.0
@@ -35,9 +36,10 @@ def _status(code: int | None) -> str:
 
 
 class _Worker:
-    def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes], attempt: int = 0) -> None:
         self.rank = rank
         self.proc = proc
+        self.attempt = attempt  # how many times this rank was restarted before this life
         self.code: int | None = None
         self.exited_at = float("inf")
         self.tail: deque[str] = deque(maxlen=8)
@@ -45,8 +47,14 @@ class _Worker:
 
 
 class Supervisor:
+    """``max_restarts``: how many times each rank may be restarted after it dies (0: the
+    first failure ends the job).  ``on_restart(generation)`` is told before a restarted
+    worker starts; the generation counts the restarts so far, and the ranks meet again
+    under it (the recovery layer's rendezvous)."""
+
     def __init__(self, command: list[str], n: int, env: dict[str, str], grace: float,
-                 output_dir: str | None) -> None:
+                 output_dir: str | None, max_restarts: int = 0,
+                 on_restart: Callable[[int], None] | None = None) -> None:
         self._command = command
         self._n = n
         self._env = env
@@ -61,6 +69,10 @@ class Supervisor:
         self._changed = threading.Event()
         self._width = len(str(n - 1))
         self._watchdog: int | None = None  # write end of the pipe to watchdog.py
+        self._max_restarts = max_restarts
+        self._on_restart = on_restart
+        self._generation = 0  # restarts so far
+        self._lives: list[_Worker] = []  # every worker process ever started, in order
 
     # --- output ---------------------------------------------------------------------
 
@@ -122,23 +134,37 @@ class Supervisor:
 
     def _start(self) -> None:
         for rank in range(self._n):
-            env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank),
-                       RANK=str(rank), LOCAL_RANK=str(rank))
-            proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
-            worker = _Worker(rank, proc)
-            self._tell_watchdog(f"{proc.pid}\n")  # its own group (start_new_session)
-            # A waiter per worker stamps the exact exit time, so the root cause is the
-            # worker that died first, not the first one a polling sweep happens to see.
-            threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
-            for stream, out, name in ((proc.stdout, sys.stdout, "stdout"),
-                                      (proc.stderr, sys.stderr, "stderr")):
-                t = threading.Thread(target=self._pump, args=(worker, stream, out, name),
-                                     daemon=True)
-                t.start()
-                worker.pumps.append(t)
-            self._workers.append(worker)
+            self._workers.append(self._spawn(rank, 0))
+
+    def _spawn(self, rank: int, attempt: int) -> _Worker:
+        env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank),
+                   RANK=str(rank), LOCAL_RANK=str(rank), TOTALREDUCE_ATTEMPT=str(attempt))
+        proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        worker = _Worker(rank, proc, attempt)
+        self._tell_watchdog(f"{proc.pid}\n")  # its own group (start_new_session)
+        # A waiter per worker stamps the exact exit time, so the root cause is the
+        # worker that died first, not the first one a polling sweep happens to see.
+        threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
+        for stream, out, name in ((proc.stdout, sys.stdout, "stdout"),
+                                  (proc.stderr, sys.stderr, "stderr")):
+            t = threading.Thread(target=self._pump, args=(worker, stream, out, name),
+                                 daemon=True)
+            t.start()
+            worker.pumps.append(t)
+        self._lives.append(worker)
+        return worker
+
+    def _restart(self, dead: _Worker) -> None:
+        """Start ``dead``'s rank again; the others keep running and wait for it."""
+        attempt = dead.attempt + 1
+        self._generation += 1
+        self._say(f"rank {dead.rank} (pid {dead.proc.pid}) failed: {_status(dead.code)}; "
+                  f"restarting it ({attempt}/{self._max_restarts} restarts of this rank)")
+        if self._on_restart is not None:
+            self._on_restart(self._generation)
+        self._workers[dead.rank] = self._spawn(dead.rank, attempt)
 
     def _start_watchdog(self) -> None:
         """See watchdog.py: it ends the workers' groups if we are killed outright."""
@@ -173,7 +199,7 @@ class Supervisor:
         self._signalled = signum
 
     def _signal_all(self, sig: int) -> None:
-        for w in self._workers:
+        for w in self._lives:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, sig)
 
@@ -186,7 +212,7 @@ class Supervisor:
         finally:
             # Whatever happened, nothing of ours outlives us: kill every worker's group.
             self._signal_all(signal.SIGKILL)
-            for w in self._workers:
+            for w in self._lives:
                 with contextlib.suppress(Exception):
                     w.proc.wait(timeout=5)
                 for t in w.pumps:
@@ -206,6 +232,13 @@ class Supervisor:
             now = time.monotonic()
             with self._state:
                 failed = [w for w in self._workers if w.code]
+            if failed and self._first_failure is None and self._signalled is None and \
+                    stop_at is None:
+                restartable = [w for w in failed if w.attempt < self._max_restarts]
+                for w in sorted(restartable, key=lambda w: w.exited_at):
+                    self._restart(w)
+                failed = [w for w in failed if w not in restartable]
+            with self._state:
                 running = sum(1 for w in self._workers if w.code is None)
             if failed and self._first_failure is None and self._signalled is None:
                 first = min(failed, key=lambda w: w.exited_at)
@@ -232,14 +265,19 @@ class Supervisor:
 
     def _report(self) -> int:
         failed = [w for w in self._workers if w.code]
+        restarted = [w for w in self._lives if w not in self._workers]
         if not failed and self._signalled is None:
+            if restarted:
+                self._say(f"job finished after {len(restarted)} restart(s): " + "; ".join(
+                    f"rank {w.rank} (pid {w.proc.pid}) {_status(w.code)}" for w in restarted))
             return 0
         root = self._first_failure
         title = "job failed" if root is not None or self._signalled is None else \
             f"job stopped by {signal.Signals(self._signalled).name}"
         lines = ["", f"totalrun: {title}", f"  {'rank':>4}  {'pid':>7}  status"]
-        for w in self._workers:
-            mark = "  <- first failure (root cause)" if w is root else ""
+        for w in sorted(self._lives, key=lambda w: (w.rank, w.attempt)):
+            mark = "  <- first failure (root cause)" if w is root else \
+                "  (restarted)" if w in restarted else ""
             lines.append(f"  {w.rank:>4}  {w.proc.pid:>7}  {_status(w.code)}{mark}")
         if root is not None and root.tail:
             lines.append(f"  last stderr lines of rank {root.rank}:")

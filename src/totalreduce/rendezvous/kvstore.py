@@ -45,6 +45,13 @@ class KVServer:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._thread = start_daemon(self._accept, "totalreduce-kv")
 
+    def set_generation(self, generation: int) -> None:
+        """Publish how many workers the launcher has restarted (key ``JOB/generation``):
+        the ranks meet again under each new generation (recovery/rendezvous.py)."""
+        with self._cond:
+            self._data[f"{self._job}/generation".encode()] = str(generation).encode()
+            self._cond.notify_all()
+
     def _accept(self) -> None:
         while True:
             try:
