@@ -78,3 +78,12 @@ def test_ddp_comm_hook_under_totalrun_matches_gloo() -> None:
 def test_cuda_tensors_are_staged_through_host_memory() -> None:
     result = run_ok(2, "torch_workers:cuda_tensors", {}, timeout=60)
     assert result.report(0).get("cuda_ok"), result.explain()
+
+
+def test_collectives_are_differentiable_and_keep_0d_shapes() -> None:
+    result = run_ok(2, "torch_workers:autograd_and_scalars", {}, timeout=60)
+    for r in range(2):
+        assert result.report(r).get("gradients_ok") == [
+            "allreduce Sum", "allreduce Average", "grouped_allreduce", "allgather",
+            "broadcast", "max refused"], result.explain()
+        assert len(result.report(r).get("scalars", [])) == 7, result.explain()

@@ -204,3 +204,29 @@ def test_ctrl_c_while_starting_a_second_phase_is_kept_for_the_application() -> N
         assert deferred.pending  # raised at the application's next call
     finally:
         deferred.pending = False
+
+
+def test_address_store_client_follows_a_store_replaced_on_its_address() -> None:
+    """Rank 0's store is replaced after a shutdown() and init(): a rank already waiting
+    on the old one moves to the new one, with the keys it had set."""
+    from totalreduce.rendezvous.kvstore import KVClient, KVServer
+
+    old = KVServer("127.0.0.1", 0, b"s", "job")
+    port = int(old.address.rpartition(":")[2])
+    early = KVClient(old.address, b"s", "job", timeout=10)
+    early.set("job/world1/addr/1", b"one")
+    got: list[bytes] = []
+    waiter = threading.Thread(target=lambda: got.append(early.get("job/world1/addr/0", 10)))
+    waiter.start()
+    old.close()
+    new = KVServer("127.0.0.1", port, b"s", "job")
+    try:
+        late = KVClient(new.address, b"s", "job", timeout=10)
+        late.set("job/world1/addr/0", b"zero")
+        assert late.get("job/world1/addr/1", 10) == b"one"
+        waiter.join(15)
+        assert got == [b"zero"]
+        late.close()
+    finally:
+        early.close()
+        new.close()

@@ -521,3 +521,82 @@ def sparse_ddp_hook(arg: dict) -> None:
     assert sum(losses[-5:]) < sum(losses[:5]), losses
     dist.destroy_process_group()
     report(hook_ok=True)
+
+
+# --- what a new user trips on (issue 24) ------------------------------------------------
+
+
+def autograd_and_scalars(arg: dict) -> None:
+    """Gradients through allreduce, grouped_allreduce, allgather and broadcast against the
+    derivative of the sum of every rank's loss; 0-d tensors keep their shape."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    g = torch.Generator().manual_seed(42)
+    # Rank q's loss is (weight[q] * output).sum(): every rank knows every weight.
+    weights = [torch.rand(5, 2, generator=g, dtype=torch.float64) for _ in range(n)]
+    total_w = sum(weights)
+
+    def leaf(rows: int) -> torch.Tensor:
+        return (torch.arange(rows * 2, dtype=torch.float64).reshape(rows, 2) + r) \
+            .requires_grad_()
+
+    checked = []
+    for op, factor in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        x = leaf(5)
+        out = hvd.allreduce(x, op=op, prescale_factor=2.0, postscale_factor=0.5,
+                            name=f"ar.{op.label}")
+        assert out.grad_fn is not None
+        (weights[r] * out).sum().backward()
+        close(x.grad, total_w * factor, f"allreduce {op.label} gradient")
+        checked.append(f"allreduce {op.label}")
+    a, b = leaf(5), leaf(5)
+    outs = hvd.grouped_allreduce([a, b], op=hvd.Sum, name="grp")
+    (weights[r] * outs[0] + 3 * weights[r] * outs[1]).sum().backward()
+    close(a.grad, total_w, "grouped_allreduce gradient 0")
+    close(b.grad, 3 * total_w, "grouped_allreduce gradient 1")
+    checked.append("grouped_allreduce")
+    # allgather: rank q gives q + 1 rows; its gradient is its rows of the summed weights.
+    rows = [q + 1 for q in range(n)]
+    gathered_w = [torch.rand(sum(rows), 2, generator=g, dtype=torch.float64)
+                  for _ in range(n)]
+    x = leaf(rows[r])
+    out = hvd.allgather(x, name="ag")
+    assert out.shape == (sum(rows), 2), out.shape
+    (gathered_w[r] * out).sum().backward()
+    start = sum(rows[:r])
+    close(x.grad, sum(gathered_w)[start:start + rows[r]], "allgather gradient")
+    checked.append("allgather")
+    # broadcast from the last rank: its gradient is the sum, the others' zero.
+    x = leaf(5)
+    out = hvd.broadcast(x, root_rank=n - 1, name="bc")
+    (weights[r] * out).sum().backward()
+    close(x.grad, total_w if r == n - 1 else torch.zeros(5, 2, dtype=torch.float64),
+          "broadcast gradient")
+    checked.append("broadcast")
+    # Max has no gradient here: backward says so instead of returning a wrong one.
+    x = leaf(2)
+    out = hvd.allreduce(x, op=hvd.Max, name="max")
+    try:
+        out.sum().backward()
+    except RuntimeError as exc:
+        assert "op=Max" in str(exc), exc
+        checked.append("max refused")
+    # 0-d in, 0-d out, in every form.
+    scalar = torch.tensor(float(r + 1))
+    shapes = {
+        "allreduce": hvd.allreduce(scalar, op=hvd.Sum, name="s0"),
+        "allreduce_async": hvd.synchronize(hvd.allreduce_async(scalar, op=hvd.Sum,
+                                                               name="s1")),
+        "allreduce_": hvd.allreduce_(scalar.clone(), op=hvd.Sum, name="s2"),
+        "broadcast": hvd.broadcast(scalar, root_rank=0, name="s3"),
+        "broadcast_async": hvd.synchronize(hvd.broadcast_async(scalar, root_rank=0,
+                                                               name="s4")),
+        "broadcast_": hvd.broadcast_(scalar.clone(), root_rank=0, name="s5"),
+        "allreduce with grad": hvd.allreduce(scalar.clone().requires_grad_(), op=hvd.Sum,
+                                             name="s6"),
+    }
+    total = float(sum(range(1, n + 1)))
+    for what, t in shapes.items():
+        assert t.shape == (), f"{what}: shape {tuple(t.shape)}"
+        assert float(t) == (1.0 if what.startswith("broadcast") else total), (what, t)
+    report(gradients_ok=checked, scalars=sorted(shapes))

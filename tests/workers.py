@@ -971,3 +971,49 @@ def late_ctrl_c(arg: dict) -> None:
     except tr.PeerFailureError as exc:
         report(interrupted=False, error=str(exc))
     tr.shutdown()
+
+
+# --- what a new user trips on (issue 24) ------------------------------------------------
+
+
+def reinit_late(arg: dict) -> None:
+    """shutdown() and init() again, twice, one rank ``arg['late']`` s late to the new
+    init() each time: rank 0 (which serves the store under srun), then the last rank.
+    In the last world rank 0 also knocks at the last rank's listener as a member of the
+    first world, which must be turned away without a word while the job goes on."""
+    from totalreduce.rendezvous import KVClient, detect_launch
+    from totalreduce.rendezvous.auth import client_handshake
+    from totalreduce.transport.connect import world_keys
+    from totalreduce.transport.wire import PROTOCOL_VERSION
+    from totalreduce.version import __version__
+
+    sums = []
+    rank = n = -1
+    for world, late in enumerate((None, 0, -1)):
+        if world:
+            tr.shutdown()
+            if late is not None and rank == late % n:
+                time.sleep(arg["late"])
+        start = time.monotonic()
+        tr.init()
+        rank, n = tr.rank(), tr.size()
+        got = tr.allreduce(np.arange(3.0) * (rank + 1), op=tr.Sum, name="w")
+        sums.append({"sum": got.tolist(), "init_s": time.monotonic() - start})
+    if rank == 0:
+        launch = detect_launch()
+        assert launch.rendezvous is not None
+        kv = KVClient(launch.rendezvous, launch.secret, launch.job_id, 10)
+        address = kv.get(f"{world_keys(launch.job_id, 2)}/addr/{n - 1}", 10).decode()
+        kv.close()
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            old = {"protocol": PROTOCOL_VERSION, "version": __version__,
+                   "job": launch.job_id, "rank": 0, "size": n, "world": 0}
+            client_handshake(s, launch.secret, old, 10)
+            s.settimeout(10)
+            report(stale_refused=s.recv(1) == b"")
+    tr.barrier()
+    got = tr.allreduce(np.ones(2), op=tr.Sum, name="after")
+    assert got.tolist() == [n, n], got
+    tr.shutdown()
+    report(worlds=sums)

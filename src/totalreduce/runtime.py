@@ -40,9 +40,9 @@ _INTERRUPT_SETTLE = 0.5
 
 
 class Runtime:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, world: int = 0) -> None:
         self.config = config
-        self.transport_name, connected = connect(config)
+        self.transport_name, connected = connect(config, world)
         self.transport = connected.transport
         self.rank, self.size = self.transport.rank, self.transport.size
         self.local_rank, self.local_size = connected.local_rank, connected.local_size
@@ -84,6 +84,9 @@ class _Holder:
         self.exit_code: int | None = None  # set when an uncaught error ends an MPI rank
         self.follower = False  # this rank dies of PeerFailureError: another failed first
         self.interrupted_at: float | None = None  # when this process last got SIGINT
+        # init() calls so far: each makes a world of its own, which the ranks agree on by
+        # counting alike (Horovod's contract too: every rank shuts down and starts again).
+        self.worlds = 0
 
 
 _HOLDER = _Holder()
@@ -103,7 +106,8 @@ def init(**overrides: Any) -> Runtime:
                                  f"{', '.join(differ)}; call shutdown() first to change it")
             return live
         config = Config.from_env(**overrides)
-        runtime = Runtime(config)
+        world, _HOLDER.worlds = _HOLDER.worlds, _HOLDER.worlds + 1
+        runtime = Runtime(config, world)
         _HOLDER.runtime = runtime
         if sys.excepthook is not _on_uncaught:
             _HOLDER.previous_hook = sys.excepthook

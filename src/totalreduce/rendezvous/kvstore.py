@@ -4,6 +4,11 @@ The server runs in totalrun (or in rank 0 under an external launcher).  Every co
 first passes the HMAC handshake of :mod:`.auth`; after that a client may ``set`` a key and
 ``get`` one, waiting until some other rank has set it.  Frames are fixed binary headers
 plus bytes; values are opaque bytes, never unpickled.  Strangers are logged and dropped.
+
+A store served by rank 0 lives as long as rank 0's ``init()``: after ``shutdown()`` and a
+new ``init()`` there is a new store on the same port.  A client whose store closes under
+it (a rank that started its new ``init()`` before rank 0 left the old world) connects
+again, to the new store, and sets its keys there again.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ logger = logging.getLogger(__name__)
 _REQ = struct.Struct("<BHId")   # op, key length, value length, wait timeout
 _RESP = struct.Struct("<BI")    # status, value length
 _SET, _GET = 1, 2
-_OK, _MISSING = 1, 2
+_OK, _MISSING, _CLOSING = 1, 2, 3
 _MAX_KEY = 1024
 _MAX_VALUE = 1 << 20
 _HANDSHAKE_TIMEOUT = 10.0
@@ -85,10 +90,11 @@ class KVServer:
                         sock.sendall(_RESP.pack(_OK, 0))
                     else:
                         found = self._wait(key, wait)
-                        if found is None:
-                            sock.sendall(_RESP.pack(_MISSING, 0))
-                        else:
+                        if found is not None:
                             sock.sendall(_RESP.pack(_OK, len(found)) + found)
+                        else:
+                            sock.sendall(_RESP.pack(_CLOSING if self._closed else _MISSING,
+                                                    0))
             except (OSError, AuthenticationError, struct.error):
                 return
 
@@ -112,37 +118,78 @@ class KVServer:
             self._listener.close()
 
 
+class _StoreGone(Exception):
+    """The store closed our connection, or said it is closing."""
+
+
 class KVClient:
-    """A connection to a :class:`KVServer`; one request at a time (not thread-safe)."""
+    """A connection to a :class:`KVServer`; one request at a time (not thread-safe).
+
+    If the store goes away, the client connects again (until the deadline of the call at
+    hand) and repeats every ``set`` it made, so a store that was replaced by a new one on
+    the same address (rank 0's, after a ``shutdown()`` and ``init()``) ends up with them.
+    """
 
     def __init__(self, address: str, secret: bytes, job_id: str, timeout: float) -> None:
-        host, _, port = address.rpartition(":")
-        deadline = time.monotonic() + timeout
+        self._address = address
+        self._secret = secret
+        self._job = job_id
+        self._timeout = timeout
+        self._sets: dict[bytes, bytes] = {}
+        self._sock = self._connect(time.monotonic() + timeout)
+
+    def _connect(self, deadline: float) -> socket.socket:
+        host, _, port = self._address.rpartition(":")
         attempt = 0
         while True:
             try:
-                self._sock = socket.create_connection((host, int(port)), timeout=10.0)
+                sock = socket.create_connection((host, int(port)), timeout=10.0)
                 break
             except OSError as exc:
                 if time.monotonic() >= deadline:
-                    raise OSError(f"cannot reach the rendezvous store at {address} within "
-                                  f"{timeout:.0f} s; is rank 0 / totalrun running?") from exc
+                    raise OSError(f"cannot reach the rendezvous store at {self._address} "
+                                  f"within {self._timeout:.0f} s; is rank 0 / totalrun "
+                                  "running?") from exc
                 time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))
                 attempt += 1
         try:
-            client_handshake(self._sock, secret, {"protocol": 1, "job": job_id, "role": "kv"},
-                             _HANDSHAKE_TIMEOUT)
+            client_handshake(sock, self._secret, {"protocol": 1, "job": self._job,
+                                                  "role": "kv"}, _HANDSHAKE_TIMEOUT)
         except BaseException:
-            self._sock.close()
+            sock.close()
             raise
-        self._sock.settimeout(None)
+        sock.settimeout(None)
+        return sock
+
+    def _reconnect(self, deadline: float, why: BaseException) -> None:
+        self.close()
+        if time.monotonic() >= deadline:
+            raise OSError(f"the rendezvous store at {self._address} went away") from why
+        logger.debug("rendezvous: the store at %s went away (%s); connecting again",
+                     self._address, why)
+        self._sock = self._connect(deadline)
+        for key, value in self._sets.items():
+            self._set(key, value)
+
+    def _set(self, key: bytes, value: bytes) -> None:
+        try:
+            self._sock.sendall(_REQ.pack(_SET, len(key), len(value), 0.0) + key + value)
+            status, _ = _RESP.unpack(recv_exact(self._sock, _RESP.size))
+        except (OSError, AuthenticationError) as exc:
+            raise _StoreGone(str(exc)) from exc
+        if status != _OK:
+            raise OSError(f"rendezvous store refused to set {key.decode()!r}")
 
     def set(self, key: str, value: bytes) -> None:
         k = key.encode()
-        self._sock.sendall(_REQ.pack(_SET, len(k), len(value), 0.0) + k + value)
-        status, _ = _RESP.unpack(recv_exact(self._sock, _RESP.size))
-        if status != _OK:
-            raise OSError(f"rendezvous store refused to set {key!r}")
+        self._sets[k] = value
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                self._set(k, value)
+                return
+            except _StoreGone as exc:
+                self._reconnect(deadline, exc)
 
     def get(self, key: str, timeout: float) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` seconds for someone to set it.
@@ -151,14 +198,25 @@ class KVClient:
             TimeoutError: nobody set the key in time.
         """
         k = key.encode()
-        self._sock.settimeout(timeout + 30.0)
-        self._sock.sendall(_REQ.pack(_GET, len(k), 0, timeout) + k)
-        status, vlen = _RESP.unpack(recv_exact(self._sock, _RESP.size))
-        value = recv_exact(self._sock, vlen)
-        self._sock.settimeout(None)
-        if status != _OK:
-            raise TimeoutError(f"rendezvous key {key!r} was not set within {timeout:.0f} s")
-        return value
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                self._sock.settimeout(left + 30.0)
+                self._sock.sendall(_REQ.pack(_GET, len(k), 0, left) + k)
+                status, vlen = _RESP.unpack(recv_exact(self._sock, _RESP.size))
+                value = recv_exact(self._sock, vlen)
+                self._sock.settimeout(None)
+            except (OSError, AuthenticationError) as exc:
+                self._reconnect(deadline, exc)
+                continue
+            if status == _CLOSING:
+                self._reconnect(deadline, _StoreGone("the store is closing"))
+                continue
+            if status != _OK:
+                raise TimeoutError(f"rendezvous key {key!r} was not set within "
+                                   f"{timeout:.0f} s")
+            return value
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -4,6 +4,22 @@ Names, argument names and defaults follow ``horovod.torch``.  Async forms return
 :class:`TorchHandle`; ``synchronize(handle)`` returns what the blocking form would have,
 ``poll(handle)`` says whether it is done.  Tensor handling (zero-copy CPU views, bfloat16
 carried as float32, CUDA staged through host memory) is described in ``tensors.py``.
+
+As in Horovod, the blocking ``allreduce``, ``grouped_allreduce``, ``allgather`` and
+``broadcast`` are autograd functions when a tensor that requires grad goes in (the
+in-place and async forms are not).  Their gradients are those of the sum of every rank's
+loss, so that averaging the parameters' gradients over ranks afterwards (the
+DistributedOptimizer) gives the gradient of the mean loss:
+
+- ``allreduce``: the same allreduce (op, prescale and postscale factors) of the incoming
+  gradient; only ``Sum`` and ``Average`` have a gradient (``Min``, ``Max`` and ``Product``
+  raise in backward).
+- ``allgather``: this rank's rows of the sum of every rank's incoming gradient.
+- ``broadcast``: on the root, the sum of every rank's incoming gradient; zero elsewhere.
+
+Recent Horovod averages instead of summing in the last two, which makes them ``size()``
+times smaller than the derivative.  The ops of a backward pass are named after the
+forward's (``name + ".grad"``), or unnamed when it was, and every rank must run them.
 """
 
 from __future__ import annotations
@@ -215,8 +231,15 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         PeerFailureError: a rank died or left.
     """
     compressed, ctx = compression.compress(tensor)
-    out = _blocking(lambda: allreduce_async(compressed, average, name, op, prescale_factor,
-                                            postscale_factor, process_set))
+    if _differentiable([compressed]):
+        what = "allreduce" + (f" '{name}'" if name else "")
+        rop = resolve_op(op, average, what)
+        out = _AllreduceFn.apply(compressed, name, rop, prescale_factor, postscale_factor,
+                                 process_set)
+    else:
+        out = _blocking(lambda: allreduce_async(compressed, average, name, op,
+                                                prescale_factor, postscale_factor,
+                                                process_set))
     return compression.decompress(out, ctx)
 
 
@@ -253,9 +276,15 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce a list of tensors together and return a list of new tensors."""
     pairs = [compression.compress(t) for t in tensors]
-    outs = _blocking(lambda: _grouped([p[0] for p in pairs], average, name, op,
-                                      prescale_factor, postscale_factor, process_set,
-                                      inplace=False))
+    sent = [p[0] for p in pairs]
+    if _differentiable(sent):
+        what = "grouped_allreduce" + (f" '{name}'" if name else "")
+        rop = resolve_op(op, average, what)
+        outs = list(_GroupedAllreduceFn.apply(
+            (name, rop, prescale_factor, postscale_factor, process_set), *sent))
+    else:
+        outs = _blocking(lambda: _grouped(sent, average, name, op, prescale_factor,
+                                          postscale_factor, process_set, inplace=False))
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]
 
 
@@ -309,6 +338,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0 (first dims may differ)."""
+    if _differentiable([tensor]):
+        return _AllgatherFn.apply(tensor, name, process_set)
     return _blocking(lambda: allgather_async(tensor, name, process_set))
 
 
@@ -343,6 +375,9 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Every rank gets ``root_rank``'s ``tensor`` as a new tensor."""
+    if _differentiable([tensor]):
+        return _BroadcastFn.apply(tensor, root_rank, name, process_set)
     return _blocking(lambda: broadcast_async(tensor, root_rank, name, process_set))
 
 
@@ -412,3 +447,93 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank has entered the barrier."""
     _check_process_set(process_set, "barrier")
     _tr.barrier()
+
+
+# --- gradients ------------------------------------------------------------------------
+
+
+def _differentiable(tensors: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _grad_name(name: str | None, suffix: str = "") -> str | None:
+    return None if name is None else f"{name}.grad{suffix}"
+
+
+def _check_grad_op(rop: _tr.ReduceOp, what: str) -> None:
+    if rop not in (Sum, Average):
+        raise RuntimeError(f"{what} with op={rop.label} has no gradient here: only Sum and "
+                           "Average are differentiable (detach the tensor, or reduce it "
+                           "with one of those)")
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, rop: _tr.ReduceOp,
+                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+        ctx.args = (name, rop, prescale, postscale, process_set)
+        return _blocking(lambda: _allreduce(tensor, None, name, rop, prescale, postscale,
+                                            process_set, 0, inplace=False))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        name, rop, prescale, postscale, process_set = ctx.args
+        _check_grad_op(rop, "allreduce" + (f" '{name}'" if name else ""))
+        out = _blocking(lambda: _allreduce(grad.contiguous(), None, _grad_name(name), rop,
+                                           prescale, postscale, process_set, 0,
+                                           inplace=False))
+        return out, None, None, None, None, None
+
+
+class _GroupedAllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, args: tuple[Any, ...], *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        name, rop, prescale, postscale, process_set = ctx.args = args
+        return tuple(_blocking(lambda: _grouped(tensors, None, name, rop, prescale, postscale,
+                                                process_set, inplace=False)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        name, rop, prescale, postscale, process_set = ctx.args
+        _check_grad_op(rop, "grouped_allreduce" + (f" '{name}'" if name else ""))
+        outs = _blocking(lambda: _grouped([g.contiguous() for g in grads], None,
+                                          _grad_name(name), rop, prescale, postscale,
+                                          process_set, inplace=False))
+        return (None, *outs)
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.args = (tensor.shape[0] if tensor.dim() else 0, name, process_set)
+        return _blocking(lambda: allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        rows, name, process_set = ctx.args
+        total = _blocking(lambda: _allreduce(grad.contiguous(), None, _grad_name(name), Sum,
+                                             1.0, 1.0, process_set, 0, inplace=False))
+        every = _blocking(lambda: allgather_async(torch.tensor([rows], dtype=torch.int64),
+                                                  _grad_name(name, ".rows"), process_set))
+        start = int(every[:_tr.rank()].sum())
+        return total.narrow(0, start, rows), None, None
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.args = (root_rank, name, process_set)
+        return _blocking(lambda: broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        root_rank, name, process_set = ctx.args
+        total = _blocking(lambda: _allreduce(grad.contiguous(), None, _grad_name(name), Sum,
+                                             1.0, 1.0, process_set, 0, inplace=False))
+        if _tr.rank() != root_rank:
+            total = torch.zeros_like(total)
+        return total, None, None, None

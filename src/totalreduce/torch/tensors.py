@@ -51,7 +51,9 @@ class Staged:
 
     def result(self, array: np.ndarray) -> torch.Tensor:
         """A new tensor of the caller's dtype and device holding ``array``."""
-        out = torch.from_numpy(np.ascontiguousarray(array))
+        # Not np.ascontiguousarray: it makes a 0-d array 1-d, and a 0-d tensor must come
+        # back 0-d.
+        out = torch.from_numpy(np.require(array, requirements="C"))
         if out.dtype != self.tensor.dtype:
             out = out.to(self.tensor.dtype)
         if self.tensor.device.type != "cpu":

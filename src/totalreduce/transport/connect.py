@@ -21,9 +21,15 @@ def _route_ip(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int) -> Connected:
+def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
+                world: int = 0) -> Connected:
     """Connect to every other rank of ``launch``'s job (rank 0 also serves the store when
-    its launcher says so); same-host peers get rings of ``ring_bytes`` (0: none)."""
+    its launcher says so); same-host peers get rings of ``ring_bytes`` (0: none).
+
+    ``world`` counts this process's earlier ``init()`` calls.  Every key it publishes is
+    the world's own: after a shutdown() and a new init(), the store still holds the old
+    world's addresses (the launcher's store outlives them), and a rank that looked
+    those up would dial listeners that are closed, or about to be."""
     kv: KVClient | None = None
     server: KVServer | None = None
     local = launch.launcher == "totalrun"
@@ -35,21 +41,21 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int) -> Connecte
             server = KVServer("0.0.0.0", int(port), launch.secret, launch.job_id)
         kv = KVClient(launch.rendezvous, launch.secret, launch.job_id, config.connect_timeout)
         me = "127.0.0.1" if local else _route_ip(host)
-        job = launch.job_id
-        kv.set(f"{job}/host/{rank}", socket.gethostname().encode())
+        keys = world_keys(launch.job_id, world)
+        kv.set(f"{keys}/host/{rank}", socket.gethostname().encode())
 
         def lookup(peer: int, timeout: float) -> str:
             assert kv is not None
-            return kv.get(f"{job}/addr/{peer}", timeout).decode()
+            return kv.get(f"{keys}/addr/{peer}", timeout).decode()
 
         def publish(addr: str) -> None:
             assert kv is not None
-            kv.set(f"{job}/addr/{rank}", addr.encode())
+            kv.set(f"{keys}/addr/{rank}", addr.encode())
 
-        transport = connect_mesh(rank, launch.size, launch.secret, job,
+        transport = connect_mesh(rank, launch.size, launch.secret, launch.job_id,
                                  "127.0.0.1" if local else "0.0.0.0", me, publish, lookup,
-                                 config.connect_timeout, ring_bytes, config.cma_bytes)
-        local_rank, local_size = _locality(kv, launch, config.connect_timeout)
+                                 config.connect_timeout, ring_bytes, config.cma_bytes, world)
+        local_rank, local_size = _locality(kv, launch, keys, config.connect_timeout)
         return Connected(transport, local_rank, local_size,
                          server.close if server is not None else None)
     except BaseException:
@@ -61,10 +67,17 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int) -> Connecte
             kv.close()
 
 
-def _locality(kv: KVClient, launch: LaunchInfo, timeout: float) -> tuple[int, int]:
+def world_keys(job_id: str, world: int) -> str:
+    """The prefix of a world's keys in the rendezvous store (the first world's is the job
+    id alone)."""
+    return job_id if world == 0 else f"{job_id}/world{world}"
+
+
+def _locality(kv: KVClient, launch: LaunchInfo, keys: str,
+              timeout: float) -> tuple[int, int]:
     if launch.local_rank is not None and launch.local_size is not None:
         return launch.local_rank, launch.local_size
-    hosts = [kv.get(f"{launch.job_id}/host/{r}", timeout) for r in range(launch.size)]
+    hosts = [kv.get(f"{keys}/host/{r}", timeout) for r in range(launch.size)]
     mine = hosts[launch.rank]
     same = [r for r in range(launch.size) if hosts[r] == mine]
     return same.index(launch.rank), len(same)

@@ -2,7 +2,10 @@
 
 Rank ``i`` dials every rank below it and accepts every rank above it; each connection
 begins with the mutual HMAC handshake of :mod:`..rendezvous.auth`, so a process without
-the job secret is logged and dropped while the job carries on.  Peers on the same host
+the job secret is logged and dropped while the job carries on.  The hello names the
+world (how many times this job's processes have called ``init()`` before): a process
+that shuts down and initializes again is a new world, and a connection left over from
+an older one is refused without a warning, as a matter of course.  Peers on the same host
 then agree on a shared-memory ring per direction over their fresh sockets.  The result is
 a :class:`.tcp.TcpTransport`.
 """
@@ -78,6 +81,12 @@ class _Acceptor:
             peer = server_handshake(sock, self._secret, self._hello, self._timeout)
             prank = peer.get("rank")
             problem = _check_hello(peer, self._hello)
+            if problem is not None and _other_world(peer, self._hello):
+                logger.debug("rank %d: refused a connection from %s: %s", self._rank, addr,
+                             problem)
+                with contextlib.suppress(OSError):
+                    sock.close()
+                return
             if problem is None and not (isinstance(prank, int) and self._rank < prank
                                         < self._size):
                 problem = f"rank {prank!r} is not one that dials rank {self._rank}"
@@ -125,7 +134,15 @@ def _check_hello(peer: dict[str, Any], mine: dict[str, Any]) -> str | None:
     for key in ("job", "size"):
         if peer.get(key) != mine.get(key):
             return f"{key} differs: peer has {peer.get(key)!r}, we have {mine.get(key)!r}"
+    if peer.get("world", 0) != mine.get("world", 0):
+        return (f"rank {peer.get('rank')!r} is in world {peer.get('world', 0)!r} of this job, "
+                f"this rank in world {mine.get('world', 0)!r} (a connection from before a "
+                "shutdown() and init())")
     return None
+
+
+def _other_world(peer: dict[str, Any], mine: dict[str, Any]) -> bool:
+    return peer.get("job") == mine.get("job") and peer.get("world", 0) != mine.get("world", 0)
 
 
 def _dial(address: str, secret: bytes, hello: dict[str, Any], expect_rank: int,
@@ -268,14 +285,15 @@ def _probe(offer: dict[str, Any]) -> bool:
 def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: str,
                  advertise_host: str, publish: Callable[[str], None],
                  lookup: Callable[[int, float], str], timeout: float,
-                 ring_bytes: int = 0, lend_bytes: int = 0) -> TcpTransport:
+                 ring_bytes: int = 0, lend_bytes: int = 0, world: int = 0) -> TcpTransport:
     """Connect this rank to every other rank and return the transport.
 
     ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
     returns another rank's (both come from the rendezvous store).  Peers on this host get
     shared-memory rings of ``ring_bytes`` per direction (0: sockets only), and the pieces
     of ops of ``lend_bytes`` or more are lent to them rather than copied through a ring,
-    where the kernel allows it (:mod:`.cma`; 0: never).
+    where the kernel allows it (:mod:`.cma`; 0: never).  ``world`` counts the earlier
+    ``init()`` calls of this job's processes; peers of another world are refused.
 
     Raises:
         OSError / TimeoutError: a peer could not be reached before ``timeout``.
@@ -283,7 +301,7 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
     """
     deadline = time.monotonic() + timeout
     hello = {"protocol": PROTOCOL_VERSION, "version": __version__, "job": job_id,
-             "rank": rank, "size": size}
+             "rank": rank, "size": size, "world": world}
     listener = socket.create_server((bind_host, 0), backlog=max(16, size))
     acceptor = _Acceptor(listener, rank, size, secret, hello, min(timeout, 10.0))
     try:

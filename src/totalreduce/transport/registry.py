@@ -34,23 +34,23 @@ class Connected(NamedTuple):
     close: Callable[[], None] | None = None  # what else to close at shutdown
 
 
-def _sockets(config: Config, rings: bool) -> Connected:
+def _sockets(config: Config, world: int, rings: bool) -> Connected:
     from .connect import connect_job
 
     launch = detect_launch()
     if launch.size == 1:
-        return _inproc(config)
-    return connect_job(launch, config, config.ring_bytes if rings else 0)
+        return _inproc(config, world)
+    return connect_job(launch, config, config.ring_bytes if rings else 0, world)
 
 
-def _mpi(config: Config) -> Connected:
+def _mpi(config: Config, world: int) -> Connected:
     from .mpi import MpiTransport, mpi_world
 
     world, local_rank, local_size = mpi_world()
     return Connected(MpiTransport(world), local_rank, local_size)
 
 
-def _inproc(config: Config) -> Connected:
+def _inproc(config: Config, world: int) -> Connected:
     from .inproc import InprocWorld
 
     launch = detect_launch()
@@ -60,9 +60,11 @@ def _inproc(config: Config) -> Connected:
     return Connected(InprocWorld(1).transports[0], 0, 1)
 
 
-TRANSPORTS: dict[str, Callable[[Config], Connected]] = {
-    "shm": lambda config: _sockets(config, rings=True),
-    "tcp": lambda config: _sockets(config, rings=False),
+# Each joins with the config and the world: how many times this process called init()
+# before (the socket transports keep worlds apart by it; see connect.py).
+TRANSPORTS: dict[str, Callable[[Config, int], Connected]] = {
+    "shm": lambda config, world: _sockets(config, world, rings=True),
+    "tcp": lambda config, world: _sockets(config, world, rings=False),
     "mpi": _mpi,
     "inproc": _inproc,
 }
@@ -77,7 +79,8 @@ def choose(config: Config) -> str:
     return "shm"
 
 
-def connect(config: Config) -> tuple[str, Connected]:
-    """Join this process to its job over the configured transport."""
+def connect(config: Config, world: int = 0) -> tuple[str, Connected]:
+    """Join this process to its job over the configured transport; ``world`` counts the
+    process's earlier ``init()`` calls (every rank of the job must make as many)."""
     scheme = choose(config)
-    return scheme, TRANSPORTS[scheme](config)
+    return scheme, TRANSPORTS[scheme](config, world)

@@ -1,0 +1,26 @@
+"""What a new user trips on (issue 24), each run as a user runs it: real ranks through
+totalrun (or as srun starts them), the public API, the launcher's own output."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_ok
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("transport", ["shm", "srun"])
+def test_init_again_after_shutdown_with_one_rank_late(transport: str) -> None:
+    # srun: rank 0 serves the rendezvous store itself, a new one for each init().
+    late = 2.5
+    result = run_ok(2, "workers:reinit_late", {"late": late}, timeout=90, transport=transport)
+    for r in range(2):
+        worlds = result.report(r).get("worlds")
+        assert worlds is not None, result.explain()
+        assert [w["sum"] for w in worlds] == [[0.0, 3.0, 6.0]] * 3, result.explain()
+    # The rank that was on time waited for the late one, which did not have to wait.
+    assert result.report(1)["worlds"][1]["init_s"] >= late * 0.8, result.explain()
+    assert result.report(0)["worlds"][2]["init_s"] >= late * 0.8, result.explain()
+    assert result.report(0).get("stale_refused") is True, result.explain()
+    assert "refused" not in result.stderr, result.explain()
