@@ -7,6 +7,7 @@ reference for the whole job locally and compares its own result with it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import random
 import signal
@@ -1017,3 +1018,68 @@ def reinit_late(arg: dict) -> None:
     assert got.tolist() == [n, n], got
     tr.shutdown()
     report(worlds=sums)
+
+
+# --- recovery (totalrun --max-restarts) ----------------------------------------------------
+
+RECOVERY_N = 10_000
+RECOVERY_VERSIONS = 10
+
+
+def recovery_grad(w: np.ndarray, version: int, i: int, rank: int) -> np.ndarray:
+    """A gradient that depends on the weights: a wrong or missed step changes every later
+    one.  Small integers in float32, so every sum is exact whatever the order."""
+    idx = np.arange(w.size, dtype=np.float32)
+    return np.mod(w + idx * (version + 1) + i * 7 + rank, 13).astype(np.float32)
+
+
+def recovery_matrix(arg: dict) -> None:
+    """Rabit's test at the numpy API: 10 checkpointed versions of a 10,000-float model,
+    each with three allreduces, an allgather and a broadcast whose root changes; every
+    result is checked against what this rank computes alone."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    attempt = int(os.environ.get("TOTALREDUCE_ATTEMPT", "0"))
+    report(**{f"pid{attempt}": os.getpid()})
+    version, state = tr.load_checkpoint()
+    w = state["w"] if state is not None else np.zeros(RECOVERY_N, np.float32)
+    assert version == tr.version_number() and (state is None) == (version == 0)
+    if state is not None:
+        assert state["version"] == version - 1, state["version"]
+    for v in range(version, RECOVERY_VERSIONS):
+        for i in range(3):
+            got = tr.allreduce(recovery_grad(w, v, i, rank), op=tr.Sum, name=f"g{i}")
+            want = sum(recovery_grad(w, v, i, r) for r in range(n))
+            assert np.array_equal(got, want), f"rank {rank}: allreduce g{i} at {v} differs"
+            w = np.mod(w + got, 1000).astype(np.float32)
+        rows = tr.allgather(np.full((rank + 1, 3), v * 10 + rank, np.int64), name="rows")
+        want_rows = np.concatenate([np.full((r + 1, 3), v * 10 + r, np.int64)
+                                    for r in range(n)])
+        assert np.array_equal(rows, want_rows), f"rank {rank}: allgather at {v} differs"
+        root = v % n
+        mine = w + (100 if rank == root else -1)
+        got = tr.broadcast(mine, root_rank=root, name="w")
+        assert np.array_equal(got, w + 100), f"rank {rank}: broadcast at {v} differs"
+        tr.checkpoint({"w": w, "version": v})
+    report(digest=hashlib.sha256(w.tobytes()).hexdigest(), version=tr.version_number(),
+           attempt=attempt)
+    tr.shutdown()
+
+
+def recovery_timeout(arg: dict) -> None:
+    """Rank 1 dies and its replacement is slow to start: the survivors give up after
+    TOTALREDUCE_RECOVERY_TIMEOUT with an error naming it, on every rank."""
+    attempt = int(os.environ.get("TOTALREDUCE_ATTEMPT", "0"))
+    if attempt:
+        wait_for_report(0, "error", 60.0)  # until the survivors have given up
+        return
+    tr.init()
+    tr.load_checkpoint()
+    try:
+        for i in range(20):
+            tr.allreduce(np.ones(10), name="x")
+            if i == 5 and tr.rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+    except tr.PeerFailureError as exc:
+        report(error=str(exc), rank_lost=exc.rank)
+    tr.shutdown()

@@ -42,6 +42,7 @@ __all__ = [
     "allgather_object", "broadcast_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "checkpoint", "load_checkpoint", "version_number",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
@@ -279,6 +280,49 @@ def join() -> int:
         The rank that called ``join()`` last (by the wall clock of the calls).
     """
     return int(_ops().join())
+
+
+# --- checkpoints (Rabit's model) --------------------------------------------------------
+
+
+def load_checkpoint() -> tuple[int, dict[str, Any] | None]:
+    """The newest checkpoint: ``(0, None)`` on a fresh start; in a worker that totalrun
+    restarted (``--max-restarts``), the version and state its peers kept in memory.
+
+    Call it first, and loop from the version it returns::
+
+        version, state = tr.load_checkpoint()
+        model = state["w"] if state else init_model()
+        for epoch in range(version, epochs):
+            ...collectives...
+            tr.checkpoint({"w": model})
+
+    Returns:
+        ``(version, state)``: the number of checkpoints taken, and a copy of the last
+        one's state (None before the first).
+    """
+    return _runtime.current().load_checkpoint()
+
+
+def checkpoint(state: dict[str, Any]) -> None:
+    """Keep ``state`` as the next checkpoint (a collective: every rank calls it).
+
+    Every rank keeps a copy in memory; with ``totalrun --max-restarts`` a restarted worker
+    gets it from a survivor, then the results of the collectives made since, so it
+    catches up without anyone recomputing.  Nothing is written to disk.
+
+    Args:
+        state: a dict of numpy arrays and plain scalars (bool, int, float, str, None).
+
+    Raises:
+        TypeError: a value that is neither (nothing is ever pickled).
+    """
+    _runtime.current().checkpoint(state)
+
+
+def version_number() -> int:
+    """How many checkpoints this job has taken (the version ``load_checkpoint`` returns)."""
+    return _runtime.current().version_number()
 
 
 def synchronize(handle: Handle) -> Any:

@@ -61,6 +61,21 @@ TOTALREDUCE_FUSION_THRESHOLD       negotiated: allreduces ready in one cycle are
                                    (0 = off)
 TOTALREDUCE_TIMELINE               a file to write a Chrome trace of every op to   (none)
                                    (rank 0's; other ranks write PATH.RANK)
+TOTALREDUCE_MAX_RESTARTS           set by ``totalrun --max-restarts``: > 0 turns   0
+                                   on recovery (recovery/robust.py)
+TOTALREDUCE_ATTEMPT                set by totalrun: how many times this rank was   0
+                                   restarted before this life
+TOTALREDUCE_RECOVERY_TIMEOUT       seconds the survivors of a failure wait for     120
+                                   its replacement to join before every rank
+                                   raises PeerFailureError
+TOTALREDUCE_RECOVERY_LOG_BYTES     results kept since the last checkpoint, for a   1 GiB
+                                   replacement to catch up from; a failure past
+                                   it cannot be recovered (checkpoint more often)
+TOTALREDUCE_MOCK_DEATH             fault injection for tests: ``rank,version,      (none)
+                                   op,attempt`` (';' between several): that rank
+                                   kills itself (SIGKILL) before its op-th
+                                   collective of that checkpoint version, in that
+                                   life
 =================================  ==============================================  =========
 
 A Horovod job's settings carry over: where a ``TOTALREDUCE_*`` variable above is unset, its
@@ -179,6 +194,11 @@ class Config:
     cache_capacity: int = 1024
     fusion_threshold: int = 128 << 20
     timeline: str = ""
+    max_restarts: int = 0
+    attempt: int = 0
+    recovery_timeout: float = 120.0
+    recovery_log_bytes: int = 1 << 30
+    mock_death: str = ""
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 64:
@@ -203,9 +223,11 @@ class Config:
                              f"{self.coordination!r}")
         if self.cache_capacity < 0 or self.fusion_threshold < 0:
             raise ValueError("cache_capacity and fusion_threshold must be >= 0")
+        if self.max_restarts < 0 or self.attempt < 0 or self.recovery_log_bytes < 0:
+            raise ValueError("max_restarts, attempt and recovery_log_bytes must be >= 0")
         for name in ("stall_check_time", "stall_shutdown_time", "op_timeout",
                      "connect_timeout", "shutdown_timeout", "mismatch_grace",
-                     "cycle_time_ms"):
+                     "cycle_time_ms", "recovery_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

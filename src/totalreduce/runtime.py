@@ -22,9 +22,14 @@ from typing import Any
 from .config import Config, horovod_notices
 from .engine.engine import Engine
 from .exceptions import PeerFailureError, ShutdownError
+from .recovery.codec import copy_state
+from .recovery.robust import Robust
+from .rendezvous import detect_launch
+from .rendezvous.generations import Generations
 from .scheduling import Negotiated, SelfGuided
 from .timeline import Timeline, timeline_path
-from .transport.registry import connect
+from .transport.mesh import WorldMoved
+from .transport.registry import Connected, choose, connect
 
 logger = logging.getLogger(__name__)
 
@@ -37,41 +42,143 @@ _FOLLOWER_DELAY = 0.5
 # of it waits until this long after its own, so that the others meet their own
 # KeyboardInterrupt before the news of its departure.
 _INTERRUPT_SETTLE = 0.5
+# How long a rank that lost a peer waits for its old world's last messages to leave
+# before it drops the links and meets the replacement (with recovery on).
+_QUICK_SHUTDOWN = 2.0
 
 
 class Runtime:
     def __init__(self, config: Config, world: int = 0) -> None:
         self.config = config
-        self.transport_name, connected = connect(config, world)
-        self.transport = connected.transport
-        self.rank, self.size = self.transport.rank, self.transport.size
+        self._generations: Generations | None = None
+        self.generation = 0
+        if config.max_restarts > 0:
+            self._generations = _recovery_generations(config)
+            self.generation = self._generations.current()
+            connected = self._meet(time.monotonic() + config.connect_timeout)
+        else:
+            self.transport_name, connected = connect(config, world)
+        self.rank, self.size = connected.transport.rank, connected.transport.size
         self.local_rank, self.local_size = connected.local_rank, connected.local_size
-        self._close_also = connected.close
         self.timeline = Timeline(timeline_path(config.timeline, self.rank), self.rank) \
             if config.timeline else None
+        self._wire(connected)
+        self.collectives: SelfGuided | Negotiated | Robust = self.scheduler
+        if self._generations is not None:
+            self.collectives = Robust(self.scheduler, self.rank, self.size, config.attempt,
+                                      config.recovery_log_bytes, config.recovery_timeout,
+                                      config.mock_death, self.rebuild)
+        self._kept: tuple[int, dict[str, Any] | None] = (0, None)  # without recovery
+        if self.rank == 0:
+            for line in horovod_notices():
+                print(line, file=sys.stderr)
+
+    def _wire(self, connected: Connected) -> None:
+        """An engine and a scheduler on a freshly joined transport."""
+        config = self.config
+        self.transport = connected.transport
+        self._close_also = connected.close
         negotiated = config.coordination == "negotiated"
         # Self-guided ops are traced by the engine; negotiated ones by the cycle, which
         # knows the tensors behind a fused op.
         self.engine = Engine(self.transport, config,
                              timeline=None if negotiated else self.timeline)
-        self.collectives: SelfGuided | Negotiated = \
+        self.scheduler: SelfGuided | Negotiated = \
             Negotiated(self.engine, config, self.timeline) if negotiated \
             else SelfGuided(self.engine, config)
-        if self.rank == 0:
-            for line in horovod_notices():
-                print(line, file=sys.stderr)
+
+    # --- checkpoints (Rabit's API; with recovery, the Robust layer's) --------------------
+
+    def checkpoint(self, state: Any) -> None:
+        if isinstance(self.collectives, Robust):
+            self.collectives.checkpoint(state)
+            return
+        kept = copy_state(state)
+        with self.scheduler.caller_waits():
+            self.scheduler.barrier().wait()
+        self._kept = (self._kept[0] + 1, kept)
+
+    def load_checkpoint(self) -> tuple[int, dict[str, Any] | None]:
+        if isinstance(self.collectives, Robust):
+            return self.collectives.load_checkpoint()
+        version, state = self._kept
+        return version, (None if state is None else copy_state(state))
+
+    def version_number(self) -> int:
+        if isinstance(self.collectives, Robust):
+            return self.collectives.version_number()
+        return self._kept[0]
+
+    # --- recovery (totalrun --max-restarts) -------------------------------------------
+
+    def _meet(self, deadline: float) -> Connected:
+        """Join the world of the newest restart generation; a rank lost meanwhile moves
+        every rank on to the next one."""
+        generations = self._generations
+        assert generations is not None
+        while True:
+            g = self.generation
+
+            def moved(g: int = g) -> bool:
+                return generations.current() != g
+
+            try:
+                self.transport_name, connected = connect(self.config, f"g{g}", moved)
+                return connected
+            except WorldMoved:
+                self.generation = generations.current()
+            except OSError as exc:  # a rank died while the others were meeting
+                logger.debug("rank meeting under generation %d failed: %s", g, exc)
+                self.generation = generations.after(g, deadline)
+
+    def rebuild(self, deadline: float) -> SelfGuided | Negotiated:
+        """A rank was lost: drop this world's links (every peer drops its own), wait for
+        the launcher to restart it, meet again with the replacement and return the new
+        scheduler.  Memory above the scheduler (the checkpoint, the log) stays.
+
+        Raises:
+            TimeoutError: no rank was restarted before ``deadline``.
+        """
+        assert self._generations is not None
+        self._stop_world(quick=True)
+        self.generation = self._generations.after(self.generation, deadline)
+        self._wire(self._meet(deadline))
+        return self.scheduler
+
+    def _stop_world(self, quick: bool = False) -> None:
+        try:
+            try:
+                self.scheduler.close()
+            finally:
+                self.engine.shutdown(_QUICK_SHUTDOWN if quick else None)
+        finally:
+            if quick:
+                self.transport.abort()
+            if self._close_also is not None:
+                self._close_also()
 
     def shutdown(self) -> None:
         try:
-            try:
-                self.collectives.close()
-            finally:
-                self.engine.shutdown()
-                if self.timeline is not None:
-                    self.timeline.close()
+            self._stop_world()
         finally:
-            if self._close_also is not None:
-                self._close_also()
+            if self.timeline is not None:
+                self.timeline.close()
+            if self._generations is not None:
+                self._generations.close()
+
+
+def _recovery_generations(config: Config) -> Generations:
+    """Recovery's preconditions, said plainly, and the launcher's restart count."""
+    launch = detect_launch()
+    if launch.launcher != "totalrun":
+        raise ValueError(
+            f"TOTALREDUCE_MAX_RESTARTS={config.max_restarts}, but this job was started by "
+            f"{launch.launcher}, which cannot restart one rank while the others wait: run "
+            "it with totalrun -np N --max-restarts K, or unset TOTALREDUCE_MAX_RESTARTS")
+    if choose(config) not in ("shm", "tcp"):
+        raise ValueError(f"restarts (TOTALREDUCE_MAX_RESTARTS) need the shm or tcp "
+                         f"transport, not {choose(config)}")
+    return Generations(launch, config.connect_timeout)
 
 
 class _Holder:
@@ -106,6 +213,9 @@ def init(**overrides: Any) -> Runtime:
                                  f"{', '.join(differ)}; call shutdown() first to change it")
             return live
         config = Config.from_env(**overrides)
+        if config.max_restarts > 0 and _HOLDER.worlds:
+            raise ValueError("a job with restarts (totalrun --max-restarts) initializes "
+                             "once: its worlds are the launcher's restart generations")
         world, _HOLDER.worlds = _HOLDER.worlds, _HOLDER.worlds + 1
         runtime = Runtime(config, world)
         _HOLDER.runtime = runtime

@@ -4,10 +4,11 @@ mesh (mesh.py), and learn which ranks share this host."""
 from __future__ import annotations
 
 import socket
+import time
 
 from ..config import Config
 from ..rendezvous import KVClient, KVServer, LaunchInfo
-from .mesh import connect_mesh
+from .mesh import Cancelled, WorldMoved, connect_mesh
 from .registry import Connected
 
 
@@ -22,14 +23,16 @@ def _route_ip(host: str) -> str:
 
 
 def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
-                world: int = 0) -> Connected:
+                world: int | str = 0, cancelled: Cancelled | None = None) -> Connected:
     """Connect to every other rank of ``launch``'s job (rank 0 also serves the store when
     its launcher says so); same-host peers get rings of ``ring_bytes`` (0: none).
 
     ``world`` counts this process's earlier ``init()`` calls.  Every key it publishes is
     the world's own: after a shutdown() and a new init(), the store still holds the old
     world's addresses (the launcher's store outlives them), and a rank that looked
-    those up would dial listeners that are closed, or about to be."""
+    those up would dial listeners that are closed, or about to be.  With recovery on,
+    ``world`` names the restart generation instead, and ``cancelled()`` says when the
+    job has moved on to a newer one (:class:`.mesh.WorldMoved` is raised then)."""
     kv: KVClient | None = None
     server: KVServer | None = None
     local = launch.launcher == "totalrun"
@@ -46,7 +49,19 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
 
         def lookup(peer: int, timeout: float) -> str:
             assert kv is not None
-            return kv.get(f"{keys}/addr/{peer}", timeout).decode()
+            key = f"{keys}/addr/{peer}"
+            if cancelled is None:
+                return kv.get(key, timeout).decode()
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    return kv.get(key, min(0.5, max(0.0, deadline - time.monotonic()))).decode()
+                except TimeoutError:
+                    if cancelled():
+                        raise WorldMoved(f"rank {rank}: the job moved to a newer world") \
+                            from None
+                    if time.monotonic() >= deadline:
+                        raise
 
         def publish(addr: str) -> None:
             assert kv is not None
@@ -54,7 +69,8 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
 
         transport = connect_mesh(rank, launch.size, launch.secret, launch.job_id,
                                  "127.0.0.1" if local else "0.0.0.0", me, publish, lookup,
-                                 config.connect_timeout, ring_bytes, config.cma_bytes, world)
+                                 config.connect_timeout, ring_bytes, config.cma_bytes, world,
+                                 cancelled)
         local_rank, local_size = _locality(kv, launch, keys, config.connect_timeout)
         return Connected(transport, local_rank, local_size,
                          server.close if server is not None else None)
@@ -67,7 +83,7 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
             kv.close()
 
 
-def world_keys(job_id: str, world: int) -> str:
+def world_keys(job_id: str, world: int | str) -> str:
     """The prefix of a world's keys in the rendezvous store (the first world's is the job
     id alone)."""
     return job_id if world == 0 else f"{job_id}/world{world}"

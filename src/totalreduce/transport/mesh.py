@@ -37,6 +37,14 @@ from .wire import PROTOCOL_VERSION
 logger = logging.getLogger(__name__)
 
 
+class WorldMoved(OSError):
+    """The job moved on to a newer world while this rank was joining one (a rank died and
+    was restarted meanwhile): join the newer one instead."""
+
+
+Cancelled = Callable[[], bool]
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -104,7 +112,8 @@ class _Acceptor:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def wait_for(self, ranks: set[int], deadline: float) -> dict[int, socket.socket]:
+    def wait_for(self, ranks: set[int], deadline: float, cancelled: Cancelled | None = None
+                 ) -> dict[int, socket.socket]:
         with self._cond:
             while not ranks <= set(self._accepted):
                 left = deadline - time.monotonic()
@@ -113,6 +122,8 @@ class _Acceptor:
                     raise TimeoutError(f"rank {self._rank}: ranks {missing} did not connect "
                                        "in time")
                 self._cond.wait(min(left, 0.5))
+                if cancelled is not None and cancelled():
+                    raise WorldMoved(f"rank {self._rank}: the job moved to a newer world")
             return {r: self._accepted[r] for r in ranks}
 
     def stop(self) -> None:
@@ -146,11 +157,13 @@ def _other_world(peer: dict[str, Any], mine: dict[str, Any]) -> bool:
 
 
 def _dial(address: str, secret: bytes, hello: dict[str, Any], expect_rank: int,
-          deadline: float) -> socket.socket:
+          deadline: float, cancelled: Cancelled | None = None) -> socket.socket:
     host, _, port = address.rpartition(":")
     attempt = 0
     last: BaseException | None = None
     while True:
+        if attempt and cancelled is not None and cancelled():
+            raise WorldMoved(f"rank {hello['rank']}: the job moved to a newer world")
         left = deadline - time.monotonic()
         if left <= 0:
             raise OSError(f"could not connect to rank {expect_rank} at {address} in time") \
@@ -285,7 +298,8 @@ def _probe(offer: dict[str, Any]) -> bool:
 def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: str,
                  advertise_host: str, publish: Callable[[str], None],
                  lookup: Callable[[int, float], str], timeout: float,
-                 ring_bytes: int = 0, lend_bytes: int = 0, world: int = 0) -> TcpTransport:
+                 ring_bytes: int = 0, lend_bytes: int = 0, world: int | str = 0,
+                 cancelled: Cancelled | None = None) -> TcpTransport:
     """Connect this rank to every other rank and return the transport.
 
     ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
@@ -293,7 +307,9 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
     shared-memory rings of ``ring_bytes`` per direction (0: sockets only), and the pieces
     of ops of ``lend_bytes`` or more are lent to them rather than copied through a ring,
     where the kernel allows it (:mod:`.cma`; 0: never).  ``world`` counts the earlier
-    ``init()`` calls of this job's processes; peers of another world are refused.
+    ``init()`` calls of this job's processes (or names the restart generation it meets
+    in, with recovery on); peers of another world are refused.  ``cancelled()`` is asked
+    while waiting for peers: True raises :class:`WorldMoved`.
 
     Raises:
         OSError / TimeoutError: a peer could not be reached before ``timeout``.
@@ -309,8 +325,8 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
         socks: dict[int, socket.socket] = {}
         for peer in range(rank):
             address = lookup(peer, max(0.0, deadline - time.monotonic()))
-            socks[peer] = _dial(address, secret, hello, peer, deadline)
-        accepted = acceptor.wait_for(set(range(rank + 1, size)), deadline)
+            socks[peer] = _dial(address, secret, hello, peer, deadline, cancelled)
+        accepted = acceptor.wait_for(set(range(rank + 1, size)), deadline, cancelled)
         for peer, sock in accepted.items():
             _tune(sock)
             socks[peer] = sock

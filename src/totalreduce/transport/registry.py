@@ -34,23 +34,27 @@ class Connected(NamedTuple):
     close: Callable[[], None] | None = None  # what else to close at shutdown
 
 
-def _sockets(config: Config, world: int, rings: bool) -> Connected:
+Cancelled = Callable[[], bool]
+
+
+def _sockets(config: Config, world: int | str, cancelled: Cancelled | None,
+             rings: bool) -> Connected:
     from .connect import connect_job
 
     launch = detect_launch()
     if launch.size == 1:
-        return _inproc(config, world)
-    return connect_job(launch, config, config.ring_bytes if rings else 0, world)
+        return _inproc(config, world, cancelled)
+    return connect_job(launch, config, config.ring_bytes if rings else 0, world, cancelled)
 
 
-def _mpi(config: Config, world: int) -> Connected:
+def _mpi(config: Config, world: int | str, cancelled: Cancelled | None) -> Connected:
     from .mpi import MpiTransport, mpi_world
 
     world, local_rank, local_size = mpi_world()
     return Connected(MpiTransport(world), local_rank, local_size)
 
 
-def _inproc(config: Config, world: int) -> Connected:
+def _inproc(config: Config, world: int | str, cancelled: Cancelled | None) -> Connected:
     from .inproc import InprocWorld
 
     launch = detect_launch()
@@ -61,10 +65,11 @@ def _inproc(config: Config, world: int) -> Connected:
 
 
 # Each joins with the config and the world: how many times this process called init()
-# before (the socket transports keep worlds apart by it; see connect.py).
-TRANSPORTS: dict[str, Callable[[Config, int], Connected]] = {
-    "shm": lambda config, world: _sockets(config, world, rings=True),
-    "tcp": lambda config, world: _sockets(config, world, rings=False),
+# before, or with recovery on the restart generation (the socket transports keep worlds
+# apart by it; see connect.py), and what says that the job moved on to a newer world.
+TRANSPORTS: dict[str, Callable[[Config, int | str, Cancelled | None], Connected]] = {
+    "shm": lambda config, world, cancelled: _sockets(config, world, cancelled, rings=True),
+    "tcp": lambda config, world, cancelled: _sockets(config, world, cancelled, rings=False),
     "mpi": _mpi,
     "inproc": _inproc,
 }
@@ -79,8 +84,11 @@ def choose(config: Config) -> str:
     return "shm"
 
 
-def connect(config: Config, world: int = 0) -> tuple[str, Connected]:
+def connect(config: Config, world: int | str = 0, cancelled: Cancelled | None = None
+            ) -> tuple[str, Connected]:
     """Join this process to its job over the configured transport; ``world`` counts the
-    process's earlier ``init()`` calls (every rank of the job must make as many)."""
+    process's earlier ``init()`` calls (every rank of the job must make as many), or
+    names the restart generation; ``cancelled()`` True while joining: the job moved on
+    (:class:`.mesh.WorldMoved`)."""
     scheme = choose(config)
-    return scheme, TRANSPORTS[scheme](config, world)
+    return scheme, TRANSPORTS[scheme](config, world, cancelled)
