@@ -1,16 +1,22 @@
 """Train a small network on scikit-learn's bundled digits set, data-parallel.
 
     totalrun -np 4 python examples/train_digits.py --epochs 20 --plot curves.png
+    totalrun -np 4 --max-restarts 1 python examples/train_digits.py   # survives a kill
 
 Each rank trains on its own shard of the training split; totalreduce's
 DistributedOptimizer averages the gradients, so every rank holds the same model.  Written
 in Horovod's style: replacing the import with ``horovod.torch`` runs it under Horovod.
 The data ships inside scikit-learn (1,797 8x8 images); nothing is downloaded.
+
+Every epoch ends with a checkpoint in memory (``TorchState``): under ``totalrun
+--max-restarts``, a worker killed mid-epoch is restarted, takes the last checkpoint from
+the others, catches up on the steps since from their memory, and the job goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -40,6 +46,8 @@ def parse_args() -> argparse.Namespace:
                    help="sparse compression: the share of gradient values sent per step")
     p.add_argument("--plot", metavar="PNG", help="write loss and accuracy curves here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--print-digest", action="store_true",
+                   help="print a hash of the final weights (to compare two runs)")
     return p.parse_args()
 
 
@@ -99,18 +107,23 @@ def main() -> None:
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters(),
                                          compression=compression)
 
-    history = []
+    # Every rank takes the same number of steps per epoch (the shortest shard's), so no
+    # rank waits for a step the others never take.
+    n_local = torch.tensor([len(x_train)])
+    steps = int(hvd.allreduce(n_local, op=hvd.Min, name="shard_size")) // args.batch_size
+    # The job's state after each epoch, kept in memory by every rank: a restarted worker
+    # resumes from the survivors' copy (a fresh start leaves it as it is).  Collectives
+    # of the set-up come before load(), those of the training loop after it.
+    state = hvd.TorchState(net, optimizer, epoch=1, history=np.zeros((0, 3)))
+    state.load()
+    history = [tuple(row) for row in state.history]
     # A bar redraws its line with carriage returns: fine on a terminal, and totalrun
     # keeps them out of logs; other launchers would write every redraw to the log.
     show_bar = sys.stderr.isatty() or "TOTALREDUCE_RANK" in os.environ
     if rank == 0:
         print(f"digits: {size} rank(s), {len(digits.data)} images, per-rank batch "
               f"{args.batch_size}, {args.epochs} epochs, compression {args.compression}")
-    # Every rank takes the same number of steps per epoch (the shortest shard's), so no
-    # rank waits for a step the others never take.
-    n_local = torch.tensor([len(x_train)])
-    steps = int(hvd.allreduce(n_local, op=hvd.Min, name="shard_size")) // args.batch_size
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(state.epoch, args.epochs + 1):
         net.train()
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
         bar = progress(steps, rank == 0 and show_bar, f"epoch {epoch}")
@@ -138,7 +151,12 @@ def main() -> None:
         if rank == 0:
             print(f"epoch {epoch:3d}  loss {mean_loss:.4f}  test accuracy {accuracy:.2%}  "
                   f"{samples_per_s:,.0f} samples/s", flush=True)
+        state.epoch, state.history = epoch + 1, np.array(history)
+        state.checkpoint()
 
+    if rank == 0 and args.print_digest:
+        weights = b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values())
+        print(f"final weights sha256 {hashlib.sha256(weights).hexdigest()}")
     if rank == 0:
         print(f"final test accuracy {history[-1][2]:.2%}")
         if args.plot:

@@ -17,17 +17,35 @@ pytest.importorskip("sklearn", reason="scikit-learn (the examples extra) is not 
 EXAMPLES = HERE.parent / "examples"
 
 
-def _totalrun(n: int, *args: str, timeout: float) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOTALREDUCE_")}
+def _totalrun(n: int, *args: str, timeout: float, launcher_args: tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TOTALREDUCE_")}
     proc = subprocess.run([sys.executable, "-m", "totalreduce.run", "-np", str(n),
-                           sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                           *launcher_args, sys.executable, *args], capture_output=True,
+                          text=True, timeout=timeout, env=dict(clean, **(env or {})))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return proc
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_digits_reaches_95_percent_in_20_epochs(n: int) -> None:
-    out = _totalrun(n, str(EXAMPLES / "train_digits.py"), "--epochs", "20", timeout=150)
+    out = _totalrun(n, str(EXAMPLES / "train_digits.py"), "--epochs", "20",
+                    timeout=150).stdout
     found = re.search(r"final test accuracy ([\d.]+)%", out)
     assert found and float(found.group(1)) >= 95.0, out[-2000:]
+
+
+def test_digits_survives_a_killed_worker_with_the_same_weights() -> None:
+    """A worker SIGKILLed in the middle of epoch 2 is restarted, catches up from the
+    others, and the job ends with the weights of a run without the kill, bit for bit."""
+    args = (str(EXAMPLES / "train_digits.py"), "--epochs", "3", "--print-digest")
+    calm = _totalrun(3, *args, timeout=150).stdout
+    hit = _totalrun(3, *args, timeout=150, launcher_args=("--max-restarts", "1"),
+                    env={"TOTALREDUCE_MOCK_DEATH": "1,1,6,0"})
+    digests = [re.search(r"final weights sha256 (\w+)", out) for out in (calm, hit.stdout)]
+    assert digests[0] and digests[1], calm[-2000:] + hit.stdout[-2000:]
+    assert digests[0].group(1) == digests[1].group(1), hit.stdout[-3000:]
+    assert "rank 1 (pid" in hit.stderr and "restarting it" in hit.stderr, hit.stderr[-3000:]
+    assert "job finished after 1 restart(s)" in hit.stderr
+    for out in (calm, hit.stdout):
+        assert re.search(r"final test accuracy ([\d.]+)%", out)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from totalreduce.recovery.codec import check_state, copy_state, decode, encode
-from totalreduce.recovery.log import ResultLog
+from totalreduce.recovery.log import PRELUDE, ResultLog
 from totalreduce.recovery.plan import Statement, decide, wanted
 
 X = (3, "grad", 7)
@@ -54,15 +54,18 @@ def test_nothing_to_send_when_no_checkpoint_was_taken_and_everyone_restarted() -
     assert plan.checkpoint_from is None and plan.final and not plan.progress()
 
 
-def test_result_log_is_bounded_and_cleared_by_a_checkpoint() -> None:
+def test_result_log_is_bounded_and_cleared_by_a_checkpoint_but_for_the_prelude() -> None:
     log = ResultLog(cap_bytes=100)
+    setup = (PRELUDE, "broadcast_parameters.w", 0)
+    log.add(setup, "broadcast", [np.zeros(2, np.float32)])
     log.add(X, "allreduce", [np.zeros(10, np.float32)])
-    log.add(Y, "allreduce", [np.zeros(20, np.float32)])  # 40 + 80 > 100: not kept
-    assert X in log and Y not in log and log.overflowed and log.bytes == 40
+    log.add(Y, "allreduce", [np.zeros(20, np.float32)])  # 8 + 40 + 80 > 100: not kept
+    assert X in log and Y not in log and log.overflowed and log.bytes == 48
     kind, [got] = log.get(X)
     assert kind == "allreduce" and got.shape == (10,)
     log.commit(C, {"w": np.ones(2)})
-    assert log.version == 1 and len(log) == 0 and not log.overflowed and C in log
+    assert log.version == 1 and len(log) == 1 and not log.overflowed and C in log
+    assert setup in log and X not in log and log.bytes == 8
 
 
 def test_result_log_keeps_copies() -> None:

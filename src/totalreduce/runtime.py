@@ -21,7 +21,8 @@ from typing import Any
 
 from .config import Config, horovod_notices
 from .engine.engine import Engine
-from .exceptions import PeerFailureError, ShutdownError
+from .exceptions import PeerFailureError, ShutdownError, TotalReduceError
+from .launcher.exit_codes import NO_RESTART
 from .recovery.codec import copy_state
 from .recovery.robust import Robust
 from .rendezvous import detect_launch
@@ -251,6 +252,9 @@ def _on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> 
         _HOLDER.follower = isinstance(exc, PeerFailureError) and exc.rank != runtime.rank
         if runtime.transport_name == "mpi":
             _HOLDER.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+        elif runtime.config.max_restarts > 0 and isinstance(exc, TotalReduceError) and \
+                not exc.recoverable:
+            _HOLDER.exit_code = NO_RESTART
 
 
 def _inside_engine(frame: Any) -> bool:
@@ -278,6 +282,9 @@ def _on_sigint(signum: int, frame: Any) -> None:
 def _leave_after_failure() -> None:
     """Runs after ``shutdown`` at exit (registered before it), when an uncaught error
     ends this rank.  A rank failing because another did waits ``_FOLLOWER_DELAY`` first.
+
+    With restarts (totalrun --max-restarts), an error no restart can mend leaves with
+    ``NO_RESTART``, so that the launcher ends the job rather than restart into it again.
 
     Under MPI: MPI_Finalize waits for every other rank to finalize too, so a failing rank
     would hang there for as long as its peers run.  It leaves without finalizing instead,

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO, Any
 
+from .exit_codes import NO_RESTART
+
 _KILL_AFTER_TERM = 3.0
 _PR_SET_PDEATHSIG = 1
 
@@ -27,6 +29,8 @@ def _die_with_parent() -> None:
 def _status(code: int | None) -> str:
     if code is None:
         return "running"
+    if code == NO_RESTART:
+        return f"exit code {code} (an error no restart can mend)"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -234,7 +238,8 @@ class Supervisor:
                 failed = [w for w in self._workers if w.code]
             if failed and self._first_failure is None and self._signalled is None and \
                     stop_at is None:
-                restartable = [w for w in failed if w.attempt < self._max_restarts]
+                restartable = [w for w in failed if w.attempt < self._max_restarts
+                               and w.code != NO_RESTART]
                 for w in sorted(restartable, key=lambda w: w.exited_at):
                     self._restart(w)
                 failed = [w for w in failed if w not in restartable]

@@ -1,5 +1,9 @@
 """What a rank keeps in memory so that a replacement can catch up without anyone
-recomputing: its last checkpoint, and the result of every collective since.
+recomputing: its last checkpoint, the result of every collective since, and the results
+of the *prelude*: the collectives a program makes before it loads its checkpoint (set-up
+such as broadcasting the initial model), which a replacement makes again before it
+reaches ``load_checkpoint()``.  Prelude results are kept for the job's life; their ops
+carry version -1.
 
 The results are bounded by ``TOTALREDUCE_RECOVERY_LOG_BYTES``.  Past the bound the log
 stops taking results and says so once: a failure after that point cannot be recovered
@@ -15,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from .plan import OpId
+
+PRELUDE = -1  # the version of collectives made before the program loads its checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +62,11 @@ class ResultLog:
         return self._results[op]
 
     def commit(self, op: OpId, state: dict[str, Any] | None) -> None:
-        """A checkpoint (made by ``op``) is taken: results before it are not needed."""
+        """A checkpoint (made by ``op``) is taken: results before it are not needed, but
+        for the prelude's."""
         self.version += 1
         self.state = state
         self.last_checkpoint = op
-        self._results.clear()
-        self.bytes = 0
+        self._results = {k: v for k, v in self._results.items() if k[0] == PRELUDE}
+        self.bytes = sum(a.nbytes for _kind, arrays in self._results.values() for a in arrays)
         self.overflowed = False

@@ -47,7 +47,7 @@ from ..exceptions import PeerFailureError, TotalReduceError
 from ..scheduling.handle import Handle
 from ..scheduling.ops import ReduceOp
 from .codec import copy_state, decode, encode
-from .log import ResultLog
+from .log import PRELUDE, ResultLog
 from .plan import OpId, Plan, Statement, decide, wanted
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,7 @@ class Robust:
         # A replacement starts in recovery: it must catch up before it runs anything.
         self.recovering = attempt > 0
         self._wants_checkpoint = False
+        self._prelude = True  # until the program loads its checkpoint
         self._rounds = 0
         self.recoveries = 0  # failures survived by this rank
 
@@ -256,6 +257,7 @@ class Robust:
         rank has got here (a collective)."""
         kept = copy_state(state)
         with self._lock:
+            self._prelude = False  # a program that checkpoints has begun its loop
             # Results of earlier collectives must be in the log before it is cleared.
             for handle in list(self._pending.values()):
                 self.settle(handle, None)
@@ -267,6 +269,10 @@ class Robust:
         """``(version, state)`` of the newest checkpoint: ``(0, None)`` on a fresh start;
         in a restarted worker, what the survivors kept."""
         with self._lock:
+            if self._prelude:
+                self._prelude = False
+                self._counts.clear()
+                self._seq = 0
             if self.recovering:
                 self._wants_checkpoint = True
                 while self._wants_checkpoint:
@@ -284,7 +290,7 @@ class Robust:
             key = name if name is not None else f"~{kind}"
             count = self._counts.get(key, 0)
             self._counts[key] = count + 1
-            op = (self._log.version, key, count)
+            op = (PRELUDE if self._prelude else self._log.version, key, count)
             if (self.rank, op[0], self._seq, self._attempt) in self._deaths:
                 logger.warning("rank %d: TOTALREDUCE_MOCK_DEATH: dying before %s",
                                self.rank, op)

@@ -28,15 +28,19 @@ from .. import (
     ShutdownError,
     TotalReduceError,
     TransportClosedError,
+    checkpoint,
     init,
     is_initialized,
+    load_checkpoint,
     local_rank,
     local_size,
     rank,
     shutdown,
     size,
+    version_number,
 )
 from ..objects import allgather_object, broadcast_object
+from .checkpoint import TorchState
 from .collectives import (
     Average,
     Max,
@@ -77,7 +81,8 @@ from .state import broadcast_optimizer_state, broadcast_parameters
 __all__ = [
     "AuthenticationError", "Average", "Compression", "Compressor", "DistributedOptimizer",
     "Max", "Min", "MismatchError", "OpTimeoutError", "PeerFailureError", "ProcessSet",
-    "Product", "ShutdownError", "StepTimings", "Sum", "TorchHandle", "TotalReduceError",
+    "Product", "ShutdownError", "StepTimings", "Sum", "TorchHandle", "TorchState",
+    "TotalReduceError", "checkpoint", "load_checkpoint", "version_number",
     "TransportClosedError", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
