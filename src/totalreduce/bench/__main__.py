@@ -1,5 +1,5 @@
 """``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny,sparse,
-convergence}``:
+convergence,recovery}``:
 side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
@@ -24,7 +24,9 @@ Not run unless named (negotiated coordination, over totalreduce-shm's transport)
 optimizer): samples/s of one model under each, with a bucket-size sweep for totalreduce's
 DistributedOptimizer (see ``training.py``).  ``convergence`` trains the digits MLP with
 dense and sparse averaging (totalreduce-shm) and with torch's PowerSGD DDP hook (gloo):
-test accuracy against epochs and bytes sent (see ``convergence.py``).
+test accuracy against epochs and bytes sent (see ``convergence.py``).  ``recovery``
+times a job's recovery from a killed worker against its checkpoint's size (totalreduce
+alone: no other backend recovers; see ``recovery.py``).
 """
 
 from __future__ import annotations
@@ -171,7 +173,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="DistributedOptimizer bucket sizes to sweep (MB)")
     p.add_argument("--steps", type=int, default=5, help="steps per timed repetition")
     p.add_argument("--reps", type=int, default=5)
+    p = sub.add_parser("recovery", help="kill a worker: time to recover against the "
+                       "checkpoint's size (totalrun --max-restarts)")
+    p.add_argument("-n", "--ranks", default="4", help="world sizes, e.g. 2,4")
+    p.add_argument("--sizes", default="1M,16M,64M,256M", help="checkpoint sizes")
+    p.add_argument("--rounds", type=int, default=3, help="jobs per cell (median, worst)")
+    p.add_argument("--json", metavar="FILE", help="write the results")
+    p.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
+    if args.test == "recovery":
+        return _recovery(args)
 
     cfg: dict[str, Any] = {"test": args.test}
     if args.test == "collectives":
@@ -246,6 +257,19 @@ def main(argv: list[str] | None = None) -> int:
         plot_curves(summary, args.plot)
     elif args.plot:
         plot(args.test, summary, args.plot)
+    return 0
+
+
+def _recovery(args: argparse.Namespace) -> int:
+    from .recovery import bench, print_rows
+
+    rows = bench([int(n) for n in args.ranks.split(",")],
+                 [parse_size(s) for s in args.sizes.split(",")], args.rounds, args.timeout)
+    _print_machine(_machine())
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
     return 0
 
 

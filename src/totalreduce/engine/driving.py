@@ -173,7 +173,9 @@ class Driver:
                 tick = bool(self._drivers) or not self._wanted()
             if self._closed.is_set():
                 return
-            if tick and self._drivers:
+            if tick and self._drivers and not self._loop.leaving():
+                # A caller drives; but one that asked to shut down from inside its wait
+                # (recovery drops its world there) drives no more.
                 continue
             if not tick and can_wait:
                 idle = self._loop.idle_for()

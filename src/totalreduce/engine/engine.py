@@ -175,6 +175,7 @@ class Engine:
     def shutdown(self, timeout: float | None = None) -> None:
         """Say goodbye to every peer, wait for theirs (up to ``shutdown_timeout``), close."""
         if not self._closed.is_set():
+            self.loop.leave_asked = True
             self._command("shutdown", None)
             self._driver.join(timeout if timeout is not None
                               else self._config.shutdown_timeout + 10.0)

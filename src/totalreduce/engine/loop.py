@@ -58,6 +58,9 @@ class Loop:
         self.ended = False  # closed is set (a plain attribute: read on every turn)
         self.on_close: Callable[[], None] | None = None  # told once the loop has ended
         self._shutdown_deadline: float | None = None
+        # Set by any thread asking to shut down (before the command runs), so that the
+        # progress thread drives the way out even while a caller counts as driving.
+        self.leave_asked = False
         self._writes_closed = False  # GOODBYE (or ABORT) out, our write sides half-closed
         self._await_eof = True  # whether the transport reports each peer's end
         self._next_check = time.monotonic() + HOUSEKEEPING
@@ -74,7 +77,7 @@ class Loop:
         return max(0.0, min(HOUSEKEEPING, self._next_check - time.monotonic()))
 
     def leaving(self) -> bool:
-        return self._shutdown_deadline is not None
+        return self.leave_asked or self._shutdown_deadline is not None
 
     def step(self, timeout: float | None, until: OpFuture | None = None) -> None:
         """One turn; the caller holds the drive lock (or, unthreaded, is the only thread).

@@ -49,43 +49,61 @@ def copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
             for k, v in state.items()}
 
 
+def split(state: Mapping[str, Any] | None) -> tuple[bytes, list[np.ndarray]]:
+    """``state`` (already checked) as a JSON manifest and its arrays, in the manifest's
+    order: what travels in pieces, each array as itself (no copy into a buffer)."""
+    if state is None:
+        return json.dumps({"none": True}).encode(), []
+    entries: list[list[Any]] = []
+    arrays: list[np.ndarray] = []
+    for key, value in state.items():
+        if isinstance(value, np.ndarray | np.generic):
+            arr = np.asarray(value)
+            if not arr.flags.c_contiguous or not arr.dtype.isnative:
+                arr = np.ascontiguousarray(arr, arr.dtype.newbyteorder("=")).reshape(arr.shape)
+            entries.append([key, "array", int(DTYPE_CODES[arr.dtype]), list(arr.shape),
+                            isinstance(value, np.generic)])
+            arrays.append(arr)
+        else:
+            entries.append([key, "scalar", value])
+    return json.dumps({"entries": entries}).encode(), arrays
+
+
+def blanks(manifest: bytes) -> list[np.ndarray]:
+    """Arrays to receive a state of ``manifest`` into."""
+    entries = json.loads(manifest).get("entries", [])
+    return [np.empty(tuple(e[3]), DTYPES[e[2]]) for e in entries if e[1] == "array"]
+
+
+def join(manifest: bytes, arrays: list[np.ndarray]) -> dict[str, Any] | None:
+    """The state of ``manifest`` and its ``arrays`` (taken, not copied)."""
+    head = json.loads(manifest)
+    if head.get("none"):
+        return None
+    state: dict[str, Any] = {}
+    it = iter(arrays)
+    for entry in head["entries"]:
+        if entry[1] == "scalar":
+            state[entry[0]] = entry[2]
+            continue
+        arr = next(it).reshape(tuple(entry[3]))
+        state[entry[0]] = arr[()] if entry[4] else arr
+    return state
+
+
 def encode(state: Mapping[str, Any] | None) -> bytes:
     """``state`` (already checked) as one buffer: manifest length, manifest, array bytes."""
-    if state is None:
-        manifest: dict[str, Any] = {"none": True}
-        blobs: list[bytes] = []
-    else:
-        entries = []
-        blobs = []
-        for key, value in state.items():
-            if isinstance(value, np.ndarray | np.generic):
-                arr = np.asarray(value)  # tobytes() writes C order whatever the layout
-                entries.append([key, "array", int(DTYPE_CODES[arr.dtype.newbyteorder("=")]),
-                                list(arr.shape), isinstance(value, np.generic)])
-                blobs.append(arr.astype(arr.dtype.newbyteorder("="), copy=False).tobytes())
-            else:
-                entries.append([key, "scalar", value])
-        manifest = {"entries": entries}
-    head = json.dumps(manifest).encode()
-    return _LENGTH.pack(len(head)) + head + b"".join(blobs)
+    head, arrays = split(state)
+    return _LENGTH.pack(len(head)) + head + b"".join(a.tobytes() for a in arrays)
 
 
 def decode(buf: bytes | memoryview) -> dict[str, Any] | None:
     view = memoryview(buf)
     (n,) = _LENGTH.unpack(view[:_LENGTH.size])
-    manifest = json.loads(bytes(view[_LENGTH.size:_LENGTH.size + n]))
-    if manifest.get("none"):
-        return None
+    head = bytes(view[_LENGTH.size:_LENGTH.size + n])
     at = _LENGTH.size + n
-    state: dict[str, Any] = {}
-    for entry in manifest["entries"]:
-        if entry[1] == "scalar":
-            state[entry[0]] = entry[2]
-            continue
-        key, _kind, code, shape, scalar = entry
-        dtype = DTYPES[code]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        arr = np.frombuffer(view[at:at + nbytes], dtype=dtype).reshape(tuple(shape)).copy()
-        at += nbytes
-        state[key] = arr[()] if scalar else arr
-    return state
+    arrays = []
+    for blank in blanks(head):
+        arrays.append(np.frombuffer(view[at:at + blank.nbytes], blank.dtype).copy())
+        at += blank.nbytes
+    return join(head, arrays)

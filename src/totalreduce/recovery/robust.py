@@ -46,7 +46,7 @@ import numpy as np
 from ..exceptions import PeerFailureError, TotalReduceError
 from ..scheduling.handle import Handle
 from ..scheduling.ops import ReduceOp
-from .codec import copy_state, decode, encode
+from .codec import blanks, copy_state, decode, encode, join, split
 from .log import PRELUDE, ResultLog
 from .plan import OpId, Plan, Statement, decide, wanted
 
@@ -409,32 +409,31 @@ class Robust:
         if self._wants_checkpoint and plan.checkpoint_from is None:
             self._wants_checkpoint = False  # nobody has one: a fresh start
         if plan.checkpoint_from is not None:
-            mine = encode({"version": log.version,
-                           "state": np.frombuffer(encode(log.state), np.uint8)}) \
-                if self.rank == plan.checkpoint_from else b""
-            got = self._broadcast(mine, plan.checkpoint_from, "checkpoint")
+            mine = {"version": log.version, "state": np.frombuffer(b"", np.uint8)}
+            if self.rank == plan.checkpoint_from:
+                head, arrays = split(log.state)
+                mine["state"] = np.frombuffer(head, np.uint8)
+                got = self._send_state(mine, arrays, plan.checkpoint_from, "checkpoint")
+            else:
+                got = self._send_state(mine, None, plan.checkpoint_from, "checkpoint")
             if self._wants_checkpoint:
-                sent = decode(got)
-                assert sent is not None
+                sent, arrays = got
                 log.version = int(sent["version"])
-                log.state = decode(sent["state"].tobytes())
+                log.state = join(sent["state"].tobytes(), arrays)
                 log.last_checkpoint = (log.version - 1, "~checkpoint", 0) \
                     if log.version else None
                 self._counts.clear()
                 self._seq = 0
                 self._wants_checkpoint = False
         for op, src in plan.serve:
-            payload = b""
+            kind, results = "", None
             if self.rank == src:
-                if op == log.last_checkpoint:
-                    payload = encode({"kind": "checkpoint"})
-                else:
-                    kind, arrays = log.get(op)
-                    payload = encode({"kind": kind, **{str(i): a for i, a in enumerate(arrays)}})
-            sent = decode(self._broadcast(payload, src, "result"))
+                kind, results = ("checkpoint", []) if op == log.last_checkpoint \
+                    else log.get(op)
+            sent, arrays = self._send_state({"kind": kind}, results, src, "result")
             handle = self._pending.get(op)
-            if handle is not None and sent is not None:
-                self._done(handle, [sent[str(i)] for i in range(len(sent) - 1)])
+            if handle is not None:
+                self._done(handle, arrays)
         runs = [self._pending[op] for op in plan.run]
         for handle in runs:
             handle.start(self._ops)
@@ -462,6 +461,26 @@ class Robust:
         buf = np.frombuffer(payload, np.uint8) if self.rank == root \
             else np.zeros(int(n[0]), np.uint8)
         return bytes(ops.broadcast(buf, root, f"{_INTERNAL}.{tag}", 0, False).wait())
+
+    def _send_state(self, head: dict[str, Any], arrays: list[np.ndarray] | None, root: int,
+                    tag: str) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """``root``'s ``head`` (scalars and small arrays) and ``arrays`` to every rank:
+        the head as one message, then each array as itself, received in place (a big
+        checkpoint is never copied into one buffer)."""
+        mine = b""
+        if self.rank == root:
+            assert arrays is not None
+            manifest, _ = split({str(i): a for i, a in enumerate(arrays)})
+            mine = encode(dict(head, manifest=np.frombuffer(manifest, np.uint8)))
+        got = decode(self._broadcast(mine, root, tag))
+        assert got is not None
+        manifest = got.pop("manifest").tobytes()
+        out = arrays if self.rank == root else blanks(manifest)
+        assert out is not None
+        for i, arr in enumerate(out):
+            self._ops.broadcast(arr.reshape(-1), root, f"{_INTERNAL}.{tag}.{i}", 0,
+                                True).wait()
+        return got, out
 
 
 def _shapes(inplace: Any, many: bool, pair: bool, nothing: bool
