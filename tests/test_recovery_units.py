@@ -101,3 +101,17 @@ def test_checkpoint_state_refuses_what_would_need_pickle() -> None:
         check_state([np.zeros(1)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="complex128 is not one"):
         check_state({"z": np.zeros(2, np.complex128)})
+
+
+def test_result_log_keeps_nothing_it_could_confuse_after_a_name_was_forgotten() -> None:
+    log = ResultLog(cap_bytes=1 << 20)
+    setup = (PRELUDE, "setup", 0)
+    log.add(setup, "broadcast", [np.zeros(2)])
+    log.add(X, "allreduce", [np.zeros(2)])
+    log.lose()
+    assert X not in log and setup in log and log.overflowed
+    log.add(Y, "allreduce", [np.zeros(2)])
+    assert Y not in log  # not until the next checkpoint
+    log.commit(C, None)
+    log.add(Y, "allreduce", [np.zeros(2)])
+    assert Y in log and not log.overflowed

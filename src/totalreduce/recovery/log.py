@@ -46,6 +46,8 @@ class ResultLog:
         if op in self._results:
             return
         size = sum(a.nbytes for a in arrays)
+        if self.overflowed and op[0] != PRELUDE:
+            return
         if self.bytes + size > self._cap:
             if not self.overflowed:
                 logger.warning(
@@ -58,6 +60,12 @@ class ResultLog:
         self._results[op] = (kind, [np.array(a, copy=True) for a in arrays])
         self.bytes += size
 
+    def lose(self) -> None:
+        """Results since the checkpoint can no longer be told apart (a name's call count
+        was forgotten): keep none of them until the next checkpoint."""
+        self.overflowed = True
+        self._drop_since_checkpoint()
+
     def get(self, op: OpId) -> tuple[str, list[np.ndarray]]:
         return self._results[op]
 
@@ -67,6 +75,9 @@ class ResultLog:
         self.version += 1
         self.state = state
         self.last_checkpoint = op
+        self._drop_since_checkpoint()
+        self.overflowed = False
+
+    def _drop_since_checkpoint(self) -> None:
         self._results = {k: v for k, v in self._results.items() if k[0] == PRELUDE}
         self.bytes = sum(a.nbytes for _kind, arrays in self._results.values() for a in arrays)
-        self.overflowed = False

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..exceptions import PeerFailureError, TotalReduceError
+from ..lru import LRU
 from ..scheduling.handle import Handle
 from ..scheduling.ops import ReduceOp
 from .codec import blanks, copy_state, decode, encode, join, split
@@ -53,6 +54,7 @@ from .plan import OpId, Plan, Statement, decide, wanted
 logger = logging.getLogger(__name__)
 
 _INTERNAL = "__recovery"
+_NAMES = 1 << 16  # distinct collective names remembered between two checkpoints
 
 
 class Scheduler(Protocol):
@@ -190,7 +192,10 @@ class Robust:
         self._deaths = parse_deaths(mock_death)
         self._log = ResultLog(log_bytes)
         self._lock = threading.RLock()
-        self._counts: dict[str, int] = {}  # calls of each name since the checkpoint
+        # Calls of each name since the checkpoint.  Bounded: a name forgotten here would
+        # count from 0 again and could be answered with an older call's result, so
+        # forgetting one makes this span of the log unusable (as an overflow does).
+        self._counts: LRU[str, int] = LRU(_NAMES, lambda _k, _v: self._log.lose())
         self._seq = 0  # collectives since the checkpoint (for fault injection)
         self._pending: dict[OpId, RobustHandle] = {}
         # A replacement starts in recovery: it must catch up before it runs anything.
@@ -288,8 +293,8 @@ class Robust:
               ) -> RobustHandle:
         with self._lock:
             key = name if name is not None else f"~{kind}"
-            count = self._counts.get(key, 0)
-            self._counts[key] = count + 1
+            count = self._counts.get(key) or 0
+            self._counts.put(key, count + 1)
             op = (PRELUDE if self._prelude else self._log.version, key, count)
             if (self.rank, op[0], self._seq, self._attempt) in self._deaths:
                 logger.warning("rank %d: TOTALREDUCE_MOCK_DEATH: dying before %s",
@@ -543,8 +548,9 @@ def _stuck(rank: int, said: list[Statement], overflowed: bool) -> str:
             ", ".join(f"{n!r} #{k} since checkpoint {v}" for v, n, k in s.pending) or "nothing"
         lines.append(f"  rank {r} (checkpoint {s.version}) waits for {what}")
     if overflowed:
-        lines.append("This rank's log of results since the checkpoint outgrew "
-                     "TOTALREDUCE_RECOVERY_LOG_BYTES: checkpoint more often, or raise it.")
+        lines.append("This rank could not keep every result since the checkpoint (they "
+                     "outgrew TOTALREDUCE_RECOVERY_LOG_BYTES, or more than 65536 names "
+                     "were used): checkpoint more often, or raise it.")
     else:
         lines.append("Every rank must make the same collectives between checkpoints, and a "
                      "restarted rank must call totalreduce.load_checkpoint() first.")
