@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import HERE, run_ok
@@ -87,3 +89,17 @@ def test_collectives_are_differentiable_and_keep_0d_shapes() -> None:
             "allreduce Sum", "allreduce Average", "grouped_allreduce", "allgather",
             "broadcast", "max refused"], result.explain()
         assert len(result.report(r).get("scalars", [])) == 7, result.explain()
+
+
+def test_ddp_hook_error_names_the_op_and_each_ranks_shape() -> None:
+    result = run_ok(2, "torch_workers:ddp_errors", {"case": "buckets"}, timeout=60)
+    for r in range(2):
+        rep = result.report(r)
+        error = rep.get("error", "")
+        assert "allreduce 'ddp.bucket0'" in error, result.explain()
+        assert "differs: shape" in error, result.explain()
+        assert re.search(r"rank 0: .*shape=\(467,\)", error), result.explain()  # the model
+        assert re.search(r"rank 1: .*shape=\(3,\)", error), result.explain()
+        assert any("bucket_cap_mb" in n for n in rep.get("notes", [])), result.explain()
+        assert rep.get("went_on"), result.explain()
+
