@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from harness import HERE, run_ok
+from harness import HERE, launch, run_ok
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
@@ -103,3 +103,14 @@ def test_ddp_hook_error_names_the_op_and_each_ranks_shape() -> None:
         assert any("bucket_cap_mb" in n for n in rep.get("notes", [])), result.explain()
         assert rep.get("went_on"), result.explain()
 
+
+@pytest.mark.parametrize("slow_victim", [False, True])
+def test_launcher_names_the_rank_that_raised_in_its_ddp_hook(slow_victim: bool) -> None:
+    result = launch(2, "torch_workers:ddp_errors",
+                    {"case": "raise", "victim": 1, "slow_victim": slow_victim}, timeout=60)
+    assert result.returncode == 1, result.explain()
+    assert re.search(r"totalrun: rank 1 \(pid \d+\) failed", result.stderr), result.explain()
+    assert re.search(r"^\s+1\s+\d+\s+exit code 1\s+<- first failure \(root cause\)$",
+                     result.stderr, re.M), result.explain()
+    assert "ValueError: rank 1: bad gradient bucket at step 3" in result.stderr
+    assert any("PeerFailureError" in ln for ln in result.lines(0)), result.explain()

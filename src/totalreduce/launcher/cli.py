@@ -15,6 +15,8 @@ TOTALREDUCE_LOCAL_SIZE     N
 TOTALREDUCE_RENDEZVOUS     host:port of the launcher's authenticated address store
 TOTALREDUCE_SECRET         a fresh random job secret; every connection must prove it
 TOTALREDUCE_JOB_ID         a fresh random job id
+TOTALREDUCE_FAILURE_DIR    where a rank that dies of an uncaught exception notes whether
+                           it failed on its own or because another rank did
 RANK, WORLD_SIZE,          what ``torch.distributed``'s ``env://`` init reads, so that
 LOCAL_RANK,                ``init_process_group("gloo")`` (DDP, with or without
 LOCAL_WORLD_SIZE,          ``totalreduce.torch.ddp_comm_hook``) works under totalrun too;
@@ -28,7 +30,11 @@ Failure: when a worker exits non-zero or is killed by a signal, totalrun names i
 gives the others ``--grace`` seconds to notice (they raise ``PeerFailureError``) and exit,
 then sends SIGTERM and, 3 s later, SIGKILL to their whole process groups.  It then prints a
 table of every rank's exit status with the first failure marked as the root cause, and
-exits with that worker's exit code (128 + signal number for a signal).  Ctrl-C or SIGTERM
+exits with that worker's exit code (128 + signal number for a signal).  The root cause is
+the first rank to fail of its own accord: a rank whose uncaught exception followed from
+another rank's failure (a ``PeerFailureError``, even one that DDP or autograd re-raised
+as another exception) notes so in ``TOTALREDUCE_FAILURE_DIR``, and the rank it names is
+reported instead, however late that one exits.  Ctrl-C or SIGTERM
 sent to totalrun is forwarded to every worker the same way (in the workers it arrives as
 ``KeyboardInterrupt``).  Workers die with totalrun even if it is killed outright, however
 deep they sit under the command (a wrapper script, ``bash -c``): a watchdog process ends

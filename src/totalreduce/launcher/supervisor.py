@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -61,6 +63,9 @@ class Supervisor:
         self._changed = threading.Event()
         self._width = len(str(n - 1))
         self._watchdog: int | None = None  # write end of the pipe to watchdog.py
+        # Where a failing rank notes whether it failed on its own or because another rank
+        # did (runtime._tell_launcher): the root cause is named by it.
+        self._notes = tempfile.mkdtemp(prefix="totalrun-failures-")
 
     # --- output ---------------------------------------------------------------------
 
@@ -123,7 +128,8 @@ class Supervisor:
     def _start(self) -> None:
         for rank in range(self._n):
             env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank),
-                       RANK=str(rank), LOCAL_RANK=str(rank))
+                       RANK=str(rank), LOCAL_RANK=str(rank),
+                       TOTALREDUCE_FAILURE_DIR=self._notes)
             proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
@@ -196,7 +202,10 @@ class Supervisor:
                 os.close(self._watchdog)
             for s, h in old.items():
                 signal.signal(s, h)
-        return self._report()
+        try:
+            return self._report()
+        finally:
+            shutil.rmtree(self._notes, ignore_errors=True)
 
     def _supervise(self) -> None:
         stop_at: float | None = None   # when to send SIGTERM
@@ -207,12 +216,15 @@ class Supervisor:
             with self._state:
                 failed = [w for w in self._workers if w.code]
                 running = sum(1 for w in self._workers if w.code is None)
-            if failed and self._first_failure is None and self._signalled is None:
-                first = min(failed, key=lambda w: w.exited_at)
-                self._first_failure = first
-                self._say(f"rank {first.rank} (pid {first.proc.pid}) failed: "
-                          f"{_status(first.code)}; stopping the other ranks")
-                stop_at = now + self._grace
+            if failed and self._signalled is None:
+                if stop_at is None:
+                    stop_at = now + self._grace
+                if self._first_failure is None:
+                    first = self._root_cause(failed, final=running == 0)
+                    if first is not None:
+                        self._first_failure = first
+                        self._say(f"rank {first.rank} (pid {first.proc.pid}) failed: "
+                                  f"{_status(first.code)}; stopping the other ranks")
             if running == 0:
                 return
             if self._signalled is not None and not forwarded:
@@ -229,6 +241,31 @@ class Supervisor:
                 kill_at = now + 3600
             self._changed.wait(0.05)
             self._changed.clear()
+
+    def _note(self, worker: _Worker) -> int | None:
+        """The rank whose failure ``worker`` says it failed of, if it left such a note."""
+        try:
+            with open(os.path.join(self._notes, f"rank.{worker.rank}")) as f:
+                words = f.read().split()
+        except OSError:
+            return None
+        if len(words) == 2 and words[0] == "peer" and words[1].isdigit():
+            return int(words[1])
+        return None
+
+    def _root_cause(self, failed: list[_Worker], final: bool) -> _Worker | None:
+        """The first rank to fail of its own accord (one that noted it failed because
+        another did is passed over), or None to wait: every rank that failed so far names
+        another one, which is still running (it will fail, or be stopped, shortly)."""
+        blamed = {w.rank: self._note(w) for w in failed}
+        own = [w for w in failed if blamed[w.rank] is None]
+        if own:
+            return min(own, key=lambda w: w.exited_at)
+        named = [self._workers[r] for r in blamed.values()
+                 if r is not None and 0 <= r < len(self._workers)]
+        if not final and any(w.code is None for w in named):
+            return None
+        return next((w for w in named if w.code), min(failed, key=lambda w: w.exited_at))
 
     def _report(self) -> int:
         failed = [w for w in self._workers if w.code]
