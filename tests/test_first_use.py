@@ -24,3 +24,22 @@ def test_init_again_after_shutdown_with_one_rank_late(transport: str) -> None:
     assert result.report(0)["worlds"][2]["init_s"] >= late * 0.8, result.explain()
     assert result.report(0).get("stale_refused") is True, result.explain()
     assert "refused" not in result.stderr, result.explain()
+
+
+def test_allgather_mismatch_shows_the_shapes_passed() -> None:
+    result = run_ok(2, "workers:ragged_mismatch", {}, timeout=60)
+    for r in range(2):
+        errors = result.report(r).get("errors", {})
+        assert sorted(errors) == ["a2a", "flat", "rows", "rows_and_dtype"], result.explain()
+        for text in errors.values():
+            assert "Only the first dimension may differ between ranks." in text
+        rows = errors["rows"]
+        assert "(differs: shape)" in rows, rows
+        assert "rank 0: kind=allgather, dtype=float64, shape=(2, 3)" in rows, rows
+        assert "rank 1: kind=allgather, dtype=float64, shape=(2, 4)" in rows, rows
+        flat = errors["flat"]
+        assert "(differs: dtype)" in flat and "shape=(5,)" in flat and "shape=()" not in flat
+        both = errors["rows_and_dtype"]
+        assert "(differs: dtype)" in both, both  # the first dimensions may differ
+        assert "shape=(2, 3)" in both and "shape=(3, 3)" in both, both
+        assert "shape=(4, 2)" in errors["a2a"] and "shape=(4, 3)" in errors["a2a"]
