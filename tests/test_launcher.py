@@ -67,3 +67,30 @@ def test_sigterm_is_forwarded_and_no_orphans_remain(ignore_term: bool) -> None:
     assert "received SIGTERM; forwarding it" in err
     time.sleep(0.2)
     assert not [p for p in pids if _alive(p)], "orphan workers remain"
+
+
+def _totalrun(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "totalreduce.run", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_program_that_cannot_start_is_one_line(tmp_path) -> None:
+    missing = _totalrun("-np", "2", "/no/such/program")
+    assert missing.returncode == 127, missing
+    assert missing.stderr == ("totalrun: cannot start the workers: /no/such/program: "
+                              "no such file\n"), missing.stderr
+    unknown = _totalrun("-np", "2", "no-such-command-anywhere")
+    assert unknown.returncode == 127 and unknown.stderr.count("\n") == 1, unknown
+    assert "no-such-command-anywhere: command not found" in unknown.stderr
+    script = tmp_path / "train.sh"
+    script.write_text("#!/no/such/interpreter\necho never\n")
+    script.chmod(0o644)
+    not_executable = _totalrun("-np", "2", str(script))
+    assert not_executable.returncode == 126, not_executable
+    assert not_executable.stderr.count("\n") == 1 and "not executable" in not_executable.stderr
+    script.chmod(0o755)
+    bad_interpreter = _totalrun("-np", "2", str(script))
+    assert bad_interpreter.returncode == 127, bad_interpreter
+    assert bad_interpreter.stderr == (f"totalrun: cannot start the workers: {script}: the "
+                                      "interpreter on its #! line was not found\n")

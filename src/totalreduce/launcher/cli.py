@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import socket
 import sys
 
@@ -78,12 +79,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _unrunnable(program: str) -> tuple[str, int] | None:
+    """Why ``program`` cannot be started, and the shell's exit status for it (127: not
+    found, 126: found but not executable); None if it can."""
+    if os.sep not in program:
+        if shutil.which(program) is None:
+            return f"{program}: command not found (not in PATH)", 127
+        return None
+    if not os.path.exists(program):
+        return f"{program}: no such file", 127
+    if os.path.isdir(program):
+        return f"{program}: is a directory", 126
+    if not os.access(program, os.X_OK):
+        return f"{program}: not executable (chmod +x it, or run it with its interpreter)", 126
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not args.command:
         _parser().error("no command given (e.g. totalrun -np 2 python train.py)")
     if args.np < 1:
         _parser().error(f"-np must be at least 1, got {args.np}")
+    problem = _unrunnable(args.command[0])
+    if problem is not None:
+        print(f"totalrun: cannot start the workers: {problem[0]}", file=sys.stderr)
+        return problem[1]
     secret = secrets.token_hex(32)
     job_id = secrets.token_hex(8)
     store = KVServer("127.0.0.1", 0, secret.encode(), job_id)

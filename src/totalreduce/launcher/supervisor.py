@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import shutil
 import signal
@@ -34,6 +35,15 @@ def _status(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+class _CannotStart(Exception):
+    """A worker's command could not be started (the message is one line for the user);
+    ``code`` is the shell's exit status for it (127: not found, 126: not executable)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Worker:
@@ -130,9 +140,16 @@ class Supervisor:
             env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank),
                        RANK=str(rank), LOCAL_RANK=str(rank),
                        TOTALREDUCE_FAILURE_DIR=self._notes)
-            proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+            try:
+                proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+            except OSError as exc:  # cli.py checked the program; exec can fail still
+                why = exc.strerror or str(exc)
+                if exc.errno == errno.ENOENT and os.path.isfile(self._command[0]):
+                    why = "the interpreter on its #! line was not found"
+                raise _CannotStart(f"cannot start the workers: {self._command[0]}: {why}",
+                                   127 if exc.errno == errno.ENOENT else 126) from exc
             worker = _Worker(rank, proc)
             self._tell_watchdog(f"{proc.pid}\n")  # its own group (start_new_session)
             # A waiter per worker stamps the exact exit time, so the root cause is the
@@ -185,10 +202,15 @@ class Supervisor:
 
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        cannot_start: _CannotStart | None = None
         try:
             self._start_watchdog()
-            self._start()
-            self._supervise()
+            try:
+                self._start()
+            except _CannotStart as exc:
+                cannot_start = exc
+            else:
+                self._supervise()
         finally:
             # Whatever happened, nothing of ours outlives us: kill every worker's group.
             self._signal_all(signal.SIGKILL)
@@ -203,6 +225,9 @@ class Supervisor:
             for s, h in old.items():
                 signal.signal(s, h)
         try:
+            if cannot_start is not None:
+                self._say(str(cannot_start))
+                return cannot_start.code
             return self._report()
         finally:
             shutil.rmtree(self._notes, ignore_errors=True)
