@@ -43,3 +43,10 @@ def test_allgather_mismatch_shows_the_shapes_passed() -> None:
         assert "(differs: dtype)" in both, both  # the first dimensions may differ
         assert "shape=(2, 3)" in both and "shape=(3, 3)" in both, both
         assert "shape=(4, 2)" in errors["a2a"] and "shape=(4, 3)" in errors["a2a"]
+
+
+def test_connect_timeout_0_waits_and_a_timeline_folder_is_made(tmp_path) -> None:
+    timeline = tmp_path / "traces" / "run1" / "t.json"
+    run_ok(2, "workers:timeline_run", {}, timeout=60,
+           env={"TOTALREDUCE_CONNECT_TIMEOUT": "0", "TOTALREDUCE_TIMELINE": str(timeline)})
+    assert timeline.exists() and (timeline.parent / "t.json.1").exists()

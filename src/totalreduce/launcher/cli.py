@@ -23,6 +23,12 @@ LOCAL_WORLD_SIZE,          ``totalreduce.torch.ddp_comm_hook``) works under tota
 MASTER_ADDR, MASTER_PORT   the port is one that was free on 127.0.0.1 at launch
 =========================  ==============================================================
 
+Before it starts a worker, totalrun checks what it can: every ``TOTALREDUCE_*`` setting
+(and the Horovod variables read in their place), ``TOTALRUN_NP`` and ``TOTALRUN_GRACE``,
+each wrong one reported as a line ``VARIABLE=value: why`` (exit status 2), and the program
+(one line and exit status 127 if it is not found, 126 if it cannot be executed).  More
+ranks than cores get a one-line note that the job is oversubscribed.
+
 Output: each line a worker prints appears on the launcher's stdout/stderr prefixed with
 ``[rank]``; with ``--output-dir DIR`` it is also written to ``DIR/rank.NN/stdout|stderr``.
 
@@ -52,6 +58,7 @@ import shutil
 import socket
 import sys
 
+from ..config import check_environment
 from ..rendezvous import KVServer
 from .supervisor import Supervisor
 
@@ -60,10 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="totalrun", description="Start N totalreduce workers on this host.",
         epilog="Everything after the options is the command each worker runs.")
-    p.add_argument("-np", "--num-proc", dest="np", type=int,
-                   default=int(os.environ.get("TOTALRUN_NP", "1")),
-                   help="number of workers (env TOTALRUN_NP)")
-    p.add_argument("--grace", type=float, default=float(os.environ.get("TOTALRUN_GRACE", "5")),
+    # The env twins are read in _launcher_settings, so that a bad value is named by its
+    # variable rather than reported as a bad flag.
+    p.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
+                   help="number of workers (env TOTALRUN_NP, default 1)")
+    p.add_argument("--grace", type=float, default=None,
                    help="seconds the other workers get to exit after one fails "
                         "(env TOTALRUN_GRACE, default 5)")
     p.add_argument("--output-dir", default=os.environ.get("TOTALRUN_OUTPUT_DIR"),
@@ -95,16 +103,61 @@ def _unrunnable(program: str) -> tuple[str, int] | None:
     return None
 
 
+def _launcher_settings(args: argparse.Namespace) -> list[str]:
+    """Fill in -np and --grace from TOTALRUN_NP and TOTALRUN_GRACE where not given; a
+    ``VARIABLE=value: why`` line for each of those that is wrong."""
+    problems = []
+    for attr, var, kind, default, lowest, why in (
+            ("np", "TOTALRUN_NP", int, 1, 1, "must be an integer >= 1 (workers)"),
+            ("grace", "TOTALRUN_GRACE", float, 5.0, 0.0, "must be >= 0 (seconds)")):
+        if getattr(args, attr) is not None:
+            continue
+        raw = os.environ.get(var, "")
+        if raw == "":
+            setattr(args, attr, default)
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            value = None
+        if value is None or value < lowest:
+            problems.append(f"{var}={raw}: {why}")
+        else:
+            setattr(args, attr, value)
+    return problems
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not args.command:
         _parser().error("no command given (e.g. totalrun -np 2 python train.py)")
-    if args.np < 1:
+    if args.np is not None and args.np < 1:
         _parser().error(f"-np must be at least 1, got {args.np}")
+    if args.grace is not None and args.grace < 0:
+        _parser().error(f"--grace must be >= 0, got {args.grace}")
+    # Every wrong knob at once, one line each, before anything starts.
+    problems = _launcher_settings(args) + check_environment(os.environ)
+    if problems:
+        for line in problems:
+            print(f"totalrun: {line}", file=sys.stderr)
+        return 2
     problem = _unrunnable(args.command[0])
     if problem is not None:
         print(f"totalrun: cannot start the workers: {problem[0]}", file=sys.stderr)
         return problem[1]
+    cores = _cores()
+    if args.np > cores:
+        print(f"totalrun: {args.np} ranks on {cores} cores: the job is oversubscribed; ranks "
+              "take turns on the cores and every collective waits for the last one to get "
+              f"its turn, so steps take {args.np / cores:.2g}x as long or more as with a "
+              f"core per rank (-np {cores} or fewer to measure speed)", file=sys.stderr)
     secret = secrets.token_hex(32)
     job_id = secrets.token_hex(8)
     store = KVServer("127.0.0.1", 0, secret.encode(), job_id)
