@@ -655,3 +655,10 @@ def ddp_errors(arg: dict) -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+def first_use(arg: dict) -> None:
+    """One job for the checks above that share it: gradients and 0-d tensors, then DDP
+    with buckets that differ between ranks."""
+    autograd_and_scalars(arg)
+    ddp_errors({"case": "buckets"})
