@@ -19,9 +19,9 @@ bucket.  A failed future would reach the user as DDP's RuntimeError "Unable to c
 which runs when the backward pass's graph is done, waits for its bucket and raises the
 bucket's error.  It runs before DDP's own end-of-pass callback, so a rank raises as soon as
 its first failed bucket is known, even while others wait for a peer that has stopped
-sending; DDP's reducer is then left mid-pass, and DDP refuses the next iteration (as it
-does after any error in backward).  Outside a backward pass (a hook called by hand) the
-future carries the error instead.
+sending.  DDP's reducer is then left mid-pass, so that model's next backward fails inside
+DDP: to go on after catching the error, build the DDP model again.  Outside a backward
+pass (a hook called by hand) the future carries the error instead.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations against the
