@@ -78,3 +78,26 @@ def test_convergence_summary_merges_ranks_and_finds_the_epoch_that_reaches_the_t
     assert sparse["epochs_to_target"] == 3  # 95.5% at epoch 2 is short of 96%
     assert sparse["mb_to_target"] == pytest.approx(4e-6)  # the ranks' mean: (3 + 5) / 2
     assert [p["seconds"] for p in sparse["curve"]] == [2.0, 2.0, 2.0]  # the slowest rank
+
+
+def test_tiny_shows_both_scheduling_modes_by_default(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """What ``python -m totalreduce.bench tiny`` runs and prints without --backends: the
+    rows of the table docs/BENCHMARKS.md quotes, with the modes said."""
+    from totalreduce.bench.__main__ import chosen_backends
+    from totalreduce.bench.report import print_table
+
+    chosen = chosen_backends("tiny", None)
+    assert chosen == ["totalreduce-shm", "totalreduce-neg", "totalreduce-neg-nocache",
+                      "totalreduce-neg-nofusion", "mpi", "gloo"]
+    assert "ddp-hook" not in chosen_backends("collectives", None)
+    raw = [{"backend": b, "ranks": 2, "round": 0, "per_rank": [
+        {"rank": r, "results": [{"mode": "1000 x 4 B async", "count": 1000,
+                                 "times": [1e-3 * (i + 1)] * 3}]} for r in range(2)]}
+           for i, b in enumerate(chosen)]
+    print_table("tiny", summarize("tiny", raw))
+    out = capsys.readouterr().out
+    for b in chosen:
+        assert f"2  {b} " in out, out
+    assert "totalreduce-shm/-tcp/-mpi self-guided" in out
+    assert "totalreduce-neg negotiated" in out

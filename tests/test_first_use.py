@@ -10,11 +10,11 @@ from harness import run_ok
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("transport", ["shm", "srun"])
-def test_init_again_after_shutdown_with_one_rank_late(transport: str) -> None:
-    # srun: rank 0 serves the rendezvous store itself, a new one for each init().
+def test_init_again_after_shutdown_with_one_rank_late() -> None:
+    # (Under srun and torchrun rank 0 serves a new store for each init(): test_units has
+    # a client following its store to the new one.)
     late = 2.5
-    result = run_ok(2, "workers:reinit_late", {"late": late}, timeout=90, transport=transport)
+    result = run_ok(2, "workers:reinit_late", {"late": late}, timeout=90)
     for r in range(2):
         worlds = result.report(r).get("worlds")
         assert worlds is not None, result.explain()
@@ -24,3 +24,29 @@ def test_init_again_after_shutdown_with_one_rank_late(transport: str) -> None:
     assert result.report(0)["worlds"][2]["init_s"] >= late * 0.8, result.explain()
     assert result.report(0).get("stale_refused") is True, result.explain()
     assert "refused" not in result.stderr, result.explain()
+
+
+def test_allgather_mismatch_shows_the_shapes_passed() -> None:
+    result = run_ok(2, "workers:ragged_mismatch", {}, timeout=60)
+    for r in range(2):
+        errors = result.report(r).get("errors", {})
+        assert sorted(errors) == ["a2a", "flat", "rows", "rows_and_dtype"], result.explain()
+        for text in errors.values():
+            assert "Only the first dimension may differ between ranks." in text
+        rows = errors["rows"]
+        assert "(differs: shape)" in rows, rows
+        assert "rank 0: kind=allgather, dtype=float64, shape=(2, 3)" in rows, rows
+        assert "rank 1: kind=allgather, dtype=float64, shape=(2, 4)" in rows, rows
+        flat = errors["flat"]
+        assert "(differs: dtype)" in flat and "shape=(5,)" in flat and "shape=()" not in flat
+        both = errors["rows_and_dtype"]
+        assert "(differs: dtype)" in both, both  # the first dimensions may differ
+        assert "shape=(2, 3)" in both and "shape=(3, 3)" in both, both
+        assert "shape=(4, 2)" in errors["a2a"] and "shape=(4, 3)" in errors["a2a"]
+
+
+def test_connect_timeout_0_waits_and_a_timeline_folder_is_made(tmp_path) -> None:
+    timeline = tmp_path / "traces" / "run1" / "t.json"
+    run_ok(2, "workers:timeline_run", {}, timeout=60,
+           env={"TOTALREDUCE_CONNECT_TIMEOUT": "0", "TOTALREDUCE_TIMELINE": str(timeline)})
+    assert timeline.exists() and (timeline.parent / "t.json.1").exists()

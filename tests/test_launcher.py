@@ -91,3 +91,62 @@ def test_sigterm_is_forwarded_and_no_orphans_remain(ignore_term: bool) -> None:
     assert "received SIGTERM; forwarding it" in err
     time.sleep(0.2)
     assert not [p for p in pids if _alive(p)], "orphan workers remain"
+
+
+def _totalrun(*args: str, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("TOTALREDUCE_", "TOTALRUN_", "HOROVOD_"))}
+    full.update(env or {}, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "totalreduce.run", *args], env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_program_that_cannot_start_is_one_line(tmp_path) -> None:
+    missing = _totalrun("-np", "2", "/no/such/program")
+    assert missing.returncode == 127, missing
+    assert missing.stderr == ("totalrun: cannot start the workers: /no/such/program: "
+                              "no such file\n"), missing.stderr
+    unknown = _totalrun("-np", "2", "no-such-command-anywhere")
+    assert unknown.returncode == 127 and unknown.stderr.count("\n") == 1, unknown
+    assert "no-such-command-anywhere: command not found" in unknown.stderr
+    script = tmp_path / "train.sh"
+    script.write_text("#!/no/such/interpreter\necho never\n")
+    script.chmod(0o644)
+    not_executable = _totalrun("-np", "2", str(script))
+    assert not_executable.returncode == 126, not_executable
+    assert not_executable.stderr.count("\n") == 1 and "not executable" in not_executable.stderr
+    script.chmod(0o755)
+    bad_interpreter = _totalrun("-np", "2", str(script))
+    assert bad_interpreter.returncode == 127, bad_interpreter
+    assert bad_interpreter.stderr == (f"totalrun: cannot start the workers: {script}: the "
+                                      "interpreter on its #! line was not found\n")
+
+
+def test_every_wrong_knob_is_one_line_before_anything_starts(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"HOROVOD_FUSION_THRESHOLD": "-5", "TOTALREDUCE_CYCLE_TIME_MS": "abc",
+           "TOTALREDUCE_CONNECT_TIMEOUT": "-1", "TOTALRUN_GRACE": "soon",
+           "TOTALREDUCE_TIMELINE": str(blocker / "t.json")}
+    started = tmp_path / "started"
+    result = _totalrun("-np", "2", sys.executable, "-c",
+                       f"open({str(started)!r}, 'w')", env=env)
+    assert result.returncode == 2, result
+    assert result.stderr.splitlines() == [
+        "totalrun: TOTALRUN_GRACE=soon: must be >= 0 (seconds)",
+        "totalrun: TOTALREDUCE_CYCLE_TIME_MS=abc: not a number; must be >= 0 (milliseconds)",
+        "totalrun: TOTALREDUCE_CONNECT_TIMEOUT=-1: must be >= 0 (seconds; 0 = no limit)",
+        "totalrun: HOROVOD_FUSION_THRESHOLD=-5: must be >= 0 (bytes; 0 = no fusion)",
+        f"totalrun: TOTALREDUCE_TIMELINE={blocker}/t.json: {blocker} is not a folder",
+    ], result.stderr
+    assert not started.exists()
+
+
+def test_oversubscribed_job_says_so_once() -> None:
+    cores = len(os.sched_getaffinity(0))
+    result = _totalrun("-np", str(cores + 1), sys.executable, "-c", "pass")
+    assert result.returncode == 0, result
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "oversubscribed" in lines[0], result.stderr
+    assert lines[0].startswith(f"totalrun: {cores + 1} ranks on {cores} cores"), lines

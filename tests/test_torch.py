@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from harness import HERE, run_ok
+from harness import HERE, Result, launch, run_ok
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
@@ -80,10 +82,44 @@ def test_cuda_tensors_are_staged_through_host_memory() -> None:
     assert result.report(0).get("cuda_ok"), result.explain()
 
 
-def test_collectives_are_differentiable_and_keep_0d_shapes() -> None:
-    result = run_ok(2, "torch_workers:autograd_and_scalars", {}, timeout=60)
+@pytest.fixture(scope="module")
+def first_use() -> Result:
+    """One 2-rank job for the checks of a new user's first steps (torch_workers.first_use)."""
+    return run_ok(2, "torch_workers:first_use", {}, timeout=90)
+
+
+def test_collectives_are_differentiable(first_use: Result) -> None:
     for r in range(2):
-        assert result.report(r).get("gradients_ok") == [
+        assert first_use.report(r).get("gradients_ok") == [
             "allreduce Sum", "allreduce Average", "grouped_allreduce", "allgather",
-            "broadcast", "max refused"], result.explain()
-        assert len(result.report(r).get("scalars", [])) == 7, result.explain()
+            "broadcast", "max refused"], first_use.explain()
+
+
+def test_0d_tensors_keep_their_shape(first_use: Result) -> None:
+    for r in range(2):
+        assert len(first_use.report(r).get("scalars", [])) == 7, first_use.explain()
+
+
+def test_ddp_hook_error_names_the_op_and_each_ranks_shape(first_use: Result) -> None:
+    for r in range(2):
+        rep = first_use.report(r)
+        error = rep.get("error", "")
+        assert "allreduce 'ddp.bucket0'" in error, first_use.explain()
+        assert "differs: shape" in error, first_use.explain()
+        assert re.search(r"rank 0: .*shape=\(467,\)", error), first_use.explain()  # all
+        assert re.search(r"rank 1: .*shape=\(3,\)", error), first_use.explain()
+        assert any("bucket_cap_mb" in n for n in rep.get("notes", [])), first_use.explain()
+        assert rep.get("went_on"), first_use.explain()
+
+
+def test_launcher_names_the_rank_that_raised_in_its_ddp_hook() -> None:
+    # The raising rank is made to exit 1.5 s after the others (and the others get no
+    # follower delay): who exits first would name the wrong rank.
+    result = launch(2, "torch_workers:ddp_errors",
+                    {"case": "raise", "victim": 1, "slow_victim": True}, timeout=60)
+    assert result.returncode == 1, result.explain()
+    assert re.search(r"totalrun: rank 1 \(pid \d+\) failed", result.stderr), result.explain()
+    assert re.search(r"^\s+1\s+\d+\s+exit code 1\s+<- first failure \(root cause\)$",
+                     result.stderr, re.M), result.explain()
+    assert "ValueError: rank 1: bad gradient bucket at step 3" in result.stderr
+    assert any("PeerFailureError" in ln for ln in result.lines(0)), result.explain()

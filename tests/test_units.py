@@ -230,3 +230,48 @@ def test_address_store_client_follows_a_store_replaced_on_its_address() -> None:
     finally:
         early.close()
         new.close()
+
+
+def test_config_errors_name_the_variable_and_say_why(tmp_path) -> None:
+    from totalreduce.config import ConfigError, horovod_notices
+
+    with pytest.raises(ConfigError) as info:
+        Config.from_env({"HOROVOD_FUSION_THRESHOLD": "-5", "TOTALREDUCE_OP_TIMEOUT": "x"})
+    assert info.value.problems == [
+        "TOTALREDUCE_OP_TIMEOUT=x: not a number; must be >= 0 (seconds; 0 = never)",
+        "HOROVOD_FUSION_THRESHOLD=-5: must be >= 0 (bytes; 0 = no fusion)"]
+    with pytest.raises(ConfigError, match=r"^fusion_threshold=-5: must be >= 0"):
+        Config.from_env({}, fusion_threshold=-5)
+    assert Config.from_env({"TOTALREDUCE_CONNECT_TIMEOUT": "0"}).connect_timeout == 0
+    timeline = tmp_path / "new" / "folder" / "t.json"
+    assert Config.from_env({"TOTALREDUCE_TIMELINE": str(timeline)}).timeline == str(timeline)
+    assert timeline.parent.is_dir()
+    assert horovod_notices({"TOTALREDUCE_FUSION_TRESHOLD": "5", "TOTALREDUCE_RANK": "0"}) == [
+        "totalreduce: TOTALREDUCE_FUSION_TRESHOLD=5: not a totalreduce setting, ignored "
+        "(did you mean TOTALREDUCE_FUSION_THRESHOLD?)"]
+
+
+def test_rendezvous_port_in_use_says_which_and_what_to_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's rank 0 serves the store at MASTER_PORT + 1; something else has it."""
+    import os
+
+    for var in list(os.environ):
+        if var.startswith(("TOTALREDUCE_", "SLURM_", "PMI_", "OMPI_")):
+            monkeypatch.delenv(var)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for var, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port - 1), "TOTALREDUCE_SECRET": "x"}.items():
+            monkeypatch.setenv(var, value)
+        with pytest.raises(OSError) as info:
+            tr.init()
+    assert str(info.value) == (
+        f"rank 0 cannot serve the rendezvous store: port {port} (MASTER_PORT + 1: "
+        "torchrun's own store has MASTER_PORT) is in use by another process: start the job "
+        "with another MASTER_PORT (torchrun --master-port), or set "
+        "TOTALREDUCE_RENDEZVOUS=host:port to a free port on every rank")
+    assert not tr.is_initialized()

@@ -600,3 +600,65 @@ def autograd_and_scalars(arg: dict) -> None:
         assert t.shape == (), f"{what}: shape {tuple(t.shape)}"
         assert float(t) == (1.0 if what.startswith("broadcast") else total), (what, t)
     report(gradients_ok=checked, scalars=sorted(shapes))
+
+
+def ddp_errors(arg: dict) -> None:
+    """DDP with the comm hook, two ways to fail.  ``buckets``: the ranks build DDP with
+    different bucket sizes, so bucket 0 differs; backward() must raise MismatchError on
+    every rank, and the ranks go on.  ``raise``: rank ``victim``'s hook raises at step 3
+    and nobody catches it; with ``slow_victim`` the others leave at once and the victim
+    a second later, so the launcher must tell who failed first by more than exit times."""
+    import atexit
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    hvd.init()
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    if arg["case"] == "buckets":
+        model = DDP(_model(3), bucket_cap_mb=25 if r == 0 else 0.0001,
+                    find_unused_parameters=True)
+        model.register_comm_hook(None, hvd.ddp_comm_hook)
+        x, _y = _batches(1, 4)[0]
+        try:
+            model(x).sum().backward()
+        except hvd.MismatchError as exc:
+            report(error=str(exc), notes=getattr(exc, "__notes__", []))
+        else:
+            raise AssertionError("backward() returned with mismatched buckets")
+        # A rank that caught it can go on (here with a model DDP agrees on).
+        again = DDP(_model(3), find_unused_parameters=True)
+        again.register_comm_hook("again", hvd.ddp_comm_hook)
+        again(x).sum().backward()
+        dist.destroy_process_group()
+        report(went_on=True)
+        return
+    victim = arg["victim"]
+    if arg.get("slow_victim"):
+        import totalreduce.runtime
+
+        totalreduce.runtime._FOLLOWER_DELAY = 0.0
+        if r == victim:
+            atexit.register(time.sleep, 1.5)  # runs before totalreduce's own exit work
+    model = DDP(_model(3))
+    step = 0
+
+    def hook(state, bucket):  # unannotated: DDP checks real annotations, not strings
+        if r == victim and step == 3:
+            raise ValueError(f"rank {r}: bad gradient bucket at step {step}")
+        return hvd.ddp_comm_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(_batches(10, 4)):  # noqa: B007  # the hook reads step
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def first_use(arg: dict) -> None:
+    """One job for the checks above that share it: gradients and 0-d tensors, then DDP
+    with buckets that differ between ranks."""
+    autograd_and_scalars(arg)
+    ddp_errors({"case": "buckets"})

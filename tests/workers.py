@@ -1083,3 +1083,27 @@ def recovery_timeout(arg: dict) -> None:
     except tr.PeerFailureError as exc:
         report(error=str(exc), rank_lost=exc.rank)
     tr.shutdown()
+
+
+def ragged_mismatch(arg: dict) -> None:
+    """allgather and alltoall calls the ranks disagree on: each rank reports the error."""
+    tr.init()
+    rank = tr.rank()
+    cases = {
+        "rows": np.ones((2, 3)) if rank == 0 else np.ones((2, 4)),
+        "flat": np.ones(5, np.float32) if rank == 0 else np.ones(5, np.float64),
+        "rows_and_dtype": np.ones((2, 3), np.float32) if rank == 0 else np.ones((3, 3)),
+    }
+    errors = {}
+    for name, x in cases.items():
+        try:
+            tr.allgather(x, name=name)
+        except tr.MismatchError as exc:
+            errors[name] = str(exc)
+    try:
+        tr.alltoall(np.ones((4, 2)) if rank == 0 else np.ones((4, 3)), name="a2a")
+    except tr.MismatchError as exc:
+        errors["a2a"] = str(exc)
+    tr.allgather(np.ones((rank + 1, 3)), name="fine")  # first dims may differ
+    tr.shutdown()
+    report(errors=errors)

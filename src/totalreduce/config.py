@@ -2,7 +2,10 @@
 
 Precedence: keyword argument to ``init()`` > environment variable > default.  Unknown keyword
 arguments are a ``TypeError`` (a typo must not silently fall back to a default), and odd
-boolean spellings are rejected rather than guessed.
+boolean spellings are rejected rather than guessed.  Values that do not parse or are out
+of range raise one :class:`ConfigError` naming every one of them, each as
+``VARIABLE=value: why`` (the variable it was read from, Horovod's included, or the
+``init()`` keyword); totalrun checks the environment this way before it starts a job.
 
 =================================  ==============================================  =========
 env var                            meaning                                         default
@@ -21,6 +24,7 @@ TOTALREDUCE_STALL_SHUTDOWN_TIME    seconds before a stalled op fails on every   
 TOTALREDUCE_OP_TIMEOUT             seconds before a waiting op fails here, however 1800
                                    it stalled (self-guided mode; 0 = never)
 TOTALREDUCE_CONNECT_TIMEOUT        seconds to rendezvous and connect all peers     60
+                                   (0 = no limit)
 TOTALREDUCE_SHUTDOWN_TIMEOUT       longest shutdown() waits for its last messages  10
                                    to leave and the peers' links to close (it
                                    never waits for the peers' own shutdown())
@@ -60,7 +64,8 @@ TOTALREDUCE_FUSION_THRESHOLD       negotiated: allreduces ready in one cycle are
                                    fused into ops of up to this many bytes
                                    (0 = off)
 TOTALREDUCE_TIMELINE               a file to write a Chrome trace of every op to   (none)
-                                   (rank 0's; other ranks write PATH.RANK)
+                                   (rank 0's; other ranks write PATH.RANK); its
+                                   folder is created if missing
 TOTALREDUCE_MAX_RESTARTS           set by ``totalrun --max-restarts``: > 0 turns   0
                                    on recovery (recovery/robust.py)
 TOTALREDUCE_ATTEMPT                set by totalrun: how many times this rank was   0
@@ -82,6 +87,8 @@ A Horovod job's settings carry over: where a ``TOTALREDUCE_*`` variable above is
 Horovod counterpart is read (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``,
 ``HOROVOD_CACHE_CAPACITY``, ``HOROVOD_TIMELINE``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``,
 ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``), and rank 0 prints a one-line notice for each.
+It also prints one for each ``TOTALREDUCE_*`` variable that names no setting (a typo is
+otherwise silently ignored).
 
 Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
 machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-memory rings
@@ -143,8 +150,10 @@ want it on.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _PREFIX = "TOTALREDUCE_"
@@ -159,14 +168,88 @@ _HOROVOD = {
 }
 
 
+# TOTALREDUCE_* variables that are not settings: what the launchers give each worker.
+_LAUNCH_VARIABLES = frozenset({
+    "TOTALREDUCE_RANK", "TOTALREDUCE_SIZE", "TOTALREDUCE_LOCAL_RANK",
+    "TOTALREDUCE_LOCAL_SIZE", "TOTALREDUCE_RENDEZVOUS", "TOTALREDUCE_SECRET",
+    "TOTALREDUCE_JOB_ID", "TOTALREDUCE_FAILURE_DIR",
+})
+
+# What each setting accepts, and what the error says when a value is outside it.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "segment_bytes": (lambda v: v >= 64, "must be at least 64 (bytes per piece)"),
+    "floating_cap": (lambda v: v >= 0, "must be >= 0 (bytes)"),
+    "reduce_thread_bytes": (lambda v: v >= -1,
+                            "must be >= 0 (bytes), or -1 for no reduce thread"),
+    "stall_check_time": (lambda v: v >= 0, "must be >= 0 (seconds; 0 = never)"),
+    "stall_shutdown_time": (lambda v: v >= 0, "must be >= 0 (seconds; 0 = never)"),
+    "op_timeout": (lambda v: v >= 0, "must be >= 0 (seconds; 0 = never)"),
+    "connect_timeout": (lambda v: v >= 0, "must be >= 0 (seconds; 0 = no limit)"),
+    "shutdown_timeout": (lambda v: v >= 0, "must be >= 0 (seconds)"),
+    "mismatch_grace": (lambda v: v >= 0, "must be >= 0 (seconds)"),
+    "small_bytes": (lambda v: v >= -1, "must be >= 0 (bytes), or -1 for auto"),
+    "transport": (lambda v: v in ("auto", "shm", "tcp", "mpi", "inproc"),
+                  "must be one of auto, shm, tcp, mpi, inproc"),
+    "shm_bytes": (lambda v: v >= -1,
+                  "must be >= 0 (bytes; 0 = no shared memory), or -1 for auto"),
+    "cma_bytes": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = never lend)"),
+    "scratch_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
+    "name_capacity": (lambda v: v >= 1, "must be >= 1 (names)"),
+    "bucket_bytes": (lambda v: v >= 1, "must be >= 1 (bytes)"),
+    "gc_freeze": (lambda v: v in (0, 1), "must be 0 or 1"),
+    "coordination": (lambda v: v in ("selfguided", "negotiated"),
+                     "must be selfguided or negotiated"),
+    "cycle_time_ms": (lambda v: v >= 0, "must be >= 0 (milliseconds)"),
+    "cache_capacity": (lambda v: v >= 0, "must be >= 0 (responses; 0 = no cache)"),
+    "fusion_threshold": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = no fusion)"),
+    "max_restarts": (lambda v: v >= 0, "must be >= 0 (restarts per rank; 0 = none)"),
+    "attempt": (lambda v: v >= 0, "must be >= 0 (set by totalrun)"),
+    "recovery_timeout": (lambda v: v > 0, "must be > 0 (seconds)"),
+    "recovery_log_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
+    "mock_death": (lambda v: re.fullmatch(r"(\s*-?\d+(,-?\d+){3}\s*(;|$))*", v) is not None,
+                   "must be rank,version,op,attempt entries of integers, ';' between"),
+}
+
+
+class ConfigError(ValueError):
+    """Settings that do not parse or are out of range.  ``problems`` holds one line per
+    setting, ``NAME=value: why``, NAME being the environment variable the value came from
+    or the ``init()`` keyword; the message is those lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _show(raw: object) -> str:
+    text = str(raw)
+    return text if text and not any(c.isspace() for c in text) else repr(text)
+
+
+def _why(name: str, value: Any) -> str | None:
+    accepts, why = _RULES.get(name, (None, ""))
+    try:
+        return None if accepts is None or accepts(value) else why
+    except TypeError:
+        return why
+
+
 def horovod_notices(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One line per Horovod variable read in place of an unset ``TOTALREDUCE_*`` one."""
+    """One line per Horovod variable read in place of an unset ``TOTALREDUCE_*`` one, and
+    per ``TOTALREDUCE_*`` variable that names no setting."""
     env = os.environ if environ is None else environ
     out = []
     for name, (hvd, _unit) in _HOROVOD.items():
         ours = _PREFIX + name.upper()
         if not env.get(ours) and env.get(hvd):
             out.append(f"totalreduce: {ours} is unset; using {hvd}={env[hvd]}")
+    known = [_PREFIX + f.name.upper() for f in dataclasses.fields(Config)]
+    for var in sorted(env):
+        if var.startswith(_PREFIX) and var not in known and var not in _LAUNCH_VARIABLES:
+            near = difflib.get_close_matches(var, known, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            out.append(f"totalreduce: {var}={_show(env[var])}: not a totalreduce setting, "
+                       f"ignored{hint}")
     return out
 
 
@@ -201,35 +284,11 @@ class Config:
     mock_death: str = ""
 
     def __post_init__(self) -> None:
-        if self.segment_bytes < 64:
-            raise ValueError(f"segment_bytes must be >= 64, got {self.segment_bytes}")
-        if self.transport not in ("auto", "shm", "tcp", "mpi", "inproc"):
-            raise ValueError("transport must be one of auto, shm, tcp, mpi, inproc; got "
-                             f"{self.transport!r}")
-        if self.shm_bytes < -1:
-            raise ValueError(f"shm_bytes must be >= 0 (or -1: auto), got {self.shm_bytes}")
-        if self.cma_bytes < 0:
-            raise ValueError(f"cma_bytes must be >= 0, got {self.cma_bytes}")
-        if self.scratch_bytes < 0:
-            raise ValueError(f"scratch_bytes must be >= 0, got {self.scratch_bytes}")
-        if self.name_capacity < 1:
-            raise ValueError(f"name_capacity must be >= 1, got {self.name_capacity}")
-        if self.bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
-        if self.floating_cap < 0:
-            raise ValueError(f"floating_cap must be >= 0, got {self.floating_cap}")
-        if self.coordination not in ("selfguided", "negotiated"):
-            raise ValueError("coordination must be selfguided or negotiated; got "
-                             f"{self.coordination!r}")
-        if self.cache_capacity < 0 or self.fusion_threshold < 0:
-            raise ValueError("cache_capacity and fusion_threshold must be >= 0")
-        if self.max_restarts < 0 or self.attempt < 0 or self.recovery_log_bytes < 0:
-            raise ValueError("max_restarts, attempt and recovery_log_bytes must be >= 0")
-        for name in ("stall_check_time", "stall_shutdown_time", "op_timeout",
-                     "connect_timeout", "shutdown_timeout", "mismatch_grace",
-                     "cycle_time_ms", "recovery_timeout"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        problems = [f"{f.name}={_show(getattr(self, f.name))}: {why}"
+                    for f in dataclasses.fields(self)
+                    if (why := _why(f.name, getattr(self, f.name))) is not None]
+        if problems:
+            raise ConfigError(problems)
 
     @property
     def ring_bytes(self) -> int:
@@ -246,28 +305,81 @@ class Config:
 
         Raises:
             TypeError: an override names no known setting.
-            ValueError: a value cannot be parsed or is out of range.
+            ConfigError: (a ValueError) values that cannot be parsed or are out of range,
+                every one of them, each named by the variable (or keyword) it came from.
         """
-        env = os.environ if environ is None else environ
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - set(fields))
-        if unknown:
-            raise TypeError(f"unknown totalreduce setting(s): {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(fields))}")
-        values: dict[str, Any] = {}
-        for name, field in fields.items():
-            if name in overrides:
-                values[name] = overrides[name]
-                continue
-            raw = env.get(_PREFIX + name.upper())
-            if (raw is None or raw == "") and name in _HOROVOD:
-                raw = env.get(_HOROVOD[name][0])
-            if raw is None or raw == "":
-                continue
-            kind = {"int": int, "str": str}.get(str(field.type), float)
-            try:
-                values[name] = kind(raw)
-            except ValueError:
-                raise ValueError(f"{_PREFIX}{name.upper()}={raw!r} is not a valid "
-                                 f"{kind.__name__}") from None
+        values, sources, problems = _read(cls, environ, overrides)
+        for name, value in values.items():
+            why = _why(name, value)
+            if why is not None:
+                problems.append(f"{sources[name]}: {why}")
+        if values.get("timeline"):
+            why = make_timeline_folder(str(values["timeline"]))
+            if why is not None:
+                problems.append(f"{sources['timeline']}: {why}")
+        if problems:
+            raise ConfigError(problems)
         return cls(**values)
+
+
+def _read(cls: type[Config], environ: Mapping[str, str] | None, overrides: dict[str, Any]
+          ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The values set by ``overrides`` and the environment, where each came from (as
+    ``NAME=value``), and a line for each that does not parse."""
+    env = os.environ if environ is None else environ
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise TypeError(f"unknown totalreduce setting(s): {', '.join(unknown)}; "
+                        f"known: {', '.join(sorted(fields))}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    problems: list[str] = []
+    for name, field in fields.items():
+        if name in overrides:
+            values[name] = overrides[name]
+            sources[name] = f"{name}={_show(overrides[name])}"
+            continue
+        var = _PREFIX + name.upper()
+        raw = env.get(var)
+        if (raw is None or raw == "") and name in _HOROVOD:
+            var = _HOROVOD[name][0]
+            raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        kind = {"int": int, "str": str}.get(str(field.type), float)
+        sources[name] = f"{var}={_show(raw)}"
+        try:
+            values[name] = kind(raw)
+        except ValueError:
+            what = {int: "an integer", float: "a number"}.get(kind, "valid")
+            rule = _RULES.get(name)
+            problems.append(f"{var}={_show(raw)}: not {what}"
+                            + (f"; {rule[1]}" if rule else ""))
+    return values, sources, problems
+
+
+def check_environment(environ: Mapping[str, str]) -> list[str]:
+    """What a job started with ``environ`` would refuse, a ``NAME=value: why`` line per
+    setting (totalrun calls this before it starts any worker)."""
+    try:
+        Config.from_env(environ)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def make_timeline_folder(path: str) -> str | None:
+    """Create the folder a timeline file goes in, if missing (from_env does, so that a
+    path in a new folder works, and one that cannot work is refused before anything
+    starts); why it cannot be, or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"{folder} is not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create its folder {folder}: {exc.strerror or exc}"
+    if not os.access(folder, os.W_OK):
+        return f"cannot write to its folder {folder}"
+    return None

@@ -246,15 +246,49 @@ def _on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> 
     runtime = _HOLDER.runtime
     if runtime is not None:
         _settle_after_interrupt()
+        lost = _lost_peer(exc, runtime)
+        _tell_launcher(runtime.rank, lost)
         what = "interrupted (KeyboardInterrupt)" if issubclass(exc_type, KeyboardInterrupt) \
             else f"it raised {exc_type.__name__}: {exc}"
         runtime.engine.abort(what)
-        _HOLDER.follower = isinstance(exc, PeerFailureError) and exc.rank != runtime.rank
+        _HOLDER.follower = lost is not None
         if runtime.transport_name == "mpi":
             _HOLDER.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
         elif runtime.config.max_restarts > 0 and isinstance(exc, TotalReduceError) and \
                 not exc.recoverable:
             _HOLDER.exit_code = NO_RESTART
+
+
+def _lost_peer(exc: BaseException, runtime: Runtime) -> int | None:
+    """The rank whose failure this uncaught exception follows from, if it does: a
+    PeerFailureError naming another rank, in the exception's chain or, when a layer in
+    between dropped the chain (a C++ one: DDP, autograd), as the engine's own state."""
+    seen: set[int] = set()
+    chained: BaseException | None = exc
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        if isinstance(chained, PeerFailureError) and chained.rank != runtime.rank:
+            return chained.rank
+        chained = chained.__cause__ or chained.__context__
+    broken = runtime.engine.broken
+    if isinstance(broken, PeerFailureError) and broken.rank != runtime.rank and \
+            not isinstance(exc, KeyboardInterrupt):
+        return broken.rank
+    return None
+
+
+def _tell_launcher(rank: int, lost: int | None) -> None:
+    """Leave a note for totalrun (``TOTALREDUCE_FAILURE_DIR``): this rank failed on its
+    own, or because rank ``lost`` did.  The launcher names the root cause by it rather than
+    by who exits first, which a slow rank (a long traceback, a loaded host) can upset."""
+    folder = os.environ.get("TOTALREDUCE_FAILURE_DIR")
+    if not folder:
+        return
+    path = os.path.join(folder, f"rank.{rank}")
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as f:
+            f.write("origin\n" if lost is None else f"peer {lost}\n")
+        os.replace(path + ".tmp", path)
 
 
 def _inside_engine(frame: Any) -> bool:

@@ -15,10 +15,15 @@ Backends (``--backends``, comma-separated; all by default, unavailable ones skip
   mpi              mpi4py's own collectives under mpiexec (MPICH from the mpi extra)
   gloo             torch.distributed with the gloo backend (needs torch)
   ddp-hook         train only: DDP over gloo with totalreduce's comm hook (needs torch)
-Not run unless named (negotiated coordination, over totalreduce-shm's transport):
+Not run unless named, except by ``tiny`` (negotiated coordination, over totalreduce-shm's
+transport):
   totalreduce-neg           TOTALREDUCE_COORDINATION=negotiated (cache and fusion on)
   totalreduce-neg-nocache   the same with TOTALREDUCE_CACHE_CAPACITY=0
   totalreduce-neg-nofusion  the same with TOTALREDUCE_FUSION_THRESHOLD=0
+
+``tiny`` runs both scheduling modes by default, self-guided (totalreduce-shm) and
+negotiated with its mechanisms on and off, against mpi and gloo: the table in
+docs/BENCHMARKS.md.
 
 ``train`` runs the totalreduce-shm, gloo and ddp-hook backends (the others have no
 optimizer): samples/s of one model under each, with a bucket-size sweep for totalreduce's
@@ -54,6 +59,9 @@ NEGOTIATED = {
     "totalreduce-neg-nofusion": {"TOTALREDUCE_FUSION_THRESHOLD": "0"},
 }
 TRAIN_BACKENDS = ("totalreduce-shm", "gloo", "ddp-hook")
+# Many tiny tensors are where the two scheduling modes differ most: both, by default.
+TINY_BACKENDS = ("totalreduce-shm", "totalreduce-neg", "totalreduce-neg-nocache",
+                 "totalreduce-neg-nofusion", "mpi", "gloo")
 CONVERGENCE_BACKENDS = ("totalreduce-shm", "gloo")
 OPS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 DEFAULT_SIZES = ("4", "64", "1K", "16K", "256K", "1M", "4M", "16M", "64M", "256M")
@@ -113,14 +121,32 @@ def run_job(backend: str, n: int, cfg: dict[str, Any], timeout: float,
         return ranks
 
 
+def chosen_backends(test: str, named: str | None) -> list[str]:
+    """The backends a subcommand runs: those ``named`` (comma-separated) that it can run,
+    or its default set."""
+    if named is None:
+        chosen = list(TINY_BACKENDS if test == "tiny" else BACKENDS)
+        if test not in ("train", "convergence") and "ddp-hook" in chosen:
+            chosen.remove("ddp-hook")  # train only
+    else:
+        chosen = named.split(",")
+    if test == "train":
+        chosen = [b for b in chosen if b in TRAIN_BACKENDS]
+    elif test == "convergence":
+        chosen = [b for b in chosen if b in CONVERGENCE_BACKENDS]
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m totalreduce.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="test", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-n", "--ranks", default="2", help="world sizes, e.g. 2,4")
-    common.add_argument("--backends", default=",".join(BACKENDS),
-                        help=f"comma-separated, from: {', '.join(BACKENDS)} (default: all)")
+    common.add_argument("--backends", default=None,
+                        help=f"comma-separated, from: {', '.join((*BACKENDS, *NEGOTIATED))} "
+                        "(default: the unnamed ones above, for tiny "
+                        f"{', '.join(TINY_BACKENDS)})")
     common.add_argument("--rounds", type=int, default=1,
                         help="repeat every job this many times, interleaved")
     common.add_argument("--json", metavar="FILE", help="write raw and summary results")
@@ -210,14 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                    delay=args.delay, reps=args.reps)
 
     backends = []
-    chosen = args.backends.split(",")
-    if args.test == "train":
-        chosen = [b for b in chosen if b in TRAIN_BACKENDS]
-    elif args.test == "convergence":
-        chosen = [b for b in chosen if b in CONVERGENCE_BACKENDS]
-    elif "ddp-hook" in chosen and args.backends == ",".join(BACKENDS):
-        chosen.remove("ddp-hook")  # train only
-    for b in chosen:
+    for b in chosen_backends(args.test, args.backends):
         if b not in BACKENDS and b not in NEGOTIATED:
             ap.error(f"unknown backend {b!r}; choose from "
                      f"{', '.join((*BACKENDS, *NEGOTIATED))}")

@@ -207,6 +207,11 @@ def print_table(test: str, rows: list[Row]) -> None:
                         for c, w in zip(row, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    shown = {r.get("backend") for r in rows}
+    if any(str(b).startswith("totalreduce-neg") for b in shown):
+        print("coordination: totalreduce-shm/-tcp/-mpi self-guided (the default); "
+              "totalreduce-neg negotiated (TOTALREDUCE_COORDINATION=negotiated), "
+              "-nocache without its response cache, -nofusion without fusion")
 
 
 def plot(test: str, rows: list[Row], path: str) -> None:

@@ -14,6 +14,9 @@ from ..exceptions import MismatchError
 
 _FIELDS = ("kind", "dtype", "shape", "op", "root", "count", "splits")
 _MAX_DESC = 64 << 10
+# Kinds whose views show the whole shape while the ranks agree on all but its first
+# dimension.
+_RAGGED = ("allgather", "alltoall")
 
 
 class MismatchRecord:
@@ -35,8 +38,9 @@ class MismatchRecord:
 
     def error(self, rank: int, op_name: str) -> MismatchError:
         differing = [f for f in _FIELDS
-                     if len({json.dumps(v.get(f), sort_keys=True) for v in self.views.values()
-                             if f in v}) > 1]
+                     if len({json.dumps(_compared(f, v), sort_keys=True)
+                             for v in self.views.values() if f in v}) > 1]
+        ragged = any(v.get("kind") in _RAGGED for v in self.views.values())
         lines = [f"rank {rank}: ranks disagree on {self.label}"
                  + (f" (differs: {', '.join(differing)})" if differing else "") + ":"]
         for r in sorted(self.views):
@@ -48,8 +52,17 @@ class MismatchRecord:
         if missing:
             lines.append(f"  ranks {missing}: not heard from (not submitted yet?)")
         lines.append("Every rank must call the same collectives, with the same names, "
-                     "shapes, dtypes and arguments, in a matching sequence.")
+                     "shapes, dtypes and arguments, in a matching sequence."
+                     + (" Only the first dimension may differ between ranks." if ragged
+                        else ""))
         return MismatchError(op_name, "\n".join(lines))
+
+
+def _compared(field: str, view: dict[str, Any]) -> Any:
+    value = view.get(field)
+    if field == "shape" and view.get("kind") in _RAGGED and isinstance(value, list):
+        return value[1:]
+    return value
 
 
 def _fmt(value: Any) -> str:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -37,6 +40,15 @@ def _status(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+class _CannotStart(Exception):
+    """A worker's command could not be started (the message is one line for the user);
+    ``code`` is the shell's exit status for it (127: not found, 126: not executable)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Worker:
@@ -73,6 +85,9 @@ class Supervisor:
         self._changed = threading.Event()
         self._width = len(str(n - 1))
         self._watchdog: int | None = None  # write end of the pipe to watchdog.py
+        # Where a failing rank notes whether it failed on its own or because another rank
+        # did (runtime._tell_launcher): the root cause is named by it.
+        self._notes = tempfile.mkdtemp(prefix="totalrun-failures-")
         self._max_restarts = max_restarts
         self._on_restart = on_restart
         self._generation = 0  # restarts so far
@@ -142,10 +157,18 @@ class Supervisor:
 
     def _spawn(self, rank: int, attempt: int) -> _Worker:
         env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank),
-                   RANK=str(rank), LOCAL_RANK=str(rank), TOTALREDUCE_ATTEMPT=str(attempt))
-        proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                   RANK=str(rank), LOCAL_RANK=str(rank), TOTALREDUCE_ATTEMPT=str(attempt),
+                   TOTALREDUCE_FAILURE_DIR=self._notes)
+        try:
+            proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as exc:  # cli.py checked the program; exec can fail still
+            why = exc.strerror or str(exc)
+            if exc.errno == errno.ENOENT and os.path.isfile(self._command[0]):
+                why = "the interpreter on its #! line was not found"
+            raise _CannotStart(f"cannot start the workers: {self._command[0]}: {why}",
+                               127 if exc.errno == errno.ENOENT else 126) from exc
         worker = _Worker(rank, proc, attempt)
         self._tell_watchdog(f"{proc.pid}\n")  # its own group (start_new_session)
         # A waiter per worker stamps the exact exit time, so the root cause is the
@@ -166,6 +189,8 @@ class Supervisor:
         self._generation += 1
         self._say(f"rank {dead.rank} (pid {dead.proc.pid}) failed: {_status(dead.code)}; "
                   f"restarting it ({attempt}/{self._max_restarts} restarts of this rank)")
+        with contextlib.suppress(OSError):  # its note was its last life's
+            os.unlink(os.path.join(self._notes, f"rank.{dead.rank}"))
         if self._on_restart is not None:
             self._on_restart(self._generation)
         self._workers[dead.rank] = self._spawn(dead.rank, attempt)
@@ -209,10 +234,15 @@ class Supervisor:
 
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        cannot_start: _CannotStart | None = None
         try:
             self._start_watchdog()
-            self._start()
-            self._supervise()
+            try:
+                self._start()
+            except _CannotStart as exc:
+                cannot_start = exc
+            else:
+                self._supervise()
         finally:
             # Whatever happened, nothing of ours outlives us: kill every worker's group.
             self._signal_all(signal.SIGKILL)
@@ -226,7 +256,13 @@ class Supervisor:
                 os.close(self._watchdog)
             for s, h in old.items():
                 signal.signal(s, h)
-        return self._report()
+        try:
+            if cannot_start is not None:
+                self._say(str(cannot_start))
+                return cannot_start.code
+            return self._report()
+        finally:
+            shutil.rmtree(self._notes, ignore_errors=True)
 
     def _supervise(self) -> None:
         stop_at: float | None = None   # when to send SIGTERM
@@ -236,8 +272,7 @@ class Supervisor:
             now = time.monotonic()
             with self._state:
                 failed = [w for w in self._workers if w.code]
-            if failed and self._first_failure is None and self._signalled is None and \
-                    stop_at is None:
+            if failed and self._signalled is None and stop_at is None:
                 restartable = [w for w in failed if w.attempt < self._max_restarts
                                and w.code != NO_RESTART]
                 for w in sorted(restartable, key=lambda w: w.exited_at):
@@ -245,12 +280,15 @@ class Supervisor:
                 failed = [w for w in failed if w not in restartable]
             with self._state:
                 running = sum(1 for w in self._workers if w.code is None)
-            if failed and self._first_failure is None and self._signalled is None:
-                first = min(failed, key=lambda w: w.exited_at)
-                self._first_failure = first
-                self._say(f"rank {first.rank} (pid {first.proc.pid}) failed: "
-                          f"{_status(first.code)}; stopping the other ranks")
-                stop_at = now + self._grace
+            if failed and self._signalled is None:
+                if stop_at is None:
+                    stop_at = now + self._grace
+                if self._first_failure is None:
+                    first = self._root_cause(failed, final=running == 0)
+                    if first is not None:
+                        self._first_failure = first
+                        self._say(f"rank {first.rank} (pid {first.proc.pid}) failed: "
+                                  f"{_status(first.code)}; stopping the other ranks")
             if running == 0:
                 return
             if self._signalled is not None and not forwarded:
@@ -267,6 +305,31 @@ class Supervisor:
                 kill_at = now + 3600
             self._changed.wait(0.05)
             self._changed.clear()
+
+    def _note(self, worker: _Worker) -> int | None:
+        """The rank whose failure ``worker`` says it failed of, if it left such a note."""
+        try:
+            with open(os.path.join(self._notes, f"rank.{worker.rank}")) as f:
+                words = f.read().split()
+        except OSError:
+            return None
+        if len(words) == 2 and words[0] == "peer" and words[1].isdigit():
+            return int(words[1])
+        return None
+
+    def _root_cause(self, failed: list[_Worker], final: bool) -> _Worker | None:
+        """The first rank to fail of its own accord (one that noted it failed because
+        another did is passed over), or None to wait: every rank that failed so far names
+        another one, which is still running (it will fail, or be stopped, shortly)."""
+        blamed = {w.rank: self._note(w) for w in failed}
+        own = [w for w in failed if blamed[w.rank] is None]
+        if own:
+            return min(own, key=lambda w: w.exited_at)
+        named = [self._workers[r] for r in blamed.values()
+                 if r is not None and 0 <= r < len(self._workers)]
+        if not final and any(w.code is None for w in named):
+            return None
+        return next((w for w in named if w.code), min(failed, key=lambda w: w.exited_at))
 
     def _report(self) -> int:
         failed = [w for w in self._workers if w.code]

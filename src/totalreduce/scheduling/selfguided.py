@@ -186,9 +186,12 @@ class SelfGuided:
 
     def _spec(self, ident: _Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
               dtype: np.dtype, count: int, schedule: Schedule, work: np.ndarray,
-              priority: int, known: tuple[Any, ...] | None = None, **kw: Any) -> OpSpec:
+              priority: int, known: tuple[Any, ...] | None = None,
+              shown: dict[str, Any] | None = None, **kw: Any) -> OpSpec:
         """``view`` (or a function making it) is what ranks must agree on; ``known``, a
-        hashable key that determines it, lets a repeated op skip building it."""
+        hashable key that determines it, lets a repeated op skip building it.  ``shown``,
+        if given, is what a mismatch message shows of this rank's call instead of
+        ``view`` (an allgather's whole shape, though ranks agree only on its rows)."""
         key = None if known is None else (*known, ident.name)
         if key is not None:
             with self._lock:
@@ -209,6 +212,8 @@ class SelfGuided:
                 self._sigs.put(frozen, sig)
                 if key is not None:
                     self._known.put(key, (view, sig))
+        if shown is not None:
+            view = dict(shown, name=ident.name)
         return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
                       work, priority=priority, **kw)
 
@@ -405,12 +410,14 @@ class SelfGuided:
         sizes_id = self._ident("allgather", name)
         data_id = self._ident("allgather", name, "\x00data")
         view = {"kind": "allgather", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
+        shown = dict(view, shape=list(arr.shape))
         n, rank = self.size, self.rank
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
         sched = self._algorithms.allgather(tuple(range(n + 1)))
         first = self._engine.submit(self._spec(sizes_id, dict(view, phase="sizes"),
-                                               sizes.dtype, n, sched, sizes, priority))
+                                               sizes.dtype, n, sched, sizes, priority,
+                                               shown=shown))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         state: dict[str, np.ndarray] = {}
 
@@ -421,7 +428,7 @@ class SelfGuided:
             state["out"] = out
             schedule = self._algorithms.allgather(bounds, arr.dtype)
             return self._engine.submit(self._spec(data_id, view, arr.dtype, bounds[-1],
-                                                  schedule, out, priority))
+                                                  schedule, out, priority, shown=shown))
 
         future = self._two_phase(first, second)
         return FutureHandle([future],
@@ -450,13 +457,14 @@ class SelfGuided:
         splits_id = self._ident("alltoall", name)
         data_id = self._ident("alltoall", name, "\x00data")
         view = {"kind": "alltoall", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
+        shown = dict(view, shape=list(arr.shape))
         recv_rows = np.zeros(n, np.int64)
         recv_rows[rank] = send_rows[rank]
         unit = tuple(range(n + 1))
         sched = self._algorithms.alltoall(unit, unit)
         first = self._engine.submit(self._spec(splits_id, dict(view, phase="splits"),
                                                recv_rows.dtype, 0, sched, recv_rows, priority,
-                                               source=send_rows))
+                                               shown=shown, source=send_rows))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         flat = np.ascontiguousarray(arr).reshape(-1)
         state: dict[str, np.ndarray] = {}
@@ -468,7 +476,7 @@ class SelfGuided:
             state["out"] = out
             schedule = self._algorithms.alltoall(sb, rb, arr.dtype)
             return self._engine.submit(self._spec(data_id, view, arr.dtype, 0, schedule,
-                                                  out, priority, source=flat))
+                                                  out, priority, shown=shown, source=flat))
 
         future = self._two_phase(first, second)
 

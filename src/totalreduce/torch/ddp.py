@@ -10,10 +10,24 @@ Every rank must register it.  Buckets match across ranks by their index and call
 which DDP keeps identical on every rank (it rebuilds its buckets once, after the first
 iteration, in the same order everywhere).  torch's own wrappers compose with it, e.g.
 ``default_hooks.fp16_compress_wrapper(ddp_comm_hook)``.
+
+Errors: when a bucket's reduction fails (ranks whose buckets differ, a lost peer),
+``backward()`` raises totalreduce's own exception (``MismatchError`` naming the op, each
+rank and what differs; ``PeerFailureError`` naming the rank), with a note naming the
+bucket.  A failed future would reach the user as DDP's RuntimeError "Unable to cast
+<message> to Tensor" instead, so the hook also queues an autograd callback per bucket,
+which runs when the backward pass's graph is done, waits for its bucket and raises the
+bucket's error.  It runs before DDP's own end-of-pass callback, so a rank raises as soon as
+its first failed bucket is known, even while others wait for a peer that has stopped
+sending.  DDP's reducer is then left mid-pass, so that model's next backward fails inside
+DDP: to go on after catching the error, build the DDP model again.  Outside a backward
+pass (a hook called by hand) the future carries the error instead.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations against the
 # real GradBucket and Future types, and strings would fail that check.
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +37,33 @@ import totalreduce as _tr
 
 from ..compression import GTopk, OkTopk, TopkA
 from .tensors import stage
+
+_NOTE = "raised in backward() by totalreduce.torch's DDP comm hook for DDP's gradient bucket"
+
+
+def _raise_at_end_of_backward(index: int, settle: Callable[[], BaseException | None]) -> bool:
+    """Queue the autograd callback that raises bucket ``index``'s error, if ``settle()``
+    (which waits for the bucket) returns one; False outside a backward pass."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_raise_error, index, settle))
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True
+
+
+def _raise_error(index: int, settle: Callable[[], BaseException | None]) -> None:
+    error = settle()
+    if error is None:
+        return
+    # A lost peer fails every later op with one and the same error: note it once.
+    if not any(n.startswith(_NOTE) for n in getattr(error, "__notes__", ())):
+        note = f"{_NOTE} {index}"
+        if isinstance(error, _tr.MismatchError):
+            note += (": DDP's buckets differ between ranks when the ranks build DDP with "
+                     "different models, bucket_cap_mb or find_unused_parameters")
+        error.add_note(note)
+    raise error
 
 
 def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -35,23 +76,35 @@ def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
     """
     prefix = state if isinstance(state, str) else "ddp"
     buffer = bucket.buffer()
+    index = bucket.index()
     staged = stage(buffer, "ddp_comm_hook")
-    handle = _tr.allreduce_async_(staged.array, op=_tr.Average,
-                                  name=f"{prefix}.bucket{bucket.index()}")
+    handle = _tr.allreduce_async_(staged.array, op=_tr.Average, name=f"{prefix}.bucket{index}")
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    failed: list[BaseException] = []
+
+    def settle() -> BaseException | None:
+        try:
+            handle.wait()
+        except BaseException as exc:
+            return exc
+        return failed[0] if failed else None
+
+    queued = _raise_at_end_of_backward(index, settle)
 
     def done(h: "_tr.Handle") -> None:
         # Runs on whichever thread finished the op: set the future, never raise here.
         error = h.error()
-        if error is not None:
+        if error is None:
+            try:
+                staged.write_back()
+            except BaseException as exc:  # a CUDA copy failing must reach DDP, not the loop
+                error = exc
+                failed.append(exc)
+        if error is None or queued:
+            # A failure is the callback's to raise: DDP gets the buffer as it is.
+            future.set_result(buffer)
+        else:
             future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
-            return
-        try:
-            staged.write_back()
-        except BaseException as exc:  # a CUDA copy failing must reach DDP, not the loop
-            future.set_exception(exc)  # type: ignore[arg-type]
-            return
-        future.set_result(buffer)
 
     handle.add_done_callback(done)
     return future
@@ -61,16 +114,19 @@ def _sparse_hook(algorithm: Any) -> Any:
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         prefix = state if isinstance(state, str) else "ddp"
         buffer = bucket.buffer()
+        index = bucket.index()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        error: Exception | None = None
         try:
             staged = stage(buffer, f"{algorithm.name}_hook")
-            staged.array[...] = algorithm.allreduce(staged.array,
-                                                    f"{prefix}.bucket{bucket.index()}")
+            staged.array[...] = algorithm.allreduce(staged.array, f"{prefix}.bucket{index}")
             staged.write_back()
-        except BaseException as exc:  # DDP raises it from backward()
-            future.set_exception(exc)  # type: ignore[arg-type]
-            return future
-        future.set_result(buffer)
+        except Exception as exc:  # backward() raises it (see the module docstring)
+            error = exc
+        if error is not None and not _raise_at_end_of_backward(index, lambda: error):
+            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
+        else:
+            future.set_result(buffer)
         return future
 
     hook.algorithm = algorithm  # type: ignore[attr-defined]  # its residuals, for checkpoints

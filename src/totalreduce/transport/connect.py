@@ -3,6 +3,8 @@ mesh (mesh.py), and learn which ranks share this host."""
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import time
 
@@ -10,6 +12,10 @@ from ..config import Config
 from ..rendezvous import KVClient, KVServer, LaunchInfo
 from .mesh import Cancelled, WorldMoved, connect_mesh
 from .registry import Connected
+
+# TOTALREDUCE_CONNECT_TIMEOUT=0: as good as no limit (a year), as 0 means for the other
+# timeouts.
+_NO_LIMIT = 365 * 24 * 3600.0
 
 
 def _route_ip(host: str) -> str:
@@ -37,12 +43,13 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
     server: KVServer | None = None
     local = launch.launcher == "totalrun"
     rank = launch.rank
+    timeout = config.connect_timeout or _NO_LIMIT
     try:
         assert launch.rendezvous is not None
         host, _, port = launch.rendezvous.rpartition(":")
         if launch.serve_rendezvous:
-            server = KVServer("0.0.0.0", int(port), launch.secret, launch.job_id)
-        kv = KVClient(launch.rendezvous, launch.secret, launch.job_id, config.connect_timeout)
+            server = _serve_store(int(port), launch)
+        kv = KVClient(launch.rendezvous, launch.secret, launch.job_id, timeout)
         me = "127.0.0.1" if local else _route_ip(host)
         keys = world_keys(launch.job_id, world)
         kv.set(f"{keys}/host/{rank}", socket.gethostname().encode())
@@ -69,18 +76,49 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
 
         transport = connect_mesh(rank, launch.size, launch.secret, launch.job_id,
                                  "127.0.0.1" if local else "0.0.0.0", me, publish, lookup,
-                                 config.connect_timeout, ring_bytes, config.cma_bytes, world,
-                                 cancelled)
-        local_rank, local_size = _locality(kv, launch, keys, config.connect_timeout)
+                                 timeout, ring_bytes, config.cma_bytes, world, cancelled)
+        local_rank, local_size = _locality(kv, launch, keys, timeout)
         return Connected(transport, local_rank, local_size,
                          server.close if server is not None else None)
-    except BaseException:
+    except BaseException as exc:
         if server is not None:
             server.close()
+        if isinstance(exc, OSError) and not isinstance(exc, WorldMoved) and \
+                not _port_in_use(exc):
+            exc.add_note(f"rank {rank} had TOTALREDUCE_CONNECT_TIMEOUT="
+                         f"{config.connect_timeout:g} s to reach the rendezvous and every "
+                         "other rank (0: no limit); a rank that started late or not at all "
+                         "shows here first")
         raise
     finally:
         if kv is not None:
             kv.close()
+
+
+def _port_in_use(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
+
+
+def _serve_store(port: int, launch: LaunchInfo) -> KVServer:
+    """Rank 0's rendezvous store, or an error that says which port is taken and why we
+    wanted it (Errno 98 alone does not)."""
+    try:
+        return KVServer("0.0.0.0", port, launch.secret, launch.job_id)
+    except OSError as exc:
+        if not _port_in_use(exc):
+            raise
+        if os.environ.get("TOTALREDUCE_RENDEZVOUS"):
+            where = (f"port {port}, from TOTALREDUCE_RENDEZVOUS, is in use by another "
+                     "process: set TOTALREDUCE_RENDEZVOUS=host:port to a free port on "
+                     "every rank")
+        else:
+            where = (f"port {port} (MASTER_PORT + 1: {launch.launcher}'s own store has "
+                     "MASTER_PORT) is in use by another process: start the job with "
+                     "another MASTER_PORT (torchrun --master-port), or set "
+                     "TOTALREDUCE_RENDEZVOUS=host:port to a free port on every rank")
+        error = OSError(f"rank 0 cannot serve the rendezvous store: {where}")
+        error.errno = exc.errno
+        raise error from None
 
 
 def world_keys(job_id: str, world: int | str) -> str:
