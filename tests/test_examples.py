@@ -38,9 +38,9 @@ def test_digits_reaches_95_percent_in_20_epochs(n: int) -> None:
 def test_digits_survives_a_killed_worker_with_the_same_weights() -> None:
     """A worker SIGKILLed in the middle of epoch 2 is restarted, catches up from the
     others, and the job ends with the weights of a run without the kill, bit for bit."""
-    args = (str(EXAMPLES / "train_digits.py"), "--epochs", "3", "--print-digest")
-    calm = _totalrun(3, *args, timeout=150).stdout
-    hit = _totalrun(3, *args, timeout=150, launcher_args=("--max-restarts", "1"),
+    args = (str(EXAMPLES / "train_digits.py"), "--epochs", "2", "--print-digest")
+    calm = _totalrun(2, *args, timeout=150).stdout
+    hit = _totalrun(2, *args, timeout=150, launcher_args=("--max-restarts", "1"),
                     env={"TOTALREDUCE_MOCK_DEATH": "1,1,6,0"})
     digests = [re.search(r"final weights sha256 (\w+)", out) for out in (calm, hit.stdout)]
     assert digests[0] and digests[1], calm[-2000:] + hit.stdout[-2000:]

@@ -319,25 +319,37 @@ class Robust:
         return commit
 
     def settle(self, handle: RobustHandle, timeout: float | None) -> None:
-        """Resolve ``handle``: by its own run, or through recovery."""
-        with self._lock:
-            while not handle.resolved:
+        """Resolve ``handle``: by its own run, or through recovery.  The wait for its own
+        run holds no lock, so another thread may submit meanwhile (the op may need it)."""
+        while True:
+            with self._lock:
+                if handle.resolved:
+                    return
                 if self.recovering:
                     self._recover_step()
                     continue
-                assert handle.inner is not None
-                try:
-                    value = handle.inner.wait(timeout)
-                except PeerFailureError as exc:
-                    if exc.orderly:
+                inner = handle.inner
+                assert inner is not None
+            try:
+                value = inner.wait(timeout)
+            except PeerFailureError as exc:
+                with self._lock:
+                    # Another thread's wait may have met this failure first: recovery
+                    # then answered this handle too.
+                    if not handle.resolved and handle.inner is inner:
+                        if exc.orderly:
+                            self._fail(handle, exc)
+                        else:
+                            self._begin_recovery(exc)
+                continue
+            except TotalReduceError as exc:
+                with self._lock:
+                    if not handle.resolved and handle.inner is inner:
                         self._fail(handle, exc)
-                    else:
-                        self._begin_recovery(exc)
-                    continue
-                except TotalReduceError as exc:
-                    self._fail(handle, exc)
-                    continue
-                self._done(handle, None, value)
+                continue
+            with self._lock:
+                if not handle.resolved:
+                    self._done(handle, None, value)
 
     def _done(self, handle: RobustHandle, arrays: list[np.ndarray] | None,
               value: Any = None) -> None:
