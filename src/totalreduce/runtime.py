@@ -114,19 +114,26 @@ class Runtime:
 
     def _meet(self, deadline: float) -> Connected:
         """Join the world of the newest restart generation; a rank lost meanwhile moves
-        every rank on to the next one."""
+        every rank on to the next one.
+
+        Raises:
+            TimeoutError: the world was not whole before ``deadline``.
+        """
         generations = self._generations
         assert generations is not None
         while True:
             g = self.generation
 
             def moved(g: int = g) -> bool:
-                return generations.current() != g
+                return generations.current() != g or time.monotonic() >= deadline
 
             try:
                 self.transport_name, connected = connect(self.config, f"g{g}", moved)
                 return connected
             except WorldMoved:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"rank meeting under generation {g}: not every rank "
+                                       "joined in time") from None
                 self.generation = generations.current()
             except OSError as exc:  # a rank died while the others were meeting
                 logger.debug("rank meeting under generation %d failed: %s", g, exc)
