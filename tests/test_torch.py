@@ -123,3 +123,17 @@ def test_launcher_names_the_rank_that_raised_in_its_ddp_hook() -> None:
                      result.stderr, re.M), result.explain()
     assert "ValueError: rank 1: bad gradient bucket at step 3" in result.stderr
     assert any("PeerFailureError" in ln for ln in result.lines(0)), result.explain()
+
+
+@pytest.fixture(scope="module")
+def parity() -> Result:
+    """One 2-rank job for the Horovod parity checks (torch_workers.horovod_parity)."""
+    return run_ok(2, "torch_workers:horovod_parity", {}, timeout=90)
+
+
+def test_totalrun_exports_horovodrun_variables(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("launcher_env") == {
+            "HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
+            "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
+        }, parity.explain()

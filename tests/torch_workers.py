@@ -662,3 +662,27 @@ def first_use(arg: dict) -> None:
     with buckets that differ between ranks."""
     autograd_and_scalars(arg)
     ddp_errors({"case": "buckets"})
+
+
+# --- Horovod parity (issue 27) -------------------------------------------------------------
+
+
+def _launcher_env() -> dict[str, str]:
+    """What horovodrun exports and scripts read before init()."""
+    import os
+
+    names = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+             "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+    return {k: os.environ.get(k, "(unset)") for k in names}
+
+
+def horovod_parity(arg: dict) -> None:
+    """One 2-rank job for the Horovod parity checks; each section reports its outcome."""
+    env = _launcher_env()
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    want = {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": str(n), "HOROVOD_LOCAL_RANK": str(r),
+            "HOROVOD_LOCAL_SIZE": str(n), "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+    assert env == want, f"rank {r}: launcher env {env}, want {want}"
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
+    report(launcher_env=env)
