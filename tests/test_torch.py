@@ -137,3 +137,8 @@ def test_totalrun_exports_horovodrun_variables(parity: Result) -> None:
             "HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
             "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
         }, parity.explain()
+
+
+def test_horovod_queries_grouped_and_sparse_collectives_and_timeline(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_b"), parity.explain()

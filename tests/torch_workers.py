@@ -686,3 +686,71 @@ def horovod_parity(arg: dict) -> None:
     assert env == want, f"rank {r}: launcher env {env}, want {want}"
     assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
     report(launcher_env=env)
+    capabilities(r, n)
+
+
+def capabilities(r: int, n: int) -> None:
+    """Horovod's build queries, HorovodInternalError, the grouped allgather and
+    reducescatter, sparse_allreduce_async and the timeline switched on from the program."""
+    import importlib.util
+    import os
+    import tempfile
+
+    answers = {q: getattr(hvd, q)() for q in (
+        "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
+        "ccl_built", "rocm_built", "cuda_built")}
+    assert all(type(v) is bool for v in answers.values()), answers
+    assert answers == {
+        "mpi_built": importlib.util.find_spec("mpi4py") is not None, "mpi_enabled": False,
+        "gloo_built": False, "gloo_enabled": False, "nccl_built": False, "ddl_built": False,
+        "ccl_built": False, "rocm_built": False, "cuda_built": torch.backends.cuda.is_built(),
+    }, answers
+    assert issubclass(hvd.PeerFailureError, hvd.HorovodInternalError)
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert not issubclass(hvd.MismatchError, hvd.HorovodInternalError)
+    # grouped_allgather: rank q gives q + 1 rows of each tensor, dtypes kept.
+    mine = [torch.full((r + 1, 2), r, dtype=torch.int32), torch.full((r + 1,), r + 0.5)]
+    want = [torch.cat([torch.full((q + 1, 2), q, dtype=torch.int32) for q in range(n)]),
+            torch.cat([torch.full((q + 1,), q + 0.5) for q in range(n)])]
+    for got, w in zip(hvd.grouped_allgather(mine, name="gag"), want, strict=True):
+        close(got, w, "grouped_allgather")
+    for got, w in zip(hvd.synchronize(hvd.grouped_allgather_async(mine)), want, strict=True):
+        close(got, w, "grouped_allgather_async")
+    # grouped_reducescatter: each tensor's rows split, lower ranks taking the extra one.
+    xs = [torch.arange(6.0).reshape(3, 2) * (r + 1), torch.arange(4, dtype=torch.float64)]
+    total = sum(q + 1 for q in range(n))
+    rows3 = [(0, 2), (2, 3)][r] if n == 2 else None
+    if rows3 is not None:
+        got = hvd.grouped_reducescatter(xs, op=hvd.Sum, name="grs")
+        close(got[0], (torch.arange(6.0).reshape(3, 2) * total)[rows3[0]:rows3[1]],
+              "grouped_reducescatter 0")
+        close(got[1], (torch.arange(4, dtype=torch.float64) * n)[2 * r:2 * r + 2],
+              "grouped_reducescatter 1")
+        got = hvd.synchronize(hvd.grouped_reducescatter_async(xs, name="grs_avg"))
+        close(got[1], torch.arange(4, dtype=torch.float64)[2 * r:2 * r + 2],
+              "grouped_reducescatter Average")
+    # sparse_allreduce_async: ranks with different numbers of entries, some shared.
+    idx = torch.tensor([[0, 2 + r, 5][: 2 + r]], dtype=torch.int64)
+    vals = torch.tensor([1.0, 2.0, 3.0][: 2 + r]) * (r + 1)
+    sp = torch.sparse_coo_tensor(idx, vals, (6,))
+    dense_sum = sum(torch.sparse_coo_tensor(
+        torch.tensor([[0, 2 + q, 5][: 2 + q]]), torch.tensor([1.0, 2.0, 3.0][: 2 + q]) * (q + 1),
+        (6,)).to_dense() for q in range(n))
+    got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sp", op=hvd.Sum))
+    assert got.is_sparse and got.shape == (6,), got
+    close(got.to_dense(), dense_sum, "sparse_allreduce Sum")
+    got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sp_avg"))
+    close(got.to_dense(), dense_sum / n, "sparse_allreduce Average")
+    # start_timeline / stop_timeline: a trace of what ran in between, which loads.
+    folder = tempfile.mkdtemp(prefix="trtest-timeline-")
+    path = os.path.join(folder, "sub", "t.json")
+    hvd.start_timeline(path, mark_cycles=True)
+    hvd.allreduce(torch.ones(4), name="traced")
+    hvd.stop_timeline()
+    hvd.allreduce(torch.ones(4), name="untraced")
+    mine_path = path if r == 0 else f"{path}.{r}"
+    with open(mine_path) as f:
+        events = json.load(f)
+    names = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
+    assert "traced" in names and "untraced" not in names, names
+    report(capabilities=answers, parity_b=True)

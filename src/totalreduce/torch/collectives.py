@@ -443,6 +443,121 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     return compression.decompress(out, ctx)
 
 
+class _Together:
+    """Several engine handles waited on as one: what a grouped op that the engine runs as
+    separate ops (one per tensor) hands to :class:`TorchHandle`."""
+
+    __slots__ = ("_handles", "label")
+
+    def __init__(self, handles: list[Any], label: str) -> None:
+        self._handles = handles
+        self.label = label
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        # Every handle is waited on even after one fails: none is left running unwatched.
+        results, error = [], None
+        for h in self._handles:
+            try:
+                results.append(h.wait(timeout))
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+
+def _part_name(name: str | None, i: int) -> str | None:
+    return None if name is None else f"{name}.{i}"
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """:func:`allgather_async` of each tensor; ``synchronize`` returns a list."""
+    what = "grouped_allgather" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    handles = [allgather_async(t, _part_name(name, i), process_set)
+               for i, t in enumerate(tensors)]
+    return TorchHandle(_Together(handles, what), lambda outs: outs)  # type: ignore[arg-type]
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather each of ``tensors`` (first dims may differ by rank); a list of results."""
+    return _blocking(lambda: grouped_allgather_async(tensors, name, process_set))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: Any = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> TorchHandle:
+    """:func:`reducescatter_async` of each tensor; ``synchronize`` returns a list."""
+    what = "grouped_reducescatter" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    handles = [reducescatter_async(t, _part_name(name, i), op, process_set, prescale_factor,
+                                   postscale_factor) for i, t in enumerate(tensors)]
+    return TorchHandle(_Together(handles, what), lambda outs: outs)  # type: ignore[arg-type]
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] = Compression.none, op: Any = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reducescatter each of ``tensors``: this rank's share of each reduced tensor."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _blocking(lambda: grouped_reducescatter_async([p[0] for p in pairs], name, op,
+                                                         process_set, prescale_factor,
+                                                         postscale_factor))
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                           process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start an allreduce of a sparse COO tensor; ``synchronize`` returns a sparse tensor.
+
+    Every rank's indices and values are allgathered (ranks may hold different numbers of
+    entries), so what travels grows with the entries, not with the dense size.  The result
+    holds every rank's entries, coalesced (entries at one index summed); ``Average``
+    divides the values by ``size()``.
+
+    Raises:
+        TypeError: ``tensor`` is not a sparse COO tensor.
+        ValueError: ``op`` is neither ``Average`` nor ``Sum``.
+    """
+    what = "sparse_allreduce" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"{what}: expected a sparse COO tensor, got "
+                        f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+    rop = resolve_op(op, None, what)
+    if rop not in (Average, Sum):
+        raise ValueError(f"{what}: op must be Average or Sum, got {rop.label}")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # Entries along dimension 0 for the allgather: indices as (nnz, sparse_dim) rows.
+    indices = t.indices().t().contiguous()
+    values = t.values().contiguous()
+    handles = [allgather_async(indices, _part_name(name, 0), process_set),
+               allgather_async(values, _part_name(name, 1), process_set)]
+
+    def finish(parts: list[torch.Tensor]) -> torch.Tensor:
+        every_index, every_value = parts
+        out = torch.sparse_coo_tensor(every_index.t(), every_value, tensor.shape,
+                                      dtype=tensor.dtype, device=tensor.device).coalesce()
+        if rop != Average:
+            return out
+        # Divided after the entries at one index are summed, as a dense Average would.
+        v = out.values()
+        v = v / _tr.size() if v.is_floating_point() else \
+            torch.div(v, _tr.size(), rounding_mode="trunc")
+        return torch.sparse_coo_tensor(out.indices(), v, out.shape, is_coalesced=True)
+
+    return TorchHandle(_Together(handles, what), finish)  # type: ignore[arg-type]
+
+
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank has entered the barrier."""
     _check_process_set(process_set, "barrier")
