@@ -142,3 +142,8 @@ def test_totalrun_exports_horovodrun_variables(parity: Result) -> None:
 def test_horovod_queries_grouped_and_sparse_collectives_and_timeline(parity: Result) -> None:
     for r in range(2):
         assert parity.report(r).get("parity_b"), parity.explain()
+
+
+def test_integer_tensors_scale_and_average_toward_zero(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_c"), parity.explain()

@@ -97,8 +97,8 @@ def collectives(arg: dict) -> None:
     out = hvd.allreduce(w, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0, name="sc")
     close(out, torch.full((5,), 1.5 * n), "scaled")
     try:
-        hvd.allreduce(torch.ones(3, dtype=torch.int32), prescale_factor=2.0, name="bad")
-        raise AssertionError("an integer tensor with a scale factor was accepted")
+        hvd.allreduce(torch.ones(3, dtype=torch.bool), prescale_factor=2.0, name="bad")
+        raise AssertionError("a bool tensor with a scale factor was accepted")
     except TypeError as exc:
         assert "prescale_factor" in str(exc), exc
     # Horovod's deprecated average= keyword.
@@ -754,3 +754,50 @@ def capabilities(r: int, n: int) -> None:
     names = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
     assert "traced" in names and "untraced" not in names, names
     report(capabilities=answers, parity_b=True)
+    integers(r, n)
+
+
+def integers(r: int, n: int) -> None:
+    """Integer tensors: scale factors scale and truncate back; Average truncates toward
+    zero (-75 / 2 is -37), with a joined rank too, and in the numpy API."""
+    import totalreduce as tr
+
+    x = torch.tensor([-75, 75, -1, 7], dtype=torch.int32) if r == 0 else \
+        torch.zeros(4, dtype=torch.int32)
+    avg = hvd.allreduce(x, name="int_avg")
+    close(avg, torch.tensor([-37, 37, 0, 3], dtype=torch.int32), "integer Average")
+    got = tr.allreduce(x.numpy(), name="np_int_avg")
+    assert got.dtype == np.int32 and got.tolist() == [-37, 37, 0, 3], got
+    y = torch.tensor([3, -3, 5], dtype=torch.int64)
+    # Each rank: trunc(0.5 * [3, -3, 5]) = [1, -1, 2]; summed, then trunc(0.5 * 2 * ...).
+    close(hvd.allreduce(y, op=hvd.Sum, prescale_factor=0.5, name="int_pre"),
+          torch.tensor([n, -n, 2 * n], dtype=torch.int64), "integer prescale")
+    close(hvd.allreduce(y, op=hvd.Sum, postscale_factor=0.5, name="int_post"),
+          torch.tensor([3 * n // 2, -(3 * n // 2), 5 * n // 2], dtype=torch.int64),
+          "integer postscale")
+    inplace = y.clone()
+    hvd.allreduce_(inplace, op=hvd.Sum, prescale_factor=0.5, postscale_factor=1.5,
+                   name="int_inplace")
+    close(inplace, torch.tensor([int(1.5 * n), -int(1.5 * n), 3 * n], dtype=torch.int64),
+          "integer scale in place")
+    grouped = hvd.grouped_allreduce([y, y.to(torch.int8)], op=hvd.Sum,
+                                    postscale_factor=0.5, name="int_grp")
+    close(grouped[1], torch.tensor([3 * n // 2, -(3 * n // 2), 5 * n // 2],
+                                   dtype=torch.int8), "grouped integer postscale")
+    rs = hvd.reducescatter(torch.tensor([[3], [-3]], dtype=torch.int16) * (r + 1),
+                           op=hvd.Sum, postscale_factor=0.5, name="int_rs")
+    total = sum(q + 1 for q in range(n))
+    if n == 2:
+        close(rs, torch.tensor([[int(1.5 * total) * (1 if r == 0 else -1)]],
+                               dtype=torch.int16), "reducescatter integer postscale")
+    try:
+        hvd.allreduce(torch.ones(2, dtype=torch.bool), op=hvd.Sum, postscale_factor=2.0)
+        raise AssertionError("a bool tensor with a scale factor was accepted")
+    except TypeError as exc:
+        assert "postscale_factor" in str(exc) and "bool" in str(exc), exc
+    # A joined rank adds zeros; the rest still truncate toward zero.
+    if r == 0:
+        close(hvd.allreduce(torch.tensor([-75, 75]), name="int_join"),
+              torch.tensor([-75 // n + (1 if -75 % n else 0), 75 // n]), "Average with join")
+    hvd.join()
+    report(parity_c=True)

@@ -139,9 +139,17 @@ def resolve_op(op: Any, average: bool | None, what: str) -> _tr.ReduceOp:
 
 
 def _check_scale(staged: Staged, factor: float, label: str, what: str) -> None:
-    if factor != 1.0 and not staged.array.dtype.kind == "f":
-        raise TypeError(f"{what}: {label}={factor} needs a floating-point tensor, got "
-                        f"{staged.tensor.dtype}")
+    if factor != 1.0 and staged.array.dtype.kind == "b":
+        raise TypeError(f"{what}: {label}={factor} cannot scale a bool tensor")
+
+
+def _scale(array: np.ndarray, factor: float) -> None:
+    """``array *= factor`` in place.  Integers are scaled in float64 and truncated toward
+    zero back into their dtype, as Horovod scales them."""
+    if array.dtype.kind == "f":
+        array *= factor
+    else:
+        array[...] = (array * float(factor)).astype(array.dtype)
 
 
 def _scaled_stage(tensor: torch.Tensor, prescale: float, postscale: float, inplace: bool,
@@ -152,10 +160,9 @@ def _scaled_stage(tensor: torch.Tensor, prescale: float, postscale: float, inpla
     _check_scale(staged, prescale, "prescale_factor", what)
     if prescale == 1.0:
         return staged, staged.array
-    if inplace:
-        staged.array *= prescale
-        return staged, staged.array
-    return staged, (staged.array * prescale).astype(staged.array.dtype, copy=False)
+    source = staged.array if inplace else staged.array.copy()
+    _scale(source, prescale)
+    return staged, source
 
 
 # --- allreduce ------------------------------------------------------------------------
@@ -173,12 +180,13 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         average: deprecated (as in Horovod); True means ``op=Average``, False ``op=Sum``.
         name: matches the op across ranks; unnamed ops match by call order.
         op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor: multiplies the input before the reduction (float tensors only).
-        postscale_factor: multiplies the result after it (float tensors only).
+        prescale_factor: multiplies the input before the reduction (integer tensors
+            are scaled in float64 and truncated back, as in Horovod).
+        postscale_factor: multiplies the result after it (likewise).
         priority: higher runs first (a totalreduce extension).
 
     Raises:
-        TypeError: unsupported tensor, or a scale factor on an integer tensor.
+        TypeError: unsupported tensor, or a scale factor on a bool tensor.
         ValueError: both ``op`` and ``average`` given.
     """
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
@@ -207,11 +215,11 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
     def finish(result: np.ndarray) -> torch.Tensor:
         if inplace:
             if postscale != 1.0:
-                staged.array[...] *= postscale
+                _scale(staged.array, postscale)
             staged.write_back()
             return tensor
         if postscale != 1.0:
-            result *= postscale
+            _scale(result, postscale)
         return staged.result(result)
 
     return TorchHandle(handle, finish)
@@ -313,7 +321,7 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
         out = []
         for s, r in zip(staged, results, strict=True):
             if postscale != 1.0:
-                r[...] *= postscale
+                _scale(r, postscale)
             if inplace:
                 s.write_back()
                 out.append(s.tensor)
@@ -427,7 +435,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if postscale_factor != 1.0:
-            result = result * postscale_factor
+            _scale(result, postscale_factor)
         return staged.result(result)
 
     return TorchHandle(handle, finish)
