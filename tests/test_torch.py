@@ -147,3 +147,8 @@ def test_horovod_queries_grouped_and_sparse_collectives_and_timeline(parity: Res
 def test_integer_tensors_scale_and_average_toward_zero(parity: Result) -> None:
     for r in range(2):
         assert parity.report(r).get("parity_c"), parity.explain()
+
+
+def test_uneven_alltoall_and_a_name_in_flight_raise_value_error(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_d"), parity.explain()

@@ -801,3 +801,44 @@ def integers(r: int, n: int) -> None:
               torch.tensor([-75 // n + (1 if -75 % n else 0), 75 // n]), "Average with join")
     hvd.join()
     report(parity_c=True)
+    misuse_like_horovod(r, n)
+
+
+def misuse_like_horovod(r: int, n: int) -> None:
+    """alltoall without splits of rows not divisible by the world size, and a second op
+    under the name of one still in flight, raise ValueError as in Horovod."""
+    import totalreduce as tr
+
+    try:
+        hvd.alltoall(torch.arange(2 * n + 1), name="a2a_uneven")
+        raise AssertionError("an uneven alltoall without splits was accepted")
+    except ValueError as exc:
+        assert f"rank {r}: alltoall 'a2a_uneven'" in str(exc) and "divisible" in str(exc), exc
+    # The numpy API keeps its documented even split, lower ranks taking the extra row.
+    out, got_splits = tr.alltoall(np.arange(2 * n + 1), name="np_a2a_uneven")
+    assert got_splits.tolist() == [2 + (1 if r == 0 else 0)] * n, got_splits
+    # Rank r's op "dupr" cannot finish before the barrier: the other rank submits it after.
+    h = hvd.allreduce_async(torch.ones(2), name=f"dup{r}", op=hvd.Sum)
+    try:
+        hvd.allreduce_async(torch.ones(2), name=f"dup{r}")
+        raise AssertionError("a second op under a name in flight was accepted")
+    except ValueError as exc:
+        assert f"an op named 'dup{r}' is still in flight" in str(exc), exc
+    try:
+        hvd.broadcast_async(torch.ones(2), root_rank=0, name=f"dup{r}")
+        raise AssertionError("a broadcast under a name in flight was accepted")
+    except ValueError as exc:
+        assert "still in flight" in str(exc), exc
+    hvd.barrier()
+    for q in range(n):
+        if q != r:
+            hvd.allreduce(torch.ones(2), name=f"dup{q}", op=hvd.Sum)
+    close(hvd.synchronize(h), torch.full((2,), float(n)), "the op in flight")
+    for q in range(n):  # every name is free again
+        close(hvd.allreduce(torch.ones(2), name=f"dup{q}", op=hvd.Sum),
+              torch.full((2,), float(n)), "a name reused")
+    # The numpy API matches a name's k-th op with the other ranks' k-th op instead.
+    hs = [tr.allreduce_async(np.full(2, k + r), op=tr.Sum, name="np_dup") for k in range(2)]
+    assert [h_.wait().tolist() for h_ in hs] == [[sum(range(n))] * 2,
+                                                 [n + sum(range(n))] * 2]
+    report(parity_d=True)

@@ -20,12 +20,17 @@ DistributedOptimizer) gives the gradient of the mean loss:
 Recent Horovod averages instead of summing in the last two, which makes them ``size()``
 times smaller than the derivative.  The ops of a backward pass are named after the
 forward's (``name + ".grad"``), or unnamed when it was, and every rank must run them.
+
+As in Horovod, an op submitted under the name of one of this rank's ops still in flight
+raises ``ValueError``.  (The numpy API allows it: there the second op is matched with the
+other ranks' second op of that name.)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,6 +65,41 @@ def _check_process_set(process_set: Any, what: str) -> None:
     if process_set is not global_process_set:
         raise NotImplementedError(f"{what}: process sets other than global_process_set are "
                                   "not supported; every collective runs over all ranks")
+
+
+class _LiveNames:
+    """The names of this process's ops still in flight.  Horovod refuses a second op
+    under the name of one that has not finished (ValueError); the engine itself would
+    match it as the name's next call, so the refusal lives here, in the Horovod layer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[str, Any] = {}
+
+    def submit(self, name: str | None, what: str, start: Callable[[], Any]) -> Any:
+        if name is None:
+            return start()
+        with self._lock:
+            held = self._live.get(name)
+            # A finished handle whose done-callback has not run yet is no longer in flight.
+            if held is not None and not held.done():
+                raise ValueError(
+                    f"rank {_tr.rank()}: {what}: an op named '{name}' is still in flight on "
+                    "this rank; synchronize() its handle first or use another name")
+        handle = start()
+        with self._lock:
+            self._live[name] = handle
+        # Outside the lock: the callback runs at once if the op is done already.
+        handle.add_done_callback(lambda h: self._release(name, h))
+        return handle
+
+    def _release(self, name: str, handle: Any) -> None:
+        with self._lock:
+            if self._live.get(name) is handle:
+                del self._live[name]
+
+
+_live_names = _LiveNames()
 
 
 def _ops() -> Any:
@@ -210,7 +250,8 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
     _check_process_set(process_set, what)
     rop = resolve_op(op, average, what)
     staged, source = _scaled_stage(tensor, prescale, postscale, inplace, what)
-    handle = _ops().allreduce(source, rop, name, priority, inplace=inplace)
+    handle = _live_names.submit(name, what, lambda: _ops().allreduce(
+        source, rop, name, priority, inplace=inplace))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if inplace:
@@ -315,7 +356,8 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
     pairs = [_scaled_stage(t, prescale, postscale, inplace, what) for t in tensors]
     staged = [p[0] for p in pairs]
     sources = [p[1] for p in pairs]
-    handle = _ops().grouped_allreduce(sources, rop, name, 0, inplace=inplace)
+    handle = _live_names.submit(name, what, lambda: _ops().grouped_allreduce(
+        sources, rop, name, 0, inplace=inplace))
 
     def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
         out = []
@@ -341,7 +383,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     what = "allgather" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
-    return TorchHandle(_ops().allgather(staged.array, name, 0), staged.result)
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops().allgather(
+        staged.array, name, 0)), staged.result)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -362,8 +405,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     what = "broadcast" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
-    return TorchHandle(_ops().broadcast(staged.array, root_rank, name, 0, inplace=False),
-                       staged.result)
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops().broadcast(
+        staged.array, root_rank, name, 0, inplace=False)), staged.result)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -377,8 +420,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         staged.write_back()
         return tensor
 
-    return TorchHandle(_ops().broadcast(staged.array, root_rank, name, 0, inplace=True),
-                       finish)
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops().broadcast(
+        staged.array, root_rank, name, 0, inplace=True)), finish)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -400,13 +443,25 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
     As in Horovod, the result is the received tensor alone when ``splits`` is None, and
     ``(received, received_splits)`` when it is given.
+
+    Raises:
+        ValueError: no ``splits`` and dimension 0 is not divisible by ``size()`` (as in
+            Horovod), or ``splits`` that do not fit the tensor; an op of this ``name``
+            still in flight (as for every collective here).
     """
     what = "alltoall" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
-    handle = _ops().alltoall(staged.array, splits, name, 0)
+    n = _tr.size()
+    if splits is None and tensor.dim() > 0 and tensor.shape[0] % n:
+        # Horovod refuses what the numpy API would split unevenly (lower ranks first).
+        raise ValueError(f"rank {_tr.rank()}: {what}: without splits, dimension 0 "
+                         f"({tensor.shape[0]} rows) must be divisible by the world size "
+                         f"({n}); pass splits= to send uneven parts")
+    handle = _live_names.submit(name, what, lambda: _ops().alltoall(
+        staged.array, splits, name, 0))
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
         out = staged.result(result[0])
@@ -431,7 +486,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     what = "reducescatter" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged, source = _scaled_stage(tensor, prescale_factor, postscale_factor, False, what)
-    handle = _ops().reducescatter(source, resolve_op(op, None, what), name, 0)
+    rop = resolve_op(op, None, what)
+    handle = _live_names.submit(name, what, lambda: _ops().reducescatter(
+        source, rop, name, 0))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if postscale_factor != 1.0:
