@@ -152,3 +152,9 @@ def test_integer_tensors_scale_and_average_toward_zero(parity: Result) -> None:
 def test_uneven_alltoall_and_a_name_in_flight_raise_value_error(parity: Result) -> None:
     for r in range(2):
         assert parity.report(r).get("parity_d"), parity.explain()
+
+
+def test_optimizer_state_created_unnamed_parameters_and_sparse_gradients(
+        parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_e"), parity.explain()

@@ -236,12 +236,14 @@ def optimizer_state(arg: dict) -> None:
     digest = float(sum(s["exp_avg"].abs().sum() + s["exp_avg_sq"].sum() for s in state.values()))
     everyone = hvd.allgather_object(digest)
     assert len(set(everyone)) == 1, everyone
-    # Root with empty state: everyone ends empty; a DistributedOptimizer is accepted too.
+    # Root with empty state; a DistributedOptimizer is accepted too.
     fresh = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5 + r,
                                                      momentum=0.9),
                                      named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(fresh, root_rank=0)
-    assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state_dict()["state"]
+    # Horovod's zero-gradient step created the momentum buffers before the broadcast.
+    assert fresh.param_groups[0]["lr"] == 0.5
+    assert len(fresh.state_dict()["state"]) == 6, fresh.state_dict()["state"]
     report(optimizer_state_ok=True)
 
 
@@ -842,3 +844,55 @@ def misuse_like_horovod(r: int, n: int) -> None:
     assert [h_.wait().tolist() for h_ in hs] == [[sum(range(n))] * 2,
                                                  [n + sum(range(n))] * 2]
     report(parity_d=True)
+    optimizer_like_horovod(r, n)
+
+
+def optimizer_like_horovod(r: int, n: int) -> None:
+    """broadcast_optimizer_state creates a fresh optimizer's state with a zero-gradient
+    step; DistributedOptimizer without named_parameters; sparse gradients stay sparse."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5 + r, momentum=0.9)
+    hvd.broadcast_optimizer_state(sgd, root_rank=0)
+    assert sgd.param_groups[0]["lr"] == 0.5
+    state = sgd.state_dict()["state"]
+    assert sorted(state) == [0, 2, 3], sorted(state)  # the frozen bias #1 has none
+    assert all(torch.equal(s["momentum_buffer"], torch.zeros_like(s["momentum_buffer"]))
+               for s in state.values())
+    grads = [None if p.grad is None else float(p.grad.abs().sum()) for p in model.parameters()]
+    assert grads == [0.0, None, 0.0, 0.0], grads
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    adam = torch.optim.Adam(model.parameters())
+    hvd.broadcast_optimizer_state(adam, root_rank=0)
+    assert [float(s["step"]) for s in adam.state_dict()["state"].values()] == [1.0] * 3
+    # Without named_parameters: trains, and Horovod's _parameter_names is there.
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(opt._parameter_names) == 3 and all(
+        isinstance(v, str) for v in opt._parameter_names.values()), opt._parameter_names
+    m = _model(3)
+    _fit_one_batch(m, hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)),
+                   3, r, n)
+    _assert_same_on_every_rank(m)
+    # Sparse gradients (Embedding(sparse=True) with SparseAdam), no sparse_as_dense: the
+    # same weights as one process whose loss is the mean of every rank's.
+    def embedding() -> torch.nn.Embedding:
+        torch.manual_seed(1)
+        return torch.nn.Embedding(10, 3, sparse=True)
+
+    ids = [torch.tensor([[q, q + 2, 7]]) for q in range(n)]
+    emb, ref = embedding(), embedding()
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters())
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        (emb(ids[r]) * (step + 1 + r)).sum().backward()
+        opt.step()
+        assert emb.weight.grad.is_sparse, emb.weight.grad
+        ref_opt.zero_grad()
+        (sum((ref(ids[q]) * (step + 1 + q)).sum() for q in range(n)) / n).backward()
+        ref_opt.step()
+    close(emb.weight.detach(), ref.weight.detach(), "sparse gradients", 1e-6)
+    report(parity_e=True)
