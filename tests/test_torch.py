@@ -158,3 +158,11 @@ def test_optimizer_state_created_unnamed_parameters_and_sparse_gradients(
         parity: Result) -> None:
     for r in range(2):
         assert parity.report(r).get("parity_e"), parity.explain()
+
+
+def test_more_collectives_are_differentiable(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("more_gradients") == [
+            "alltoall", "alltoall without splits", "reducescatter Sum",
+            "reducescatter Average", "grouped_allgather", "grouped_reducescatter",
+        ], parity.explain()

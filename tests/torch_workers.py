@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -896,3 +897,70 @@ def optimizer_like_horovod(r: int, n: int) -> None:
         ref_opt.step()
     close(emb.weight.detach(), ref.weight.detach(), "sparse gradients", 1e-6)
     report(parity_e=True)
+    more_gradients(r, n)
+
+
+def more_gradients(r: int, n: int) -> None:
+    """Gradients through alltoall, reducescatter, grouped_allgather and
+    grouped_reducescatter, against the same collectives simulated in one process (every
+    rank's inputs as leaves; the loss is the sum of every rank's)."""
+    g = torch.Generator().manual_seed(77)
+
+    def inputs(rows: list[int]) -> list[torch.Tensor]:
+        return [torch.rand(rows[q], 2, generator=g, dtype=torch.float64).requires_grad_()
+                for q in range(n)]
+
+    def check(what: str, xs: list[torch.Tensor], run: Any, simulate: Any) -> None:
+        mine = xs[r].detach().clone().requires_grad_()
+        outs = run(mine)
+        sim = simulate(xs)  # every rank's outputs
+        ws = [torch.rand(o.shape, generator=g, dtype=torch.float64) for o in sim]
+        (ws[r] * outs).sum().backward()
+        sum((w * o).sum() for w, o in zip(ws, sim, strict=True)).backward()
+        close(mine.grad, xs[r].grad, what)
+        checked.append(what)
+
+    def even(rows: int) -> list[tuple[int, int]]:
+        b = [0]
+        for q in range(n):
+            b.append(b[-1] + rows // n + (1 if q < rows % n else 0))
+        return [(b[q], b[q + 1]) for q in range(n)]
+
+    checked: list[str] = []
+    # alltoall with splits: rank p sends splits[p][q] rows to q.
+    splits = [[1 + (p + q) % 2 for q in range(n)] for p in range(n)]
+    xs = inputs([sum(sp) for sp in splits])
+
+    def a2a_sim(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        starts = [[sum(splits[p][:q]) for q in range(n)] for p in range(n)]
+        return [torch.cat([xs[p][starts[p][q]:starts[p][q] + splits[p][q]] for p in range(n)])
+                for q in range(n)]
+
+    check("alltoall", xs, lambda x: hvd.alltoall(x, splits=torch.tensor(splits[r]),
+                                                  name="ga2a")[0], a2a_sim)
+    splits = [[2] * n for _ in range(n)]
+    xs = inputs([2 * n] * n)
+    check("alltoall without splits", xs, lambda x: hvd.alltoall(x, name="ga2a_even"), a2a_sim)
+    for op, scale in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        xs = inputs([2 * n + 1] * n)
+
+        def rs_sim(xs: list[torch.Tensor], scale: float = scale) -> list[torch.Tensor]:
+            total = sum(x * 2.0 for x in xs) * 0.5 * scale
+            return [total[a:b] for a, b in even(2 * n + 1)]
+
+        check(f"reducescatter {op.label}", xs,
+              lambda x, op=op: hvd.reducescatter(x, op=op, prescale_factor=2.0,
+                                                 postscale_factor=0.5, name=f"grs{op.label}"),
+              rs_sim)
+    rows = [q + 1 for q in range(n)]
+    xs = inputs(rows)
+    check("grouped_allgather", xs,
+          lambda x: (lambda o: o[0] + 2 * o[1])(hvd.grouped_allgather(
+              [x, x * x], name="gag_grad")),
+          lambda a: [torch.cat(a[:n]) + 2 * torch.cat([t * t for t in a[:n]])] * n)
+    xs = inputs([2 * n] * n)
+    check("grouped_reducescatter", xs,
+          lambda x: (lambda o: o[0] * 3 + o[1])(hvd.grouped_reducescatter(
+              [x, x * x], op=hvd.Sum, name="grs_grad")),
+          lambda a: [(sum(a) * 3 + sum(t * t for t in a))[lo:hi] for lo, hi in even(2 * n)])
+    report(more_gradients=checked)

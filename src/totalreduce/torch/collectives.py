@@ -5,9 +5,10 @@ Names, argument names and defaults follow ``horovod.torch``.  Async forms return
 ``poll(handle)`` says whether it is done.  Tensor handling (zero-copy CPU views, bfloat16
 carried as float32, CUDA staged through host memory) is described in ``tensors.py``.
 
-As in Horovod, the blocking ``allreduce``, ``grouped_allreduce``, ``allgather`` and
-``broadcast`` are autograd functions when a tensor that requires grad goes in (the
-in-place and async forms are not).  Their gradients are those of the sum of every rank's
+As in Horovod, the blocking ``allreduce``, ``grouped_allreduce``, ``allgather``,
+``grouped_allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` and
+``grouped_reducescatter`` are autograd functions when a tensor that requires grad goes in
+(the in-place and async forms are not).  Their gradients are those of the sum of every rank's
 loss, so that averaging the parameters' gradients over ranks afterwards (the
 DistributedOptimizer) gives the gradient of the mean loss:
 
@@ -16,6 +17,11 @@ DistributedOptimizer) gives the gradient of the mean loss:
   raise in backward).
 - ``allgather``: this rank's rows of the sum of every rank's incoming gradient.
 - ``broadcast``: on the root, the sum of every rank's incoming gradient; zero elsewhere.
+- ``alltoall``: the incoming gradient sent back the way the rows came (an alltoall
+  with the received splits).
+- ``reducescatter``: every rank's incoming gradient of its share, allgathered, times the
+  scale factors (and divided by ``size()`` for ``Average``; only ``Sum`` and ``Average``
+  have a gradient).  The grouped forms are those of their tensors, one op each.
 
 Recent Horovod averages instead of summing in the last two, which makes them ``size()``
 times smaller than the derivative.  The ops of a backward pass are named after the
@@ -438,7 +444,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> TorchHandle:
+                   process_set: ProcessSet = global_process_set, *,
+                   _both: bool = False) -> TorchHandle:
     """Send rows ``splits[i]`` of ``tensor`` (dimension 0) to rank ``i``.
 
     As in Horovod, the result is the received tensor alone when ``splits`` is None, and
@@ -465,7 +472,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
         out = staged.result(result[0])
-        if splits is None:
+        if splits is None and not _both:
             return out
         return out, torch.from_numpy(result[1].astype(np.int32))
 
@@ -474,6 +481,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
+    if _differentiable([tensor]):
+        out, received = _AlltoallFn.apply(tensor, splits, name, process_set)
+        return out if splits is None else (out, received)
     return _blocking(lambda: alltoall_async(tensor, splits, name, process_set))
 
 
@@ -503,8 +513,13 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     compressed, ctx = compression.compress(tensor)
-    out = _blocking(lambda: reducescatter_async(compressed, name, op, process_set,
-                                                prescale_factor, postscale_factor))
+    if _differentiable([compressed]):
+        rop = resolve_op(op, None, "reducescatter" + (f" '{name}'" if name else ""))
+        out = _ReducescatterFn.apply(compressed, name, rop, process_set, prescale_factor,
+                                     postscale_factor)
+    else:
+        out = _blocking(lambda: reducescatter_async(compressed, name, op, process_set,
+                                                    prescale_factor, postscale_factor))
     return compression.decompress(out, ctx)
 
 
@@ -551,6 +566,10 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather each of ``tensors`` (first dims may differ by rank); a list of results."""
+    if _differentiable(tensors):
+        # One op per tensor either way: the differentiable form runs them one by one.
+        return [allgather(t, _part_name(name, i), process_set)
+                for i, t in enumerate(tensors)]
     return _blocking(lambda: grouped_allgather_async(tensors, name, process_set))
 
 
@@ -574,6 +593,10 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each of ``tensors``: this rank's share of each reduced tensor."""
     pairs = [compression.compress(t) for t in tensors]
+    if _differentiable([p[0] for p in pairs]):
+        return [reducescatter(t, _part_name(name, i), compression, op, process_set,
+                              prescale_factor, postscale_factor)
+                for i, t in enumerate(tensors)]
     outs = _blocking(lambda: grouped_reducescatter_async([p[0] for p in pairs], name, op,
                                                          process_set, prescale_factor,
                                                          postscale_factor))
@@ -717,3 +740,44 @@ class _BroadcastFn(torch.autograd.Function):
         if _tr.rank() != root_rank:
             total = torch.zeros_like(total)
         return total, None, None, None
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
+                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.args = (name, process_set)
+        out, received = _blocking(lambda: alltoall_async(tensor, splits, name, process_set,
+                                                         _both=True))
+        ctx.mark_non_differentiable(received)
+        ctx.received = received
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _grad_splits: Any) -> tuple[Any, ...]:
+        # What came from rank q goes back to rank q, which finds it where it sent it from.
+        name, process_set = ctx.args
+        back, _ = _blocking(lambda: alltoall_async(grad.contiguous(), ctx.received,
+                                                   _grad_name(name), process_set))
+        return back, None, None, None
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, rop: _tr.ReduceOp,
+                process_set: ProcessSet, prescale: float, postscale: float) -> torch.Tensor:
+        ctx.args = (name, rop, process_set, prescale * postscale)
+        return _blocking(lambda: reducescatter_async(tensor, name, rop, process_set,
+                                                     prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # Every rank's input reached every rank's share: each rank's gradient is all the
+        # shares' incoming gradients, gathered, times the factors applied on the way.
+        name, rop, process_set, factor = ctx.args
+        _check_grad_op(rop, "reducescatter" + (f" '{name}'" if name else ""))
+        if rop == Average:
+            factor /= _tr.size()
+        every = _blocking(lambda: allgather_async(grad.contiguous(), _grad_name(name),
+                                                  process_set))
+        return every * factor, None, None, None, None, None
