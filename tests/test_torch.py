@@ -123,3 +123,46 @@ def test_launcher_names_the_rank_that_raised_in_its_ddp_hook() -> None:
                      result.stderr, re.M), result.explain()
     assert "ValueError: rank 1: bad gradient bucket at step 3" in result.stderr
     assert any("PeerFailureError" in ln for ln in result.lines(0)), result.explain()
+
+
+@pytest.fixture(scope="module")
+def parity() -> Result:
+    """One 2-rank job for the Horovod parity checks (torch_workers.horovod_parity)."""
+    return run_ok(2, "torch_workers:horovod_parity", {}, timeout=90)
+
+
+def test_totalrun_exports_horovodrun_variables(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("launcher_env") == {
+            "HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
+            "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
+        }, parity.explain()
+
+
+def test_horovod_queries_grouped_and_sparse_collectives_and_timeline(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_b"), parity.explain()
+
+
+def test_integer_tensors_scale_and_average_toward_zero(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_c"), parity.explain()
+
+
+def test_uneven_alltoall_and_a_name_in_flight_raise_value_error(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_d"), parity.explain()
+
+
+def test_optimizer_state_created_unnamed_parameters_and_sparse_gradients(
+        parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("parity_e"), parity.explain()
+
+
+def test_more_collectives_are_differentiable(parity: Result) -> None:
+    for r in range(2):
+        assert parity.report(r).get("more_gradients") == [
+            "alltoall", "alltoall without splits", "reducescatter Sum",
+            "reducescatter Average", "grouped_allgather", "grouped_reducescatter",
+        ], parity.explain()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,8 +98,8 @@ def collectives(arg: dict) -> None:
     out = hvd.allreduce(w, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0, name="sc")
     close(out, torch.full((5,), 1.5 * n), "scaled")
     try:
-        hvd.allreduce(torch.ones(3, dtype=torch.int32), prescale_factor=2.0, name="bad")
-        raise AssertionError("an integer tensor with a scale factor was accepted")
+        hvd.allreduce(torch.ones(3, dtype=torch.bool), prescale_factor=2.0, name="bad")
+        raise AssertionError("a bool tensor with a scale factor was accepted")
     except TypeError as exc:
         assert "prescale_factor" in str(exc), exc
     # Horovod's deprecated average= keyword.
@@ -236,12 +237,14 @@ def optimizer_state(arg: dict) -> None:
     digest = float(sum(s["exp_avg"].abs().sum() + s["exp_avg_sq"].sum() for s in state.values()))
     everyone = hvd.allgather_object(digest)
     assert len(set(everyone)) == 1, everyone
-    # Root with empty state: everyone ends empty; a DistributedOptimizer is accepted too.
+    # Root with empty state; a DistributedOptimizer is accepted too.
     fresh = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5 + r,
                                                      momentum=0.9),
                                      named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(fresh, root_rank=0)
-    assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state_dict()["state"]
+    # Horovod's zero-gradient step created the momentum buffers before the broadcast.
+    assert fresh.param_groups[0]["lr"] == 0.5
+    assert len(fresh.state_dict()["state"]) == 6, fresh.state_dict()["state"]
     report(optimizer_state_ok=True)
 
 
@@ -662,3 +665,302 @@ def first_use(arg: dict) -> None:
     with buckets that differ between ranks."""
     autograd_and_scalars(arg)
     ddp_errors({"case": "buckets"})
+
+
+# --- Horovod parity (issue 27) -------------------------------------------------------------
+
+
+def _launcher_env() -> dict[str, str]:
+    """What horovodrun exports and scripts read before init()."""
+    import os
+
+    names = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+             "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+    return {k: os.environ.get(k, "(unset)") for k in names}
+
+
+def horovod_parity(arg: dict) -> None:
+    """One 2-rank job for the Horovod parity checks; each section reports its outcome."""
+    env = _launcher_env()
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    want = {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": str(n), "HOROVOD_LOCAL_RANK": str(r),
+            "HOROVOD_LOCAL_SIZE": str(n), "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+    assert env == want, f"rank {r}: launcher env {env}, want {want}"
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
+    report(launcher_env=env)
+    capabilities(r, n)
+
+
+def capabilities(r: int, n: int) -> None:
+    """Horovod's build queries, HorovodInternalError, the grouped allgather and
+    reducescatter, sparse_allreduce_async and the timeline switched on from the program."""
+    import importlib.util
+    import os
+    import tempfile
+
+    answers = {q: getattr(hvd, q)() for q in (
+        "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
+        "ccl_built", "rocm_built", "cuda_built")}
+    assert all(type(v) is bool for v in answers.values()), answers
+    assert answers == {
+        "mpi_built": importlib.util.find_spec("mpi4py") is not None, "mpi_enabled": False,
+        "gloo_built": False, "gloo_enabled": False, "nccl_built": False, "ddl_built": False,
+        "ccl_built": False, "rocm_built": False, "cuda_built": torch.backends.cuda.is_built(),
+    }, answers
+    assert issubclass(hvd.PeerFailureError, hvd.HorovodInternalError)
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert not issubclass(hvd.MismatchError, hvd.HorovodInternalError)
+    # grouped_allgather: rank q gives q + 1 rows of each tensor, dtypes kept.
+    mine = [torch.full((r + 1, 2), r, dtype=torch.int32), torch.full((r + 1,), r + 0.5)]
+    want = [torch.cat([torch.full((q + 1, 2), q, dtype=torch.int32) for q in range(n)]),
+            torch.cat([torch.full((q + 1,), q + 0.5) for q in range(n)])]
+    for got, w in zip(hvd.grouped_allgather(mine, name="gag"), want, strict=True):
+        close(got, w, "grouped_allgather")
+    for got, w in zip(hvd.synchronize(hvd.grouped_allgather_async(mine)), want, strict=True):
+        close(got, w, "grouped_allgather_async")
+    # grouped_reducescatter: each tensor's rows split, lower ranks taking the extra one.
+    xs = [torch.arange(6.0).reshape(3, 2) * (r + 1), torch.arange(4, dtype=torch.float64)]
+    total = sum(q + 1 for q in range(n))
+    rows3 = [(0, 2), (2, 3)][r] if n == 2 else None
+    if rows3 is not None:
+        got = hvd.grouped_reducescatter(xs, op=hvd.Sum, name="grs")
+        close(got[0], (torch.arange(6.0).reshape(3, 2) * total)[rows3[0]:rows3[1]],
+              "grouped_reducescatter 0")
+        close(got[1], (torch.arange(4, dtype=torch.float64) * n)[2 * r:2 * r + 2],
+              "grouped_reducescatter 1")
+        got = hvd.synchronize(hvd.grouped_reducescatter_async(xs, name="grs_avg"))
+        close(got[1], torch.arange(4, dtype=torch.float64)[2 * r:2 * r + 2],
+              "grouped_reducescatter Average")
+    # sparse_allreduce_async: ranks with different numbers of entries, some shared.
+    idx = torch.tensor([[0, 2 + r, 5][: 2 + r]], dtype=torch.int64)
+    vals = torch.tensor([1.0, 2.0, 3.0][: 2 + r]) * (r + 1)
+    sp = torch.sparse_coo_tensor(idx, vals, (6,))
+    dense_sum = sum(torch.sparse_coo_tensor(
+        torch.tensor([[0, 2 + q, 5][: 2 + q]]), torch.tensor([1.0, 2.0, 3.0][: 2 + q]) * (q + 1),
+        (6,)).to_dense() for q in range(n))
+    got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sp", op=hvd.Sum))
+    assert got.is_sparse and got.shape == (6,), got
+    close(got.to_dense(), dense_sum, "sparse_allreduce Sum")
+    got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sp_avg"))
+    close(got.to_dense(), dense_sum / n, "sparse_allreduce Average")
+    # start_timeline / stop_timeline: a trace of what ran in between, which loads.
+    folder = tempfile.mkdtemp(prefix="trtest-timeline-")
+    path = os.path.join(folder, "sub", "t.json")
+    hvd.start_timeline(path, mark_cycles=True)
+    hvd.allreduce(torch.ones(4), name="traced")
+    hvd.stop_timeline()
+    hvd.allreduce(torch.ones(4), name="untraced")
+    mine_path = path if r == 0 else f"{path}.{r}"
+    with open(mine_path) as f:
+        events = json.load(f)
+    names = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
+    assert "traced" in names and "untraced" not in names, names
+    report(capabilities=answers, parity_b=True)
+    integers(r, n)
+
+
+def integers(r: int, n: int) -> None:
+    """Integer tensors: scale factors scale and truncate back; Average truncates toward
+    zero (-75 / 2 is -37), with a joined rank too, and in the numpy API."""
+    import totalreduce as tr
+
+    x = torch.tensor([-75, 75, -1, 7], dtype=torch.int32) if r == 0 else \
+        torch.zeros(4, dtype=torch.int32)
+    avg = hvd.allreduce(x, name="int_avg")
+    close(avg, torch.tensor([-37, 37, 0, 3], dtype=torch.int32), "integer Average")
+    got = tr.allreduce(x.numpy(), name="np_int_avg")
+    assert got.dtype == np.int32 and got.tolist() == [-37, 37, 0, 3], got
+    y = torch.tensor([3, -3, 5], dtype=torch.int64)
+    # Each rank: trunc(0.5 * [3, -3, 5]) = [1, -1, 2]; summed, then trunc(0.5 * 2 * ...).
+    close(hvd.allreduce(y, op=hvd.Sum, prescale_factor=0.5, name="int_pre"),
+          torch.tensor([n, -n, 2 * n], dtype=torch.int64), "integer prescale")
+    close(hvd.allreduce(y, op=hvd.Sum, postscale_factor=0.5, name="int_post"),
+          torch.tensor([3 * n // 2, -(3 * n // 2), 5 * n // 2], dtype=torch.int64),
+          "integer postscale")
+    inplace = y.clone()
+    hvd.allreduce_(inplace, op=hvd.Sum, prescale_factor=0.5, postscale_factor=1.5,
+                   name="int_inplace")
+    close(inplace, torch.tensor([int(1.5 * n), -int(1.5 * n), 3 * n], dtype=torch.int64),
+          "integer scale in place")
+    grouped = hvd.grouped_allreduce([y, y.to(torch.int8)], op=hvd.Sum,
+                                    postscale_factor=0.5, name="int_grp")
+    close(grouped[1], torch.tensor([3 * n // 2, -(3 * n // 2), 5 * n // 2],
+                                   dtype=torch.int8), "grouped integer postscale")
+    rs = hvd.reducescatter(torch.tensor([[3], [-3]], dtype=torch.int16) * (r + 1),
+                           op=hvd.Sum, postscale_factor=0.5, name="int_rs")
+    total = sum(q + 1 for q in range(n))
+    if n == 2:
+        close(rs, torch.tensor([[int(1.5 * total) * (1 if r == 0 else -1)]],
+                               dtype=torch.int16), "reducescatter integer postscale")
+    try:
+        hvd.allreduce(torch.ones(2, dtype=torch.bool), op=hvd.Sum, postscale_factor=2.0)
+        raise AssertionError("a bool tensor with a scale factor was accepted")
+    except TypeError as exc:
+        assert "postscale_factor" in str(exc) and "bool" in str(exc), exc
+    # A joined rank adds zeros; the rest still truncate toward zero.
+    if r == 0:
+        close(hvd.allreduce(torch.tensor([-75, 75]), name="int_join"),
+              torch.tensor([-75 // n + (1 if -75 % n else 0), 75 // n]), "Average with join")
+    hvd.join()
+    report(parity_c=True)
+    misuse_like_horovod(r, n)
+
+
+def misuse_like_horovod(r: int, n: int) -> None:
+    """alltoall without splits of rows not divisible by the world size, and a second op
+    under the name of one still in flight, raise ValueError as in Horovod."""
+    import totalreduce as tr
+
+    try:
+        hvd.alltoall(torch.arange(2 * n + 1), name="a2a_uneven")
+        raise AssertionError("an uneven alltoall without splits was accepted")
+    except ValueError as exc:
+        assert f"rank {r}: alltoall 'a2a_uneven'" in str(exc) and "divisible" in str(exc), exc
+    # The numpy API keeps its documented even split, lower ranks taking the extra row.
+    out, got_splits = tr.alltoall(np.arange(2 * n + 1), name="np_a2a_uneven")
+    assert got_splits.tolist() == [2 + (1 if r == 0 else 0)] * n, got_splits
+    # Rank r's op "dupr" cannot finish before the barrier: the other rank submits it after.
+    h = hvd.allreduce_async(torch.ones(2), name=f"dup{r}", op=hvd.Sum)
+    try:
+        hvd.allreduce_async(torch.ones(2), name=f"dup{r}")
+        raise AssertionError("a second op under a name in flight was accepted")
+    except ValueError as exc:
+        assert f"an op named 'dup{r}' is still in flight" in str(exc), exc
+    try:
+        hvd.broadcast_async(torch.ones(2), root_rank=0, name=f"dup{r}")
+        raise AssertionError("a broadcast under a name in flight was accepted")
+    except ValueError as exc:
+        assert "still in flight" in str(exc), exc
+    hvd.barrier()
+    for q in range(n):
+        if q != r:
+            hvd.allreduce(torch.ones(2), name=f"dup{q}", op=hvd.Sum)
+    close(hvd.synchronize(h), torch.full((2,), float(n)), "the op in flight")
+    for q in range(n):  # every name is free again
+        close(hvd.allreduce(torch.ones(2), name=f"dup{q}", op=hvd.Sum),
+              torch.full((2,), float(n)), "a name reused")
+    # The numpy API matches a name's k-th op with the other ranks' k-th op instead.
+    hs = [tr.allreduce_async(np.full(2, k + r), op=tr.Sum, name="np_dup") for k in range(2)]
+    assert [h_.wait().tolist() for h_ in hs] == [[sum(range(n))] * 2,
+                                                 [n + sum(range(n))] * 2]
+    report(parity_d=True)
+    optimizer_like_horovod(r, n)
+
+
+def optimizer_like_horovod(r: int, n: int) -> None:
+    """broadcast_optimizer_state creates a fresh optimizer's state with a zero-gradient
+    step; DistributedOptimizer without named_parameters; sparse gradients stay sparse."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5 + r, momentum=0.9)
+    hvd.broadcast_optimizer_state(sgd, root_rank=0)
+    assert sgd.param_groups[0]["lr"] == 0.5
+    state = sgd.state_dict()["state"]
+    assert sorted(state) == [0, 2, 3], sorted(state)  # the frozen bias #1 has none
+    assert all(torch.equal(s["momentum_buffer"], torch.zeros_like(s["momentum_buffer"]))
+               for s in state.values())
+    grads = [None if p.grad is None else float(p.grad.abs().sum()) for p in model.parameters()]
+    assert grads == [0.0, None, 0.0, 0.0], grads
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    adam = torch.optim.Adam(model.parameters())
+    hvd.broadcast_optimizer_state(adam, root_rank=0)
+    assert [float(s["step"]) for s in adam.state_dict()["state"].values()] == [1.0] * 3
+    # Without named_parameters: trains, and Horovod's _parameter_names is there.
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(opt._parameter_names) == 3 and all(
+        isinstance(v, str) for v in opt._parameter_names.values()), opt._parameter_names
+    m = _model(3)
+    _fit_one_batch(m, hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)),
+                   3, r, n)
+    _assert_same_on_every_rank(m)
+    # Sparse gradients (Embedding(sparse=True) with SparseAdam), no sparse_as_dense: the
+    # same weights as one process whose loss is the mean of every rank's.
+    def embedding() -> torch.nn.Embedding:
+        torch.manual_seed(1)
+        return torch.nn.Embedding(10, 3, sparse=True)
+
+    ids = [torch.tensor([[q, q + 2, 7]]) for q in range(n)]
+    emb, ref = embedding(), embedding()
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters())
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        (emb(ids[r]) * (step + 1 + r)).sum().backward()
+        opt.step()
+        assert emb.weight.grad.is_sparse, emb.weight.grad
+        ref_opt.zero_grad()
+        (sum((ref(ids[q]) * (step + 1 + q)).sum() for q in range(n)) / n).backward()
+        ref_opt.step()
+    close(emb.weight.detach(), ref.weight.detach(), "sparse gradients", 1e-6)
+    report(parity_e=True)
+    more_gradients(r, n)
+
+
+def more_gradients(r: int, n: int) -> None:
+    """Gradients through alltoall, reducescatter, grouped_allgather and
+    grouped_reducescatter, against the same collectives simulated in one process (every
+    rank's inputs as leaves; the loss is the sum of every rank's)."""
+    g = torch.Generator().manual_seed(77)
+
+    def inputs(rows: list[int]) -> list[torch.Tensor]:
+        return [torch.rand(rows[q], 2, generator=g, dtype=torch.float64).requires_grad_()
+                for q in range(n)]
+
+    def check(what: str, xs: list[torch.Tensor], run: Any, simulate: Any) -> None:
+        mine = xs[r].detach().clone().requires_grad_()
+        outs = run(mine)
+        sim = simulate(xs)  # every rank's outputs
+        ws = [torch.rand(o.shape, generator=g, dtype=torch.float64) for o in sim]
+        (ws[r] * outs).sum().backward()
+        sum((w * o).sum() for w, o in zip(ws, sim, strict=True)).backward()
+        close(mine.grad, xs[r].grad, what)
+        checked.append(what)
+
+    def even(rows: int) -> list[tuple[int, int]]:
+        b = [0]
+        for q in range(n):
+            b.append(b[-1] + rows // n + (1 if q < rows % n else 0))
+        return [(b[q], b[q + 1]) for q in range(n)]
+
+    checked: list[str] = []
+    # alltoall with splits: rank p sends splits[p][q] rows to q.
+    splits = [[1 + (p + q) % 2 for q in range(n)] for p in range(n)]
+    xs = inputs([sum(sp) for sp in splits])
+
+    def a2a_sim(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        starts = [[sum(splits[p][:q]) for q in range(n)] for p in range(n)]
+        return [torch.cat([xs[p][starts[p][q]:starts[p][q] + splits[p][q]] for p in range(n)])
+                for q in range(n)]
+
+    check("alltoall", xs, lambda x: hvd.alltoall(x, splits=torch.tensor(splits[r]),
+                                                  name="ga2a")[0], a2a_sim)
+    splits = [[2] * n for _ in range(n)]
+    xs = inputs([2 * n] * n)
+    check("alltoall without splits", xs, lambda x: hvd.alltoall(x, name="ga2a_even"), a2a_sim)
+    for op, scale in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        xs = inputs([2 * n + 1] * n)
+
+        def rs_sim(xs: list[torch.Tensor], scale: float = scale) -> list[torch.Tensor]:
+            total = sum(x * 2.0 for x in xs) * 0.5 * scale
+            return [total[a:b] for a, b in even(2 * n + 1)]
+
+        check(f"reducescatter {op.label}", xs,
+              lambda x, op=op: hvd.reducescatter(x, op=op, prescale_factor=2.0,
+                                                 postscale_factor=0.5, name=f"grs{op.label}"),
+              rs_sim)
+    rows = [q + 1 for q in range(n)]
+    xs = inputs(rows)
+    check("grouped_allgather", xs,
+          lambda x: (lambda o: o[0] + 2 * o[1])(hvd.grouped_allgather(
+              [x, x * x], name="gag_grad")),
+          lambda a: [torch.cat(a[:n]) + 2 * torch.cat([t * t for t in a[:n]])] * n)
+    xs = inputs([2 * n] * n)
+    check("grouped_reducescatter", xs,
+          lambda x: (lambda o: o[0] * 3 + o[1])(hvd.grouped_reducescatter(
+              [x, x * x], op=hvd.Sum, name="grs_grad")),
+          lambda a: [(sum(a) * 3 + sum(t * t for t in a))[lo:hi] for lo, hi in even(2 * n)])
+    report(more_gradients=checked)

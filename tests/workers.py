@@ -45,7 +45,9 @@ def reference_reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
     with np.errstate(over="ignore"):
         out = functools.reduce(lambda a, b: fn(a, b, dtype=a.dtype), arrays)
         if op == "Average":
-            out = out // len(arrays) if out.dtype.kind in "iu" else \
+            # Integers: truncated toward zero, as in Horovod.
+            out = (out - np.fmod(out, len(arrays))) // len(arrays) \
+                if out.dtype.kind in "iu" else \
                 (out / np.array(len(arrays), out.dtype)).astype(out.dtype)
     return out
 

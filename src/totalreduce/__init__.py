@@ -118,7 +118,8 @@ def allreduce_async(x: Any, op: ReduceOp = Average, name: str | None = None,
         x: array of bool, uint8, int8, uint16, int16, int32, int64, float16, float32 or
             float64, any shape, empty and 0-d included; non-contiguous arrays are copied.
         op: ``Average`` (default, as in Horovod), ``Sum``, ``Min``, ``Max`` or ``Product``.
-            Integer averages are floor divisions of the wrapping sum.  On bool arrays
+            Integer averages are the wrapping sum divided and truncated toward zero
+            (as in Horovod: -75 / 2 gives -37).  On bool arrays
             Sum and Max are a logical or, Min and Product a logical and (as numpy's).
         name: matches this op across ranks; unnamed ops match by call order.
         priority: higher runs first; a big op yields to a more urgent one between pieces.

@@ -26,7 +26,15 @@ class ShutdownError(TotalReduceError):
     """An op was submitted after ``shutdown()`` or before ``init()``."""
 
 
-class PeerFailureError(TotalReduceError):
+class HorovodInternalError(RuntimeError):
+    """Horovod's name for a collective that failed because the job lost a rank: what
+    elastic Horovod scripts catch to restore their state and go on.  Every
+    :class:`PeerFailureError` is one; the errors that mean the program itself is wrong
+    (a mismatch, a timeout, use after shutdown) are not, so such a handler never retries
+    them."""
+
+
+class PeerFailureError(TotalReduceError, HorovodInternalError):
     """A peer died or its link broke.  ``rank`` names the rank that was lost;
     ``orderly`` says it left by shutting down (while this rank still needed it)."""
 

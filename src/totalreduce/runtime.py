@@ -61,8 +61,9 @@ class Runtime:
             self.transport_name, connected = connect(config, world)
         self.rank, self.size = connected.transport.rank, connected.transport.size
         self.local_rank, self.local_size = connected.local_rank, connected.local_size
-        self.timeline = Timeline(timeline_path(config.timeline, self.rank), self.rank) \
-            if config.timeline else None
+        # Always there, so that start_timeline() can switch it on in a running job.
+        self.timeline = Timeline(
+            timeline_path(config.timeline, self.rank) if config.timeline else None, self.rank)
         self._wire(connected)
         self.collectives: SelfGuided | Negotiated | Robust = self.scheduler
         if self._generations is not None:
@@ -169,8 +170,7 @@ class Runtime:
         try:
             self._stop_world()
         finally:
-            if self.timeline is not None:
-                self.timeline.close()
+            self.timeline.close()
             if self._generations is not None:
                 self._generations.close()
 

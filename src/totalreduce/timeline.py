@@ -17,6 +17,7 @@ rank r > 0 writes ``path.r``.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import IO
@@ -32,17 +33,40 @@ def timeline_path(path: str, rank: int) -> str:
 
 
 class Timeline:
-    def __init__(self, path: str, rank: int) -> None:
+    """A trace that is written between :meth:`start` and :meth:`close` (from ``init()``
+    when ``TOTALREDUCE_TIMELINE`` is set, or by ``start_timeline()``); while it is not
+    :attr:`active` the tracing code skips its work."""
+
+    def __init__(self, path: str | None, rank: int) -> None:
         self._rank = rank
-        self._file: IO[str] | None = open(path, "w")  # noqa: SIM115 - open for the run
-        self._file.write("[\n")
+        self._file: IO[str] | None = None
         self._lock = threading.Lock()
         self._rows: LRU[str, int] = LRU(_ROWS, self._row_freed)
         self._free_rows: list[int] = []
         self._next_row = 1
-        self._epoch = time.monotonic()
-        self._flushed = self._epoch
-        self._meta("process_name", 0, f"rank {rank}")
+        self._epoch = self._flushed = time.monotonic()
+        if path:
+            self.start(path)
+
+    @property
+    def active(self) -> bool:
+        return self._file is not None
+
+    def start(self, path: str) -> None:
+        """Write to ``path`` from now on (a trace being written is closed first)."""
+        self.close()
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with self._lock:
+            self._file = open(path, "w")  # noqa: SIM115 - open until close()
+            self._file.write("[\n")
+            # A new file needs its rows named again.
+            self._rows = LRU(_ROWS, self._row_freed)
+            self._free_rows = []
+            self._next_row = 1
+            self._epoch = self._flushed = time.monotonic()
+            self._meta("process_name", 0, f"rank {self._rank}")
 
     def span(self, tensor: str, phase: str, start: float, end: float) -> None:
         """``tensor`` was in ``phase`` from ``start`` to ``end`` (time.monotonic())."""

@@ -56,7 +56,7 @@ class OpTable:
             op.finished = True
             del self.active[op.spec.key]
             self._finished(op)
-            if self._timeline is not None:
+            if self._timeline is not None and self._timeline.active:
                 self._trace(op)
             op.future.resolve(None)
 
@@ -68,7 +68,7 @@ class OpTable:
         key = op.spec.key
         self.active.pop(key, None)
         self._finished(op)
-        if self._timeline is not None:
+        if self._timeline is not None and self._timeline.active:
             self._trace(op, "FAILED ")
         op.future.resolve(error)
         for forget in self._on_fail:

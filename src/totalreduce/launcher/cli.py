@@ -23,6 +23,12 @@ RANK, WORLD_SIZE,          what ``torch.distributed``'s ``env://`` init reads, s
 LOCAL_RANK,                ``init_process_group("gloo")`` (DDP, with or without
 LOCAL_WORLD_SIZE,          ``totalreduce.torch.ddp_comm_hook``) works under totalrun too;
 MASTER_ADDR, MASTER_PORT   the port is one that was free on 127.0.0.1 at launch
+HOROVOD_RANK,              what ``horovodrun`` sets, for scripts that read them before
+HOROVOD_SIZE,              ``init()``: the rank, N, the rank, N, 0 and 1 (one host)
+HOROVOD_LOCAL_RANK,
+HOROVOD_LOCAL_SIZE,
+HOROVOD_CROSS_RANK,
+HOROVOD_CROSS_SIZE
 =========================  ==============================================================
 
 Before it starts a worker, totalrun checks what it can: every ``TOTALREDUCE_*`` setting
@@ -190,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         "LOCAL_WORLD_SIZE": str(args.np),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
+        # What horovodrun exports, for scripts that read them before init().
+        "HOROVOD_SIZE": str(args.np),
+        "HOROVOD_LOCAL_SIZE": str(args.np),
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
         "TOTALREDUCE_MAX_RESTARTS": str(args.max_restarts),
     })
     try:

@@ -157,7 +157,8 @@ class Supervisor:
 
     def _spawn(self, rank: int, attempt: int) -> _Worker:
         env = dict(self._env, TOTALREDUCE_RANK=str(rank), TOTALREDUCE_LOCAL_RANK=str(rank),
-                   RANK=str(rank), LOCAL_RANK=str(rank), TOTALREDUCE_ATTEMPT=str(attempt),
+                   RANK=str(rank), LOCAL_RANK=str(rank), HOROVOD_RANK=str(rank),
+                   HOROVOD_LOCAL_RANK=str(rank), TOTALREDUCE_ATTEMPT=str(attempt),
                    TOTALREDUCE_FAILURE_DIR=self._notes)
         try:
             proc = subprocess.Popen(self._command, env=env, stdout=subprocess.PIPE,

@@ -305,7 +305,7 @@ class Controller:
                 if self._join is None or response.error or response.kind != "allreduce":
                     continue  # e.g. a stall error for a tensor this rank never asked for
                 request = self._stand_in(response)
-            if timeline is not None:
+            if timeline is not None and timeline.active:
                 request.t_ready = now
                 timeline.span(request.name, "NEGOTIATE", request.t_submit, now)
             if response.error:
@@ -355,11 +355,11 @@ class Controller:
             return
         label = kind.upper()
         started = time.monotonic()
-        if self._timeline is not None:
+        if self._timeline is not None and self._timeline.active:
             self._timeline.span(name, "QUEUE", request.t_ready, started)
 
         def done(h: Handle) -> None:
-            if self._timeline is not None:
+            if self._timeline is not None and self._timeline.active:
                 self._timeline.span(name, label, started, time.monotonic())
             error = h.error()
             if error is None:
@@ -376,13 +376,13 @@ class Controller:
         dtype = arrays[0].dtype
         t0 = time.monotonic()
         timeline = self._timeline
-        if timeline is not None:
+        if timeline is not None and timeline.active:
             for request in requests:
                 timeline.span(request.name, "QUEUE", request.t_ready, t0)
         buf = self._buffers.take(dtype, nbytes // dtype.itemsize)
         np.concatenate(arrays, axis=None, out=buf)  # axis=None: each array flattened
         t1 = time.monotonic()
-        if timeline is not None:
+        if timeline is not None and timeline.active:
             for request in requests:
                 timeline.span(request.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
         first = requests[0]
@@ -407,7 +407,7 @@ class Controller:
                     arr[...] = piece if arr.ndim == 1 else piece.reshape(arr.shape)
             t3 = time.monotonic()
             self._buffers.give(buf)
-            if timeline is not None:
+            if timeline is not None and timeline.active:
                 for request in requests:
                     timeline.span(request.name, "ALLREDUCE", t1, t2)
                     timeline.span(request.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)

@@ -32,14 +32,25 @@ UFUNCS: dict[ReduceOp, np.ufunc] = {
 def averager(dtype: np.dtype, size: int) -> Callable[[np.ndarray], None] | None:
     """Divides a finished region by the world size, in place.
 
-    Integers use floor division of the (wrapping) sum, so every rank gets the same exact
-    integers; floats use true division in their own precision, as numpy would.
+    Integers get the (wrapping) sum divided and truncated toward zero, as Horovod's
+    integer average does (-75 / 2 is -37), the same exact integers on every rank; floats
+    use true division in their own precision, as numpy would.
     """
     if size == 1:
         return None
-    if np.issubdtype(dtype, np.integer):
+    if np.issubdtype(dtype, np.signedinteger):
+        return lambda region: _truncating_divide(region, size)
+    if np.issubdtype(dtype, np.integer):  # unsigned: floor and truncation agree
         return lambda region: np.floor_divide(region, size, out=region)
     return lambda region: np.divide(region, size, out=region)
+
+
+def _truncating_divide(region: np.ndarray, size: int) -> None:
+    # Taking the remainder (sign of the dividend) off first leaves an exact multiple,
+    # which floor division divides exactly; the step toward zero cannot wrap.
+    rest = np.fmod(region, size)
+    np.subtract(region, rest, out=region)
+    np.floor_divide(region, size, out=region)
 
 
 def check_op_dtype(op: ReduceOp, dtype: np.dtype, kind: str, name: str | None) -> None:

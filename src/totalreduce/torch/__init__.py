@@ -16,10 +16,6 @@ Needs the ``torch`` extra: ``pip install torch==2.13.0 && pip install "totalredu
 
 from __future__ import annotations
 
-import importlib.util
-
-import torch
-
 from .. import (
     AuthenticationError,
     MismatchError,
@@ -39,7 +35,23 @@ from .. import (
     size,
     version_number,
 )
+from ..exceptions import HorovodInternalError
 from ..objects import allgather_object, broadcast_object
+from .basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    nccl_built,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
 from .checkpoint import TorchState
 from .collectives import (
     Average,
@@ -63,13 +75,18 @@ from .collectives import (
     broadcast_async,
     broadcast_async_,
     global_process_set,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from .compression import Compression, Compressor
@@ -80,47 +97,20 @@ from .state import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = [
     "AuthenticationError", "Average", "Compression", "Compressor", "DistributedOptimizer",
-    "Max", "Min", "MismatchError", "OpTimeoutError", "PeerFailureError", "ProcessSet",
-    "Product", "ShutdownError", "StepTimings", "Sum", "TorchHandle", "TorchState",
-    "TotalReduceError", "checkpoint", "load_checkpoint", "version_number",
-    "TransportClosedError", "allgather", "allgather_async", "allgather_object", "allreduce",
-    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
-    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
-    "cross_size", "cuda_built", "ddp_comm_hook", "gloo_built", "global_process_set",
-    "gtopk_hook", "oktopk_hook", "topka_hook",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "init", "is_initialized", "join", "local_rank", "local_size",
-    "mpi_built", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async",
-    "shutdown", "size", "synchronize",
+    "HorovodInternalError", "Max", "Min", "MismatchError", "OpTimeoutError",
+    "PeerFailureError", "ProcessSet", "Product", "ShutdownError", "StepTimings", "Sum",
+    "TorchHandle", "TorchState", "TotalReduceError", "TransportClosedError", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "ccl_built", "checkpoint", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "ddp_comm_hook", "global_process_set", "gloo_built",
+    "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "gtopk_hook", "init",
+    "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "nccl_built", "oktopk_hook", "poll", "rank", "reducescatter",
+    "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
+    "start_timeline", "stop_timeline", "synchronize", "topka_hook", "version_number",
 ]
 
-
-def cross_rank() -> int:
-    """Index of this rank's host among the job's hosts (hosts hold equal rank counts)."""
-    return rank() // local_size()
-
-
-def cross_size() -> int:
-    """Number of hosts in the job (hosts hold equal rank counts)."""
-    return size() // local_size()
-
-
-def mpi_built() -> bool:
-    """Whether the MPI transport is available (mpi4py imports)."""
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def gloo_built() -> bool:
-    """False: totalreduce has its own transports, not Gloo."""
-    return False
-
-
-def nccl_built() -> bool:
-    """False: CUDA tensors are staged through host memory, not reduced by NCCL."""
-    return False
-
-
-def cuda_built() -> bool:
-    """Whether CUDA tensors can be passed (they are staged through host memory)."""
-    return torch.cuda.is_available()

@@ -5,9 +5,10 @@ Names, argument names and defaults follow ``horovod.torch``.  Async forms return
 ``poll(handle)`` says whether it is done.  Tensor handling (zero-copy CPU views, bfloat16
 carried as float32, CUDA staged through host memory) is described in ``tensors.py``.
 
-As in Horovod, the blocking ``allreduce``, ``grouped_allreduce``, ``allgather`` and
-``broadcast`` are autograd functions when a tensor that requires grad goes in (the
-in-place and async forms are not).  Their gradients are those of the sum of every rank's
+As in Horovod, the blocking ``allreduce``, ``grouped_allreduce``, ``allgather``,
+``grouped_allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` and
+``grouped_reducescatter`` are autograd functions when a tensor that requires grad goes in
+(the in-place and async forms are not).  Their gradients are those of the sum of every rank's
 loss, so that averaging the parameters' gradients over ranks afterwards (the
 DistributedOptimizer) gives the gradient of the mean loss:
 
@@ -16,16 +17,26 @@ DistributedOptimizer) gives the gradient of the mean loss:
   raise in backward).
 - ``allgather``: this rank's rows of the sum of every rank's incoming gradient.
 - ``broadcast``: on the root, the sum of every rank's incoming gradient; zero elsewhere.
+- ``alltoall``: the incoming gradient sent back the way the rows came (an alltoall
+  with the received splits).
+- ``reducescatter``: every rank's incoming gradient of its share, allgathered, times the
+  scale factors (and divided by ``size()`` for ``Average``; only ``Sum`` and ``Average``
+  have a gradient).  The grouped forms are those of their tensors, one op each.
 
 Recent Horovod averages instead of summing in the last two, which makes them ``size()``
 times smaller than the derivative.  The ops of a backward pass are named after the
 forward's (``name + ".grad"``), or unnamed when it was, and every rank must run them.
+
+As in Horovod, an op submitted under the name of one of this rank's ops still in flight
+raises ``ValueError``.  (The numpy API allows it: there the second op is matched with the
+other ranks' second op of that name.)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,6 +71,41 @@ def _check_process_set(process_set: Any, what: str) -> None:
     if process_set is not global_process_set:
         raise NotImplementedError(f"{what}: process sets other than global_process_set are "
                                   "not supported; every collective runs over all ranks")
+
+
+class _LiveNames:
+    """The names of this process's ops still in flight.  Horovod refuses a second op
+    under the name of one that has not finished (ValueError); the engine itself would
+    match it as the name's next call, so the refusal lives here, in the Horovod layer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[str, Any] = {}
+
+    def submit(self, name: str | None, what: str, start: Callable[[], Any]) -> Any:
+        if name is None:
+            return start()
+        with self._lock:
+            held = self._live.get(name)
+            # A finished handle whose done-callback has not run yet is no longer in flight.
+            if held is not None and not held.done():
+                raise ValueError(
+                    f"rank {_tr.rank()}: {what}: an op named '{name}' is still in flight on "
+                    "this rank; synchronize() its handle first or use another name")
+        handle = start()
+        with self._lock:
+            self._live[name] = handle
+        # Outside the lock: the callback runs at once if the op is done already.
+        handle.add_done_callback(lambda h: self._release(name, h))
+        return handle
+
+    def _release(self, name: str, handle: Any) -> None:
+        with self._lock:
+            if self._live.get(name) is handle:
+                del self._live[name]
+
+
+_live_names = _LiveNames()
 
 
 def _ops() -> Any:
@@ -139,9 +185,17 @@ def resolve_op(op: Any, average: bool | None, what: str) -> _tr.ReduceOp:
 
 
 def _check_scale(staged: Staged, factor: float, label: str, what: str) -> None:
-    if factor != 1.0 and not staged.array.dtype.kind == "f":
-        raise TypeError(f"{what}: {label}={factor} needs a floating-point tensor, got "
-                        f"{staged.tensor.dtype}")
+    if factor != 1.0 and staged.array.dtype.kind == "b":
+        raise TypeError(f"{what}: {label}={factor} cannot scale a bool tensor")
+
+
+def _scale(array: np.ndarray, factor: float) -> None:
+    """``array *= factor`` in place.  Integers are scaled in float64 and truncated toward
+    zero back into their dtype, as Horovod scales them."""
+    if array.dtype.kind == "f":
+        array *= factor
+    else:
+        array[...] = (array * float(factor)).astype(array.dtype)
 
 
 def _scaled_stage(tensor: torch.Tensor, prescale: float, postscale: float, inplace: bool,
@@ -152,10 +206,9 @@ def _scaled_stage(tensor: torch.Tensor, prescale: float, postscale: float, inpla
     _check_scale(staged, prescale, "prescale_factor", what)
     if prescale == 1.0:
         return staged, staged.array
-    if inplace:
-        staged.array *= prescale
-        return staged, staged.array
-    return staged, (staged.array * prescale).astype(staged.array.dtype, copy=False)
+    source = staged.array if inplace else staged.array.copy()
+    _scale(source, prescale)
+    return staged, source
 
 
 # --- allreduce ------------------------------------------------------------------------
@@ -173,12 +226,13 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         average: deprecated (as in Horovod); True means ``op=Average``, False ``op=Sum``.
         name: matches the op across ranks; unnamed ops match by call order.
         op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor: multiplies the input before the reduction (float tensors only).
-        postscale_factor: multiplies the result after it (float tensors only).
+        prescale_factor: multiplies the input before the reduction (integer tensors
+            are scaled in float64 and truncated back, as in Horovod).
+        postscale_factor: multiplies the result after it (likewise).
         priority: higher runs first (a totalreduce extension).
 
     Raises:
-        TypeError: unsupported tensor, or a scale factor on an integer tensor.
+        TypeError: unsupported tensor, or a scale factor on a bool tensor.
         ValueError: both ``op`` and ``average`` given.
     """
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
@@ -202,16 +256,17 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
     _check_process_set(process_set, what)
     rop = resolve_op(op, average, what)
     staged, source = _scaled_stage(tensor, prescale, postscale, inplace, what)
-    handle = _ops().allreduce(source, rop, name, priority, inplace=inplace)
+    handle = _live_names.submit(name, what, lambda: _ops().allreduce(
+        source, rop, name, priority, inplace=inplace))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if inplace:
             if postscale != 1.0:
-                staged.array[...] *= postscale
+                _scale(staged.array, postscale)
             staged.write_back()
             return tensor
         if postscale != 1.0:
-            result *= postscale
+            _scale(result, postscale)
         return staged.result(result)
 
     return TorchHandle(handle, finish)
@@ -307,13 +362,14 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
     pairs = [_scaled_stage(t, prescale, postscale, inplace, what) for t in tensors]
     staged = [p[0] for p in pairs]
     sources = [p[1] for p in pairs]
-    handle = _ops().grouped_allreduce(sources, rop, name, 0, inplace=inplace)
+    handle = _live_names.submit(name, what, lambda: _ops().grouped_allreduce(
+        sources, rop, name, 0, inplace=inplace))
 
     def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
         out = []
         for s, r in zip(staged, results, strict=True):
             if postscale != 1.0:
-                r[...] *= postscale
+                _scale(r, postscale)
             if inplace:
                 s.write_back()
                 out.append(s.tensor)
@@ -333,7 +389,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     what = "allgather" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
-    return TorchHandle(_ops().allgather(staged.array, name, 0), staged.result)
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops().allgather(
+        staged.array, name, 0)), staged.result)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -354,8 +411,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     what = "broadcast" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
-    return TorchHandle(_ops().broadcast(staged.array, root_rank, name, 0, inplace=False),
-                       staged.result)
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops().broadcast(
+        staged.array, root_rank, name, 0, inplace=False)), staged.result)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -369,8 +426,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         staged.write_back()
         return tensor
 
-    return TorchHandle(_ops().broadcast(staged.array, root_rank, name, 0, inplace=True),
-                       finish)
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops().broadcast(
+        staged.array, root_rank, name, 0, inplace=True)), finish)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -387,22 +444,35 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> TorchHandle:
+                   process_set: ProcessSet = global_process_set, *,
+                   _both: bool = False) -> TorchHandle:
     """Send rows ``splits[i]`` of ``tensor`` (dimension 0) to rank ``i``.
 
     As in Horovod, the result is the received tensor alone when ``splits`` is None, and
     ``(received, received_splits)`` when it is given.
+
+    Raises:
+        ValueError: no ``splits`` and dimension 0 is not divisible by ``size()`` (as in
+            Horovod), or ``splits`` that do not fit the tensor; an op of this ``name``
+            still in flight (as for every collective here).
     """
     what = "alltoall" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
-    handle = _ops().alltoall(staged.array, splits, name, 0)
+    n = _tr.size()
+    if splits is None and tensor.dim() > 0 and tensor.shape[0] % n:
+        # Horovod refuses what the numpy API would split unevenly (lower ranks first).
+        raise ValueError(f"rank {_tr.rank()}: {what}: without splits, dimension 0 "
+                         f"({tensor.shape[0]} rows) must be divisible by the world size "
+                         f"({n}); pass splits= to send uneven parts")
+    handle = _live_names.submit(name, what, lambda: _ops().alltoall(
+        staged.array, splits, name, 0))
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
         out = staged.result(result[0])
-        if splits is None:
+        if splits is None and not _both:
             return out
         return out, torch.from_numpy(result[1].astype(np.int32))
 
@@ -411,6 +481,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
+    if _differentiable([tensor]):
+        out, received = _AlltoallFn.apply(tensor, splits, name, process_set)
+        return out if splits is None else (out, received)
     return _blocking(lambda: alltoall_async(tensor, splits, name, process_set))
 
 
@@ -423,11 +496,13 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     what = "reducescatter" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged, source = _scaled_stage(tensor, prescale_factor, postscale_factor, False, what)
-    handle = _ops().reducescatter(source, resolve_op(op, None, what), name, 0)
+    rop = resolve_op(op, None, what)
+    handle = _live_names.submit(name, what, lambda: _ops().reducescatter(
+        source, rop, name, 0))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if postscale_factor != 1.0:
-            result = result * postscale_factor
+            _scale(result, postscale_factor)
         return staged.result(result)
 
     return TorchHandle(handle, finish)
@@ -438,9 +513,137 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     compressed, ctx = compression.compress(tensor)
-    out = _blocking(lambda: reducescatter_async(compressed, name, op, process_set,
-                                                prescale_factor, postscale_factor))
+    if _differentiable([compressed]):
+        rop = resolve_op(op, None, "reducescatter" + (f" '{name}'" if name else ""))
+        out = _ReducescatterFn.apply(compressed, name, rop, process_set, prescale_factor,
+                                     postscale_factor)
+    else:
+        out = _blocking(lambda: reducescatter_async(compressed, name, op, process_set,
+                                                    prescale_factor, postscale_factor))
     return compression.decompress(out, ctx)
+
+
+class _Together:
+    """Several engine handles waited on as one: what a grouped op that the engine runs as
+    separate ops (one per tensor) hands to :class:`TorchHandle`."""
+
+    __slots__ = ("_handles", "label")
+
+    def __init__(self, handles: list[Any], label: str) -> None:
+        self._handles = handles
+        self.label = label
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        # Every handle is waited on even after one fails: none is left running unwatched.
+        results, error = [], None
+        for h in self._handles:
+            try:
+                results.append(h.wait(timeout))
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+
+def _part_name(name: str | None, i: int) -> str | None:
+    return None if name is None else f"{name}.{i}"
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """:func:`allgather_async` of each tensor; ``synchronize`` returns a list."""
+    what = "grouped_allgather" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    handles = [allgather_async(t, _part_name(name, i), process_set)
+               for i, t in enumerate(tensors)]
+    return TorchHandle(_Together(handles, what), lambda outs: outs)  # type: ignore[arg-type]
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather each of ``tensors`` (first dims may differ by rank); a list of results."""
+    if _differentiable(tensors):
+        # One op per tensor either way: the differentiable form runs them one by one.
+        return [allgather(t, _part_name(name, i), process_set)
+                for i, t in enumerate(tensors)]
+    return _blocking(lambda: grouped_allgather_async(tensors, name, process_set))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: Any = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> TorchHandle:
+    """:func:`reducescatter_async` of each tensor; ``synchronize`` returns a list."""
+    what = "grouped_reducescatter" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    handles = [reducescatter_async(t, _part_name(name, i), op, process_set, prescale_factor,
+                                   postscale_factor) for i, t in enumerate(tensors)]
+    return TorchHandle(_Together(handles, what), lambda outs: outs)  # type: ignore[arg-type]
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] = Compression.none, op: Any = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reducescatter each of ``tensors``: this rank's share of each reduced tensor."""
+    pairs = [compression.compress(t) for t in tensors]
+    if _differentiable([p[0] for p in pairs]):
+        return [reducescatter(t, _part_name(name, i), compression, op, process_set,
+                              prescale_factor, postscale_factor)
+                for i, t in enumerate(tensors)]
+    outs = _blocking(lambda: grouped_reducescatter_async([p[0] for p in pairs], name, op,
+                                                         process_set, prescale_factor,
+                                                         postscale_factor))
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                           process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start an allreduce of a sparse COO tensor; ``synchronize`` returns a sparse tensor.
+
+    Every rank's indices and values are allgathered (ranks may hold different numbers of
+    entries), so what travels grows with the entries, not with the dense size.  The result
+    holds every rank's entries, coalesced (entries at one index summed); ``Average``
+    divides the values by ``size()``.
+
+    Raises:
+        TypeError: ``tensor`` is not a sparse COO tensor.
+        ValueError: ``op`` is neither ``Average`` nor ``Sum``.
+    """
+    what = "sparse_allreduce" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"{what}: expected a sparse COO tensor, got "
+                        f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+    rop = resolve_op(op, None, what)
+    if rop not in (Average, Sum):
+        raise ValueError(f"{what}: op must be Average or Sum, got {rop.label}")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # Entries along dimension 0 for the allgather: indices as (nnz, sparse_dim) rows.
+    indices = t.indices().t().contiguous()
+    values = t.values().contiguous()
+    handles = [allgather_async(indices, _part_name(name, 0), process_set),
+               allgather_async(values, _part_name(name, 1), process_set)]
+
+    def finish(parts: list[torch.Tensor]) -> torch.Tensor:
+        every_index, every_value = parts
+        out = torch.sparse_coo_tensor(every_index.t(), every_value, tensor.shape,
+                                      dtype=tensor.dtype, device=tensor.device).coalesce()
+        if rop != Average:
+            return out
+        # Divided after the entries at one index are summed, as a dense Average would.
+        v = out.values()
+        v = v / _tr.size() if v.is_floating_point() else \
+            torch.div(v, _tr.size(), rounding_mode="trunc")
+        return torch.sparse_coo_tensor(out.indices(), v, out.shape, is_coalesced=True)
+
+    return TorchHandle(_Together(handles, what), finish)  # type: ignore[arg-type]
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -537,3 +740,44 @@ class _BroadcastFn(torch.autograd.Function):
         if _tr.rank() != root_rank:
             total = torch.zeros_like(total)
         return total, None, None, None
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
+                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.args = (name, process_set)
+        out, received = _blocking(lambda: alltoall_async(tensor, splits, name, process_set,
+                                                         _both=True))
+        ctx.mark_non_differentiable(received)
+        ctx.received = received
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _grad_splits: Any) -> tuple[Any, ...]:
+        # What came from rank q goes back to rank q, which finds it where it sent it from.
+        name, process_set = ctx.args
+        back, _ = _blocking(lambda: alltoall_async(grad.contiguous(), ctx.received,
+                                                   _grad_name(name), process_set))
+        return back, None, None, None
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, rop: _tr.ReduceOp,
+                process_set: ProcessSet, prescale: float, postscale: float) -> torch.Tensor:
+        ctx.args = (name, rop, process_set, prescale * postscale)
+        return _blocking(lambda: reducescatter_async(tensor, name, rop, process_set,
+                                                     prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # Every rank's input reached every rank's share: each rank's gradient is all the
+        # shares' incoming gradients, gathered, times the factors applied on the way.
+        name, rop, process_set, factor = ctx.args
+        _check_grad_op(rop, "reducescatter" + (f" '{name}'" if name else ""))
+        if rop == Average:
+            factor /= _tr.size()
+        every = _blocking(lambda: allgather_async(grad.contiguous(), _grad_name(name),
+                                                  process_set))
+        return every * factor, None, None, None, None, None

@@ -30,7 +30,13 @@ import totalreduce as _tr
 from .. import runtime as _runtime
 from ..exceptions import MismatchError
 from . import buckets as _buckets
-from .collectives import Average, ProcessSet, global_process_set
+from .collectives import (
+    Average,
+    ProcessSet,
+    TorchHandle,
+    global_process_set,
+    sparse_allreduce_async,
+)
 from .compression import Compression, Compressor, SparseCompressor
 from .tensors import stage
 
@@ -78,8 +84,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: divides gradients by this before the sum and
             multiplies the average by it after (keeps float16 sums in range).
-        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense;
-            without it a sparse gradient raises.
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense
+            and reduce them in the buckets.  Without it (the default), as in Horovod, a
+            sparse gradient is reduced by allgathering every rank's indices and values
+            (:func:`sparse_allreduce_async`) and stays sparse (for ``SparseAdam``); every
+            rank must then produce it in the same steps.
         bucket_bytes: gradient bucket size (default ``TOTALREDUCE_BUCKET_BYTES``); every
             rank must pass the same.
 
@@ -127,6 +136,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = sparse_as_dense
         self._prefix = f"DistributedOptimizer{next(_instances)}"
         names, params = self._named(named_parameters)
+        # Horovod's attribute of that name, which scripts read to name parameters.
+        self._parameter_names = dict(zip(params, names, strict=True))
+        # Parameters whose gradients come sparse.  SparseAdam's all do, and must from
+        # the first step: a dense .grad (zero_grad()'s bucket view) would make backward
+        # accumulate them densely.  Others join when their first sparse gradient comes.
+        self._sparse_params: set[torch.Tensor] = \
+            set(params) if isinstance(optimizer, torch.optim.SparseAdam) and \
+            not sparse_as_dense else set()
+        self._sparse_pending: dict[torch.Tensor, TorchHandle] = {}
         self._check_same_everywhere(names, params)
         cap = _runtime.current().config.bucket_bytes if bucket_bytes is None else bucket_bytes
         if cap < 1:
@@ -221,8 +239,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is not None and grad.is_sparse:
             if not self._sparse_as_dense:
-                raise TypeError(f"DistributedOptimizer: {bucket.names[i]} has a sparse "
-                                "gradient; pass sparse_as_dense=True")
+                self._on_sparse_grad(p, bucket, i, grad)
+                return
             grad = grad.to_dense()
         if not bucket.owns(i, grad):
             # The gradient was set to None (model.zero_grad()) or replaced: move it into
@@ -237,6 +255,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 and len(bucket.fired) == len(bucket.params)):
             self._launch(bucket)
 
+    def _on_sparse_grad(self, p: torch.Tensor, bucket: _buckets.Bucket, i: int,
+                        grad: torch.Tensor) -> None:
+        """A sparse gradient stays out of the bucket (its slot is reduced as zeros) and
+        is reduced on its own, sparse, once the last accumulated pass has produced it."""
+        self._sparse_params.add(p)
+        bucket.fired.add(i)
+        bucket.touched.add(i)
+        last_pass = self._passes + 1 == self._passes_per_step
+        if last_pass:
+            self._sparse_pending[p] = sparse_allreduce_async(
+                grad, name=f"{self._prefix}.sparse.{bucket.names[i]}", op=self._op)
+            if len(bucket.fired) == len(bucket.params):
+                self._launch(bucket)
+
     def _on_backward_end(self) -> None:
         self._in_backward = False
         self._backward_end = time.monotonic()
@@ -250,6 +282,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: _buckets.Bucket) -> None:
         for i, p in enumerate(bucket.params):
+            if p in self._sparse_params:
+                continue  # its gradient is sparse: not the bucket's
             if i not in bucket.touched and not bucket.owns(i, p.grad):
                 bucket.views[i].zero_()
                 p.grad = bucket.views[i]
@@ -325,7 +359,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             for b in self._buckets:
                 self._complete(b)
+            for p, handle in self._sparse_pending.items():
+                p.grad = handle.wait()
         finally:
+            self._sparse_pending.clear()
             for b in self._buckets:
                 b.pending = None
                 b.touched.clear()
@@ -366,7 +403,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             b.flat.zero_()
             b.touched.clear()
             for p, view in zip(b.params, b.views, strict=True):
-                p.grad = view
+                # A dense view would make the next sparse gradient accumulate densely.
+                p.grad = None if p in self._sparse_params else view
 
     def last_timings(self) -> StepTimings:
         """When the last ``synchronize()``'s reductions were launched and finished."""

@@ -64,13 +64,34 @@ def _replace(obj: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
     return obj
 
 
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    local = getattr(optimizer, "_optimizer", optimizer)  # a DistributedOptimizer's own
+    sparse = isinstance(local, torch.optim.SparseAdam)
+    for group in local.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            if sparse:  # SparseAdam refuses dense gradients
+                p.grad = torch.sparse_coo_tensor(
+                    torch.empty((p.dim(), 0), dtype=torch.int64, device=p.device),
+                    torch.empty((0,), dtype=p.dtype, device=p.device), p.shape)
+            else:
+                p.grad = torch.zeros_like(p)
+    local.step()
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Give every rank ``root_rank``'s optimizer state.
 
     The whole ``state_dict()`` travels: per-parameter tensors (momentum buffers, Adam's
     moments) by the engine, everything else (step counts, learning rates and the other
-    hyper-parameters) pickled.  Ranks whose state is still empty, or differently shaped,
-    simply load the root's.  A :class:`DistributedOptimizer` is accepted too.
+    hyper-parameters) pickled.  As in Horovod, an optimizer whose state is still empty
+    first takes one step with zero gradients to create it (momentum buffers, Adam's
+    moments, step counts): parameters that require grad are left with a zero ``.grad``,
+    the others with none, and a step that applies weight decay moves the parameters as
+    any step would.  Ranks whose state is differently shaped simply load the root's.  A
+    :class:`DistributedOptimizer` is accepted too (its wrapped optimizer takes the step,
+    so no gradient is reduced).
 
     Raises:
         ValueError: ``root_rank`` is not a rank of the job.
@@ -78,6 +99,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     from .. import runtime
 
     me = runtime.current().rank
+    if not optimizer.state_dict()["state"]:
+        _create_state(optimizer)
     tensors: list[torch.Tensor] = []
 
     def to_slot(t: torch.Tensor) -> _TensorSlot:
