@@ -33,6 +33,9 @@ TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's 
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
                                    doubling (fewer hops), bigger ones the ring;
                                    -1 = auto (2 MiB at 2 ranks, else 1 MiB)
+TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         64 KiB
+                                   caller's thread when nothing else is in flight
+                                   (engine/smallpath.py; 0 = never)
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
                                    else shm); see transport/registry.py
@@ -188,6 +191,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "shutdown_timeout": (lambda v: v >= 0, "must be >= 0 (seconds)"),
     "mismatch_grace": (lambda v: v >= 0, "must be >= 0 (seconds)"),
     "small_bytes": (lambda v: v >= -1, "must be >= 0 (bytes), or -1 for auto"),
+    "direct_bytes": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = never)"),
     "transport": (lambda v: v in ("auto", "shm", "tcp", "mpi", "inproc"),
                   "must be one of auto, shm, tcp, mpi, inproc"),
     "shm_bytes": (lambda v: v >= -1,
@@ -265,6 +269,7 @@ class Config:
     shutdown_timeout: float = 10.0
     mismatch_grace: float = 1.0
     small_bytes: int = -1
+    direct_bytes: int = 64 << 10
     transport: str = "auto"
     shm_bytes: int = -1
     cma_bytes: int = 24 << 20

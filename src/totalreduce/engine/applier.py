@@ -53,6 +53,16 @@ class Applier:
         else:
             self.reduce(op, rkey, recv, body, pooled)
 
+    def adopt(self, op: LiveOp, got: list[tuple[PieceKey, Recv]]) -> None:
+        """Pieces the small path applied to ``op`` before it became live (their sends
+        went, or are queued by the outbox)."""
+        for rkey, _recv in got:
+            op.got.add(rkey)
+            op.recvs_left -= 1
+            op.pending_from[rkey[0]] -= 1
+        if got and not op.t_first:
+            op.t_first = time.monotonic()
+
     def applied(self, op: LiveOp, rkey: PieceKey, recv: Recv) -> None:
         """A COPY piece is in place (it arrived straight into the op's array)."""
         op.got.add(rkey)

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from ..exceptions import TotalReduceError
 from ..interrupts import deferred as ctrl_c
 from ..threads import start_daemon
 from ..transport.base import Transport
 from .payload import OpFuture
+
+T = TypeVar("T")
 
 HOUSEKEEPING = 0.25  # the longest a turn blocks, and the period of the engine's checks
 
@@ -98,6 +101,19 @@ class Driver:
                 if ctrl_c.pending:
                     ctrl_c.raise_if_pending()
                 self._step(HOUSEKEEPING, future)
+
+    def waits_here(self) -> bool:
+        return getattr(self._local, "waits", 0) > 0
+
+    def exclusive(self, fn: Callable[[], T]) -> T | bool:
+        """``fn()`` as the loop's driver, if no other thread drives now and the loop has
+        not ended; False otherwise."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        with self._driving:
+            if self._loop.ended:
+                return False
+            return fn()
 
     def caller_waits(self) -> CallerWaits:
         """``with driver.caller_waits():`` this thread waits for each op it submits inside,

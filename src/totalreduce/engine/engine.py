@@ -53,6 +53,7 @@ from .payload import OpFuture, OpSpec
 from .peers import PeerEvents
 from .reducer import ReduceThread, ScratchPool
 from .serving import JoinServer, Server
+from .smallpath import SmallPath
 from .starter import Starter
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,10 @@ class Engine:
         self._closed = loop.closed
         self._driver = Driver(rank, transport, loop, self._closed)
         loop.on_close = self._driver.closed
+        self._small = small = SmallPath(job, ops, ledger, floating, mismatches, departures,
+                                        serving, starter, applier, transport, loop.step,
+                                        self.wait)
+        inbox.small = small
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox
         self._floating, self._scratch, self._mismatches = floating, scratch, mismatches
@@ -128,6 +133,26 @@ class Engine:
         if ctrl_c.pending:
             ctrl_c.raise_if_pending()
         return future
+
+    def run_now(self, spec: OpSpec) -> OpFuture | bool:
+        """Run a small op to its end on this thread (smallpath.py), if nothing else is in
+        flight here and no other thread drives: True once it is done, False if it did not
+        begin (submit it), or the future of an op that went on on the general path (wait
+        for it).  Raises the op's error."""
+        loop = self.loop
+        small = self._small
+
+        def run() -> OpFuture | bool:
+            if loop.commands or loop.completions or not small.eligible(spec):
+                return False
+            return small.run(spec)
+
+        return self._driver.exclusive(run)
+
+    def waits_here(self) -> bool:
+        """Whether this thread is inside :meth:`caller_waits` (it blocks on what it
+        submits, so a small op may run to its end on it)."""
+        return self._driver.waits_here()
 
     def caller_waits(self) -> CallerWaits:
         """``with engine.caller_waits():`` this thread waits for each op it submits inside,
@@ -195,7 +220,8 @@ class Engine:
                 "scratch_idle_bytes": self._scratch.idle_bytes,
                 "done_names": self._ops.done.names(),
                 "early_ready": self._ledger.early_count(),
-                "mismatch_records": len(self._mismatches)}
+                "mismatch_records": len(self._mismatches),
+                "direct_ops": self._small.ran, "direct_handed_over": self._small.handed_over}
 
     def _command(self, what: str, arg: Any) -> None:
         self._commands.append((what, arg, None))

@@ -21,6 +21,7 @@ from .outbox import Outbox
 from .peers import PeerEvents
 from .reducer import ScratchPool
 from .schedule import COPY
+from .smallpath import SmallPath
 from .starter import Starter
 
 _CONTROL_MAX = 64 << 10  # control bodies are small JSON or text: bigger is not ours to keep
@@ -46,6 +47,7 @@ class Inbox:
         self._use_in_place = use_in_place
         self._routes: dict[int, Route] = {}
         self._discard = bytearray(1 << 16)
+        self.small: SmallPath | None = None  # set by the engine (it is built after us)
 
     # --- the transport's side (MessageHandler) -------------------------------------------
 
@@ -115,6 +117,15 @@ class Inbox:
             self._peers.control(peer, header, bytes(route.buf))
 
     def received_view(self, peer: int, header: Header, body: memoryview) -> None:
+        small = self.small
+        if small is not None and small.current is not None and header.kind == Kind.DATA:
+            op = small.current
+            if header.name_key == op.key0 and header.seq == op.key1:
+                if header.credit:
+                    self._ledger.grant(peer, header.credit)
+                    self._outbox.unpark(peer)
+                small.received(op, peer, header, body)
+                return
         if header.kind == Kind.DATA and self._use_in_place:
             op = self._ops.active.get((header.name_key, header.seq))
             if op is not None:
@@ -135,6 +146,7 @@ class Inbox:
         # data, credit, READY) can be what this rank waits for, and the next submit
         # resumes reading.
         return not self._ops.active and self._job.usable() \
+            and (self.small is None or self.small.current is None) \
             and header.op_key not in self._ops.done
 
     def lost(self, peer: int) -> None:

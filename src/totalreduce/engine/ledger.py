@@ -82,6 +82,10 @@ class CreditLedger:
         self._owed[peer] = 0
         return owed
 
+    def restore_owed(self, peer: int, credit: int) -> None:
+        """Credit taken for a header that could not be sent is owed again."""
+        self._owed[peer] += credit
+
     # --- READYs of ops not submitted here yet ----------------------------------------
 
     def early_ready(self, key: OpKey, peer: int) -> None:

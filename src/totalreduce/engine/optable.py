@@ -74,6 +74,14 @@ class OpTable:
         for forget in self._on_fail:
             forget(key)
 
+    def ran(self, key: OpKey) -> None:
+        """Op ``key`` ran to its end outside the table (the small path): count it ended."""
+        self.done.add(key)
+
+    def tracing(self) -> bool:
+        """Whether ops are traced on a timeline now."""
+        return self._timeline is not None and self._timeline.active
+
     def refuse(self, key: OpKey) -> None:
         """Op ``key`` will not run here (a peer it needs has left or failed it, or a joined
         rank cannot serve it): count it ended, so its late messages are discarded."""

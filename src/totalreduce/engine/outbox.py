@@ -64,6 +64,22 @@ class Outbox:
         for send in schedule.first:
             self.queue(op, send)
 
+    def adopt(self, op: LiveOp, told: set[int], sent: list[Send], unsent: list[Send]) -> None:
+        """``op`` began on the small path: ``sent`` left, ``unsent`` are due now, and the
+        peers it expects data from but has not ``told`` get a READY, on the first DATA
+        that is due to them or on its own."""
+        for send in sent:
+            op.sends_left -= 1
+            op.left.add((send.peer, send.step, send.piece))
+        due = {send.peer for send in unsent}
+        for peer in op.spec.schedule.sources - told:
+            if peer in due:
+                op.announce.add(peer)
+            else:
+                self.announce(op, peer)
+        for send in unsent:
+            self.queue(op, send)
+
     def peer_ready(self, op: LiveOp, peer: int) -> None:
         """``peer`` has submitted ``op``: its pieces go to it without credit from now on."""
         op.ready_peers.add(peer)

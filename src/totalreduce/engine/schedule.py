@@ -48,6 +48,7 @@ class Schedule:
     # Derived once here rather than per op: schedules are cached and reused by every call.
     n_sends: int = dataclasses.field(init=False, repr=False, compare=False)
     first_peers: frozenset[int] = dataclasses.field(init=False, repr=False, compare=False)
+    sources: frozenset[int] = dataclasses.field(init=False, repr=False, compare=False)
     _expected: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False,
                                                                compare=False)
     _sends_to: dict[int, int] = dataclasses.field(init=False, repr=False, compare=False)
@@ -57,6 +58,7 @@ class Schedule:
         for src, _step, _piece in self.recvs:
             counts[src] = counts.get(src, 0) + 1
         object.__setattr__(self, "_expected", tuple(counts.items()))
+        object.__setattr__(self, "sources", frozenset(counts))
         object.__setattr__(self, "n_sends", len(self.first) + sum(
             len(r.then) for r in self.recvs.values()))
         object.__setattr__(self, "first_peers", frozenset(s.peer for s in self.first))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..exceptions import PeerFailureError, TotalReduceError
+from ..exceptions import PeerFailureError, TotalReduceError, TransportClosedError
 from ..transport.wire import Header
-from .applier import Applier
+from .applier import Applier, PieceKey
 from .departures import Departures
 from .floating import Floating
 from .job import JobState
@@ -23,6 +23,7 @@ from .optable import OpTable
 from .outbox import Outbox
 from .payload import OpFuture, OpSpec
 from .reducer import ScratchPool
+from .schedule import Recv, Send
 from .serving import JoinServer, Server
 
 
@@ -45,16 +46,50 @@ class Starter:
         self._resume = resume
 
     def start(self, spec: OpSpec, future: OpFuture) -> None:
+        op = self._open(spec, future, set())
+        if op is None:
+            return
+        for lo, hi in spec.schedule.local_final:
+            if spec.finalize is not None and hi > lo:
+                spec.finalize(spec.work[lo:hi])
+        if self._catch_up(op):
+            return
+        self._outbox.begin(op)
+        self._ops.complete(op)
+
+    def adopt(self, spec: OpSpec, future: OpFuture, ready: set[int], told: set[int],
+              sent: list[Send], unsent: list[Send], got: list[tuple[PieceKey, Recv]]
+              ) -> LiveOp | None:
+        """Go on with an op the small path (smallpath.py) began: ``told`` peers know it
+        was submitted here, ``sent`` messages have left, ``unsent`` ones are due, ``got``
+        pieces are applied.  Returns the live op (None: it failed at once)."""
+        if self._job.closing:
+            self._ops.refuse(spec.key)
+            future.resolve(TransportClosedError(
+                f"rank {self._job.rank}: {spec.label} was still pending at shutdown()"))
+            return None
+        op = self._open(spec, future, ready)
+        if op is None:
+            return None
+        self._applier.adopt(op, got)
+        self._outbox.adopt(op, told, sent, unsent)
+        if self._catch_up(op):
+            return op
+        self._ops.complete(op)
+        return op
+
+    def _open(self, spec: OpSpec, future: OpFuture, ready: set[int]) -> LiveOp | None:
+        """The op, now live here; None (its future resolved) if it cannot run."""
         job = self._job
         if job.broken is not None:
             future.resolve(job.broken)
-            return
+            return None
         ops = self._ops
         key = spec.key
         if ops.known(key):
             future.resolve(TotalReduceError(
                 f"rank {job.rank}: {spec.label} was submitted twice (internal error)"))
-            return
+            return None
         serving = self._serving
         if spec.epoch < 0:
             spec.epoch = serving.epoch
@@ -68,20 +103,25 @@ class Starter:
                 future.resolve(PeerFailureError(gone[0], f"rank {job.rank}: {reason}",
                                                 orderly=True))
                 self._departures.tell_op_failed(key, gone[0], reason)
-                return
+                return None
         early = ops.failed_early.pop(key)
         if early is not None:
             ops.refuse(key)
             future.resolve(early)
-            return
+            return None
         floating = self._floating
-        op = LiveOp(spec, future, self._ledger.pop_early(key), floating.first_arrival(key))
+        op = LiveOp(spec, future, self._ledger.pop_early(key) | ready,
+                    floating.first_arrival(key))
         ops.active[key] = op
         self._resume()
         serving.forget(key)
-        for lo, hi in spec.schedule.local_final:
-            if spec.finalize is not None and hi > lo:
-                spec.finalize(spec.work[lo:hi])
+        return op
+
+    def _catch_up(self, op: LiveOp) -> bool:
+        """Apply the pieces that floated in before ``op`` and join a mismatch peers
+        reported already; True if that settled its fate (a mismatch under way)."""
+        key = op.spec.key
+        floating = self._floating
         if key in floating:
             for item in floating.take(key):
                 if op.finished:
@@ -89,11 +129,8 @@ class Starter:
                 else:
                     self._applier.deliver(op, item.src, item.header, item.buf, True)
             if op.finished or op.mismatch is not None:
-                return  # a mismatch found in floating pieces: housekeeping raises later
-        if len(self._mismatches) and self._mismatches.started(op):
-            return
-        self._outbox.begin(op)
-        ops.complete(op)
+                return True  # a mismatch found in floating pieces: housekeeping raises later
+        return bool(len(self._mismatches)) and self._mismatches.started(op)
 
     # --- after join() ------------------------------------------------------------------
 

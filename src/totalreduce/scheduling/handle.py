@@ -148,3 +148,38 @@ class FutureHandle(Handle):
             self._result = self._finish()
             self._finished = True
         return self._result
+
+
+class DoneHandle(Handle):
+    """The handle of an op that ran to its end on the caller's thread (the small path):
+    nothing to wait for."""
+
+    __slots__ = ("_result", "_label")
+
+    def __init__(self, result: Any, label: str) -> None:
+        self._result = result
+        self._label = label
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    @property
+    def futures(self) -> list[OpFuture]:
+        return []
+
+    def done(self) -> bool:
+        return True
+
+    def error(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        ctrl_c.raise_if_pending()
+        return self._result
+
+    def result_now(self) -> Any:
+        return self._result

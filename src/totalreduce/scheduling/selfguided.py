@@ -31,7 +31,7 @@ from ..transport.wire import (
     Header,
     dtype_code,
 )
-from .handle import FutureHandle, Handle
+from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, as_reduce_op, averager, check_op_dtype
 
@@ -115,6 +115,7 @@ class SelfGuided:
         self.rank = engine.rank
         self.size = engine.size
         self._caller_waits = engine.caller_waits()
+        self._direct_bytes = config.direct_bytes
         self._algorithms = Algorithms(engine.rank, engine.size, config.segment_bytes,
                                       config.small_bytes)
         self._lock = threading.Lock()
@@ -229,15 +230,27 @@ class SelfGuided:
             return {"kind": "allreduce", "dtype": str(arr.dtype), "shape": list(arr.shape),
                     "op": rop.label}
 
-        future = self._submit_reduce(ident, view, arr.dtype, work, rop, priority,
-                                     ("allreduce", arr.dtype, arr.shape, rop))
+        spec = self._reduce_spec(ident, view, arr.dtype, work, rop, priority,
+                                 ("allreduce", arr.dtype, arr.shape, rop))
 
         def finish() -> np.ndarray:
             if writeback:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return FutureHandle([future], finish, ident.label)
+        return self._launch(spec, finish)
+
+    def _launch(self, spec: OpSpec, finish: Callable[[], Any]) -> Handle:
+        """Start ``spec``: on this thread to its end when it is small, this thread blocks
+        on it and nothing else is in flight (engine/smallpath.py), else on the engine."""
+        if self._direct_bytes and spec.work.nbytes <= self._direct_bytes \
+                and self._engine.waits_here():
+            ran = self._engine.run_now(spec)
+            if ran is True:
+                return DoneHandle(finish(), spec.label)
+            if ran is not False:
+                return FutureHandle([ran], finish, spec.label)
+        return FutureHandle([self._engine.submit(spec)], finish, spec.label)
 
     def _working_copy(self, arr: np.ndarray, inplace: bool) -> tuple[np.ndarray, bool]:
         """A flat contiguous buffer; in place when the array allows it."""
@@ -247,11 +260,10 @@ class SelfGuided:
             raise ValueError("in-place collective on a read-only array")
         return np.array(arr, copy=True, order="C").reshape(-1), inplace
 
-    def _submit_reduce(self, ident: _Ident,
-                       view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
-                       work: np.ndarray, rop: ReduceOp, priority: int,
-                       known: tuple[Any, ...] | None = None
-                       ) -> OpFuture:
+    def _reduce_spec(self, ident: _Ident,
+                     view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
+                     work: np.ndarray, rop: ReduceOp, priority: int,
+                     known: tuple[Any, ...] | None = None) -> OpSpec:
         plan = self._algorithms.allreduce(work.size, dtype)
         if plan.algorithm != "ring":
             base = view
@@ -262,9 +274,8 @@ class SelfGuided:
             known = None if known is None else (*known, plan.algorithm)
         schedule, recipe = plan.schedule, plan.recipe | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
-        spec = self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
+        return self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
                           ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe)
-        return self._engine.submit(spec)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
                           priority: int, inplace: bool) -> Handle:
@@ -303,7 +314,8 @@ class SelfGuided:
                 writeback = inplace
             view = {"kind": "grouped_allreduce", "dtype": str(dtype),
                     "shape": [list(arrs[i].shape) for i in idx], "op": rop.label}
-            futures.append(self._submit_reduce(ident, view, dtype, work, rop, priority))
+            futures.append(self._engine.submit(
+                self._reduce_spec(ident, view, dtype, work, rop, priority)))
             outputs.append((idx, work, writeback))
 
         def finish() -> list[np.ndarray]:
@@ -337,15 +349,14 @@ class SelfGuided:
         view = {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
                 "root": int(root_rank)}
         schedule = self._algorithms.broadcast(int(root_rank), work.size, arr.dtype)
-        future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
-                                                work, priority))
+        spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority)
 
         def finish() -> np.ndarray:
             if writeback:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return FutureHandle([future], finish, ident.label)
+        return self._launch(spec, finish)
 
     def _check_root(self, root: int, kind: str, name: str | None) -> None:
         if not isinstance(root, int | np.integer) or not 0 <= root < self.size:
@@ -369,12 +380,11 @@ class SelfGuided:
                 "op": rop.label}
         schedule = self._algorithms.reducescatter(bounds, arr.dtype)
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
-        future = self._engine.submit(self._spec(ident, view, arr.dtype, work.size, schedule,
-                                                work, priority, ufunc=UFUNCS[rop],
-                                                finalize=finalize))
+        spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
+                          ufunc=UFUNCS[rop], finalize=finalize)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
-        return FutureHandle([future], lambda: work[lo:hi].reshape(shape), ident.label)
+        return self._launch(spec, lambda: work[lo:hi].reshape(shape))
 
     # --- two-phase ops: allgather and alltoall ----------------------------------------
 
@@ -525,5 +535,5 @@ class SelfGuided:
         ident = self._ident("barrier", None)
         work = np.zeros(1, np.uint8)
         view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
-        future = self._submit_reduce(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
-        return FutureHandle([future], lambda: None, ident.label)
+        return self._launch(self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM,
+                                              1 << 30), lambda: None)

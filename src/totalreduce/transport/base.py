@@ -102,6 +102,12 @@ class Transport(abc.ABC):
         only on a bug.
         """
 
+    def post_now(self, peer: int, header: bytes, body: memoryview | None) -> bool:
+        """Send one small message to ``peer`` at once, from the thread that drives, if
+        that costs no more than a memory write (a shared-memory ring with room and no
+        output of ours waiting); False, nothing sent, otherwise."""
+        return False
+
     def flush(self) -> None:
         """Write what can be written now, without reading or blocking."""
         self.poll(0)

@@ -151,6 +151,21 @@ class RingLink(Link):
         if posted and ring.reader_sleeping():
             self.doorbell()
 
+    def post_now(self, header: bytes, body: memoryview | None) -> bool:
+        """Post one whole message at once, ahead of nothing (no output of ours waits);
+        False, nothing written, when it cannot go now."""
+        ring = self.ring_out
+        if (ring is None or self.blocked is not None or self._acks or self.write_closed
+                or self.closed or (body is not None and body.nbytes > ring.max_body)
+                or not ring.post(header, body)):
+            return False
+        counters = self.owner.counters
+        counters.messages_sent += 1
+        counters.bytes_sent += HEADER_SIZE + (0 if body is None else body.nbytes)
+        if ring.reader_sleeping():
+            self.doorbell()
+        return True
+
     def _post_chunks(self, msg: Outgoing) -> int:
         """Post a body bigger than a ring record: the header, then as many CHUNK records as
         fit.  Leaves ``msg`` in ``blocked`` until the last one is in."""

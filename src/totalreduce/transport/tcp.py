@@ -81,6 +81,12 @@ class TcpTransport(Transport):
         """Peers whose messages travel through shared memory."""
         return sorted(link.peer for link in self._ring_links)
 
+    def post_now(self, peer: int, header: bytes, body: memoryview | None) -> bool:
+        if peer in self._pending:
+            return False  # output of ours for it waits: this message must not pass it
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.post_now(header, body)
+
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
         # whatever is left goes out from the next poll().

@@ -1,0 +1,285 @@
+"""The small-op path: a small op run to its end on the caller's thread, with none of the
+general path's machinery when nothing else is in flight.
+
+A lone small op is latency-bound: every object built, queued and called back on its way
+(command, live op, heap entry, route, future, handle) is time on the critical path, and
+the peer waits for each of them.  So when this rank runs nothing else, a blocking caller
+that holds the drive lock posts the op's first message straight into the peer's ring,
+reads the peer's message straight out of its own ring (the inbox hands it here, see
+:meth:`.inbox.Inbox.received_view`), reduces it in place and posts what that unlocks, until
+the op is over.
+
+The messages are the general path's, header for header (the same identity, signature,
+steps, READY and credit rules), so a peer may run the same op on either path and ops on
+both paths interleave.  Anything the small path does not handle turns the op into an
+ordinary live op with the progress made so far (:meth:`.starter.Starter.adopt`), which the
+general path then finishes or fails: a message that does not fit (a mismatch), a ring
+that is full, no credit, a peer that leaves, the job breaking, Ctrl-C, or no answer
+within ``PROMOTE_AFTER`` (so stall warnings and op timeouts work as for any op).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..interrupts import deferred as ctrl_c
+from ..transport.base import Transport
+from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind, pack_header
+from .applier import Applier
+from .departures import Departures
+from .floating import Floating
+from .job import JobState
+from .ledger import CreditLedger, charge_of
+from .mismatch_tracker import MismatchTracker
+from .opstate import LiveOp
+from .optable import OpTable
+from .payload import OpFuture, OpSpec
+from .reducer import reduce_into
+from .schedule import COPY, Recv, Send
+from .serving import JoinServer
+from .starter import Starter
+
+# A small op with no answer after this long goes on as an ordinary op: the general path's
+# housekeeping (stall warnings, op timeouts) then watches it.
+PROMOTE_AFTER = 0.25
+
+PieceKey = tuple[int, int, int]  # (peer, step, piece)
+
+
+class SmallOp:
+    """One small op in flight on the caller's thread (see the module docstring)."""
+
+    __slots__ = ("spec", "key0", "key1", "itemsize", "ready", "told", "sent", "gone",
+                 "unsent", "applied", "seen", "waiting", "to_come", "promoted", "t_start",
+                 "future", "live")
+
+    def __init__(self, spec: OpSpec, ready: set[int]) -> None:
+        self.spec = spec
+        self.key0, self.key1 = spec.key
+        self.itemsize = spec.work.itemsize
+        self.ready = ready  # peers that have submitted it (their pieces need no credit)
+        self.told: set[int] = set()  # peers told we have submitted it
+        self.sent: list[Send] = []
+        self.gone: set[PieceKey] = set()  # the sent ones, as (peer, step, piece)
+        self.unsent: list[Send] = []  # sends the rings could not take: for the general path
+        self.applied: list[tuple[PieceKey, Recv]] = []
+        self.seen: set[PieceKey] = set()  # pieces applied or waiting
+        # Pieces that came before a send of ours that reads the bytes they would change
+        # (Recv.after): copies, kept until that send has gone.
+        self.waiting: list[tuple[int, Header, Recv, bytes]] = []
+        self.to_come = len(spec.schedule.recvs)
+        self.promoted = False
+        self.t_start = time.monotonic()
+        self.future: OpFuture | None = None  # once promoted: the general path's
+        self.live: LiveOp | None = None  # once promoted: the live op, unless it never ran
+
+    def done(self) -> bool:
+        """The driver's ``until``: over, or handed to the general path."""
+        return self.promoted or self.to_come == 0
+
+
+class SmallPath:
+    """Runs :class:`SmallOp`\\ s; the inbox hands it their messages while one runs."""
+
+    def __init__(self, job: JobState, ops: OpTable, ledger: CreditLedger,
+                 floating: Floating, mismatches: MismatchTracker, departures: Departures,
+                 serving: JoinServer, starter: Starter, applier: Applier,
+                 transport: Transport, step: Callable[[float | None, SmallOp], None],
+                 waiter: Callable[[OpFuture, float | None], bool]) -> None:
+        """``step(timeout, until)``: one turn of the engine's loop (loop.py); ``waiter``:
+        how a future of the engine's is waited for (Engine.wait)."""
+        self._waiter = waiter
+        self._job = job
+        self._applier = applier
+        self._ops = ops
+        self._ledger = ledger
+        self._floating = floating
+        self._mismatches = mismatches
+        self._departures = departures
+        self._serving = serving
+        self._starter = starter
+        self._transport = transport
+        self._step = step
+        self.current: SmallOp | None = None  # the op in flight, read by the inbox
+        self.ran = 0  # ops that ran to their end here
+        self.handed_over = 0  # ops that went on on the general path
+
+    def eligible(self, spec: OpSpec) -> bool:
+        """Whether ``spec`` can run here now: nothing else runs or waits to (the caller
+        holds the drive lock and has checked the loop's queues)."""
+        job = self._job
+        ops = self._ops
+        if (ops.active or job.broken is not None or job.closing or ops.tracing()
+                or len(spec.schedule.first) > 1 or self._floating.bytes
+                or len(self._mismatches) or self._departures.departed()):
+            return False
+        key = spec.key
+        return not (self._ops.known(key) or key in self._floating
+                    or key in self._ops.failed_early)
+
+    def run(self, spec: OpSpec) -> OpFuture | bool:
+        """Run ``spec`` (eligible) to its end: True once done, False if it could not begin
+        here (nothing was sent: submit it as usual), or the future of the live op it
+        became (to be waited for once the drive lock is let go)."""
+        ledger = self._ledger
+        key = spec.key
+        early = ledger.pop_early(key)
+        op = SmallOp(spec, early)
+        schedule = spec.schedule
+        if spec.epoch < 0:
+            spec.epoch = self._serving.epoch
+        if schedule.first and not self._post(op, schedule.first[0]):
+            for peer in early:  # as it was: the general path starts it
+                ledger.early_ready(key, peer)
+            return False
+        self._serving.forget(key)
+        for lo, hi in schedule.local_final:
+            if spec.finalize is not None and hi > lo:
+                spec.finalize(spec.work[lo:hi])
+        for peer in schedule.sources:
+            if peer not in op.told and not self._tell_ready(op, peer):
+                self._promote(op)
+                break
+        self.current = op
+        self._transport.resume()  # what waited in a ring for an op to start is read now
+        try:
+            if not op.promoted:
+                self._drive(op)
+        finally:
+            self.current = None
+        if op.future is not None:
+            self.handed_over += 1
+            return op.future
+        self.ran += 1
+        self._ops.ran(key)
+        return True
+
+    # --- the inbox's side ----------------------------------------------------------------
+
+    def received(self, op: SmallOp, peer: int, header: Header, body: memoryview) -> None:
+        """A DATA message of ``op`` (its header's credit already granted)."""
+        spec = op.spec
+        if header.flags & FLAG_CREDITED:
+            self._ledger.owe(peer, charge_of(header.nbytes))
+        if header.flags & FLAG_READY:
+            op.ready.add(peer)
+        rkey = (peer, header.step, header.piece)
+        recv = spec.schedule.recvs.get(rkey)
+        if (recv is None or header.sig != spec.sig or header.dtype != spec.dtype
+                or header.count != spec.count
+                or header.nbytes != (recv.hi - recv.lo) * op.itemsize or rkey in op.seen):
+            # Not what this rank expects: the general path's mismatch handling says so,
+            # on every rank.
+            self._promote(op)
+            live = op.live
+            if live is not None and not live.finished:
+                self._applier.deliver(live, peer, header, body, False)
+            return
+        op.seen.add(rkey)
+        if recv.after and not op.gone.issuperset(recv.after):
+            op.waiting.append((peer, header, recv, bytes(body)))
+            return
+        self._apply(op, rkey, recv, body)
+        while op.waiting and not op.promoted:
+            now = [item for item in op.waiting if op.gone.issuperset(item[2].after)]
+            if not now:
+                break
+            for item in now:
+                op.waiting.remove(item)
+                src, head, rec, buf = item
+                self._apply(op, (src, head.step, head.piece), rec, memoryview(buf))
+
+    def _apply(self, op: SmallOp, rkey: PieceKey, recv: Recv, body: memoryview) -> None:
+        """Copy or reduce a piece into place, then post the sends it unlocks."""
+        spec = op.spec
+        work = spec.work
+        if recv.mode == COPY:
+            if body.nbytes:
+                work[recv.lo:recv.hi] = np.frombuffer(body, work.dtype)
+        else:
+            assert spec.ufunc is not None
+            reduce_into(spec.ufunc, work[recv.lo:recv.hi], body)
+        if recv.final and spec.finalize is not None and recv.hi > recv.lo:
+            spec.finalize(work[recv.lo:recv.hi])
+        op.applied.append((rkey, recv))
+        op.to_come -= 1
+        for send in recv.then:
+            if op.unsent or not self._post(op, send):
+                op.unsent.append(send)
+        if op.unsent:
+            self._promote(op)
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _post(self, op: SmallOp, send: Send) -> bool:
+        """Post ``send`` straight into the peer's ring, as the outbox would have sent it."""
+        spec = op.spec
+        peer = send.peer
+        lo, hi = send.lo, send.hi
+        view = spec.work[lo:hi] if not send.from_source else spec.source[lo:hi]  # type: ignore[index]
+        body = memoryview(view).cast("B") if hi > lo else None
+        nbytes = 0 if body is None else body.nbytes
+        ledger = self._ledger
+        flags = 0
+        if peer not in op.ready:
+            if not ledger.spend(peer, nbytes):
+                return False
+            flags = FLAG_CREDITED
+        tell = peer not in op.told and peer in spec.schedule.sources
+        if tell:
+            flags |= FLAG_READY
+        key0, key1 = op.key0, op.key1
+        credit = ledger.take_owed(peer)
+        header = pack_header(Kind.DATA, spec.dtype, flags, send.step, key0, key1, spec.sig,
+                             send.piece, nbytes, spec.count, credit, spec.recipe,
+                             spec.epoch)
+        if not self._transport.post_now(peer, header, body):
+            if flags & FLAG_CREDITED:
+                ledger.grant(peer, charge_of(nbytes))
+            ledger.restore_owed(peer, credit)
+            return False
+        if tell:
+            op.told.add(peer)
+        op.sent.append(send)
+        op.gone.add((peer, send.step, send.piece))
+        return True
+
+    def _tell_ready(self, op: SmallOp, peer: int) -> bool:
+        spec = op.spec
+        credit = self._ledger.take_owed(peer)
+        header = Header(Kind.READY, spec.dtype, name_key=op.key0, seq=op.key1, sig=spec.sig,
+                        count=spec.count, recipe=spec.recipe, epoch=spec.epoch,
+                        credit=credit).pack()
+        if not self._transport.post_now(peer, header, None):
+            self._ledger.restore_owed(peer, credit)
+            return False
+        op.told.add(peer)
+        return True
+
+    def _drive(self, op: SmallOp) -> None:
+        """Turn the loop until ``op`` is over or must go on as an ordinary op."""
+        step = self._step
+        job = self._job
+        deadline = op.t_start + PROMOTE_AFTER
+        while not op.done():
+            if (ctrl_c.pending or job.broken is not None or job.closing
+                    or time.monotonic() >= deadline or self._departures.departed()):
+                self._promote(op)
+                return
+            step(PROMOTE_AFTER, op)
+
+    def _promote(self, op: SmallOp) -> None:
+        """Hand ``op`` to the general path, with what it has sent and received so far."""
+        op.promoted = True
+        self.current = None
+        op.future = OpFuture(self._waiter)
+        op.live = live = self._starter.adopt(op.spec, op.future, op.ready, op.told,
+                                             op.sent, op.unsent, op.applied)
+        waiting, op.waiting = op.waiting, []
+        if live is not None:
+            for src, header, _recv, buf in waiting:
+                if not live.finished:
+                    self._applier.deliver(live, src, header, memoryview(buf), False)

@@ -1,0 +1,121 @@
+"""Workers for test_smallpath.py: small blocking ops on the caller's thread (the small
+path) mixed with ops on the general path, rank by rank differently."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+import totalreduce as tr
+from reporting import report
+from totalreduce.runtime import current
+
+DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.float16]
+
+
+def _inputs(seed: int, n: int, size: int, dtype: type) -> list[np.ndarray]:
+    out = []
+    for r in range(n):
+        rng = np.random.default_rng([seed, r])
+        if np.issubdtype(dtype, np.floating):
+            out.append(rng.uniform(-4, 4, size).astype(dtype))
+        else:
+            out.append(rng.integers(0, 50, size).astype(dtype))
+    return out
+
+
+def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    if got.dtype.kind == "f":
+        tol = 1e-2 if got.dtype == np.float16 else 1e-5
+        assert np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                           atol=tol), f"{what}: {got} != {want}"
+    else:
+        assert np.array_equal(got, want), f"{what}: {got} != {want}"
+
+
+def mixed_paths(arg: dict) -> None:
+    """Every rank makes the same calls, but each picks its own way per call: blocking
+    (the small path when nothing else is in flight), blocking while another op is in
+    flight (the general path; every rank submits that other op each step, some before
+    and some after the op under test), or async and waited at once; with pauses that
+    differ by rank, so peers' messages come before, during and after the op here."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    common = random.Random(7)  # what to call: the same on every rank
+    mine = random.Random(100 + rank)  # how to call it: rank by rank
+    checked = 0
+    for i in range(arg.get("steps", 300)):
+        size = common.choice([0, 1, 3, 17, 255, 1000])
+        dtype = common.choice(DTYPES)
+        kind = common.choice(["allreduce", "allreduce", "barrier", "broadcast",
+                              "reducescatter"])
+        inputs = _inputs(i, n, size, dtype)
+        way = mine.choice(["blocking", "blocking", "beside", "async"])
+        if mine.random() < 0.2:
+            time.sleep(mine.random() * 0.003)
+        def other(step: int = i) -> tr.Handle:
+            return tr.allreduce_async(np.full(5, rank, np.float64), op=tr.Sum,
+                                      name=f"other.{step}")
+
+        beside = other() if way == "beside" else None
+        what = f"step {i}: {kind} {np.dtype(dtype)} x{size} ({way})"
+        if kind == "allreduce":
+            op = common.choice([tr.Sum, tr.Max, tr.Min])
+            want = {tr.Sum: np.sum, tr.Max: np.max, tr.Min: np.min}[op](
+                np.stack(inputs), axis=0).astype(dtype)
+            x = inputs[rank]
+            if way == "async":
+                got = tr.allreduce_async(x, op=op, name=f"ar.{i}").wait()
+            else:
+                got = tr.allreduce(x, op=op, name=f"ar.{i}")
+            _close(got, want, what)
+        elif kind == "barrier":
+            tr.barrier()
+        elif kind == "broadcast":
+            root = common.randrange(n)
+            if way == "async":
+                got = tr.broadcast_async(inputs[rank], root, name=f"bc.{i}").wait()
+            else:
+                got = tr.broadcast(inputs[rank], root, name=f"bc.{i}")
+            _close(got, inputs[root], what)
+        else:
+            rows = np.stack(inputs).reshape(n, -1)[:, :max(1, size)] if size else None
+            x = inputs[rank][:max(n, size)] if size >= n else np.arange(n, dtype=dtype)
+            if rows is None or size < n:
+                x = np.arange(n, dtype=dtype) + rank
+                total = sum(np.arange(n, dtype=np.int64) + r for r in range(n))
+            else:
+                total = np.sum(np.stack([a[:size] for a in inputs]), axis=0)
+            got = tr.reducescatter(x, op=tr.Sum, name=f"rs.{i}")
+            bounds = np.linspace(0, len(x), n + 1).astype(int)  # even split, first longer
+            base, extra = divmod(len(x), n)
+            lo = rank * base + min(rank, extra)
+            hi = lo + base + (1 if rank < extra else 0)
+            _close(got, np.asarray(total, dtype=np.float64).astype(dtype)[lo:hi], what)
+            del bounds
+        got = (beside if beside is not None else other()).wait()
+        assert np.array_equal(got, np.full(5, n * (n - 1) / 2)), f"{what}: other {got}"
+        checked += 1
+    stats = current().engine.stats()
+    report(checked=checked, direct=stats["direct_ops"],
+           handed_over=stats["direct_handed_over"], active=stats["active_ops"],
+           floating=stats["floating_bytes"])
+    tr.shutdown()
+
+
+def late_peer(arg: dict) -> None:
+    """Rank 1 comes to each small allreduce late: rank 0's op goes on on the general path
+    once it has waited past the small path's patience, and still adds up."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    for i in range(3):
+        if rank == 1:
+            time.sleep(arg["delay"])
+        got = tr.allreduce(np.array([rank + i, 1.0]), op=tr.Sum)
+        want = np.array([n * (n - 1) / 2 + n * i, n])
+        assert np.array_equal(got, want), (i, got, want)
+    stats = current().engine.stats()
+    report(direct=stats["direct_ops"], handed_over=stats["direct_handed_over"])
+    tr.shutdown()

@@ -1,0 +1,34 @@
+"""The small path (engine/smallpath.py): small blocking ops run on the caller's thread,
+message for message the same as the general path, so ranks may take either path for the
+same op and the two interleave."""
+
+import pytest
+
+from harness import run_ok
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_small_and_general_paths_mix_rank_by_rank(n: int) -> None:
+    result = run_ok(n, "smallpath_workers:mixed_paths", {"steps": 300}, timeout=150)
+    for r in range(n):
+        got = result.report(r)
+        assert got["checked"] == 300, result.explain()
+        # Both paths really ran on every rank: the mix is what is under test.
+        assert got["direct"] > 0, got
+        assert got["active"] == 0 and got["floating"] == 0, got
+
+
+def test_small_path_can_be_switched_off() -> None:
+    result = run_ok(2, "smallpath_workers:mixed_paths", {"steps": 60}, timeout=150,
+                    env={"TOTALREDUCE_DIRECT_BYTES": "0"})
+    for r in range(2):
+        got = result.report(r)
+        assert got["checked"] == 60 and got["direct"] == 0, got
+
+
+def test_a_late_peer_hands_the_op_to_the_general_path() -> None:
+    # 0.6 s is past the small path's patience (smallpath.PROMOTE_AFTER, 0.25 s).
+    result = run_ok(2, "smallpath_workers:late_peer", {"delay": 0.6}, timeout=120)
+    assert result.report(0)["handed_over"] >= 1, result.explain()
