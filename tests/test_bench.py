@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from harness import mpiexec
+from totalreduce.bench.compare import compare
 from totalreduce.bench.models import bert_base_shapes, resnet50_shapes
 from totalreduce.bench.report import summarize
 
@@ -39,6 +40,27 @@ def test_summary_takes_the_slowest_rank_and_nccl_bus_factors() -> None:
     assert rows["mpi"]["speed_vs_mpi"] == pytest.approx(1.0)
 
 
+def test_compare_flags_cells_more_than_a_fifth_slower_by_their_ratio_to_mpi(tmp_path) -> None:
+    def row(backend: str, nbytes: int, median: float, vs_mpi: float | None) -> dict:
+        return {"op": "allreduce", "bytes": nbytes, "count": nbytes // 4, "ranks": 2,
+                "backend": backend, "median": median, "speed_vs_mpi": vs_mpi}
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"summary": [row("totalreduce-shm", 8, 1.0, 1.0),
+                                           row("totalreduce-shm", 1024, 1.0, 2.0),
+                                           row("totalreduce-shm", 4096, 1.0, 1.0),
+                                           row("gone", 8, 1.0, 1.0)]}))
+    # The host got twice as slow (medians doubled) but the ratios tell the story: 8 B
+    # lost a quarter of its speed against MPI, 1 KiB lost a tenth, 4 KiB gained.
+    new = [row("totalreduce-shm", 8, 2.0, 0.75), row("totalreduce-shm", 1024, 2.0, 1.8),
+           row("totalreduce-shm", 4096, 2.0, 1.5), row("new", 8, 1.0, 1.0)]
+    got = {e["cell"].split("bytes=")[1].split(",")[0]: e for e in compare(new, str(old))}
+    assert set(got) == {"8", "1024", "4096"}
+    assert got["8"]["flagged"] and got["8"]["slowdown"] == pytest.approx(1 / 0.75 - 1)
+    assert not got["1024"]["flagged"] and not got["4096"]["flagged"]
+    assert got["4096"]["slowdown"] < 0
+
+
 @pytest.mark.multiprocess
 def test_collectives_command_runs_and_reports_every_backend(tmp_path) -> None:
     backends = ["totalreduce-shm", "totalreduce-tcp"]
@@ -51,6 +73,10 @@ def test_collectives_command_runs_and_reports_every_backend(tmp_path) -> None:
          ",".join(backends), "--json", str(out)],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The run compared with itself: every cell found, none flagged.
+    again = compare(json.loads(out.read_text())["summary"], str(out))
+    assert len(again) == 2 * 2 * len(backends)
+    assert not any(e["flagged"] for e in again)
     rows = json.loads(out.read_text())["summary"]
     seen = {(r["backend"], r["op"], r["bytes"]) for r in rows if r["median"] > 0}
     assert seen == {(b, op, s) for b in backends for op in ("allreduce", "alltoall")

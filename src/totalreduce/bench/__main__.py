@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--rounds", type=int, default=1,
                         help="repeat every job this many times, interleaved")
     common.add_argument("--json", metavar="FILE", help="write raw and summary results")
+    common.add_argument("--compare", metavar="OLD.json",
+                        help="flag every cell more than 20%% slower than in a run saved "
+                             "with --json (exit status 3 if any is)")
     common.add_argument("--plot", metavar="FILE.png", help="draw a chart with matplotlib")
     common.add_argument("--timeout", type=float, default=1800)
     common.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -276,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         plot_curves(summary, args.plot)
     elif args.plot:
         plot(args.test, summary, args.plot)
+    if args.compare and args.test != "convergence":
+        from .compare import EXIT_SLOWER, compare, print_comparison
+
+        if print_comparison(compare(summary, args.compare), args.compare):
+            return EXIT_SLOWER
     return 0
 
 
