@@ -284,6 +284,56 @@ checkpoint's size at 1 GB/s. `{CMD_RECOVERY}` (`docs/bench/recovery.txt`):
 Most of *restart* is a new Python process importing numpy and totalreduce (about 0.4 s
 here); the survivors drop their links and meet the newcomer in about 0.06 s.
 
+## Why the defaults are what they are
+
+The settings in `config.py` that trade speed one way or another, and the measurements
+behind each choice (2 ranks unless said; `--set NAME=VALUE` repeats any of them).
+
+Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
+machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-memory rings
+and over MPI, and no slower over TCP; at 4 ranks 16 and 64 MB ran 1.2-1.3x faster.  Fewer
+pieces means less Python work per byte; a piece is still no bigger than one core's L2 here.
+
+Why ops of 24 MiB and more lend their pieces (cross-memory attach, transport/cma.py): in one
+process pair alternating MPI_Allreduce, the ring and lending op by op (2 ranks), lending ran
+0.63-0.82x MPI at 2-8 MB where the ring ran 0.84-1.04x, 0.92-1.10x at 12-32 MB where the
+ring ran 0.43-0.96x (it falls furthest when the host is slow), and 2.26-2.47x at 64 MB.
+But run alone, as the benchmark runs each library, the ring was ahead up to 16 MiB
+(12 MiB: 1.01x / 0.88x against 0.91x / 0.77x lending; 16 MiB: 1.16x / 1.04x against
+0.99x / 0.99x) and even at 24 MiB (1.20x / 1.08x against 1.13x / 1.22x).
+
+Why the ring holds two segments (plus 128 KiB for the small records between them): a ring's
+footprint is its size, and in one process pair alternating ring policies op by op (order
+rotated, 2 ranks) two segments beat the old 8 MiB ring, which restarted at offset 0 when
+the reader caught up, at 1-8 MB in a slow period of the host (8 MB: 0.76-0.87x MPI
+against 0.58-0.66x). It also beat a plain 8 MiB ring in a moderate period (8 MB: 1.40x
+against 1.30x), but not in a slow one (0.76-0.87x against 1.18-1.26x).  One record in
+flight was faster still in a fast period (8 MB 1.76-1.86x against 1.61-1.63x), so no
+size wins everywhere; see docs/dev/perf-log.md, "Ring footprint".
+
+Why 16 MiB gradient buckets: with ResNet-50's gradients all ready at once (`bench replay`,
+2 ranks, a quiet period of the host), the optimizer's buckets took 20.7 ms at 16 MiB, 22.6
+at 8 and 23-31 at 4, against 19.6 ms for one pre-flattened buffer: smaller buckets cost
+per-op overhead.  Training a 50 MB MLP (`bench train`, 3 rounds) put 4 to 25 MiB within
+the run's noise of one another (2 ranks 85-94 ms per step, 4 ranks 180-205), all 1.23-1.46x
+the speed of DDP over gloo.  Bigger buckets start later in backward, so overlap suffers
+on deep models; 16 MiB is the smallest size that costs nothing measurable over flat.
+
+Why init() freezes the garbage collector's view: a full collection walks every tracked
+object, and after `import torch` there are enough of them that it took 150-160 ms per
+collection on this host.  Training triggers one every few hundred steps on each rank, and
+since every step ends in a collective, each rank's pause stalls all of them: a 20-epoch
+digits run at 2 ranks lost an epoch's worth of time to two such pauses (epoch 2 ran at
+3,200 samples/s against 30,000-45,000 for the others).  With the objects alive at init()
+frozen, those collections took 20-50 ms.  The cost: cyclic garbage among the frozen objects
+is never reclaimed (reference counting still frees everything else).
+
+Why the reduce thread is off by default: at 2 ranks on a 2-core host, a 64 MiB float32
+allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.13 GB/s with
+1 MiB pieces handed to the reduce thread (the hand-off costs a GIL switch per piece and the
+two ranks' four busy threads oversubscribe the two cores).  Hosts with spare cores may
+want it on.
+
 ## Known weak spots
 
 - Small messages: an allreduce of a few bytes costs about 45 us at 2 ranks (MPI: 3-5 us),
