@@ -81,6 +81,17 @@ class SmallOp:
         return self.promoted or self.to_come == 0
 
 
+def needs(op: SmallOp) -> set[int]:
+    """The peers ``op`` still needs: to hear from, or to send to."""
+    out = {send.peer for send in op.unsent}
+    seen = op.seen
+    for rkey, recv in op.spec.schedule.recvs.items():
+        if rkey not in seen:
+            out.add(rkey[0])
+            out.update(send.peer for send in recv.then)
+    return out
+
+
 class SmallPath:
     """Runs :class:`SmallOp`\\ s; the inbox hands it their messages while one runs."""
 
@@ -266,10 +277,16 @@ class SmallPath:
         deadline = op.t_start + PROMOTE_AFTER
         while not op.done():
             if (ctrl_c.pending or job.broken is not None or job.closing
-                    or time.monotonic() >= deadline or self._departures.departed()):
+                    or time.monotonic() >= deadline or self._lost_peer(op)):
                 self._promote(op)
                 return
             step(PROMOTE_AFTER, op)
+
+    def _lost_peer(self, op: SmallOp) -> bool:
+        """Whether a peer this op still needs has shut down (one that has sent and taken
+        all it had to may leave: its goodbye may even be read before the op ends)."""
+        departed = self._departures.departed()
+        return bool(departed) and bool(departed & needs(op))
 
     def _promote(self, op: SmallOp) -> None:
         """Hand ``op`` to the general path, with what it has sent and received so far."""
@@ -277,7 +294,7 @@ class SmallPath:
         self.current = None
         op.future = OpFuture(self._waiter)
         op.live = live = self._starter.adopt(op.spec, op.future, op.ready, op.told,
-                                             op.sent, op.unsent, op.applied)
+                                             op.sent, op.unsent, op.applied, needs(op))
         waiting, op.waiting = op.waiting, []
         if live is not None:
             for src, header, _recv, buf in waiting:

@@ -58,17 +58,18 @@ class Starter:
         self._ops.complete(op)
 
     def adopt(self, spec: OpSpec, future: OpFuture, ready: set[int], told: set[int],
-              sent: list[Send], unsent: list[Send], got: list[tuple[PieceKey, Recv]]
-              ) -> LiveOp | None:
+              sent: list[Send], unsent: list[Send], got: list[tuple[PieceKey, Recv]],
+              needs: set[int]) -> LiveOp | None:
         """Go on with an op the small path (smallpath.py) began: ``told`` peers know it
         was submitted here, ``sent`` messages have left, ``unsent`` ones are due, ``got``
-        pieces are applied.  Returns the live op (None: it failed at once)."""
+        pieces are applied, and ``needs`` are the peers it still needs.  Returns the live
+        op (None: it failed at once)."""
         if self._job.closing:
             self._ops.refuse(spec.key)
             future.resolve(TransportClosedError(
                 f"rank {self._job.rank}: {spec.label} was still pending at shutdown()"))
             return None
-        op = self._open(spec, future, ready)
+        op = self._open(spec, future, ready, needs)
         if op is None:
             return None
         self._applier.adopt(op, got)
@@ -78,8 +79,10 @@ class Starter:
         self._ops.complete(op)
         return op
 
-    def _open(self, spec: OpSpec, future: OpFuture, ready: set[int]) -> LiveOp | None:
-        """The op, now live here; None (its future resolved) if it cannot run."""
+    def _open(self, spec: OpSpec, future: OpFuture, ready: set[int],
+              needs: set[int] | None = None) -> LiveOp | None:
+        """The op, now live here; None (its future resolved) if it cannot run.  ``needs``:
+        the peers it needs (None: every peer of its schedule)."""
         job = self._job
         if job.broken is not None:
             future.resolve(job.broken)
@@ -95,8 +98,9 @@ class Starter:
             spec.epoch = serving.epoch
         departed = self._departures.departed()
         if departed:
-            gone = sorted((set(spec.schedule.expected_from()) | spec.schedule.first_peers)
-                          & departed)
+            if needs is None:
+                needs = set(spec.schedule.expected_from()) | spec.schedule.first_peers
+            gone = sorted(needs & departed)
             if gone:
                 ops.refuse(key)
                 reason = f"{spec.label} needs rank {gone[0]}, which has shut down"

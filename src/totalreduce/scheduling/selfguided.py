@@ -425,25 +425,36 @@ class SelfGuided:
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
         sched = self._algorithms.allgather(tuple(range(n + 1)))
-        first = self._engine.submit(self._spec(sizes_id, dict(view, phase="sizes"),
-                                               sizes.dtype, n, sched, sizes, priority,
-                                               shown=shown))
+        first = self._spec(sizes_id, dict(view, phase="sizes"), sizes.dtype, n, sched, sizes,
+                           priority, shown=shown)
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         state: dict[str, np.ndarray] = {}
 
-        def second() -> OpFuture:
+        def second() -> OpSpec:
             bounds = _bounds(sizes, row)
             out = np.empty(bounds[-1], arr.dtype)
             out[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
             state["out"] = out
             schedule = self._algorithms.allgather(bounds, arr.dtype)
-            return self._engine.submit(self._spec(data_id, view, arr.dtype, bounds[-1],
-                                                  schedule, out, priority, shown=shown))
+            return self._spec(data_id, view, arr.dtype, bounds[-1], schedule, out, priority,
+                              shown=shown)
 
-        future = self._two_phase(first, second)
-        return FutureHandle([future],
-                            lambda: state["out"].reshape((int(sizes.sum()), *arr.shape[1:])),
-                            sizes_id.label)
+        def finish() -> np.ndarray:
+            return state["out"].reshape((int(sizes.sum()), *arr.shape[1:]))
+
+        return self._phases(first, second, finish, sizes_id.label)
+
+    def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
+                finish: Callable[[], Any], label: str) -> Handle:
+        """An op whose second part is built from its first's result (sizes, then data).
+        A thread that blocks on it runs the two one after the other (each may take the
+        small path); otherwise the second starts when the first ends."""
+        if self._engine.waits_here():
+            self._launch(first, lambda: None).wait()
+            return self._launch(second(), finish)
+        future = self._two_phase(self._engine.submit(first),
+                                 lambda: self._engine.submit(second()))
+        return FutureHandle([future], finish, label)
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
         arr = _check_array(x, "alltoall", name)
@@ -472,29 +483,26 @@ class SelfGuided:
         recv_rows[rank] = send_rows[rank]
         unit = tuple(range(n + 1))
         sched = self._algorithms.alltoall(unit, unit)
-        first = self._engine.submit(self._spec(splits_id, dict(view, phase="splits"),
-                                               recv_rows.dtype, 0, sched, recv_rows, priority,
-                                               shown=shown, source=send_rows))
+        first = self._spec(splits_id, dict(view, phase="splits"), recv_rows.dtype, 0, sched,
+                           recv_rows, priority, shown=shown, source=send_rows)
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         flat = np.ascontiguousarray(arr).reshape(-1)
         state: dict[str, np.ndarray] = {}
 
-        def second() -> OpFuture:
+        def second() -> OpSpec:
             sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
             out = np.empty(rb[-1], arr.dtype)
             out[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
             state["out"] = out
             schedule = self._algorithms.alltoall(sb, rb, arr.dtype)
-            return self._engine.submit(self._spec(data_id, view, arr.dtype, 0, schedule,
-                                                  out, priority, shown=shown, source=flat))
-
-        future = self._two_phase(first, second)
+            return self._spec(data_id, view, arr.dtype, 0, schedule, out, priority,
+                              shown=shown, source=flat)
 
         def finish() -> tuple[np.ndarray, np.ndarray]:
             out = state["out"].reshape((int(recv_rows.sum()), *arr.shape[1:]))
             return out, recv_rows.copy()
 
-        return FutureHandle([future], finish, splits_id.label)
+        return self._phases(first, second, finish, splits_id.label)
 
     # --- join -----------------------------------------------------------------------
 
