@@ -50,7 +50,7 @@ def mixed_paths(arg: dict) -> None:
         size = common.choice([0, 1, 3, 17, 255, 1000])
         dtype = common.choice(DTYPES)
         kind = common.choice(["allreduce", "allreduce", "barrier", "broadcast",
-                              "reducescatter"])
+                              "reducescatter", "allgather", "alltoall"])
         inputs = _inputs(i, n, size, dtype)
         way = mine.choice(["blocking", "blocking", "beside", "async"])
         if mine.random() < 0.2:
@@ -73,6 +73,27 @@ def mixed_paths(arg: dict) -> None:
             _close(got, want, what)
         elif kind == "barrier":
             tr.barrier()
+        elif kind == "allgather":
+            # First dimensions differ by rank (some empty): the sizes phase matters.
+            blocks = [a[:(i + r) % 3 * (size // 3)] for r, a in enumerate(inputs)]
+            if way == "async":
+                got = tr.allgather_async(blocks[rank], name=f"ag.{i}").wait()
+            else:
+                got = tr.allgather(blocks[rank], name=f"ag.{i}")
+            _close(got, np.concatenate(blocks), what)
+        elif kind == "alltoall":
+            # Rank r sends (r + d) % 2 rows of its input to rank d.
+            rows = [[(r + d) % 2 for d in range(n)] for r in range(n)]
+            sent = [np.resize(a, sum(rows[r])) if a.size else np.zeros(sum(rows[r]), dtype)
+                    for r, a in enumerate(inputs)]
+            if way == "async":
+                got, splits = tr.alltoall_async(sent[rank], rows[rank],
+                                                name=f"a2a.{i}").wait()
+            else:
+                got, splits = tr.alltoall(sent[rank], rows[rank], name=f"a2a.{i}")
+            want = [sent[r][sum(rows[r][:rank]):sum(rows[r][:rank + 1])] for r in range(n)]
+            _close(got, np.concatenate(want), what)
+            assert list(splits) == [rows[r][rank] for r in range(n)], (what, splits)
         elif kind == "broadcast":
             root = common.randrange(n)
             if way == "async":

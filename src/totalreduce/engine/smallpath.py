@@ -124,7 +124,7 @@ class SmallPath:
         job = self._job
         ops = self._ops
         if (ops.active or job.broken is not None or job.closing or ops.tracing()
-                or len(spec.schedule.first) > 1 or self._floating.bytes
+                or self._floating.bytes
                 or len(self._mismatches) or self._departures.departed()):
             return False
         key = spec.key
@@ -142,25 +142,32 @@ class SmallPath:
         schedule = spec.schedule
         if spec.epoch < 0:
             spec.epoch = self._serving.epoch
-        if schedule.first and not self._post(op, schedule.first[0]):
+        first = schedule.first
+        if first and not self._post(op, first[0]):
             for peer in early:  # as it was: the general path starts it
                 ledger.early_ready(key, peer)
             return False
+        for send in first[1:]:
+            if op.unsent or not self._post(op, send):
+                op.unsent.append(send)
         self._serving.forget(key)
         for lo, hi in schedule.local_final:
             if spec.finalize is not None and hi > lo:
                 spec.finalize(spec.work[lo:hi])
+        stuck = bool(op.unsent)
         for peer in schedule.sources:
-            if peer not in op.told and not self._tell_ready(op, peer):
-                self._promote(op)
+            if stuck:
                 break
-        self.current = op
-        self._transport.resume()  # what waited in a ring for an op to start is read now
-        try:
-            if not op.promoted:
+            stuck = peer not in op.told and not self._tell_ready(op, peer)
+        if stuck:  # the general path sends what could not go (and the READYs owed)
+            self._promote(op)
+        else:
+            self.current = op
+            self._transport.resume()  # what waited in a ring for an op is read now
+            try:
                 self._drive(op)
-        finally:
-            self.current = None
+            finally:
+                self.current = None
         if op.future is not None:
             self.handed_over += 1
             return op.future
