@@ -17,6 +17,10 @@ class Departures:
     def departed(self) -> set[int]:
         return self._outbox.closed | self.bye
 
+    def any(self) -> bool:
+        """Whether some peer has left (no set built: asked on every small op)."""
+        return bool(self._outbox.closed or self.bye)
+
     def tell_op_failed(self, key: OpKey, lost: int, reason: str) -> None:
         """Tell every peer still here that op ``key`` cannot finish because rank ``lost``
         left."""

@@ -125,7 +125,7 @@ class SmallPath:
         ops = self._ops
         if (ops.active or job.broken is not None or job.closing or ops.tracing()
                 or self._floating.bytes
-                or len(self._mismatches) or self._departures.departed()):
+                or len(self._mismatches) or self._departures.any()):
             return False
         key = spec.key
         return not (self._ops.known(key) or key in self._floating
@@ -292,8 +292,7 @@ class SmallPath:
     def _lost_peer(self, op: SmallOp) -> bool:
         """Whether a peer this op still needs has shut down (one that has sent and taken
         all it had to may leave: its goodbye may even be read before the op ends)."""
-        departed = self._departures.departed()
-        return bool(departed) and bool(departed & needs(op))
+        return self._departures.any() and bool(self._departures.departed() & needs(op))
 
     def _promote(self, op: SmallOp) -> None:
         """Hand ``op`` to the general path, with what it has sent and received so far."""

@@ -86,13 +86,16 @@ class _Mapping:
     def __init__(self, fd: int, capacity: int) -> None:
         self.capacity = capacity
         self.map = mmap.mmap(fd, _CONTROL + capacity)
-        self.ctl = np.frombuffer(self.map, dtype=np.uint64, count=_CONTROL // 8)
+        # A memoryview reads a counter in a third of the time a numpy array takes, and
+        # every small message reads and writes several.
+        self.ctl = memoryview(self.map)[:_CONTROL].cast("Q")
         self.data = np.frombuffer(self.map, dtype=np.uint8, offset=_CONTROL)
         self.view = memoryview(self.map)[_CONTROL:]
 
     def close(self) -> None:
-        # numpy views pin the buffer; drop them first or mmap.close() raises BufferError.
-        self.ctl = self.data = None  # type: ignore[assignment]
+        # Views pin the buffer; drop them first or mmap.close() raises BufferError.
+        self.data = None  # type: ignore[assignment]
+        self.ctl.release()
         self.view.release()
         with contextlib.suppress(BufferError, ValueError):
             self.map.close()
@@ -141,14 +144,19 @@ class RingWriter:
         if start + size - tail > cap:
             self._stuck_at = tail
             return False
-        data = self._m.data
+        view = self._m.view
         if start != head:
-            data[offset:offset + HEADER_SIZE] = np.frombuffer(_WRAP, dtype=np.uint8)
+            view[offset:offset + HEADER_SIZE] = _WRAP
         at = start % cap
-        data[at:at + HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
+        # Slices of a memoryview: a quarter of the cost of numpy's for a small record,
+        # the same memcpy for a big one.
+        view[at:at + HEADER_SIZE] = header
         if n:
-            np.copyto(data[at + HEADER_SIZE:at + HEADER_SIZE + n],
-                      np.frombuffer(body, dtype=np.uint8))  # type: ignore[arg-type]
+            try:
+                view[at + HEADER_SIZE:at + HEADER_SIZE + n] = body  # type: ignore[index]
+            except (TypeError, ValueError):  # not a flat byte view: numpy copies anything
+                np.copyto(self._m.data[at + HEADER_SIZE:at + HEADER_SIZE + n],
+                          np.frombuffer(body, dtype=np.uint8))  # type: ignore[arg-type]
         self._head = start + size
         ctl[_HEAD] = self._head
         return True
