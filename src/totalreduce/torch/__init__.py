@@ -37,6 +37,7 @@ from .. import (
 )
 from ..exceptions import HorovodInternalError
 from ..objects import allgather_object, broadcast_object
+from .adasum import Adasum
 from .basics import (
     ccl_built,
     cross_rank,
@@ -94,23 +95,25 @@ from .ddp import ddp_comm_hook, gtopk_hook, oktopk_hook, topka_hook
 from .join import join
 from .optimizer import DistributedOptimizer, StepTimings
 from .state import broadcast_optimizer_state, broadcast_parameters
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "AuthenticationError", "Average", "Compression", "Compressor", "DistributedOptimizer",
-    "HorovodInternalError", "Max", "Min", "MismatchError", "OpTimeoutError",
-    "PeerFailureError", "ProcessSet", "Product", "ShutdownError", "StepTimings", "Sum",
-    "TorchHandle", "TorchState", "TotalReduceError", "TransportClosedError", "allgather",
-    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "ccl_built", "checkpoint", "cross_rank", "cross_size",
-    "cuda_built", "ddl_built", "ddp_comm_hook", "global_process_set", "gloo_built",
-    "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "grouped_reducescatter", "grouped_reducescatter_async", "gtopk_hook", "init",
-    "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "mpi_built",
-    "mpi_enabled", "nccl_built", "oktopk_hook", "poll", "rank", "reducescatter",
-    "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
-    "start_timeline", "stop_timeline", "synchronize", "topka_hook", "version_number",
+    "Adasum", "AuthenticationError", "Average", "Compression", "Compressor",
+    "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "MismatchError",
+    "OpTimeoutError", "PeerFailureError", "ProcessSet", "Product", "ShutdownError",
+    "StepTimings", "Sum", "SyncBatchNorm", "TorchHandle", "TorchState", "TotalReduceError",
+    "TransportClosedError", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
+    "checkpoint", "cross_rank", "cross_size", "cuda_built", "ddl_built", "ddp_comm_hook",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "gtopk_hook", "init", "is_initialized", "join",
+    "load_checkpoint", "local_rank", "local_size", "mpi_built", "mpi_enabled", "nccl_built",
+    "oktopk_hook", "poll", "rank", "reducescatter", "reducescatter_async", "rocm_built",
+    "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline",
+    "synchronize", "topka_hook", "version_number",
 ]
 

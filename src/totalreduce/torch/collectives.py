@@ -46,6 +46,8 @@ import torch
 
 import totalreduce as _tr
 
+from . import adasum as _adasum
+from .adasum import Adasum
 from .compression import Compression, Compressor
 from .tensors import Staged, stage
 
@@ -256,6 +258,9 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
     _check_process_set(process_set, what)
     rop = resolve_op(op, average, what)
     staged, source = _scaled_stage(tensor, prescale, postscale, inplace, what)
+    if rop is Adasum:
+        return _adasum_allreduce([staged], [source], name, postscale, priority, inplace,
+                                 what, grouped=False)
     handle = _live_names.submit(name, what, lambda: _ops().allreduce(
         source, rop, name, priority, inplace=inplace))
 
@@ -362,6 +367,9 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
     pairs = [_scaled_stage(t, prescale, postscale, inplace, what) for t in tensors]
     staged = [p[0] for p in pairs]
     sources = [p[1] for p in pairs]
+    if rop is Adasum:
+        return _adasum_allreduce(staged, sources, name, postscale, 0, inplace, what,
+                                 grouped=True)
     handle = _live_names.submit(name, what, lambda: _ops().grouped_allreduce(
         sources, rop, name, 0, inplace=inplace))
 
@@ -376,6 +384,41 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
             else:
                 out.append(s.result(r))
         return out
+
+    return TorchHandle(handle, finish)
+
+
+def _adasum_allreduce(staged: list[Staged], sources: list[np.ndarray], name: str | None,
+                      postscale: float, priority: int, inplace: bool, what: str,
+                      grouped: bool) -> TorchHandle:
+    """Adasum (``adasum.py``) of each tensor: every rank's tensor allgathered as one row,
+    the tree run here on the rows; a grouped call still combines each tensor alone."""
+    for source in sources:
+        _adasum.check_dtype(source.dtype, what)
+
+    def gather(source: np.ndarray, part: str | None) -> Any:
+        return _live_names.submit(part, what, lambda: _ops().allgather(
+            source.reshape(1, -1), part, priority))
+
+    # A grouped call's parts are named as grouped_allgather's are (name.0, name.1, ...).
+    handle: Any = _Together([gather(s, _part_name(name, i)) for i, s in enumerate(sources)],
+                            what) if grouped else gather(sources[0], name)
+
+    def finish(gathered: Any) -> Any:
+        rows = gathered if grouped else [gathered]
+        out = []
+        for s, source, g in zip(staged, sources, rows, strict=True):
+            result = _adasum.reduce_gathered(g, [(0, source.size)], source.dtype) \
+                .reshape(source.shape)
+            if postscale != 1.0:
+                _scale(result, postscale)
+            if inplace:
+                s.array[...] = result
+                s.write_back()
+                out.append(s.tensor)
+            else:
+                out.append(s.result(result))
+        return out if grouped else out[0]
 
     return TorchHandle(handle, finish)
 
