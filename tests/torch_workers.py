@@ -734,6 +734,17 @@ def capabilities(r: int, n: int) -> None:
         "gloo_built": False, "gloo_enabled": False, "nccl_built": False, "ddl_built": False,
         "ccl_built": False, "rocm_built": False, "cuda_built": torch.backends.cuda.is_built(),
     }, answers
+    try:
+        hvd.mpi_threads_supported()
+        raise AssertionError("mpi_threads_supported answered outside MPI")
+    except ValueError as exc:
+        assert "does not use MPI" in str(exc), exc
+    for refuse in (lambda: hvd.add_process_set([0]), lambda: hvd.remove_process_set(None)):
+        try:
+            refuse()
+            raise AssertionError("a process set call was accepted")
+        except NotImplementedError as exc:
+            assert "process_set" in str(exc), exc
     assert issubclass(hvd.PeerFailureError, hvd.HorovodInternalError)
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     assert not issubclass(hvd.MismatchError, hvd.HorovodInternalError)

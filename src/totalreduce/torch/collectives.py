@@ -69,6 +69,25 @@ class ProcessSet:
 global_process_set = ProcessSet()
 
 
+def add_process_set(process_set: Any) -> ProcessSet:
+    """Horovod's sub-communicators are not supported: every collective runs over all ranks.
+
+    Raises:
+        NotImplementedError: always.
+    """
+    raise NotImplementedError("add_process_set: process sets other than global_process_set "
+                              "are not supported; every collective runs over all ranks")
+
+
+def remove_process_set(process_set: Any) -> bool:
+    """See :func:`add_process_set`: only the global set exists, and it cannot be removed.
+
+    Raises:
+        NotImplementedError: always.
+    """
+    raise NotImplementedError("remove_process_set: only global_process_set exists here")
+
+
 def _check_process_set(process_set: Any, what: str) -> None:
     if process_set is not global_process_set:
         raise NotImplementedError(f"{what}: process sets other than global_process_set are "
