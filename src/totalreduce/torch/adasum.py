@@ -24,8 +24,8 @@ point-to-point op to build that exchange from, and an allgather needs nothing ne
 the torch layer.  Every rank runs the same float64 arithmetic on the same bytes in the
 same order, so every rank gets the bitwise same result, which is what keeps the models
 identical (given the same numpy build on the same kind of CPU: numpy picks its SIMD
-kernels by CPU, and their rounding may differ in the last bit).  Dot products and norms (and the combine itself) run in float64; the result
-is cast back to the tensor's dtype.
+kernels by CPU, and their rounding may differ in the last bit).  Dot products and norms
+(and the combine itself) run in float64; the result is cast back to the tensor's dtype.
 """
 
 from __future__ import annotations
