@@ -196,7 +196,7 @@ def test_distributed_optimizer_with_adasum_combines_each_parameter(parity: Resul
 
 def test_sync_batch_norm_equals_batch_norm_over_the_global_batch(parity: Result) -> None:
     for r in _ranks(parity):
-        assert len(parity.report(r).get("sync_batch_norm", [])) == 4, parity.explain()
+        assert len(parity.report(r).get("sync_batch_norm", [])) == 5, parity.explain()
 
 
 @pytest.mark.parametrize("when", ["after", "before"])

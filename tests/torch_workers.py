@@ -663,8 +663,12 @@ def ddp_errors(arg: dict) -> None:
 def first_use(arg: dict) -> None:
     """One job for the checks above that share it: gradients and 0-d tensors, then DDP
     with buckets that differ between ranks."""
-    autograd_and_scalars(arg)
-    ddp_errors({"case": "buckets"})
+    from checks import run_checks
+
+    hvd.init()
+    run_checks([("gradients and scalars", lambda: autograd_and_scalars(arg)),
+                ("ddp buckets differ", lambda: ddp_errors({"case": "buckets"}))],
+               prefix="first_use")
 
 
 # --- Horovod parity (issue 27) -------------------------------------------------------------
@@ -1142,27 +1146,32 @@ def sync_batch_norm(r: int, n: int) -> None:
 
 
 def _sync_batch_norm_cases(r: int, n: int, calls: list[str]) -> list[str]:
-    sizes = [q + 2 for q in range(n)]  # rows of each rank: 2, 3, 4
-    sizes[-1] = 1  # one rank with a single row: its own variance would be undefined
-    lo = sum(sizes[:r])
+    # Rows of each rank at each step: different sizes; a rank with a single row (its own
+    # variance would be undefined) at the first, a rank with none at the second.
+    steps = [[q + 2 for q in range(n - 1)] + [1], [0] + [q + 3 for q in range(n - 1)]]
     cases = [(torch.nn.BatchNorm1d, (3,), {}), (torch.nn.BatchNorm1d, (3, 5), {}),
              (torch.nn.BatchNorm2d, (3, 4, 2), {}),
-             (torch.nn.BatchNorm2d, (2, 3, 3), {"momentum": None, "affine": False})]
+             (torch.nn.BatchNorm2d, (2, 3, 3), {"momentum": None, "affine": False}),
+             (torch.nn.BatchNorm1d, (4, 3), {"dtype": torch.float32})]
     checked = []
     for i, (cls, tail, kw) in enumerate(cases):
         g = torch.Generator().manual_seed(300 + i)
         channels = tail[0]
-        reference = cls(channels, **kw).double()
-        mine = hvd.SyncBatchNorm(channels, **kw).double()
+        dtype = kw.get("dtype", torch.float64)
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        reference = cls(channels, **kw).to(dtype)
+        mine = hvd.SyncBatchNorm(channels, **kw).to(dtype)
         if reference.affine:
             with torch.no_grad():
                 reference.weight.uniform_(0.5, 1.5, generator=g)
                 reference.bias.uniform_(-1, 1, generator=g)
             mine.load_state_dict(reference.state_dict())
         what = f"{cls.__name__}{tail} {kw}"
-        for step in range(2):
-            x = torch.randn(sum(sizes), *tail, generator=g, dtype=torch.float64) * 3 + step
-            w = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        for step, sizes in enumerate(steps):
+            lo = sum(sizes[:r])
+            x = (torch.randn(sum(sizes), *tail, generator=g, dtype=torch.float64) * 3
+                 + step).to(dtype)
+            w = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype)
             xr, x_mine = x.clone().requires_grad_(), x[lo:lo + sizes[r]].clone().requires_grad_()
             want = reference(xr)
             (want * w).sum().backward()
@@ -1170,25 +1179,25 @@ def _sync_batch_norm_cases(r: int, n: int, calls: list[str]) -> list[str]:
             got = mine(x_mine)
             (got * w[lo:lo + sizes[r]]).sum().backward()
             assert calls == ["forward", "backward"], f"{what}: collectives {calls}"
-            close(got, want[lo:lo + sizes[r]].detach(), f"{what} step {step} output", 1e-10)
-            close(x_mine.grad, xr.grad[lo:lo + sizes[r]], f"{what} input grad", 1e-10)
+            close(got, want[lo:lo + sizes[r]].detach(), f"{what} step {step} output", tol)
+            close(x_mine.grad, xr.grad[lo:lo + sizes[r]], f"{what} input grad", tol)
             if reference.affine:
                 for p_mine, p_ref, label in ((mine.weight, reference.weight, "weight"),
                                              (mine.bias, reference.bias, "bias")):
                     total = hvd.allreduce(p_mine.grad, op=hvd.Sum, name=f"sbn{i}.{label}")
-                    close(total, p_ref.grad, f"{what} {label} grad summed over ranks", 1e-10)
+                    close(total, p_ref.grad, f"{what} {label} grad summed over ranks", tol)
                     p_mine.grad = None
                     p_ref.grad = None
-            close(mine.running_mean, reference.running_mean, f"{what} running_mean", 1e-10)
-            close(mine.running_var, reference.running_var, f"{what} running_var", 1e-10)
+            close(mine.running_mean, reference.running_mean, f"{what} running_mean", tol)
+            close(mine.running_var, reference.running_var, f"{what} running_var", tol)
             assert int(mine.num_batches_tracked) == step + 1
         # Eval: running statistics, no communication (ranks may run it unequally).
         mine.eval()
         reference.eval()
-        x = torch.randn(4, *tail, generator=g, dtype=torch.float64)
+        x = torch.randn(4, *tail, generator=g, dtype=torch.float64).to(dtype)
         calls.clear()
         for _ in range(r + 1):
-            close(mine(x), reference(x), f"{what} eval", 1e-10)
+            close(mine(x), reference(x), f"{what} eval", tol)
         assert calls == [], f"{what}: eval made collectives {calls}"
         checked.append(what)
     try:
