@@ -1081,6 +1081,11 @@ def adasum(r: int, n: int) -> None:
         raise AssertionError("Adasum of an integer tensor was accepted")
     except TypeError as exc:
         assert "Adasum needs a floating-point tensor" in str(exc) and "ada_int" in str(exc), exc
+    try:
+        hvd.reducescatter(torch.ones(n), op=hvd.Adasum, name="ada_rs")
+        raise AssertionError("a reducescatter with Adasum was accepted")
+    except ValueError as exc:
+        assert f"rank {r}: reducescatter 'ada_rs': op=Adasum" in str(exc), exc
     report(adasum=checked)
 
 

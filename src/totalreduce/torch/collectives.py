@@ -246,14 +246,16 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
             bfloat16, float32 or float64, on CPU or CUDA.
         average: deprecated (as in Horovod); True means ``op=Average``, False ``op=Sum``.
         name: matches the op across ranks; unnamed ops match by call order.
-        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max``, ``Product``, or
+            ``Adasum`` (adaptive summation, floating-point tensors only; ``adasum.py``).
         prescale_factor: multiplies the input before the reduction (integer tensors
             are scaled in float64 and truncated back, as in Horovod).
         postscale_factor: multiplies the result after it (likewise).
         priority: higher runs first (a totalreduce extension).
 
     Raises:
-        TypeError: unsupported tensor, or a scale factor on a bool tensor.
+        TypeError: unsupported tensor, a scale factor on a bool tensor, or Adasum of
+            a tensor that is not floating-point.
         ValueError: both ``op`` and ``average`` given.
     """
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
@@ -559,6 +561,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     _check_process_set(process_set, what)
     staged, source = _scaled_stage(tensor, prescale_factor, postscale_factor, False, what)
     rop = resolve_op(op, None, what)
+    if rop is Adasum:
+        raise ValueError(f"rank {_tr.rank()}: {what}: op=Adasum is only for allreduce and "
+                         "grouped_allreduce; use Sum or Average")
     handle = _live_names.submit(name, what, lambda: _ops().reducescatter(
         source, rop, name, 0))
 
