@@ -1081,6 +1081,13 @@ def adasum(r: int, n: int) -> None:
         raise AssertionError("Adasum of an integer tensor was accepted")
     except TypeError as exc:
         assert "Adasum needs a floating-point tensor" in str(exc) and "ada_int" in str(exc), exc
+    try:  # shapes that differ by rank: every rank is told, in terms of its allreduce
+        hvd.allreduce(torch.ones(5 + r), op=hvd.Adasum, name="ada_mismatch")
+        raise AssertionError("Adasum of different shapes was accepted")
+    except hvd.MismatchError as exc:
+        assert f"rank {r}: ranks disagree on allgather 'ada_mismatch'" in str(exc), exc
+        assert "rank 1: kind=allgather, dtype=float32, shape=(1, 6)" in str(exc), exc
+        assert any("op=Adasum" in note for note in exc.__notes__), exc.__notes__
     try:
         hvd.reducescatter(torch.ones(n), op=hvd.Adasum, name="ada_rs")
         raise AssertionError("a reducescatter with Adasum was accepted")

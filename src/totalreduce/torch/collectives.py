@@ -424,6 +424,7 @@ def _adasum_allreduce(staged: list[Staged], sources: list[np.ndarray], name: str
     # A grouped call's parts are named as grouped_allgather's are (name.0, name.1, ...).
     handle: Any = _Together([gather(s, _part_name(name, i)) for i, s in enumerate(sources)],
                             what) if grouped else gather(sources[0], name)
+    handle = _AdasumNoted(handle)
 
     def finish(gathered: Any) -> Any:
         rows = gathered if grouped else [gathered]
@@ -442,6 +443,29 @@ def _adasum_allreduce(staged: list[Staged], sources: list[np.ndarray], name: str
         return out if grouped else out[0]
 
     return TorchHandle(handle, finish)
+
+
+class _AdasumNoted:
+    """An Adasum op's handle: a mismatch, which the engine reports for the allgather it
+    ran, gets a note that says how that maps to the caller's allreduce."""
+
+    __slots__ = ("_handle", "label")
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.label = handle.label
+
+    def done(self) -> bool:
+        return bool(self._handle.done())
+
+    def wait(self, timeout: float | None = None) -> Any:
+        try:
+            return self._handle.wait(timeout)
+        except _tr.MismatchError as exc:
+            exc.add_note("allreduce with op=Adasum runs as an allgather of each tensor as "
+                         "one row: shape (1, N) there is a tensor of N elements here, and "
+                         "every rank must pass op=Adasum")
+            raise
 
 
 # --- allgather, broadcast, alltoall, reducescatter -------------------------------------
