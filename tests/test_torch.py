@@ -29,11 +29,6 @@ def test_training_matches_one_process_with_the_whole_batch(n: int) -> None:
         assert len(done) == len(cases), result.explain()
 
 
-def test_optimizer_state_broadcast() -> None:
-    result = run_ok(2, "torch_workers:optimizer_state", {}, timeout=60)
-    assert result.report(1).get("optimizer_state_ok"), result.explain()
-
-
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_horovod_script_runs_with_only_the_import_changed(n: int) -> None:
     result = run_ok(n, "torch_workers:horovod_script",
@@ -158,6 +153,11 @@ def test_integer_tensors_scale_and_average_toward_zero(parity: Result) -> None:
 def test_uneven_alltoall_and_a_name_in_flight_raise_value_error(parity: Result) -> None:
     for r in _ranks(parity):
         assert parity.report(r).get("parity_d"), parity.explain()
+
+
+def test_optimizer_state_broadcast(parity: Result) -> None:
+    for r in _ranks(parity):
+        assert parity.report(r).get("optimizer_state_ok"), parity.explain()
 
 
 def test_optimizer_state_created_unnamed_parameters_and_sparse_gradients(

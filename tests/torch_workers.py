@@ -697,6 +697,7 @@ def horovod_parity(arg: dict) -> None:
         ("capabilities", lambda: capabilities(r, n)),
         ("integers", lambda: integers(r, n)),
         ("misuse", lambda: misuse_like_horovod(r, n)),
+        ("optimizer state broadcast", lambda: optimizer_state({})),
         ("optimizer", lambda: optimizer_like_horovod(r, n)),
         ("more gradients", lambda: more_gradients(r, n)),
         ("adasum", lambda: adasum(r, n)),
