@@ -380,7 +380,7 @@ def misuse(arg: dict) -> None:
          ValueError, "unique"),
         (lambda: hvd.DistributedOptimizer(sgd, named_parameters=params[1:]), ValueError,
          "not in it"),
-        (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Max), ValueError, "Average or Sum"),
+        (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Max), ValueError, "Average, Sum or Adasum"),
         (lambda: hvd.DistributedOptimizer(sgd, backward_passes_per_step=0), ValueError,
          "backward_passes_per_step"),
         (lambda: hvd.allreduce([1, 2]), TypeError, "torch.Tensor"),
