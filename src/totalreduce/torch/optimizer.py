@@ -270,13 +270,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         grad: torch.Tensor) -> None:
         """A sparse gradient stays out of the bucket (its slot is reduced as zeros) and
         is reduced on its own, sparse, once the last accumulated pass has produced it."""
+        if self._op is Adasum:
+            raise ValueError(f"DistributedOptimizer: op=Adasum needs dense gradients, but "
+                             f"{bucket.names[i]} got a sparse one; pass sparse_as_dense=True")
         self._sparse_params.add(p)
         bucket.fired.add(i)
         bucket.touched.add(i)
         last_pass = self._passes + 1 == self._passes_per_step
-        if self._op is Adasum:
-            raise ValueError(f"DistributedOptimizer: op=Adasum needs dense gradients, but "
-                             f"{bucket.names[i]} got a sparse one; pass sparse_as_dense=True")
         if last_pass:
             self._sparse_pending[p] = sparse_allreduce_async(
                 grad, name=f"{self._prefix}.sparse.{bucket.names[i]}", op=self._op)
