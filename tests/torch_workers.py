@@ -1132,6 +1132,14 @@ def adasum_optimizer(r: int, n: int) -> None:
             raise AssertionError(f"Adasum with {bad} was accepted")
         except ValueError as exc:
             assert text in str(exc), exc
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters(), op=hvd.Adasum)
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+        raise AssertionError("a sparse gradient under Adasum was accepted")
+    except ValueError as exc:
+        assert "weight got a sparse one; pass sparse_as_dense=True" in str(exc), exc
     report(adasum_optimizer=True)
 
 
