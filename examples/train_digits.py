@@ -2,6 +2,7 @@
 
     totalrun -np 4 python examples/train_digits.py --epochs 20 --plot curves.png
     totalrun -np 4 --max-restarts 1 python examples/train_digits.py   # survives a kill
+    totalrun -np 4 python examples/train_digits.py --op adasum      # one worker's lr
 
 Each rank trains on its own shard of the training split; totalreduce's
 DistributedOptimizer averages the gradients, so every rank holds the same model.  Written
@@ -44,6 +45,9 @@ def parse_args() -> argparse.Namespace:
                    "send a --density share of the gradients (the rest waits in residuals)")
     p.add_argument("--density", type=float, default=0.01,
                    help="sparse compression: the share of gradient values sent per step")
+    p.add_argument("--op", choices=["average", "adasum"], default="average",
+                   help="how gradients combine: average (the lr is scaled by the size) or "
+                   "adasum (adaptive summation: the lr stays one worker's)")
     p.add_argument("--plot", metavar="PNG", help="write loss and accuracy curves here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-digest", action="store_true",
@@ -96,7 +100,11 @@ def main() -> None:
     sparse = args.compression in ("oktopk", "topka", "gtopk")
     lr = args.lr if args.lr is not None else (0.25 if sparse else 0.05)
     momentum = args.momentum if args.momentum is not None else (0.0 if sparse else 0.9)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr * size, momentum=momentum)
+    # Averaged gradients of a size-times larger batch take a size-times larger step (the
+    # usual linear scaling); Adasum sums what is orthogonal and averages what agrees, so
+    # it keeps one worker's rate.
+    scaled = lr if args.op == "adasum" else lr * size
+    optimizer = torch.optim.SGD(net.parameters(), lr=scaled, momentum=momentum)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     if args.compression in ("oktopk", "topka", "gtopk"):
@@ -105,7 +113,8 @@ def main() -> None:
         compression = hvd.Compression.fp16 if args.compression == "fp16" \
             else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters(),
-                                         compression=compression)
+                                         compression=compression,
+                                         op=hvd.Adasum if args.op == "adasum" else hvd.Average)
 
     # Every rank takes the same number of steps per epoch (the shortest shard's), so no
     # rank waits for a step the others never take.
@@ -122,7 +131,8 @@ def main() -> None:
     show_bar = sys.stderr.isatty() or "TOTALREDUCE_RANK" in os.environ
     if rank == 0:
         print(f"digits: {size} rank(s), {len(digits.data)} images, per-rank batch "
-              f"{args.batch_size}, {args.epochs} epochs, compression {args.compression}")
+              f"{args.batch_size}, {args.epochs} epochs, compression {args.compression}, "
+              f"{args.op}, lr {scaled:g}")
     for epoch in range(state.epoch, args.epochs + 1):
         net.train()
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))

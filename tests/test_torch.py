@@ -29,11 +29,6 @@ def test_training_matches_one_process_with_the_whole_batch(n: int) -> None:
         assert len(done) == len(cases), result.explain()
 
 
-def test_optimizer_state_broadcast() -> None:
-    result = run_ok(2, "torch_workers:optimizer_state", {}, timeout=60)
-    assert result.report(1).get("optimizer_state_ok"), result.explain()
-
-
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_horovod_script_runs_with_only_the_import_changed(n: int) -> None:
     result = run_ok(n, "torch_workers:horovod_script",
@@ -125,44 +120,104 @@ def test_launcher_names_the_rank_that_raised_in_its_ddp_hook() -> None:
     assert any("PeerFailureError" in ln for ln in result.lines(0)), result.explain()
 
 
-@pytest.fixture(scope="module")
-def parity() -> Result:
-    """One 2-rank job for the Horovod parity checks (torch_workers.horovod_parity)."""
-    return run_ok(2, "torch_workers:horovod_parity", {}, timeout=90)
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def parity(request: pytest.FixtureRequest) -> Result:
+    """One job per world size for the Horovod parity checks (torch_workers.horovod_parity),
+    3 ranks catching what only an odd world shows (uneven splits, Adasum's folded rank)."""
+    return run_ok(request.param, "torch_workers:horovod_parity", {}, timeout=150)
+
+
+def _ranks(result: Result) -> range:
+    return range(int(result.report(0)["launcher_env"]["HOROVOD_SIZE"]))
 
 
 def test_totalrun_exports_horovodrun_variables(parity: Result) -> None:
-    for r in range(2):
+    n = len(_ranks(parity))
+    for r in _ranks(parity):
         assert parity.report(r).get("launcher_env") == {
-            "HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
-            "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
+            "HOROVOD_RANK": str(r), "HOROVOD_SIZE": str(n), "HOROVOD_LOCAL_RANK": str(r),
+            "HOROVOD_LOCAL_SIZE": str(n), "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
         }, parity.explain()
 
 
 def test_horovod_queries_grouped_and_sparse_collectives_and_timeline(parity: Result) -> None:
-    for r in range(2):
+    for r in _ranks(parity):
         assert parity.report(r).get("parity_b"), parity.explain()
 
 
 def test_integer_tensors_scale_and_average_toward_zero(parity: Result) -> None:
-    for r in range(2):
+    for r in _ranks(parity):
         assert parity.report(r).get("parity_c"), parity.explain()
 
 
 def test_uneven_alltoall_and_a_name_in_flight_raise_value_error(parity: Result) -> None:
-    for r in range(2):
+    for r in _ranks(parity):
         assert parity.report(r).get("parity_d"), parity.explain()
+
+
+def test_optimizer_state_broadcast(parity: Result) -> None:
+    for r in _ranks(parity):
+        assert parity.report(r).get("optimizer_state_ok"), parity.explain()
 
 
 def test_optimizer_state_created_unnamed_parameters_and_sparse_gradients(
         parity: Result) -> None:
-    for r in range(2):
+    for r in _ranks(parity):
         assert parity.report(r).get("parity_e"), parity.explain()
 
 
 def test_more_collectives_are_differentiable(parity: Result) -> None:
-    for r in range(2):
+    for r in _ranks(parity):
         assert parity.report(r).get("more_gradients") == [
             "alltoall", "alltoall without splits", "reducescatter Sum",
             "reducescatter Average", "grouped_allgather", "grouped_reducescatter",
         ], parity.explain()
+
+
+ADASUM_CASES = [f"Adasum {d} {s}" for d in ("torch.float32", "torch.float64")
+                for s in ("(7,)", "(3, 5)", "(1,)", "(2, 3, 3)")]
+
+
+def test_adasum_matches_the_numpy_reference(parity: Result) -> None:
+    for r in _ranks(parity):
+        assert parity.report(r).get("adasum") == ADASUM_CASES, parity.explain()
+
+
+def test_adasum_at_4_ranks_two_tree_levels() -> None:
+    result = run_ok(4, "torch_workers:horovod_parity", {"only": ["adasum"]}, timeout=90)
+    for r in range(4):
+        assert result.report(r).get("adasum") == ADASUM_CASES, result.explain()
+
+
+def test_distributed_optimizer_with_adasum_combines_each_parameter(parity: Result) -> None:
+    for r in _ranks(parity):
+        assert parity.report(r).get("adasum_optimizer"), parity.explain()
+
+
+def test_sync_batch_norm_equals_batch_norm_over_the_global_batch(parity: Result) -> None:
+    for r in _ranks(parity):
+        assert len(parity.report(r).get("sync_batch_norm", [])) == 5, parity.explain()
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_check_failing_on_one_rank_stops_every_rank_there(when: str) -> None:
+    """Rank 1 fails check #1 of 4 (a wrong value after the collective, or an error before
+    it while the others wait in it): the report names check #1 and rank 1, and no rank
+    starts check #2."""
+    # "before" waits out the victim's agree_timeout; "after" never does (the others reach
+    # the agreement), so it keeps the generous default for a loaded machine.
+    result = launch(3, "torch_workers:checks_teardown",
+                    {"victim": 1, "fail_at": 1, "when": when,
+                     "agree_timeout": 5.0 if when == "before" else 20.0}, timeout=60)
+    assert result.returncode != 0, result.explain()
+    failed = result.report(1).get("failed_check")
+    assert failed and failed["index"] == 1 and failed["check"] == "sum 1", result.explain()
+    assert list(failed["errors"]) == ["1"], result.explain()
+    assert ("check 1 sum" if when == "after" else "gives up before check 1") \
+        in failed["errors"]["1"], result.explain()
+    for r in range(3):
+        assert result.report(r).get("checks_started") == ["sum 0", "sum 1"], result.explain()
+        if when == "after":  # every rank learned of it at the agreement
+            assert result.report(r).get("failed_check") == failed, result.explain()
+    assert "check #1 'sum 1' failed on rank(s) 1" in result.stdout + result.stderr, \
+        result.explain()

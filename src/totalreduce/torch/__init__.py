@@ -37,6 +37,7 @@ from .. import (
 )
 from ..exceptions import HorovodInternalError
 from ..objects import allgather_object, broadcast_object
+from .adasum import Adasum
 from .basics import (
     ccl_built,
     cross_rank,
@@ -47,6 +48,7 @@ from .basics import (
     gloo_enabled,
     mpi_built,
     mpi_enabled,
+    mpi_threads_supported,
     nccl_built,
     rocm_built,
     start_timeline,
@@ -61,6 +63,7 @@ from .collectives import (
     Product,
     Sum,
     TorchHandle,
+    add_process_set,
     allgather,
     allgather_async,
     allreduce,
@@ -86,6 +89,7 @@ from .collectives import (
     poll,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     sparse_allreduce_async,
     synchronize,
 )
@@ -94,23 +98,26 @@ from .ddp import ddp_comm_hook, gtopk_hook, oktopk_hook, topka_hook
 from .join import join
 from .optimizer import DistributedOptimizer, StepTimings
 from .state import broadcast_optimizer_state, broadcast_parameters
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "AuthenticationError", "Average", "Compression", "Compressor", "DistributedOptimizer",
-    "HorovodInternalError", "Max", "Min", "MismatchError", "OpTimeoutError",
-    "PeerFailureError", "ProcessSet", "Product", "ShutdownError", "StepTimings", "Sum",
-    "TorchHandle", "TorchState", "TotalReduceError", "TransportClosedError", "allgather",
-    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "Adasum", "AuthenticationError", "Average", "Compression", "Compressor",
+    "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "MismatchError",
+    "OpTimeoutError", "PeerFailureError", "ProcessSet", "Product", "ShutdownError",
+    "StepTimings", "Sum", "SyncBatchNorm", "TorchHandle", "TorchState", "TotalReduceError",
+    "TransportClosedError", "add_process_set", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "checkpoint", "cross_rank", "cross_size",
     "cuda_built", "ddl_built", "ddp_comm_hook", "global_process_set", "gloo_built",
     "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "gtopk_hook", "init",
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "mpi_built",
-    "mpi_enabled", "nccl_built", "oktopk_hook", "poll", "rank", "reducescatter",
-    "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
-    "start_timeline", "stop_timeline", "synchronize", "topka_hook", "version_number",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "oktopk_hook", "poll", "rank",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown",
+    "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
+    "topka_hook", "version_number",
 ]
 

@@ -36,6 +36,21 @@ def mpi_enabled() -> bool:
     return runtime.current().transport_name == "mpi"
 
 
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE``, as Horovod answers it.
+
+    Raises:
+        ValueError: the job does not talk over MPI (as Horovod raises when its MPI is not
+            enabled).
+    """
+    if not mpi_enabled():
+        raise ValueError("mpi_threads_supported: this job does not use MPI (launch it with "
+                         "mpiexec and TOTALREDUCE_TRANSPORT=mpi)")
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
 def gloo_built(verbose: bool = False) -> bool:
     """False: totalreduce has its own transports, not Gloo."""
     return False

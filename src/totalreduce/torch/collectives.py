@@ -46,6 +46,8 @@ import torch
 
 import totalreduce as _tr
 
+from . import adasum as _adasum
+from .adasum import Adasum
 from .compression import Compression, Compressor
 from .tensors import Staged, stage
 
@@ -65,6 +67,25 @@ class ProcessSet:
 
 
 global_process_set = ProcessSet()
+
+
+def add_process_set(process_set: Any) -> ProcessSet:
+    """Horovod's sub-communicators are not supported: every collective runs over all ranks.
+
+    Raises:
+        NotImplementedError: always.
+    """
+    raise NotImplementedError("add_process_set: process sets other than global_process_set "
+                              "are not supported; every collective runs over all ranks")
+
+
+def remove_process_set(process_set: Any) -> bool:
+    """See :func:`add_process_set`: only the global set exists, and it cannot be removed.
+
+    Raises:
+        NotImplementedError: always.
+    """
+    raise NotImplementedError("remove_process_set: only global_process_set exists here")
 
 
 def _check_process_set(process_set: Any, what: str) -> None:
@@ -225,14 +246,16 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
             bfloat16, float32 or float64, on CPU or CUDA.
         average: deprecated (as in Horovod); True means ``op=Average``, False ``op=Sum``.
         name: matches the op across ranks; unnamed ops match by call order.
-        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max``, ``Product``, or
+            ``Adasum`` (adaptive summation, floating-point tensors only; ``adasum.py``).
         prescale_factor: multiplies the input before the reduction (integer tensors
             are scaled in float64 and truncated back, as in Horovod).
         postscale_factor: multiplies the result after it (likewise).
         priority: higher runs first (a totalreduce extension).
 
     Raises:
-        TypeError: unsupported tensor, or a scale factor on a bool tensor.
+        TypeError: unsupported tensor, a scale factor on a bool tensor, or Adasum of
+            a tensor that is not floating-point.
         ValueError: both ``op`` and ``average`` given.
     """
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
@@ -256,6 +279,9 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
     _check_process_set(process_set, what)
     rop = resolve_op(op, average, what)
     staged, source = _scaled_stage(tensor, prescale, postscale, inplace, what)
+    if rop is Adasum:
+        return _adasum_allreduce([staged], [source], name, postscale, priority, inplace,
+                                 what, grouped=False)
     handle = _live_names.submit(name, what, lambda: _ops().allreduce(
         source, rop, name, priority, inplace=inplace))
 
@@ -362,6 +388,9 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
     pairs = [_scaled_stage(t, prescale, postscale, inplace, what) for t in tensors]
     staged = [p[0] for p in pairs]
     sources = [p[1] for p in pairs]
+    if rop is Adasum:
+        return _adasum_allreduce(staged, sources, name, postscale, 0, inplace, what,
+                                 grouped=True)
     handle = _live_names.submit(name, what, lambda: _ops().grouped_allreduce(
         sources, rop, name, 0, inplace=inplace))
 
@@ -378,6 +407,65 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
         return out
 
     return TorchHandle(handle, finish)
+
+
+def _adasum_allreduce(staged: list[Staged], sources: list[np.ndarray], name: str | None,
+                      postscale: float, priority: int, inplace: bool, what: str,
+                      grouped: bool) -> TorchHandle:
+    """Adasum (``adasum.py``) of each tensor: every rank's tensor allgathered as one row,
+    the tree run here on the rows; a grouped call still combines each tensor alone."""
+    for source in sources:
+        _adasum.check_dtype(source.dtype, what)
+
+    def gather(source: np.ndarray, part: str | None) -> Any:
+        return _live_names.submit(part, what, lambda: _ops().allgather(
+            source.reshape(1, -1), part, priority))
+
+    # A grouped call's parts are named as grouped_allgather's are (name.0, name.1, ...).
+    handle: Any = _Together([gather(s, _part_name(name, i)) for i, s in enumerate(sources)],
+                            what) if grouped else gather(sources[0], name)
+    handle = _AdasumNoted(handle)
+
+    def finish(gathered: Any) -> Any:
+        rows = gathered if grouped else [gathered]
+        out = []
+        for s, source, g in zip(staged, sources, rows, strict=True):
+            result = _adasum.reduce_gathered(g, [(0, source.size)], source.dtype) \
+                .reshape(source.shape)
+            if postscale != 1.0:
+                _scale(result, postscale)
+            if inplace:
+                s.array[...] = result
+                s.write_back()
+                out.append(s.tensor)
+            else:
+                out.append(s.result(result))
+        return out if grouped else out[0]
+
+    return TorchHandle(handle, finish)
+
+
+class _AdasumNoted:
+    """An Adasum op's handle: a mismatch, which the engine reports for the allgather it
+    ran, gets a note that says how that maps to the caller's allreduce."""
+
+    __slots__ = ("_handle", "label")
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.label = handle.label
+
+    def done(self) -> bool:
+        return bool(self._handle.done())
+
+    def wait(self, timeout: float | None = None) -> Any:
+        try:
+            return self._handle.wait(timeout)
+        except _tr.MismatchError as exc:
+            exc.add_note("allreduce with op=Adasum runs as an allgather of each tensor as "
+                         "one row: shape (1, N) there is a tensor of N elements here, and "
+                         "every rank must pass op=Adasum")
+            raise
 
 
 # --- allgather, broadcast, alltoall, reducescatter -------------------------------------
@@ -497,6 +585,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     _check_process_set(process_set, what)
     staged, source = _scaled_stage(tensor, prescale_factor, postscale_factor, False, what)
     rop = resolve_op(op, None, what)
+    if rop is Adasum:
+        raise ValueError(f"rank {_tr.rank()}: {what}: op=Adasum is only for allreduce and "
+                         "grouped_allreduce; use Sum or Average")
     handle = _live_names.submit(name, what, lambda: _ops().reducescatter(
         source, rop, name, 0))
 

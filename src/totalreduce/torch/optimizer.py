@@ -29,7 +29,9 @@ import totalreduce as _tr
 
 from .. import runtime as _runtime
 from ..exceptions import MismatchError
+from . import adasum as _adasum
 from . import buckets as _buckets
+from .adasum import Adasum
 from .collectives import (
     Average,
     ProcessSet,
@@ -81,7 +83,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: backward passes accumulated locally before the
             gradients are reduced (gradient accumulation); ``step()`` must come after
             exactly that many.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum`` or ``Adasum`` (``adasum.py``: each
+            parameter's gradient combined by adaptive summation, so the learning rate
+            stays one worker's; floating-point parameters only).  Horovod applies
+            Adasum to the local optimizer's update instead of to the gradient: the two
+            agree for plain SGD, not with momentum or Adam (docs/PORTING.md).
         gradient_predivide_factor: divides gradients by this before the sum and
             multiplies the average by it after (keeps float16 sums in range).
         sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense
@@ -94,7 +100,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         ValueError: duplicate or missing parameter names, a bad
-            ``backward_passes_per_step``, or an op other than Average and Sum.
+            ``backward_passes_per_step``, an op other than Average, Sum and Adasum, or
+            Adasum with a sparse compression or a gradient_predivide_factor.
         MismatchError: ranks disagree on the parameters.
     """
 
@@ -114,8 +121,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be an int >= 1, got "
                              f"{backward_passes_per_step!r}")
-        if op not in (_tr.Average, _tr.Sum):
-            raise ValueError(f"DistributedOptimizer: op must be Average or Sum, got {op!r}")
+        if op is not Adasum and op not in (_tr.Average, _tr.Sum):
+            raise ValueError("DistributedOptimizer: op must be Average, Sum or Adasum, got "
+                             f"{op!r}")
+        if op is Adasum and isinstance(compression, SparseCompressor):
+            raise ValueError("DistributedOptimizer: op=Adasum cannot combine with a sparse "
+                             "compression (Ok-Topk and co. sum what they select)")
         if gradient_predivide_factor != 1.0 and op != _tr.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         if gradient_predivide_factor <= 0:
@@ -259,6 +270,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         grad: torch.Tensor) -> None:
         """A sparse gradient stays out of the bucket (its slot is reduced as zeros) and
         is reduced on its own, sparse, once the last accumulated pass has produced it."""
+        if self._op is Adasum:
+            raise ValueError(f"DistributedOptimizer: op=Adasum needs dense gradients, but "
+                             f"{bucket.names[i]} got a sparse one; pass sparse_as_dense=True")
         self._sparse_params.add(p)
         bucket.fired.add(i)
         bucket.touched.add(i)
@@ -299,9 +313,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wire, ctx = self._compression.compress(flat)
         staged = stage(wire, "DistributedOptimizer")
         bucket.launch_time = time.monotonic()
-        handle = _tr.allreduce_async_(staged.array, op=self._op,
-                                      name=f"{self._prefix}.b{bucket.index}",
-                                      priority=bucket.index)
+        if self._op is Adasum:
+            _adasum.check_dtype(staged.array.dtype, f"DistributedOptimizer bucket of "
+                                f"{', '.join(bucket.names)}")
+            # Every rank's bucket gathered; _complete combines parameter by parameter.
+            handle = _tr.allgather_async(staged.array.reshape(1, -1),
+                                         name=f"{self._prefix}.b{bucket.index}",
+                                         priority=bucket.index)
+        else:
+            handle = _tr.allreduce_async_(staged.array, op=self._op,
+                                          name=f"{self._prefix}.b{bucket.index}",
+                                          priority=bucket.index)
 
         def finished(_h: Any) -> None:
             bucket.done_time = time.monotonic()
@@ -315,7 +337,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(self._compression, SparseCompressor):
             self._sparse_reduce(bucket, self._compression)
             return
-        handle.wait()
+        gathered = handle.wait()
+        if self._op is Adasum:
+            edges = list(itertools.accumulate((p.numel() for p in bucket.params), initial=0))
+            staged.array[...] = _adasum.reduce_gathered(
+                gathered, list(itertools.pairwise(edges)), staged.array.dtype)
         staged.write_back()
         if wire is not bucket.flat:
             bucket.flat.copy_(self._compression.decompress(wire, ctx))
