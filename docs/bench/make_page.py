@@ -294,13 +294,24 @@ machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-me
 and over MPI, and no slower over TCP; at 4 ranks 16 and 64 MB ran 1.2-1.3x faster.  Fewer
 pieces means less Python work per byte; a piece is still no bigger than one core's L2 here.
 
-Why ops of 24 MiB and more lend their pieces (cross-memory attach, transport/cma.py): in one
-process pair alternating MPI_Allreduce, the ring and lending op by op (2 ranks), lending ran
-0.63-0.82x MPI at 2-8 MB where the ring ran 0.84-1.04x, 0.92-1.10x at 12-32 MB where the
-ring ran 0.43-0.96x (it falls furthest when the host is slow), and 2.26-2.47x at 64 MB.
-But run alone, as the benchmark runs each library, the ring was ahead up to 16 MiB
-(12 MiB: 1.01x / 0.88x against 0.91x / 0.77x lending; 16 MiB: 1.16x / 1.04x against
-0.99x / 0.99x) and even at 24 MiB (1.20x / 1.08x against 1.13x / 1.22x).
+Why blocking ops of up to 2 MiB run on the caller's thread (`TOTALREDUCE_DIRECT_BYTES`,
+engine/smallpath.py): `python -m totalreduce.bench collectives -n 2 --sizes 256K,1M,2M
+--ops allreduce,allgather,broadcast --rounds 2` with `--set DIRECT_BYTES=65536` and then
+`--set DIRECT_BYTES=2097152`: allreduce went from 0.34x to 0.36x MPI at 256 KB, from 0.41x
+to 0.59x at 1 MB and from 0.43x to 0.58x at 2 MB; allgather gained 0.01-0.03x; broadcast
+gained at 256 KB and 1 MB but lost at 2 MB (0.50x to 0.36x), where the general path lends
+the body and the small path copies it through the ring. Allreduce decided it.
+
+Why ops of 1 MiB and more lend their pieces (cross-memory attach, transport/cma.py): two
+runs of `python -m totalreduce.bench collectives -n 2 --sizes 4M,16M,64M --ops
+allreduce,allgather,broadcast,reducescatter --rounds 2`, one with `--set CMA_BYTES=25165824`
+(24 MiB, the earlier default) and one with `--set CMA_BYTES=1048576`, each against MPI in
+the same run: lending from 1 MiB took allreduce from 0.69x to 0.74x MPI at 4 MB and from
+0.77x to 0.97x at 16 MB, allgather from 0.59x to 0.81x at 16 MB, broadcast from 0.42x to
+0.58x at 4 MB and from 0.74x to 0.87x at 16 MB; 64 MB (lent either way) and reducescatter
+(whose pieces stay in the ring) did not move. Ops of up to 2 MiB that run on the caller's
+thread (the small path) never lend. An earlier measurement, with the rings' copies done
+through numpy, had the ring ahead up to 16 MiB when each library ran alone.
 
 Why the ring holds two segments (plus 128 KiB for the small records between them): a ring's
 footprint is its size, and in one process pair alternating ring policies op by op (order

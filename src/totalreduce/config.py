@@ -33,7 +33,7 @@ TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's 
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
                                    doubling (fewer hops), bigger ones the ring;
                                    -1 = auto (2 MiB at 2 ranks, else 1 MiB)
-TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         64 KiB
+TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         2 MiB
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never)
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
@@ -42,7 +42,7 @@ TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when      
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    -1
                                    ranks on one host (shm transport; 0 = off,
                                    -1 = auto: two segments plus 128 KiB)
-TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      24 MiB
+TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      1 MiB
                                    ring peers: the receiver's kernel copies them
                                    out of the sender's memory (0 = never)
 TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB
@@ -228,10 +228,10 @@ class Config:
     shutdown_timeout: float = 10.0
     mismatch_grace: float = 1.0
     small_bytes: int = -1
-    direct_bytes: int = 64 << 10
+    direct_bytes: int = 2 << 20
     transport: str = "auto"
     shm_bytes: int = -1
-    cma_bytes: int = 24 << 20
+    cma_bytes: int = 1 << 20
     scratch_bytes: int = 32 << 20
     name_capacity: int = 1 << 16
     bucket_bytes: int = 16 << 20
