@@ -25,8 +25,11 @@ def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any) -> None:
     if dest.size == 0:
         return
     src = np.frombuffer(incoming, dtype=dest.dtype, count=dest.size)
-    # Overflow to inf or a wrapped integer is the defined result (as in MPI), not an error
-    # to print from a background thread.
+    if dest.dtype.kind not in "fc":
+        ufunc(dest, src, out=dest)  # integer arrays wrap without a warning
+        return
+    # Overflow to inf is the defined result (as in MPI), not an error to print from a
+    # background thread.  (np.errstate costs about half a small reduction: floats only.)
     with np.errstate(all="ignore"):
         ufunc(dest, src, out=dest)
 
