@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -29,12 +30,14 @@ UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 
 
+@functools.lru_cache(maxsize=64)
 def averager(dtype: np.dtype, size: int) -> Callable[[np.ndarray], None] | None:
     """Divides a finished region by the world size, in place.
 
     Integers get the (wrapping) sum divided and truncated toward zero, as Horovod's
     integer average does (-75 / 2 is -37), the same exact integers on every rank; floats
-    use true division in their own precision, as numpy would.
+    use true division in their own precision, as numpy would.  Cached per (dtype,
+    size): the dtype tests cost more than a small op's reduction.
     """
     if size == 1:
         return None
