@@ -152,13 +152,15 @@ class FutureHandle(Handle):
 
 class DoneHandle(Handle):
     """The handle of an op that ran to its end on the caller's thread (the small path):
-    nothing to wait for."""
+    nothing to wait for.  With ``error``, the op failed: ``wait()`` raises it, as any
+    handle's would (callers may expect failures from ``wait()``, not from the submit)."""
 
-    __slots__ = ("_result", "_label")
+    __slots__ = ("_result", "_label", "_error")
 
-    def __init__(self, result: Any, label: str) -> None:
+    def __init__(self, result: Any, label: str, error: BaseException | None = None) -> None:
         self._result = result
         self._label = label
+        self._error = error
 
     @property
     def label(self) -> str:
@@ -172,13 +174,15 @@ class DoneHandle(Handle):
         return True
 
     def error(self) -> BaseException | None:
-        return None
+        return self._error
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         fn(self)
 
     def wait(self, timeout: float | None = None) -> Any:
         ctrl_c.raise_if_pending()
+        if self._error is not None:
+            raise_failure(self._error)
         return self._result
 
     def result_now(self) -> Any:

@@ -450,7 +450,10 @@ class SelfGuided:
         A thread that blocks on it runs the two one after the other (each may take the
         small path); otherwise the second starts when the first ends."""
         if self._engine.waits_here():
-            self._launch(first, lambda: None).wait()
+            try:
+                self._launch(first, lambda: None).wait()
+            except Exception as exc:  # the op's failure: the handle's wait() raises it
+                return DoneHandle(None, label, exc)
             return self._launch(second(), finish)
         future = self._two_phase(self._engine.submit(first),
                                  lambda: self._engine.submit(second()))
