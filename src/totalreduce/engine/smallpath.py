@@ -173,6 +173,10 @@ class SmallPath:
             return op.future
         self.ran += 1
         self._ops.ran(key)
+        # READYs that came while it ran were kept as early ones (it was not in the op
+        # table): nothing will ever take them now.
+        ledger.pop_early(key)
+        self._serving.forget(key)
         return True
 
     # --- the inbox's side ----------------------------------------------------------------
