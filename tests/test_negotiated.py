@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import PROMPTLY, launch, run_ok
+from harness import PROMPTLY, Result, launch, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
@@ -90,37 +90,58 @@ def test_timeline_of_a_killed_rank_still_loads(tmp_path: Path) -> None:
     assert any(e["name"] == "NEGOTIATE" for e in events), events[:5]
 
 
-@pytest.mark.parametrize("what,values", [
-    ("shape", ("(4,)", "(5,)")),
-    ("dtype", ("float32", "float64")),
-    ("layout", ("(3, 2)", "(2, 3)")),
-    ("op", ("op=Average", "op=Max")),
-])
-def test_mismatch_raises_on_every_rank(what: str, values: tuple[str, str]) -> None:
-    n = 3
-    result = run_ok(n, "workers:mismatch", {"what": what}, env=NEGOTIATED, timeout=60)
-    for r in range(n):
-        got = result.report(r)
+MISMATCHES = {
+    "shape": ("(4,)", "(5,)"),
+    "dtype": ("float32", "float64"),
+    "layout": ("(3, 2)", "(2, 3)"),
+    "op": ("op=Average", "op=Max"),
+}
+
+
+@pytest.fixture(scope="module")
+def mismatch_job() -> Result:
+    """One 3-rank job runs every mismatch in turn (the job must go on after each, which the
+    worker checks); each case is still judged by a test of its own."""
+    return run_ok(3, "workers:mismatch", {"whats": list(MISMATCHES)}, env=NEGOTIATED,
+                  timeout=90)
+
+
+@pytest.mark.parametrize("what", list(MISMATCHES))
+def test_mismatch_raises_on_every_rank(what: str, mismatch_job: Result) -> None:
+    result, values = mismatch_job, MISMATCHES[what]
+    for r in range(3):
+        got = result.report(r).get(f"case:{what}", {})
         msg = got.get("mismatch", "")
         assert msg.startswith(f"rank {r}: ranks disagree on allreduce 'grad.w'"), \
             result.explain()
         assert f"differs: {what.replace('layout', 'shape')}" in msg, msg
         assert values[0] in msg and values[1] in msg, msg
-        assert all(f"rank {q}: kind=allreduce" in msg for q in range(n)), msg
+        assert all(f"rank {q}: kind=allreduce" in msg for q in range(3)), msg
         assert got["after_s"] < PROMPTLY, got
+        assert got["after_ok"], got  # the job went on
 
 
-@pytest.mark.parametrize("variant", ["every_rank_its_own_root", "last_rank_other_root",
-                                     "broadcast_against_allreduce"])
-def test_disagreeing_broadcast_raises_on_every_rank(variant: str) -> None:
-    n = 3
-    result = run_ok(n, "workers:broadcast_mismatch", {"variant": variant}, env=NEGOTIATED,
-                    timeout=60)
+BROADCAST_VARIANTS = ["every_rank_its_own_root", "last_rank_other_root",
+                      "broadcast_against_allreduce"]
+
+
+@pytest.fixture(scope="module")
+def broadcast_mismatch_job() -> Result:
+    """One 3-rank job runs every disagreeing broadcast in turn (see mismatch_job)."""
+    return run_ok(3, "workers:broadcast_mismatch", {"variants": BROADCAST_VARIANTS},
+                  env=NEGOTIATED, timeout=90)
+
+
+@pytest.mark.parametrize("variant", BROADCAST_VARIANTS)
+def test_disagreeing_broadcast_raises_on_every_rank(variant: str,
+                                                    broadcast_mismatch_job: Result) -> None:
+    result = broadcast_mismatch_job
     differs = "kind" if variant == "broadcast_against_allreduce" else "root"
-    for r in range(n):
-        got = result.report(r)
+    for r in range(3):
+        got = result.report(r).get(f"case:{variant}", {})
         assert not got.get("returned_data") and "mismatch" in got, result.explain()
         assert f"differs: {differs}" in got["mismatch"], got
+        assert got["after_ok"], got  # the job went on
 
 
 def test_stall_warning_names_tensor_and_missing_rank() -> None:
