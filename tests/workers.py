@@ -893,9 +893,30 @@ def big_then_leave(arg: dict) -> None:
 def sparse_allreduce(arg: dict) -> None:
     """One sparse algorithm over several calls: identical outputs on every rank, the
     conservation identity on every call, warm-up calls equal to dense, measured volume."""
+    tr.init()
+    got = _sparse_run(arg, "g")
+    tr.shutdown()
+    report(**got)
+
+
+def sparse_allreduce_cases(arg: dict) -> None:
+    """``sparse_allreduce`` for each of ``arg["cases"]`` in turn in one job (each its own
+    algorithm object and tensor name), reported under ``case:<key>``.  A failed check is
+    reported under its case before it ends the job, so the test names the case."""
+    tr.init()
+    for key, case in arg["cases"].items():
+        try:
+            got = _sparse_run(case, f"g.{key}")
+        except AssertionError as exc:
+            report(**{f"case:{key}": {"error": f"{key}: {exc}"}})
+            raise
+        report(**{f"case:{key}": got})
+    tr.shutdown()
+
+
+def _sparse_run(arg: dict, name: str) -> dict:
     from totalreduce import compression
 
-    tr.init()
     rank, n_ranks = tr.rank(), tr.size()
     n, calls = arg["n"], arg["calls"]
     kind = arg["alg"]
@@ -915,10 +936,10 @@ def sparse_allreduce(arg: dict) -> None:
             grads[:] = 0
         elif case == "ties":
             grads = np.round(grads * 20) / 20  # many equal magnitudes at the threshold
-        out = alg.allreduce(grads[rank], "g")
+        out = alg.allreduce(grads[rank], name)
         every_out = tr.allgather(out.reshape(1, n))
         assert all(np.array_equal(every_out[0], o) for o in every_out), "outputs differ"
-        new = tr.allgather(alg.residual("g").reshape(1, n))
+        new = tr.allgather(alg.residual(name).reshape(1, n))
         lhs = n_ranks * out.astype(np.float64) + new.astype(np.float64).sum(axis=0)
         rhs = (grads.astype(np.float64) + old).sum(axis=0)
         scale = max(1.0, float(np.abs(rhs).max()))
@@ -929,15 +950,14 @@ def sparse_allreduce(arg: dict) -> None:
         if call < warm:
             dense = tr.allreduce(grads[rank] + old[rank], op=tr.Average)
             assert np.array_equal(out, dense), "a warm-up call differs from dense"
-        st = alg.stats("g")
+        st = alg.stats(name)
         volumes.append({"call": call, "bytes_sent": st["bytes_sent"],
                         "messages_sent": st["messages_sent"], "k": st["k"],
                         "local": st["local_selected"], "global": st["global_selected"]})
         old = new.astype(np.float32)
-    tr.shutdown()
     nz = np.flatnonzero(out)
-    report(volumes=volumes, worst=worst, nonzero=int(nz.size),
-           last_nonzero=int(nz[-1]) if nz.size else -1)
+    return {"volumes": volumes, "worst": worst, "nonzero": int(nz.size),
+            "last_nonzero": int(nz[-1]) if nz.size else -1}
 
 
 def negotiated_checks_after_a_first_call(arg: dict) -> None:
