@@ -5,11 +5,34 @@ from __future__ import annotations
 
 import pytest
 
-from harness import run_ok
+from harness import Result, launch, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
 WORD = 4
+ALGS = ["oktopk", "topka", "gtopk"]
+
+# Parametrized cases that differ only in the algorithm and the input run in one job per
+# group (workers:sparse_allreduce_cases, each case its own algorithm object and tensor
+# name), started by the group's first test; each case is still judged by its own test.
+_JOBS: dict[str, Result] = {}
+
+
+def _job(group: str, n_ranks: int, cases: dict[str, dict], timeout: float) -> Result:
+    if group not in _JOBS:
+        _JOBS[group] = launch(n_ranks, "workers:sparse_allreduce_cases", {"cases": cases},
+                              timeout=timeout)
+    return _JOBS[group]
+
+
+def _case(result: Result, key: str, n_ranks: int) -> list[dict]:
+    """Every rank's report of case ``key``; fails naming the case if it failed or was not
+    reached, or if the job failed after it."""
+    got = [result.report(r).get(f"case:{key}") for r in range(n_ranks)]
+    assert all(g is not None and "error" not in g for g in got), \
+        f"case {key}: {got}\n" + result.explain()
+    assert result.returncode == 0, result.explain()
+    return got  # type: ignore[return-value]
 
 
 def _words(v: dict) -> float:
@@ -17,16 +40,20 @@ def _words(v: dict) -> float:
     return (v["bytes_sent"] - 64 * v["messages_sent"]) / WORD
 
 
-@pytest.mark.parametrize("n_ranks", [2, 3, 4])
-@pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
-def test_identity_and_identical_outputs(alg: str, n_ranks: int) -> None:
+def _identity_case(alg: str) -> dict:
     kwargs = {"warmup": 2, "tau_local": 4, "tau_global": 4, "tau_region": 8} \
         if alg == "oktopk" else {}
-    result = run_ok(n_ranks, "workers:sparse_allreduce",
-                    {"alg": alg, "n": 20_011, "calls": 12, "density": 0.01, "seed": 3,
-                     "kwargs": kwargs}, timeout=120)
-    for r in range(n_ranks):
-        assert result.report(r)["worst"] < 1e-5, result.explain()
+    return {"alg": alg, "n": 20_011, "calls": 12, "density": 0.01, "seed": 3,
+            "kwargs": kwargs}
+
+
+@pytest.mark.parametrize("n_ranks", [2, 3, 4])
+@pytest.mark.parametrize("alg", ALGS)
+def test_identity_and_identical_outputs(alg: str, n_ranks: int) -> None:
+    result = _job(f"identity-{n_ranks}", n_ranks, {a: _identity_case(a) for a in ALGS},
+                  timeout=150)
+    for got in _case(result, alg, n_ranks):
+        assert got["worst"] < 1e-5, result.explain()
 
 
 def test_oktopk_in_one_alltoall_keeps_the_identity() -> None:
@@ -70,37 +97,47 @@ def test_topka_volume_grows_with_ranks(n_ranks: int) -> None:
             assert 0.9 * 2 * k * (n_ranks - 1) <= _words(v) <= 1.1 * 2 * k * (n_ranks - 1), v
 
 
-@pytest.mark.parametrize("case", ["silent_rank", "zeros", "ties"])
-@pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
-def test_edge_cases(alg: str, case: str) -> None:
+EDGE_CASES = ["silent_rank", "zeros", "ties"]
+
+
+def _edge_case(alg: str, case: str) -> dict:
     kwargs = {"warmup": 1, "tau_local": 2, "tau_global": 2} if alg == "oktopk" else {}
-    run_ok(3, "workers:sparse_allreduce",
-           {"alg": alg, "n": 5_003, "calls": 5, "density": 0.02, "seed": 7, "case": case,
-            "kwargs": kwargs}, timeout=120)
+    return {"alg": alg, "n": 5_003, "calls": 5, "density": 0.02, "seed": 7, "case": case,
+            "kwargs": kwargs}
 
 
-@pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
-def test_a_buffer_longer_than_float32_counts_exactly(alg: str) -> None:
+@pytest.mark.parametrize("case", EDGE_CASES)
+@pytest.mark.parametrize("alg", ALGS)
+def test_edge_cases(alg: str, case: str) -> None:
+    result = _job("edge", 3, {f"{a}-{c}": _edge_case(a, c) for a in ALGS for c in EDGE_CASES},
+                  timeout=150)
+    _case(result, f"{alg}-{case}", 3)
+
+
+def _long_buffer_case(alg: str) -> dict:
     # Past 2^24 a float32 no longer holds every integer: an index carried in one would
     # land a value beside its place, and the identity would fail there.
-    n = (1 << 24) + (1 << 20)
-    kwargs = {"warmup": 1} if alg == "oktopk" else {}
-    result = run_ok(2, "workers:sparse_allreduce",
-                    {"alg": alg, "n": n, "calls": 3, "density": 1e-4, "seed": 2,
-                     "kwargs": kwargs}, timeout=200)
-    for r in range(2):
-        got = result.report(r)
+    return {"alg": alg, "n": (1 << 24) + (1 << 20), "calls": 3, "density": 1e-4, "seed": 2,
+            "kwargs": {"warmup": 1} if alg == "oktopk" else {}}
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_a_buffer_longer_than_float32_counts_exactly(alg: str) -> None:
+    result = _job("long", 2, {a: _long_buffer_case(a) for a in ALGS}, timeout=240)
+    for got in _case(result, alg, 2):
         assert got["worst"] < 1e-5, result.explain()
         assert got["last_nonzero"] >= 1 << 24, got  # some output lies past 2^24
 
 
-@pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
+def _k_of_one_case(alg: str) -> dict:
+    return {"alg": alg, "n": 999, "calls": 4, "density": 1e-6, "seed": 1,
+            "kwargs": {"warmup": 1} if alg == "oktopk" else {}}
+
+
+@pytest.mark.parametrize("alg", ALGS)
 def test_k_of_one(alg: str) -> None:
-    kwargs = {"warmup": 1} if alg == "oktopk" else {}
-    result = run_ok(2, "workers:sparse_allreduce",
-                    {"alg": alg, "n": 999, "calls": 4, "density": 1e-6, "seed": 1,
-                     "kwargs": kwargs}, timeout=60)
-    assert result.report(0)["volumes"][-1]["k"] == 1
+    result = _job("k1", 2, {a: _k_of_one_case(a) for a in ALGS}, timeout=90)
+    assert _case(result, alg, 2)[0]["volumes"][-1]["k"] == 1
 
 
 @pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])

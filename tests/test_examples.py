@@ -28,8 +28,11 @@ def _totalrun(n: int, *args: str, timeout: float, launcher_args: tuple[str, ...]
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_digits_reaches_95_percent_in_20_epochs(n: int) -> None:
-    out = _totalrun(n, str(EXAMPLES / "train_digits.py"), "--epochs", "20",
+def test_digits_reaches_95_percent_in_10_epochs(n: int) -> None:
+    # The first 10 epochs of the README's 20 (nothing in the run depends on --epochs but
+    # where it stops, and it is seeded): 95% is first reached at epoch 5-6 at 1, 2 and 4
+    # ranks, and epoch 10 has 96.0-96.9% (97-98% at 20).
+    out = _totalrun(n, str(EXAMPLES / "train_digits.py"), "--epochs", "10",
                     timeout=150).stdout
     found = re.search(r"final test accuracy ([\d.]+)%", out)
     assert found and float(found.group(1)) >= 95.0, out[-2000:]

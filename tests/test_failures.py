@@ -4,29 +4,41 @@ import re
 
 import pytest
 
-from harness import JOB_ENDS, PROMPTLY, launch, run_ok
+from harness import JOB_ENDS, PROMPTLY, TRANSPORTS, Result, launch, mpiexec, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("what,values", [
-    ("shape", ("(4,)", "(5,)")),
-    ("dtype", ("float32", "float64")),
-    ("layout", ("(3, 2)", "(2, 3)")),
-    ("op", ("op=Average", "op=Max")),
-])
-def test_mismatch_raises_on_every_rank(what: str, values: tuple[str, str],
-                                       transport: str) -> None:
-    n = 3
-    result = run_ok(n, "workers:mismatch", {"what": what}, timeout=60, transport=transport)
-    for r in range(n):
-        got = result.report(r)
+MISMATCHES = {
+    "shape": ("(4,)", "(5,)"),
+    "dtype": ("float32", "float64"),
+    "layout": ("(3, 2)", "(2, 3)"),
+    "op": ("op=Average", "op=Max"),
+}
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def mismatch_job(request: pytest.FixtureRequest) -> Result:
+    """One 3-rank job per transport runs every mismatch in turn (the job must go on after
+    each, which the worker checks); each case is still judged by a test of its own."""
+    if request.param == "mpi" and mpiexec() is None:
+        pytest.skip("mpi transport: mpi4py/mpiexec not installed (pip install '.[mpi]')")
+    return run_ok(3, "workers:mismatch", {"whats": list(MISMATCHES)}, timeout=90,
+                  transport=request.param)
+
+
+@pytest.mark.parametrize("what", list(MISMATCHES))
+def test_mismatch_raises_on_every_rank(what: str, mismatch_job: Result) -> None:
+    result, values = mismatch_job, MISMATCHES[what]
+    for r in range(3):
+        got = result.report(r).get(f"case:{what}", {})
         assert "mismatch" in got, result.explain()
         msg = got["mismatch"]
         assert got["after_s"] < PROMPTLY, got
         assert "'grad.w'" in msg and what.replace("layout", "shape") in msg, msg
         assert values[0] in msg and values[1] in msg, msg
         assert "rank 1:" in msg and "rank 0:" in msg, msg
+        assert got["after_ok"], got  # the job went on
 
 
 def test_killed_worker_fails_every_rank_and_launcher() -> None:

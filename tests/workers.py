@@ -303,28 +303,34 @@ def lagging_rank(arg: dict) -> None:
 
 
 def mismatch(arg: dict) -> None:
+    """Each case of ``arg["whats"]`` in turn: an allreduce the ranks disagree on, then one
+    they agree on (the job goes on after a mismatch).  One job runs every case, so each
+    case's outcome is reported under ``case:<what>`` and a case that does not raise is
+    reported, not raised: the other cases still run and the test names the one that
+    failed."""
     tr.init()
     rank = tr.rank()
-    what = arg["what"]
-    if what == "shape":
-        x = np.ones(5 if rank == 1 else 4, np.float32)
-    elif what == "dtype":
-        x = np.ones(4, np.float64 if rank == 1 else np.float32)
-    elif what == "layout":  # same element count, different shape
-        x = np.ones((2, 3) if rank == 1 else (3, 2), np.float32)
-    else:  # the op
-        x = np.ones(4, np.float32)
-    op = tr.Max if what == "op" and rank == 1 else tr.Average
-    start = time.monotonic()
-    try:
-        tr.allreduce(x, op=op, name="grad.w")
-    except tr.MismatchError as exc:
-        report(mismatch=str(exc), after_s=time.monotonic() - start)
-    else:
-        raise AssertionError("no MismatchError")
-    # The job goes on after a mismatch.
-    y = tr.allreduce(np.full(3, rank, np.int64), op=tr.Sum, name="after")
-    assert y.tolist() == [sum(range(tr.size()))] * 3
+    for what in arg["whats"]:
+        if what == "shape":
+            x = np.ones(5 if rank == 1 else 4, np.float32)
+        elif what == "dtype":
+            x = np.ones(4, np.float64 if rank == 1 else np.float32)
+        elif what == "layout":  # same element count, different shape
+            x = np.ones((2, 3) if rank == 1 else (3, 2), np.float32)
+        else:  # the op
+            x = np.ones(4, np.float32)
+        op = tr.Max if what == "op" and rank == 1 else tr.Average
+        start = time.monotonic()
+        try:
+            tr.allreduce(x, op=op, name="grad.w")
+        except tr.MismatchError as exc:
+            got: dict = {"mismatch": str(exc), "after_s": time.monotonic() - start}
+        else:
+            got = {"returned_data": True}
+        # The job goes on after a mismatch.
+        y = tr.allreduce(np.full(3, rank, np.int64), op=tr.Sum, name="after")
+        got["after_ok"] = y.tolist() == [sum(range(tr.size()))] * 3
+        report(**{f"case:{what}": got})
     tr.shutdown()
 
 
@@ -641,26 +647,31 @@ def soak(arg: dict) -> None:
 
 
 def broadcast_mismatch(arg: dict) -> None:
-    """Ranks that disagree about a broadcast: every rank must raise, none return data."""
+    """Ranks that disagree about a broadcast: every rank must raise, none return data.
+    Each variant of ``arg["variants"]`` in turn, reported under ``case:<variant>``, with
+    an allreduce the ranks agree on after each (the job goes on after a mismatch)."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     x = np.full(1000, float(rank), np.float32)
-    variant = arg["variant"]
-    start = time.monotonic()
-    try:
-        if variant == "every_rank_its_own_root":  # the root_rank=rank() typo
-            tr.broadcast(x, root_rank=rank, name="weights")
-        elif variant == "last_rank_other_root":
-            tr.broadcast(x, root_rank=n - 1 if rank == n - 1 else 0, name="weights")
-        else:  # rank 0 broadcasts what the others allreduce
-            if rank == 0:
-                tr.broadcast(x, root_rank=0, name="weights")
-            else:
-                tr.allreduce(x, name="weights")
-    except tr.MismatchError as exc:
-        report(mismatch=str(exc), after_s=time.monotonic() - start)
-    else:
-        report(returned_data=True)
+    for variant in arg["variants"]:
+        start = time.monotonic()
+        try:
+            if variant == "every_rank_its_own_root":  # the root_rank=rank() typo
+                tr.broadcast(x, root_rank=rank, name="weights")
+            elif variant == "last_rank_other_root":
+                tr.broadcast(x, root_rank=n - 1 if rank == n - 1 else 0, name="weights")
+            else:  # rank 0 broadcasts what the others allreduce
+                if rank == 0:
+                    tr.broadcast(x, root_rank=0, name="weights")
+                else:
+                    tr.allreduce(x, name="weights")
+        except tr.MismatchError as exc:
+            got: dict = {"mismatch": str(exc), "after_s": time.monotonic() - start}
+        else:
+            got = {"returned_data": True}
+        y = tr.allreduce(np.full(3, rank, np.int64), op=tr.Sum, name="after")
+        got["after_ok"] = y.tolist() == [sum(range(n))] * 3
+        report(**{f"case:{variant}": got})
     tr.shutdown()
 
 
@@ -882,9 +893,30 @@ def big_then_leave(arg: dict) -> None:
 def sparse_allreduce(arg: dict) -> None:
     """One sparse algorithm over several calls: identical outputs on every rank, the
     conservation identity on every call, warm-up calls equal to dense, measured volume."""
+    tr.init()
+    got = _sparse_run(arg, "g")
+    tr.shutdown()
+    report(**got)
+
+
+def sparse_allreduce_cases(arg: dict) -> None:
+    """``sparse_allreduce`` for each of ``arg["cases"]`` in turn in one job (each its own
+    algorithm object and tensor name), reported under ``case:<key>``.  A failed check is
+    reported under its case before it ends the job, so the test names the case."""
+    tr.init()
+    for key, case in arg["cases"].items():
+        try:
+            got = _sparse_run(case, f"g.{key}")
+        except AssertionError as exc:
+            report(**{f"case:{key}": {"error": f"{key}: {exc}"}})
+            raise
+        report(**{f"case:{key}": got})
+    tr.shutdown()
+
+
+def _sparse_run(arg: dict, name: str) -> dict:
     from totalreduce import compression
 
-    tr.init()
     rank, n_ranks = tr.rank(), tr.size()
     n, calls = arg["n"], arg["calls"]
     kind = arg["alg"]
@@ -904,10 +936,10 @@ def sparse_allreduce(arg: dict) -> None:
             grads[:] = 0
         elif case == "ties":
             grads = np.round(grads * 20) / 20  # many equal magnitudes at the threshold
-        out = alg.allreduce(grads[rank], "g")
+        out = alg.allreduce(grads[rank], name)
         every_out = tr.allgather(out.reshape(1, n))
         assert all(np.array_equal(every_out[0], o) for o in every_out), "outputs differ"
-        new = tr.allgather(alg.residual("g").reshape(1, n))
+        new = tr.allgather(alg.residual(name).reshape(1, n))
         lhs = n_ranks * out.astype(np.float64) + new.astype(np.float64).sum(axis=0)
         rhs = (grads.astype(np.float64) + old).sum(axis=0)
         scale = max(1.0, float(np.abs(rhs).max()))
@@ -918,15 +950,14 @@ def sparse_allreduce(arg: dict) -> None:
         if call < warm:
             dense = tr.allreduce(grads[rank] + old[rank], op=tr.Average)
             assert np.array_equal(out, dense), "a warm-up call differs from dense"
-        st = alg.stats("g")
+        st = alg.stats(name)
         volumes.append({"call": call, "bytes_sent": st["bytes_sent"],
                         "messages_sent": st["messages_sent"], "k": st["k"],
                         "local": st["local_selected"], "global": st["global_selected"]})
         old = new.astype(np.float32)
-    tr.shutdown()
     nz = np.flatnonzero(out)
-    report(volumes=volumes, worst=worst, nonzero=int(nz.size),
-           last_nonzero=int(nz[-1]) if nz.size else -1)
+    return {"volumes": volumes, "worst": worst, "nonzero": int(nz.size),
+            "last_nonzero": int(nz[-1]) if nz.size else -1}
 
 
 def negotiated_checks_after_a_first_call(arg: dict) -> None:
