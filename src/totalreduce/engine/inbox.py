@@ -119,12 +119,12 @@ class Inbox:
     def received_view(self, peer: int, header: Header, body: memoryview) -> None:
         small = self.small
         if small is not None and small.current is not None and header.kind == Kind.DATA:
-            op = small.current
-            if header.name_key == op.key0 and header.seq == op.key1:
+            running = small.current
+            if header.name_key == running.key0 and header.seq == running.key1:
                 if header.credit:
                     self._ledger.grant(peer, header.credit)
                     self._outbox.unpark(peer)
-                small.received(op, peer, header, body)
+                small.received(running, peer, header, body)
                 return
         if header.kind == Kind.DATA and self._use_in_place:
             op = self._ops.active.get((header.name_key, header.seq))

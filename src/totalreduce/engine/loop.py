@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import Config
 from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError, TransportClosedError
@@ -30,12 +30,17 @@ from .job import JobState
 from .mismatch_tracker import MismatchTracker
 from .optable import OpTable
 from .outbox import Outbox
-from .payload import OpFuture
 from .serving import JoinServer
 from .stall import overdue
 from .starter import Starter
 
 logger = logging.getLogger(__name__)
+
+
+class Awaited(Protocol):
+    """What a driving thread waits for: an op's future, or a small op (smallpath.py)."""
+
+    def done(self) -> bool: ...
 
 
 class Loop:
@@ -79,7 +84,7 @@ class Loop:
     def leaving(self) -> bool:
         return self.leave_asked or self._shutdown_deadline is not None
 
-    def step(self, timeout: float | None, until: OpFuture | None = None) -> None:
+    def step(self, timeout: float | None, until: Awaited | None = None) -> None:
         """One turn; the caller holds the drive lock (or, unthreaded, is the only thread).
         ``timeout=None``: start what was submitted and flush, but read nothing (a submit
         returns quickly); ``until``: the driver's future (the turn that resolves it never

@@ -33,6 +33,7 @@ from .departures import Departures
 from .floating import Floating
 from .job import JobState
 from .ledger import CreditLedger, charge_of
+from .loop import Awaited
 from .mismatch_tracker import MismatchTracker
 from .opstate import LiveOp
 from .optable import OpTable
@@ -98,7 +99,7 @@ class SmallPath:
     def __init__(self, job: JobState, ops: OpTable, ledger: CreditLedger,
                  floating: Floating, mismatches: MismatchTracker, departures: Departures,
                  serving: JoinServer, starter: Starter, applier: Applier,
-                 transport: Transport, step: Callable[[float | None, SmallOp], None],
+                 transport: Transport, step: Callable[[float | None, Awaited | None], None],
                  waiter: Callable[[OpFuture, float | None], bool]) -> None:
         """``step(timeout, until)``: one turn of the engine's loop (loop.py); ``waiter``:
         how a future of the engine's is waited for (Engine.wait)."""
@@ -241,8 +242,9 @@ class SmallPath:
         spec = op.spec
         peer = send.peer
         lo, hi = send.lo, send.hi
-        view = spec.work[lo:hi] if not send.from_source else spec.source[lo:hi]  # type: ignore[index]
-        body = memoryview(view).cast("B") if hi > lo else None
+        arr = spec.source if send.from_source else spec.work
+        assert arr is not None
+        body = arr[lo:hi].data.cast("B") if hi > lo else None
         nbytes = 0 if body is None else body.nbytes
         ledger = self._ledger
         flags = 0

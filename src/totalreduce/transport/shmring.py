@@ -151,12 +151,12 @@ class RingWriter:
         # Slices of a memoryview: a quarter of the cost of numpy's for a small record,
         # the same memcpy for a big one.
         view[at:at + HEADER_SIZE] = header
-        if n:
+        if body is not None and n:
             try:
-                view[at + HEADER_SIZE:at + HEADER_SIZE + n] = body  # type: ignore[index]
+                view[at + HEADER_SIZE:at + HEADER_SIZE + n] = body
             except (TypeError, ValueError):  # not a flat byte view: numpy copies anything
                 np.copyto(self._m.data[at + HEADER_SIZE:at + HEADER_SIZE + n],
-                          np.frombuffer(body, dtype=np.uint8))  # type: ignore[arg-type]
+                          np.frombuffer(body, dtype=np.uint8))
         self._head = start + size
         ctl[_HEAD] = self._head
         return True
