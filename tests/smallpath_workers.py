@@ -140,3 +140,24 @@ def late_peer(arg: dict) -> None:
     stats = current().engine.stats()
     report(direct=stats["direct_ops"], handed_over=stats["direct_handed_over"])
     tr.shutdown()
+
+
+def lent_body(arg: dict) -> None:
+    """A 1.5 MB blocking allreduce: rank 0 runs it on the small path, rank 1 (another
+    op in flight) on the general path, which lends its body: the small path cannot take
+    a lent body and hands the op over at once; the sum is right either way."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    count = 3 * (1 << 17)  # 1.5 MiB of float32
+    for i in range(3):
+        other = tr.allreduce_async(np.ones(4), op=tr.Sum, name=f"other.{i}") \
+            if rank == 1 else None
+        got = tr.allreduce(np.full(count, rank + i, np.float32), op=tr.Sum, name=f"big.{i}")
+        assert np.array_equal(got, np.full(count, n * (n - 1) / 2 + n * i, np.float32)), i
+        if rank != 1:
+            other = tr.allreduce_async(np.ones(4), op=tr.Sum, name=f"other.{i}")
+        assert other is not None and np.array_equal(other.wait(), np.full(4, n))
+    stats = current().engine.stats()
+    report(direct=stats["direct_ops"], handed_over=stats["direct_handed_over"],
+           lent=tr.transport_stats()["bodies_lent"])
+    tr.shutdown()

@@ -40,6 +40,10 @@ class Floating:
         self.bytes -= item.charge
         self._ledger.owe(item.src, item.charge)
 
+    def count_from(self, key: OpKey, peer: int) -> int:
+        """How many bodies of op ``key`` from ``peer`` are here."""
+        return sum(1 for item in self._bodies.get(key, ()) if item.src == peer)
+
     def first_arrival(self, key: OpKey) -> float:
         """When the first body of op ``key`` arrived (0.0: none floats)."""
         items = self._bodies.get(key)

@@ -62,6 +62,12 @@ class Inbox:
             return memoryview(control)
         charge = charged(header)
         key = header.op_key
+        small = self.small
+        if small is not None and small.current is not None and \
+                key == (small.current.key0, small.current.key1):
+            # A body that does not arrive whole in a ring slot (lent, or in chunks): the
+            # general path takes the op over and routes it.
+            small.hand_over()
         op = self._ops.active.get(key)
         if op is not None:
             recv = self._mismatches.check(op, peer, header)

@@ -295,6 +295,12 @@ class SmallPath:
                 return
             step(PROMOTE_AFTER, op)
 
+    def hand_over(self) -> None:
+        """The op in flight goes on on the general path now (the inbox has a body for it
+        that only the general path can take)."""
+        if self.current is not None:
+            self._promote(self.current)
+
     def _lost_peer(self, op: SmallOp) -> bool:
         """Whether a peer this op still needs has shut down (one that has sent and taken
         all it had to may leave: its goodbye may even be read before the op ends)."""

@@ -99,7 +99,7 @@ class Starter:
         departed = self._departures.departed()
         if departed:
             if needs is None:
-                needs = set(spec.schedule.expected_from()) | spec.schedule.first_peers
+                needs = self._needs(spec, departed)
             gone = sorted(needs & departed)
             if gone:
                 ops.refuse(key)
@@ -120,6 +120,18 @@ class Starter:
         self._resume()
         serving.forget(key)
         return op
+
+    def _needs(self, spec: OpSpec, departed: set[int]) -> set[int]:
+        """Which of the ``departed`` peers this op, starting now, still needs: one whose
+        messages for it have not all floated in already, or one it must send to.  A peer
+        that left in order sent everything it ever will first, so an op whose messages
+        from it are all here can still finish (the sizes phase of an allgather may be
+        what read them, and the goodbye behind them, before the data phase started)."""
+        schedule = spec.schedule
+        expected = schedule.expected_from()
+        return {peer for peer in departed
+                if schedule.sends_to(peer)
+                or expected.get(peer, 0) > self._floating.count_from(spec.key, peer)}
 
     def _catch_up(self, op: LiveOp) -> bool:
         """Apply the pieces that floated in before ``op`` and join a mismatch peers
