@@ -348,17 +348,24 @@ want it on.
 ## Known weak spots
 
 - Small messages: an allreduce of a few bytes costs about 45 us at 2 ranks (MPI: 3-5 us),
-  nearly all of it Python per op. Batch small tensors (`grouped_allreduce`, the
-  optimizer's buckets), or run many of them negotiated (fused: see above).
+  nearly all of it Python per op, even on the small path (a blocking op with nothing
+  else in flight runs on the caller's thread, engine/smallpath.py). Batch small
+  tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
+  negotiated (fused: see above).
 - The other collectives trail MPI at 2 ranks: allgather 0.47-0.70x, alltoall 0.20-0.69x,
   broadcast 0.29-0.84x from 1 MB up; reducescatter is behind up to 16 MB (0.61-0.70x) and
   ahead from 64 MB (1.55-1.72x). Allreduce, the op training uses, is ahead from 256 KB.
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
 - Oversubscribed ranks (4 on 2 cores): small ops take about 0.8 ms, and 1-16 MB
   allreduces run at 0.70-0.74x MPI; 64 MB is ahead (2.01x).
-- Preemption over the rings: a 1 KB op issued 2 ms into a 64 MB one waited about as long
-  with priorities as without (6.4 against 6.1 ms here); over TCP they help (10.9 against
-  25.4 ms). Why has not been looked into yet.
+- Preemption: the table above predates lending from 1 MiB. Then the rings held up to two
+  2 MiB pieces of the big op ahead of the urgent record, so priorities changed nothing
+  over shared memory; lent pieces leave only descriptors in the ring. In a run of
+  `python -m totalreduce.bench preempt -n 2` at real-time priority (`chrt -f 10`, the
+  host being busy) the urgent op took 0.64 ms with priorities, 1.19 ms without and
+  0.15 ms alone (MPI: 17.8 ms during the big op); over TCP 6.0 ms against 0.23 ms alone.
+  What is left: the receiver still reduces the lent pieces queued ahead of the urgent
+  record before it reads it, and over TCP a whole 2 MiB piece is written before it.
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up here, but 0.32-0.97x at 4 oversubscribed ranks between 1 and 16 MB.
 """]
