@@ -148,6 +148,14 @@ def test_distributed_optimizer_with_a_sparse_compressor(alg: str) -> None:
         assert result.report(r).get("sparse_ok"), result.explain()
 
 
+def test_overlapped_buckets_give_the_weights_of_reducing_at_step() -> None:
+    pytest.importorskip("torch")
+    result = run_ok(2, "torch_workers:overlap_matches_step", {}, timeout=150)
+    for r in range(2):
+        for label in ("none", "oktopk", "topka", "gtopk"):
+            assert f"same:{label}" in result.report(r), result.explain()
+
+
 def test_oktopk_ddp_hook() -> None:
     pytest.importorskip("torch")
     result = run_ok(2, "torch_workers:sparse_ddp_hook", {}, timeout=120)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import totalreduce as _tr
 
 from ..compression import GTopk, OkTopk, TopkA
+from .sparse_worker import SparseWorker
 from .tensors import stage
 
 _NOTE = "raised in backward() by totalreduce.torch's DDP comm hook for DDP's gradient bucket"
@@ -111,22 +112,31 @@ def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 
 def _sparse_hook(algorithm: Any) -> Any:
+    worker = SparseWorker(f"totalreduce.{algorithm.name}_hook")
+
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         prefix = state if isinstance(state, str) else "ddp"
         buffer = bucket.buffer()
         index = bucket.index()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        error: Exception | None = None
-        try:
-            staged = stage(buffer, f"{algorithm.name}_hook")
+        staged = stage(buffer, f"{algorithm.name}_hook")
+
+        def reduce() -> None:
             staged.array[...] = algorithm.allreduce(staged.array, f"{prefix}.bucket{index}")
             staged.write_back()
-        except Exception as exc:  # backward() raises it (see the module docstring)
-            error = exc
-        if error is not None and not _raise_at_end_of_backward(index, lambda: error):
-            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
-        else:
-            future.set_result(buffer)
+
+        # DDP hands buckets over in index order on every rank: the worker keeps it.
+        job = worker.submit(reduce)
+        queued = _raise_at_end_of_backward(index, job.exception)
+
+        def done(j: Any) -> None:
+            error = j.exception()
+            if error is None or queued:
+                future.set_result(buffer)
+            else:
+                future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
+
+        job.add_done_callback(done)
         return future
 
     hook.algorithm = algorithm  # type: ignore[attr-defined]  # its residuals, for checkpoints
@@ -138,8 +148,9 @@ def oktopk_hook(density: float = 0.01, **knobs: Any) -> Any:
 
         model.register_comm_hook(None, totalreduce.torch.oktopk_hook(density=0.01))
 
-    The hook runs the sparse allreduce to completion inside backward (it is several
-    blocking collectives), and its residuals live in ``hook.algorithm``."""
+    Each bucket's sparse allreduce (several blocking collectives) runs on a thread of
+    the hook's own while backward goes on; DDP waits for it at the end of the pass.  The
+    residuals live in ``hook.algorithm``."""
     return _sparse_hook(OkTopk(density, **knobs))
 
 

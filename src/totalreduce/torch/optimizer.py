@@ -7,6 +7,10 @@ layers; ``step()`` waits only for what is still in flight, then runs the wrapped
 optimizer.  Buckets holding earlier layers get higher priority, so the gradients the next
 forward pass needs first are the first to arrive.
 
+A sparse compression (Ok-Topk, TopkA, gTopk) starts a bucket the same way, on a thread
+of its own (``sparse_worker.py``), so that its selection and its exchanges overlap the
+rest of backward; buckets go to that thread in index order, which every rank shares.
+
 At the end of each backward pass (a callback autograd runs when the pass is over), any
 bucket still waiting for a gradient is launched anyway: a parameter that got no gradient
 this step is reduced as zeros and its ``.grad`` becomes a zero tensor, as in Horovod, so an
@@ -16,10 +20,12 @@ unused parameter never hangs its bucket.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +46,7 @@ from .collectives import (
     sparse_allreduce_async,
 )
 from .compression import Compression, Compressor, SparseCompressor
+from .sparse_worker import SparseWorker
 from .tensors import stage
 
 _instances = itertools.count()
@@ -79,7 +86,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             wire, float16 precision and range), or a sparse allreduce:
             ``Compression.oktopk(density=0.01)``, ``topka(...)``, ``gtopk(...)`` (a
             fraction of the bytes; what is not sent waits in residuals, saved with
-            ``state_dict()``; buckets are reduced when the step synchronizes).
+            ``state_dict()``).
         backward_passes_per_step: backward passes accumulated locally before the
             gradients are reduced (gradient accumulation); ``step()`` must come after
             exactly that many.
@@ -97,6 +104,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rank must then produce it in the same steps.
         bucket_bytes: gradient bucket size (default ``TOTALREDUCE_BUCKET_BYTES``); every
             rank must pass the same.
+        overlap: reduce each bucket as soon as backward has filled it (the default).
+            False reduces every bucket when the step synchronizes, after backward: the
+            same results (bucket by bucket, in the same order), without the overlap;
+            for measuring what the overlap saves.
 
     Raises:
         ValueError: duplicate or missing parameter names, a bad
@@ -111,7 +122,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  process_set: ProcessSet = global_process_set, *,
-                 bucket_bytes: int | None = None) -> None:
+                 bucket_bytes: int | None = None, overlap: bool = True) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -156,6 +167,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             set(params) if isinstance(optimizer, torch.optim.SparseAdam) and \
             not sparse_as_dense else set()
         self._sparse_pending: dict[torch.Tensor, TorchHandle] = {}
+        self._overlap = overlap
+        self._sparse_worker = SparseWorker(f"{self._prefix}.sparse") \
+            if isinstance(compression, SparseCompressor) else None
+        self._sparse_next = 0  # the next bucket to go to the sparse worker
         self._check_same_everywhere(names, params)
         cap = _runtime.current().config.bucket_bytes if bucket_bytes is None else bucket_bytes
         if cap < 1:
@@ -262,7 +277,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = view
         bucket.fired.add(i)
         bucket.touched.add(i)
-        if (self._passes + 1 == self._passes_per_step
+        if (self._overlap and self._passes + 1 == self._passes_per_step
                 and len(bucket.fired) == len(bucket.params)):
             self._launch(bucket)
 
@@ -280,7 +295,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if last_pass:
             self._sparse_pending[p] = sparse_allreduce_async(
                 grad, name=f"{self._prefix}.sparse.{bucket.names[i]}", op=self._op)
-            if len(bucket.fired) == len(bucket.params):
+            if self._overlap and len(bucket.fired) == len(bucket.params):
                 self._launch(bucket)
 
     def _on_backward_end(self) -> None:
@@ -289,7 +304,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes += 1
         for b in self._buckets:
             b.fired.clear()
-        if self._passes == self._passes_per_step:
+        if self._overlap and self._passes == self._passes_per_step:
             for b in self._buckets:
                 if b.pending is None:
                     self._launch(b)
@@ -303,10 +318,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = bucket.views[i]
         flat = bucket.flat
         if isinstance(self._compression, SparseCompressor):
-            # A sparse allreduce is several blocking collectives: it runs when the step
-            # synchronizes (no overlap with backward), on the whole bucket.
             bucket.launch_time = time.monotonic()
             bucket.pending = (None, None, None, None)
+            self._start_sparse()
             return
         if self._predivide != 1.0:
             flat.div_(self._predivide)
@@ -331,11 +345,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         handle.add_done_callback(finished)
         bucket.pending = (handle, staged, wire, ctx)
 
+    def _start_sparse(self) -> None:
+        """Hand launched buckets to the sparse worker, in index order: a bucket launched
+        early waits for the buckets before it."""
+        sparse, worker = self._compression, self._sparse_worker
+        assert isinstance(sparse, SparseCompressor) and worker is not None
+        while self._sparse_next < len(self._buckets):
+            bucket = self._buckets[self._sparse_next]
+            if bucket.pending is None:
+                return
+            job = worker.submit(functools.partial(self._sparse_reduce, bucket, sparse))
+            bucket.pending = (job, None, None, None)
+            self._sparse_next += 1
+
     def _complete(self, bucket: _buckets.Bucket) -> None:
         handle, staged, wire, ctx = bucket.pending
         bucket.pending = None
         if isinstance(self._compression, SparseCompressor):
-            self._sparse_reduce(bucket, self._compression)
+            handle.result()
             return
         gathered = handle.wait()
         if self._op is Adasum:
@@ -357,6 +384,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         staged.array[...] = out
         staged.write_back()
         bucket.done_time = time.monotonic()
+
+    def _settle_sparse(self) -> None:
+        """After a failed bucket: let the worker finish the later ones before their
+        buffers are reused (they fail fast too when a peer is lost)."""
+        self._sparse_next = 0
+        for b in self._buckets:
+            job = b.pending[0] if b.pending is not None else None
+            if isinstance(job, Future):
+                with contextlib.suppress(BaseException):
+                    job.result()
 
     # --- the public surface -----------------------------------------------------------
 
@@ -388,6 +425,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p, handle in self._sparse_pending.items():
                 p.grad = handle.wait()
         finally:
+            self._settle_sparse()
             self._sparse_pending.clear()
             for b in self._buckets:
                 b.pending = None
