@@ -198,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", parents=[common], help="samples/s of a training step")
     p.add_argument("--model", default="mlp", help="mlp (communication-heavy) or convnet")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--buckets-mb", default="1,4,8,16,25",
-                   help="DistributedOptimizer bucket sizes to sweep (MB)")
+    p.add_argument("--buckets-mb", default="16",
+                   help="DistributedOptimizer bucket sizes to sweep (MB), e.g. 1,4,16,25")
+    p.add_argument("--sparse", default="oktopk,topka,gtopk",
+                   help="sparse compressions to run at the default bucket size "
+                   "('' for none)")
+    p.add_argument("--density", type=float, default=0.01, help="of the sparse compressions")
     p.add_argument("--steps", type=int, default=5, help="steps per timed repetition")
     p.add_argument("--reps", type=int, default=5)
     p = sub.add_parser("recovery", help="kill a worker: time to recover against the "
@@ -233,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                    densities=[float(d) for d in args.densities.split(",")])
     elif args.test == "train":
         cfg.update(model=args.model, batch_size=args.batch_size, steps=args.steps,
-                   reps=args.reps, buckets_mb=[float(b) for b in args.buckets_mb.split(",")])
+                   reps=args.reps, buckets_mb=[float(b) for b in args.buckets_mb.split(",")],
+                   sparse=[a for a in args.sparse.split(",") if a], density=args.density)
     else:
         cfg.update(big_bytes=parse_size(args.big), small_bytes=parse_size(args.small),
                    delay=args.delay, reps=args.reps)

@@ -54,7 +54,7 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
                 key = (first["mode"], n, backend)
                 meta = {"mode": first["mode"]}
             slot = pooled.setdefault(key, dict(meta, ranks=n, backend=backend, times=[],
-                                               last_ready=[], flat=[]))
+                                               last_ready=[], flat=[], alone=[]))
             if "unsupported" in first:
                 slot["unsupported"] = first["unsupported"]
             elif test == "skew":
@@ -64,6 +64,10 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
                 slot["flat"] += _slowest([it["flat_times"] for it in items])
             else:
                 slot["times"] += _slowest([it["times"] for it in items])
+                if "alone" in first:
+                    slot["alone"] += _slowest([it["alone"] for it in items])
+                if "versus" in first:
+                    slot["versus"] = first["versus"]
                 if test == "sparse":
                     slot["words_per_k"] = max(it["words_per_k"] for it in items)
                     slot["nnz"] = first["nnz"]
@@ -71,12 +75,14 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
     for row in rows:
         if row["times"]:
             row.update(_stats(row["times"]))
+        if row["alone"]:
+            row["alone_median"] = float(np.median(row["alone"]))
         if row["flat"]:
             row["flat_median"] = float(np.median(row["flat"]))
             row["last_ready_median"] = float(np.median(row["last_ready"]))
     _add_ratios(test, rows)
     for row in rows:
-        for k in ("times", "last_ready", "flat"):
+        for k in ("times", "last_ready", "flat", "alone"):
             row.pop(k, None)
     return rows
 
@@ -103,11 +109,19 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
             ref = best.get((r["model"], r["ranks"]))
             r["time_vs_best_mpi"] = r["median"] / ref if ref else None
     elif test == "train":
-        ddp = {r["ranks"]: r["median"] for r in rows if r["mode"] == "DDP"}
+        ddp = {(r["model"], r["ranks"]): r["median"] for r in rows if r["mode"] == "DDP"}
+        by_mode = {(r["model"], r["ranks"], r["backend"], r["mode"]): r["median"]
+                   for r in rows}
         for r in rows:
             r["samples_per_s"] = r["batch"] * r["ranks"] / r["median"]
-            ref = ddp.get(r["ranks"])
+            ref = ddp.get((r["model"], r["ranks"]))
             r["speed_vs_ddp"] = ref / r["median"] if ref else None
+            dense = by_mode.get((r["model"], r["ranks"], r["backend"], r.get("versus")))
+            r["speed_vs_dense"] = dense / r["median"] if dense else None
+            compute = by_mode.get((r["model"], r["ranks"], r["backend"], "compute only"))
+            if compute and r.get("alone_median"):
+                exposed = (r["median"] - compute) / r["alone_median"]
+                r["hidden"] = float(min(1.0, max(0.0, 1.0 - exposed)))
     elif test == "sparse":
         dense = {(r["ranks"], r["mode"].rsplit(" ", 1)[0]): r["median"] for r in rows
                  if r["mode"].endswith(" dense") and "median" in r}
@@ -168,10 +182,12 @@ def print_table(test: str, rows: list[Row]) -> None:
                 for r in sorted(rows, key=lambda r: (r["model"], r["ranks"], r["median"]))]
     elif test == "train":
         head = ("model", "n", "mode", "step ms", "p10-p90 ms", "samples/s",
-                "speed vs DDP gloo")
+                "speed vs DDP gloo", "speed vs dense", "comm alone ms", "comm hidden")
         body = [(r["model"], r["ranks"], r["mode"], _ms(r["median"]),
                  f"{_ms(r['p10'])}-{_ms(r['p90'])}", f"{r['samples_per_s']:.0f}",
-                 _ratio(r["speed_vs_ddp"]))
+                 _ratio(r["speed_vs_ddp"]), _ratio(r["speed_vs_dense"]),
+                 _ms(r["alone_median"]) if "alone_median" in r else "-",
+                 f"{100 * r['hidden']:.0f}%" if "hidden" in r else "-")
                 for r in sorted(rows, key=lambda r: (r["model"], r["ranks"], r["median"]))]
     elif test == "skew":
         head = ("model", "n", "backend", "median ms", "last ready ms", "ideal ms",

@@ -2,13 +2,21 @@
 its gradients.
 
 - ``totalreduce-shm``: totalreduce's DistributedOptimizer (hooks, in-place buckets), once
-  per bucket size of the sweep;
+  per bucket size of the sweep, then once per sparse compression (``--sparse``, at
+  ``--density``, default bucket size);
 - ``gloo``: torch DDP over gloo (its default 25 MB buckets);
 - ``ddp-hook``: the same DDP, its buckets reduced through ``totalreduce.torch.ddp_comm_hook``.
 
 Every rank runs the same fixed random batch: the step time is compute plus whatever
 communication the step could not hide.  A repetition is ``steps`` steps; its time is the
 slowest rank's.
+
+Every job also times the model's step with no communication at all (``compute only``:
+every rank computing at once, as in the other modes), and each mode's communication with
+nothing else running (``comm alone``: the optimizer's buckets reduced after backward, or
+DDP's bucket sizes allreduced over gloo).  The share of communication hidden behind
+backward is ``1 - (step - compute only) / comm alone``: 100 % when a step costs no more
+than its computation, 0 % when it costs its computation plus the whole communication.
 """
 
 from __future__ import annotations
@@ -53,6 +61,27 @@ def _batch(name: str, size: int) -> tuple[Any, Any]:
     return x, torch.randint(0, 1000, (size,), generator=g)
 
 
+def _runtime_bucket_mb() -> float:
+    import totalreduce
+
+    from .. import runtime
+
+    assert totalreduce.is_initialized()
+    return runtime.current().config.bucket_bytes / (1 << 20)
+
+
+def _ddp_bucket_sizes(model: Any) -> list[int]:
+    """Element counts of DDP's default buckets (1 MB first, then 25 MB) over the
+    parameters in reverse order, as DDP's reducer forms them."""
+    sizes, current, cap = [], 0, 1 << 20
+    for p in reversed(list(model.parameters())):
+        current += p.numel()
+        if current * 4 >= cap:
+            sizes.append(current)
+            current, cap = 0, 25 << 20
+    return sizes + ([current] if current else [])
+
+
 def _time_steps(step: Any, barrier: Any, steps: int, reps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         step()
@@ -94,6 +123,16 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
                     bucket_bytes=int(mb * (1 << 20)))
                 return model, opt
             setups.append((f"optimizer {mb:g}MB", make))
+        for alg in cfg["sparse"]:
+            def make_sparse(alg: str = alg) -> tuple[Any, Any]:
+                model = _model(cfg["model"])
+                opt = hvd.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=1e-4),
+                    named_parameters=model.named_parameters(),
+                    compression=getattr(hvd.Compression, alg)(density=cfg["density"]))
+                return model, opt
+            setups.append((f"{alg} {cfg['density']:g}", make_sparse))
+        default_mb = _runtime_bucket_mb()
     else:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -115,6 +154,19 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
             return model, torch.optim.SGD(model.parameters(), lr=1e-4)
         setups = [("DDP + totalreduce hook" if backend == "ddp-hook" else "DDP", make_ddp)]
     x, y = _batch(cfg["model"], batch)
+
+    def compute_only() -> list[float]:
+        model = _model(cfg["model"])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return _time_steps(step, barrier, cfg["steps"], cfg["reps"], warmup=2)
+
+    out.append({"model": cfg["model"], "mode": "compute only", "batch": batch,
+                "times": compute_only()})
     for mode, build in setups:
         model, opt = build()
 
@@ -124,7 +176,19 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
             opt.step()
 
         times = _time_steps(step, barrier, cfg["steps"], cfg["reps"], warmup=3)
-        out.append({"model": cfg["model"], "mode": mode, "batch": batch, "times": times})
+        if hasattr(opt, "synchronize"):
+            # The buckets reduced with backward over: what overlap has to hide.
+            alone = _time_steps(lambda opt=opt: opt.synchronize(force=True), barrier,
+                                cfg["steps"], cfg["reps"], warmup=1)
+        else:
+            flats = [torch.zeros(n) for n in _ddp_bucket_sizes(model)]
+            alone = _time_steps(lambda flats=flats: [dist.all_reduce(f) for f in flats],
+                                barrier, cfg["steps"], cfg["reps"], warmup=1)
+        row = {"model": cfg["model"], "mode": mode, "batch": batch, "times": times,
+               "alone": alone}
+        if backend.startswith("totalreduce") and not mode.startswith("optimizer"):
+            row["versus"] = f"optimizer {default_mb:g}MB"  # the dense run it compares with
+        out.append(row)
         del model, opt
     if backend.startswith("totalreduce"):
         hvd.shutdown()

@@ -17,10 +17,10 @@ class Dense(SparseAllreduce):
     def __init__(self) -> None:
         super().__init__(1.0)
 
-    def _run(self, grad: np.ndarray, name: str, state: State
-             ) -> tuple[np.ndarray, int, int]:
-        out = tr.allreduce(grad, op=tr.Average, name=f"{name}.dense")
-        return out, grad.size, grad.size
+    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
+             ) -> tuple[int, int]:
+        out[...] = tr.allreduce(grad, op=tr.Average, name=f"{name}.dense")
+        return grad.size, grad.size
 
 
 class TopkA(SparseAllreduce):
@@ -29,20 +29,20 @@ class TopkA(SparseAllreduce):
 
     name = "topka"
 
-    def _run(self, grad: np.ndarray, name: str, state: State
-             ) -> tuple[np.ndarray, int, int]:
-        acc = grad + state.residual
+    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
+             ) -> tuple[int, int]:
+        acc = state.residual
+        acc += grad
         n, size = acc.size, tr.size()
         sel = top_k(acc, self.k(n))
         rows = tr.allgather(pack(sel, acc[sel], n), name=f"{name}.topka")
         idx, val = unpack(rows, n, acc.dtype)
-        out = np.zeros(n, acc.dtype)
+        out.fill(0)
         np.add.at(out, idx, val)
         chosen = int(np.unique(idx).size)
         out /= size
         acc[sel] = 0  # every selected value reached the output
-        state.residual = acc
-        return out, sel.size, chosen
+        return sel.size, chosen
 
 
 class GTopk(SparseAllreduce):
@@ -57,9 +57,10 @@ class GTopk(SparseAllreduce):
 
     name = "gtopk"
 
-    def _run(self, grad: np.ndarray, name: str, state: State
-             ) -> tuple[np.ndarray, int, int]:
-        acc = grad + state.residual
+    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
+             ) -> tuple[int, int]:
+        acc = state.residual
+        acc += grad
         n, rank, size = acc.size, tr.rank(), tr.size()
         k = self.k(n)
         sel = top_k(acc, k)
@@ -89,8 +90,7 @@ class GTopk(SparseAllreduce):
         mine = np.isin(winners, sel, assume_unique=True)
         contrib = np.where(mine, acc[winners], 0).astype(acc.dtype)
         summed = tr.allreduce(contrib, op=tr.Sum, name=f"{name}.gtopk.values")
-        out = np.zeros(n, acc.dtype)
+        out.fill(0)
         out[winners] = summed / size
         acc[winners[mine]] = 0
-        state.residual = acc
-        return out, sel.size, winners.size
+        return sel.size, winners.size

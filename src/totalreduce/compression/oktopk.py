@@ -33,7 +33,17 @@ import numpy as np
 
 import totalreduce as tr
 
-from .sparse import SparseAllreduce, State, kth_largest, pack, select, top_k, unpack
+from .sparse import (
+    SparseAllreduce,
+    State,
+    kth_largest,
+    narrow,
+    pack,
+    select,
+    top_k,
+    top_threshold,
+    unpack,
+)
 
 _BINS_PER_RANK = 64  # histogram resolution of the region cut
 
@@ -75,15 +85,16 @@ class OkTopk(SparseAllreduce):
         self.tau_region, self.max_ratio = tau_region, max_ratio
         self.pipeline = pipeline
 
-    def _run(self, grad: np.ndarray, name: str, state: State
-             ) -> tuple[np.ndarray, int, int]:
+    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
+             ) -> tuple[int, int]:
         n, size, rank = grad.size, tr.size(), tr.rank()
+        # The residual becomes the accumulator in place: no n-element allocation a call.
+        acc = state.residual
+        acc += grad
         if state.calls < self.warmup:
-            acc = grad + state.residual
-            out = tr.allreduce(acc, op=tr.Average, name=f"{name}.oktopk.dense")
-            state.residual = np.zeros_like(acc)
-            return out, n, n
-        acc = grad + state.residual
+            out[...] = tr.allreduce(acc, op=tr.Average, name=f"{name}.oktopk.dense")
+            acc.fill(0)
+            return n, n
         k = self.k(n)
         sel = self._local(acc, k, state)
         bounds = self._regions(sel, n, size, state, name)
@@ -103,12 +114,10 @@ class OkTopk(SparseAllreduce):
         gathered = tr.allgather(pack(keep + lo, region[keep], n),
                                 name=f"{name}.oktopk.gather")
         gidx, gval = unpack(gathered, n, acc.dtype)
-        out = np.zeros(n, acc.dtype)
+        out.fill(0)
         out[gidx] = gval / size
-        won = sel[np.isin(sel, gidx, assume_unique=True)]
-        acc[won] = 0
-        state.residual = acc
-        return out, sel.size, gidx.size
+        acc[sel[np.isin(sel, gidx, assume_unique=True)]] = 0  # what won was sent
+        return sel.size, gidx.size
 
     def _split_and_reduce(self, acc: np.ndarray, sel: np.ndarray, bounds: np.ndarray,
                           name: str) -> np.ndarray:
@@ -149,12 +158,14 @@ class OkTopk(SparseAllreduce):
         if not exact:
             state.local_threshold *= np.sqrt(max(state.last_local, 1) / k)
             sel = select(acc, state.local_threshold)
-            nonzero = sel.size < k and int(np.count_nonzero(acc)) > sel.size
-            exact = bool(sel.size > self.max_ratio * k or
-                         (sel.size * self.max_ratio < k and nonzero))
+            if sel.size > self.max_ratio * k:
+                # Too many: the exact threshold is among those selected.
+                state.local_threshold, sel = narrow(acc, sel, k)
+            else:
+                exact = bool(sel.size * self.max_ratio < k
+                             and int(np.count_nonzero(acc)) > sel.size)
         if exact:
-            state.local_threshold = kth_largest(np.abs(acc), k)
-            sel = select(acc, state.local_threshold)
+            state.local_threshold, sel = top_threshold(acc, k)
         state.last_local = sel.size
         return sel
 

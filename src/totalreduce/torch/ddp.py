@@ -122,7 +122,7 @@ def _sparse_hook(algorithm: Any) -> Any:
         staged = stage(buffer, f"{algorithm.name}_hook")
 
         def reduce() -> None:
-            staged.array[...] = algorithm.allreduce(staged.array, f"{prefix}.bucket{index}")
+            algorithm.allreduce(staged.array, f"{prefix}.bucket{index}", out=staged.array)
             staged.write_back()
 
         # DDP hands buckets over in index order on every rank: the worker keeps it.

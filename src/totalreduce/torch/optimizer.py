@@ -378,10 +378,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _sparse_reduce(self, bucket: _buckets.Bucket, sparse: SparseCompressor) -> None:
         staged = stage(bucket.flat, "DistributedOptimizer")
         # Named by bucket alone, so that a resumed run's optimizer finds the residuals.
-        out = sparse.algorithm.allreduce(staged.array, f"sparse.b{bucket.index}")
+        sparse.algorithm.allreduce(staged.array, f"sparse.b{bucket.index}",
+                                   out=staged.array)
         if self._op == _tr.Sum:
-            out = out * _tr.size()
-        staged.array[...] = out
+            staged.array *= _tr.size()
         staged.write_back()
         bucket.done_time = time.monotonic()
 
