@@ -106,6 +106,45 @@ def test_convergence_summary_merges_ranks_and_finds_the_epoch_that_reaches_the_t
     assert [p["seconds"] for p in sparse["curve"]] == [2.0, 2.0, 2.0]  # the slowest rank
 
 
+def test_train_summary_pools_compute_only_and_computes_the_hidden_share() -> None:
+    """Step, compute-only and communication-alone times (the slowest rank's per rep) give
+    the speed against DDP and against dense, and 1 - (step - compute) / alone."""
+    def job(backend: str, rows: list[tuple[str, list[list[float]], list[list[float]]]],
+            versus: str | None = None) -> dict:
+        def item(mode: str, times: list[float], alone: list[float]) -> dict:
+            out = {"model": "mlp", "mode": mode, "batch": 8, "times": times}
+            if alone:
+                out["alone"] = alone
+            if versus and mode.startswith(("oktopk", "optimizer,")):
+                out["versus"] = versus
+            return out
+        return {"backend": backend, "ranks": 2, "round": 0, "per_rank": [
+            {"rank": r, "results": [item(m, ts[r], al[r] if al else []) for m, ts, al in rows]}
+            for r in range(2)]}
+
+    raw = [job("totalreduce-shm", [("compute only", [[1.0, 1.0], [0.9, 1.2]], []),
+                                   ("optimizer 16MB", [[1.4, 1.2], [1.2, 1.2]],
+                                    [[0.8, 0.8], [0.8, 0.8]]),
+                                   ("oktopk 0.01", [[2.0, 2.0], [2.0, 2.0]],
+                                    [[2.0, 2.0], [1.0, 1.0]])], versus="optimizer 16MB"),
+           job("gloo", [("compute only", [[1.0, 1.0], [1.0, 1.0]], []),
+                        ("DDP", [[2.6, 2.6], [2.6, 2.6]], [[1.0, 1.0], [1.0, 1.0]])])]
+    rows = {(r["backend"], r["mode"]): r for r in summarize("train", raw)}
+    compute = rows[("any", "compute only")]
+    assert compute["median"] == pytest.approx(1.0)  # slowest per rep: 1.0, 1.2, 1.0, 1.0
+    dense = rows[("totalreduce-shm", "optimizer 16MB")]
+    assert dense["median"] == pytest.approx(1.3)    # slowest per rep: 1.4, 1.2
+    assert dense["samples_per_s"] == pytest.approx(16 / 1.3)
+    assert dense["speed_vs_ddp"] == pytest.approx(2.6 / 1.3)
+    assert dense["hidden"] == pytest.approx(1 - (1.3 - 1.0) / 0.8)
+    sparse = rows[("totalreduce-shm", "oktopk 0.01")]
+    assert sparse["speed_vs_dense"] == pytest.approx(1.3 / 2.0)
+    assert sparse["hidden"] == pytest.approx(0.5)   # 1.0 s over compute, of 2.0 s alone
+    ddp = rows[("gloo", "DDP")]
+    assert ddp["hidden"] == pytest.approx(1 - 1.6 / 1.0)  # below zero: worse than serial
+    assert ddp["speed_vs_dense"] is None
+
+
 def test_tiny_shows_both_scheduling_modes_by_default(capsys: pytest.CaptureFixture[str]
                                                      ) -> None:
     """What ``python -m totalreduce.bench tiny`` runs and prints without --backends: the

@@ -39,11 +39,15 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
         per_rank = [r["results"] for r in job["per_rank"]]
         for i, first in enumerate(per_rank[0]):
             items = [pr[i] for pr in per_rank]
+            who = backend
             if test == "collectives":
                 key: tuple[Any, ...] = (first["op"], first["bytes"], n, backend)
                 meta = {"op": first["op"], "bytes": first["bytes"], "count": first["count"]}
             elif test in ("replay", "train"):
-                key = (first["model"], first["mode"], n, backend)
+                # Every train job times the bare model: one row for all of them.
+                if first["mode"] == "compute only":
+                    who = "any"
+                key = (first["model"], first["mode"], n, who)
                 meta = {"model": first["model"], "mode": first["mode"]}
                 if test == "train":
                     meta["batch"] = first["batch"]
@@ -53,7 +57,7 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
             else:
                 key = (first["mode"], n, backend)
                 meta = {"mode": first["mode"]}
-            slot = pooled.setdefault(key, dict(meta, ranks=n, backend=backend, times=[],
+            slot = pooled.setdefault(key, dict(meta, ranks=n, backend=who, times=[],
                                                last_ready=[], flat=[], alone=[]))
             if "unsupported" in first:
                 slot["unsupported"] = first["unsupported"]
@@ -118,10 +122,11 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
             r["speed_vs_ddp"] = ref / r["median"] if ref else None
             dense = by_mode.get((r["model"], r["ranks"], r["backend"], r.get("versus")))
             r["speed_vs_dense"] = dense / r["median"] if dense else None
-            compute = by_mode.get((r["model"], r["ranks"], r["backend"], "compute only"))
+            compute = by_mode.get((r["model"], r["ranks"], "any", "compute only"))
             if compute and r.get("alone_median"):
-                exposed = (r["median"] - compute) / r["alone_median"]
-                r["hidden"] = float(min(1.0, max(0.0, 1.0 - exposed)))
+                # Unclipped: below 0 % the step costs more than its computation and its
+                # communication one after the other.
+                r["hidden"] = 1.0 - (r["median"] - compute) / r["alone_median"]
     elif test == "sparse":
         dense = {(r["ranks"], r["mode"].rsplit(" ", 1)[0]): r["median"] for r in rows
                  if r["mode"].endswith(" dense") and "median" in r}

@@ -2,8 +2,9 @@
 its gradients.
 
 - ``totalreduce-shm``: totalreduce's DistributedOptimizer (hooks, in-place buckets), once
-  per bucket size of the sweep, then once per sparse compression (``--sparse``, at
-  ``--density``, default bucket size);
+  per bucket size of the sweep, once with ``overlap=False`` (every bucket reduced when
+  ``step()`` synchronizes: what overlapping with backward gains or loses), then once per
+  sparse compression (``--sparse``, at ``--density``, default bucket size);
 - ``gloo``: torch DDP over gloo (its default 25 MB buckets);
 - ``ddp-hook``: the same DDP, its buckets reduced through ``totalreduce.torch.ddp_comm_hook``.
 
@@ -123,6 +124,13 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
                     bucket_bytes=int(mb * (1 << 20)))
                 return model, opt
             setups.append((f"optimizer {mb:g}MB", make))
+        def make_at_step() -> tuple[Any, Any]:
+            model = _model(cfg["model"])
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=1e-4),
+                named_parameters=model.named_parameters(), overlap=False)
+            return model, opt
+        setups.append(("optimizer, reduced at step", make_at_step))
         for alg in cfg["sparse"]:
             def make_sparse(alg: str = alg) -> tuple[Any, Any]:
                 model = _model(cfg["model"])
@@ -186,7 +194,7 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
                                 barrier, cfg["steps"], cfg["reps"], warmup=1)
         row = {"model": cfg["model"], "mode": mode, "batch": batch, "times": times,
                "alone": alone}
-        if backend.startswith("totalreduce") and not mode.startswith("optimizer"):
+        if backend.startswith("totalreduce") and not mode.startswith("optimizer "):
             row["versus"] = f"optimizer {default_mb:g}MB"  # the dense run it compares with
         out.append(row)
         del model, opt
