@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,21 @@ def test_horovod_script_runs_with_only_the_import_changed(n: int) -> None:
 def test_reduction_overlaps_backward() -> None:
     result = run_ok(2, "torch_workers:overlap", {}, timeout=90)
     assert result.report(0).get("overlap_early") == 4, result.explain()
+
+
+def test_autotune_tries_bucket_sizes_and_overlap_and_every_rank_keeps_one(
+        tmp_path: Path) -> None:
+    log = tmp_path / "autotune.csv"
+    result = run_ok(2, "torch_workers:autotune_agrees", {"log": str(log)}, timeout=180,
+                    env={"TOTALREDUCE_AUTOTUNE_LOG": str(log)})
+    for r in range(2):
+        assert result.report(r).get("autotune_ok"), result.explain()
+    tried = [tuple(t) for t in result.report(0)["tried"]]
+    mib = 1 << 20
+    # The default first, then each bucket size that changes the plan (1 MiB does for a
+    # model of 4 MiB weights), each with overlap on and off.
+    assert tried[:4] == [(16 * mib, True), (16 * mib, False), (mib, True), (mib, False)]
+    assert sorted(tried) == sorted({(size, o) for size, _ in tried for o in (True, False)})
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -125,3 +125,43 @@ def test_torch_state_round_trips_model_optimizer_and_scalars(monkeypatch: pytest
         assert hvd.version_number() == 1 and other.load() == 1 and other.epoch == 8
     finally:
         hvd.shutdown()
+
+
+def test_autotune_tries_each_setting_then_keeps_the_fastest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from totalreduce.torch import autotune
+
+    default = autotune.Setting(16 << 20, True)
+    # A model of 3 MiB: 1 MiB buckets give 3, 4 MiB and up give 1, like the default.
+    tried = autotune.candidates(default, lambda cap: 3 if cap < (3 << 20) else 1, True)
+    assert tried == [default, autotune.Setting(16 << 20, False),
+                     autotune.Setting(1 << 20, True), autotune.Setting(1 << 20, False)]
+    assert autotune.candidates(default, lambda cap: 1, False) == tried[:2]
+
+    # Each setting's steps take a known time; the agreed time is the slowest rank's.
+    cost = {tried[0]: 0.30, tried[1]: 0.20, tried[2]: 0.25, tried[3]: 0.40}
+    agreed: list[int] = []
+
+    def agree(seconds: float, trial: int) -> float:
+        agreed.append(trial)
+        return seconds + 0.01  # another rank was a little slower
+
+    now = [0.0]
+    log = tmp_path / "tune" / "trials.csv"
+    tuner = autotune.Autotuner(tried, agree, str(log), warmup=2, timed=3,
+                               clock=lambda: now[0])
+    current, switches, since = tried[0], [], 0
+    for _ in range(100):
+        since += 1
+        # The first steps after a switch are slow (new buckets): warm-up, not timed.
+        now[0] += cost[current] + (1.0 if since <= 3 else 0.0)
+        nxt = tuner.stepped()
+        if nxt is not None:
+            switches.append(nxt)
+            current, since = nxt, 0
+    assert switches == tried[1:] + [tried[1]]
+    assert agreed == [0, 1, 2, 3]
+    assert [round(s, 2) for _, s in tuner.results] == [0.31, 0.21, 0.26, 0.41]
+    assert tuner.done and tuner.chosen == tried[1]
+    rows = log.read_text().splitlines()
+    assert rows[0] == "trial,bucket_bytes,overlap,seconds_per_step,chosen"
+    assert rows[2] == f"1,{16 << 20},0,0.210000,1" and len(rows) == 5

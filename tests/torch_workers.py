@@ -545,6 +545,55 @@ def overlap_matches_step(arg: dict) -> None:
         report(**{f"same:{label}": diff})
 
 
+def autotune_agrees(arg: dict) -> None:
+    """Autotuning tries every setting (rebuilding the buckets between trials), every rank
+    keeps the same one, rank 0 logs the trials, and the weights are those of training
+    without it (the bucket size and overlap change when reductions run, not what they
+    compute)."""
+    import csv
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    steps = 56
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(5)
+        # 2.1 M parameters: 1, 4 and 16 MiB buckets give different plans.
+        return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+                                   torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+                                   torch.nn.Linear(1024, 4))
+
+    g = torch.Generator().manual_seed(9)
+    batches = [(torch.randn(8 * n, 1024, generator=g), torch.randint(0, 4, (8 * n,),
+                                                                     generator=g))
+               for _ in range(steps)]
+    weights = []
+    for tune in (True, False):
+        m = model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                       named_parameters=m.named_parameters(),
+                                       autotune=tune)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x[r::n]), y[r::n]).backward()
+            opt.step()
+        weights.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+        if tune:
+            chosen = opt.autotuned
+            assert chosen is not None, "still tuning after 56 steps"
+            every = hvd.allgather_object((chosen.bucket_bytes, chosen.overlap))
+            assert len(set(every)) == 1, f"ranks chose differently: {every}"
+            tried = opt._autotuner.results  # type: ignore[union-attr]
+            report(tried=[(s.bucket_bytes, s.overlap) for s, _ in tried])
+    assert torch.allclose(weights[0], weights[1], rtol=1e-5, atol=1e-7), \
+        float((weights[0] - weights[1]).abs().max())
+    if r == 0:
+        with open(arg["log"]) as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == len(tried) and sum(int(row["chosen"]) for row in rows) == 1
+    report(autotune_ok=True)
+
+
 def sparse_ddp_hook(arg: dict) -> None:
     """DDP with oktopk_hook: the ranks' models stay identical and the loss falls."""
     import torch.distributed as dist

@@ -52,6 +52,11 @@ TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers  
 TOTALREDUCE_BUCKET_BYTES           gradient bucket size of the torch               16 MiB
                                    DistributedOptimizer: small gradients travel
                                    together up to this many bytes
+TOTALREDUCE_AUTOTUNE               1: each DistributedOptimizer tries bucket       0
+                                   sizes and overlap on and off for its first
+                                   steps, then keeps the fastest (torch/autotune.py)
+TOTALREDUCE_AUTOTUNE_LOG           a CSV file for the trials and the choice        (none)
+                                   (rank 0 writes it)
 TOTALREDUCE_GC_FREEZE              1: init() moves every object alive then out of  1
                                    the garbage collector's full walks
                                    (gc.freeze()); 0: leave the collector alone
@@ -127,6 +132,8 @@ _HOROVOD = {
     "timeline": ("HOROVOD_TIMELINE", 1),
     "stall_check_time": ("HOROVOD_STALL_CHECK_TIME_SECONDS", 1),
     "stall_shutdown_time": ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 1),
+    "autotune": ("HOROVOD_AUTOTUNE", 1),
+    "autotune_log": ("HOROVOD_AUTOTUNE_LOG", 1),
 }
 
 
@@ -160,6 +167,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name_capacity": (lambda v: v >= 1, "must be >= 1 (names)"),
     "bucket_bytes": (lambda v: v >= 1, "must be >= 1 (bytes)"),
     "gc_freeze": (lambda v: v in (0, 1), "must be 0 or 1"),
+    "autotune": (lambda v: v in (0, 1), "must be 0 or 1"),
     "coordination": (lambda v: v in ("selfguided", "negotiated"),
                      "must be selfguided or negotiated"),
     "cycle_time_ms": (lambda v: v >= 0, "must be >= 0 (milliseconds)"),
@@ -235,6 +243,8 @@ class Config:
     scratch_bytes: int = 32 << 20
     name_capacity: int = 1 << 16
     bucket_bytes: int = 16 << 20
+    autotune: int = 0
+    autotune_log: str = ""
     gc_freeze: int = 1
     coordination: str = "selfguided"
     cycle_time_ms: float = 1.0

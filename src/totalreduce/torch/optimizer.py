@@ -36,6 +36,7 @@ import totalreduce as _tr
 from .. import runtime as _runtime
 from ..exceptions import MismatchError
 from . import adasum as _adasum
+from . import autotune as _autotune
 from . import buckets as _buckets
 from .adasum import Adasum
 from .collectives import (
@@ -107,7 +108,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: reduce each bucket as soon as backward has filled it (the default).
             False reduces every bucket when the step synchronizes, after backward: the
             same results (bucket by bucket, in the same order), without the overlap;
-            for measuring what the overlap saves.
+            faster where a rank has no core to spare for its communication.
+        autotune: try bucket sizes and overlap on and off for the first steps (8 steps
+            each), then keep the fastest (``autotune.py``; default
+            ``TOTALREDUCE_AUTOTUNE``, or Horovod's ``HOROVOD_AUTOTUNE``; the trials go
+            to ``TOTALREDUCE_AUTOTUNE_LOG``).  With a sparse compression only overlap
+            is tuned: the residuals belong to the buckets.  Every rank must pass the same.
 
     Raises:
         ValueError: duplicate or missing parameter names, a bad
@@ -122,7 +128,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  process_set: ProcessSet = global_process_set, *,
-                 bucket_bytes: int | None = None, overlap: bool = True) -> None:
+                 bucket_bytes: int | None = None, overlap: bool = True,
+                 autotune: bool | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -172,14 +179,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if isinstance(compression, SparseCompressor) else None
         self._sparse_next = 0  # the next bucket to go to the sparse worker
         self._check_same_everywhere(names, params)
-        cap = _runtime.current().config.bucket_bytes if bucket_bytes is None else bucket_bytes
+        config = _runtime.current().config
+        cap = config.bucket_bytes if bucket_bytes is None else bucket_bytes
         if cap < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {cap}")
-        self._buckets = _buckets.build(names, params, cap)
+        self._names, self._params = names, params
+        self._buckets: list[_buckets.Bucket] = []
         self._slot: dict[torch.Tensor, tuple[_buckets.Bucket, int]] = {}
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                self._slot[p] = (b, i)
+        self._rebuild(cap)
+        self._autotuner: _autotune.Autotuner | None = None
+        if bool(config.autotune) if autotune is None else autotune:
+            self._autotuner = self._make_autotuner(_autotune.Setting(cap, overlap),
+                                                   config.autotune_log)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._passes = 0
         self._in_backward = False
@@ -241,6 +252,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                     f"{what} differs between ranks: {shown}")
         raise MismatchError("", f"rank {rank}: DistributedOptimizer: ranks have different "
                             "parameters")
+
+    def _rebuild(self, cap: int) -> None:
+        """(Re)form the buckets at ``cap`` bytes; gradients already there move along."""
+        self._cap = cap
+        old = {p: p.grad for b in self._buckets for p in b.params}
+        self._buckets = _buckets.build(self._names, self._params, cap)
+        self._slot = {}
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                self._slot[p] = (b, i)
+                grad = old.get(p)
+                if grad is not None and p not in self._sparse_params:
+                    b.views[i].copy_(grad)
+                    p.grad = b.views[i]
+        self._sparse_next = 0
+
+    def _make_autotuner(self, default: _autotune.Setting,
+                        log_path: str) -> _autotune.Autotuner:
+        import numpy as np
+
+        sizes = [(p.numel() * p.element_size(), p.dtype, p.device) for p in self._params]
+        settings = _autotune.candidates(
+            default, lambda cap: len(_buckets.plan(sizes, cap)),
+            tune_buckets=not isinstance(self._compression, SparseCompressor))
+
+        def agree(seconds: float, trial: int) -> float:
+            slowest = _tr.allreduce(np.array([seconds]), op=_tr.Max,
+                                    name=f"{self._prefix}.autotune.{trial}")
+            return float(slowest[0])
+
+        return _autotune.Autotuner(settings, agree, log_path if _tr.rank() == 0 else "")
+
+    @property
+    def autotuned(self) -> _autotune.Setting | None:
+        """The setting autotuning chose (None: not tuning, or still trying)."""
+        return None if self._autotuner is None else self._autotuner.chosen
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._constructing:
@@ -455,7 +502,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return self._optimizer.step(closure)
+        result = self._optimizer.step(closure)
+        if self._autotuner is not None and not self._autotuner.done:
+            setting = self._autotuner.stepped()
+            if setting is not None:
+                if setting.bucket_bytes != self._cap:
+                    self._rebuild(setting.bucket_bytes)
+                self._overlap = setting.overlap
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(b.pending is not None for b in self._buckets):
