@@ -905,8 +905,10 @@ def sparse_allreduce_cases(arg: dict) -> None:
     reported under its case before it ends the job, so the test names the case."""
     tr.init()
     for key, case in arg["cases"].items():
+        start = time.perf_counter()
         try:
             got = _sparse_run(case, f"g.{key}")
+            got["seconds"] = time.perf_counter() - start
         except AssertionError as exc:
             report(**{f"case:{key}": {"error": f"{key}: {exc}"}})
             raise
@@ -915,20 +917,29 @@ def sparse_allreduce_cases(arg: dict) -> None:
 
 
 def _sparse_run(arg: dict, name: str) -> dict:
+    """Every call: identical outputs on every rank, and the conservation identity; for
+    published gTopk, which does not conserve, the output, residuals and loss against
+    ``_gtopk_reference`` instead."""
     from totalreduce import compression
 
     rank, n_ranks = tr.rank(), tr.size()
     n, calls = arg["n"], arg["calls"]
     kind = arg["alg"]
+    kwargs = dict(arg.get("kwargs", {}))
+    if kind == "gtopk-exact":
+        kwargs["exact_sums"] = True
     cls = {"oktopk": compression.OkTopk, "topka": compression.TopkA,
-           "gtopk": compression.GTopk}[kind]
-    alg = cls(arg["density"], **arg.get("kwargs", {}))
-    old = np.zeros((n_ranks, n), np.float32)
+           "gtopk": compression.GTopk, "gtopk-exact": compression.GTopk}[kind]
+    alg = cls(arg["density"], **kwargs)
+    published = kind == "gtopk"
+    dtype = np.dtype(arg.get("dtype", "float32"))
+    old = np.zeros((n_ranks, n), dtype)
     volumes = []
     worst = 0.0
+    lost, moved = 0.0, 0.0
     for call in range(calls):
         rng = np.random.default_rng([arg["seed"], call])
-        grads = (rng.standard_t(2, size=(n_ranks, n)) * 1e-2).astype(np.float32)
+        grads = (rng.standard_t(2, size=(n_ranks, n)) * 1e-2).astype(dtype)
         case = arg.get("case")
         if case == "silent_rank":
             grads[n_ranks - 1] = 0  # one rank selects nothing
@@ -943,7 +954,24 @@ def _sparse_run(arg: dict, name: str) -> dict:
         lhs = n_ranks * out.astype(np.float64) + new.astype(np.float64).sum(axis=0)
         rhs = (grads.astype(np.float64) + old).sum(axis=0)
         scale = max(1.0, float(np.abs(rhs).max()))
-        err = float(np.abs(lhs - rhs).max()) / scale
+        if published and rank != 0:
+            err = 0.0  # rank 0 checks every rank's output and residual (they are gathered)
+        elif published:
+            # The loss is the identity's whole gap.
+            accs = grads + old
+            want, sels, gone = _gtopk_reference(accs, alg.k(n))
+            assert np.array_equal(out, want / np.array(n_ranks, dtype)), \
+                f"call {call}: output differs from the tree merge"
+            winners = np.flatnonzero(want)
+            for p in range(n_ranks):
+                res = accs[p].copy()
+                res[np.intersect1d(sels[p], winners)] = 0
+                assert np.array_equal(new[p], res), f"call {call}: rank {p}'s residual"
+            err = float(np.abs(lhs - rhs + gone).max()) / scale
+            lost += float(np.abs(gone).sum())
+            moved += float(np.abs(want.astype(np.float64) + gone).sum())
+        else:
+            err = float(np.abs(lhs - rhs).max()) / scale
         worst = max(worst, err)
         assert err < 1e-5, f"call {call}: conservation off by {err}"
         warm = arg.get("kwargs", {}).get("warmup", 10) if kind == "oktopk" else 0
@@ -952,12 +980,58 @@ def _sparse_run(arg: dict, name: str) -> dict:
             assert np.array_equal(out, dense), "a warm-up call differs from dense"
         st = alg.stats(name)
         volumes.append({"call": call, "bytes_sent": st["bytes_sent"],
-                        "messages_sent": st["messages_sent"], "k": st["k"],
+                        "bytes_received": st["bytes_received"],
+                        "messages_sent": st["messages_sent"],
+                        "messages_received": st["messages_received"], "k": st["k"],
                         "local": st["local_selected"], "global": st["global_selected"]})
-        old = new.astype(np.float32)
+        old = new.astype(dtype)
     nz = np.flatnonzero(out)
     return {"volumes": volumes, "worst": worst, "nonzero": int(nz.size),
-            "last_nonzero": int(nz[-1]) if nz.size else -1}
+            "last_nonzero": int(nz[-1]) if nz.size else -1,
+            "lost": lost, "lost_fraction": lost / moved if moved else 0.0}
+
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest magnitudes (never zeros), ties to the lower index."""
+    nz = np.flatnonzero(values)
+    if nz.size > k:
+        mag = np.abs(values[nz])
+        nz = nz[mag >= np.partition(mag, nz.size - k)[nz.size - k]]
+        nz = nz[np.lexsort((nz, -np.abs(values[nz])))[:k]]
+    return np.sort(nz)
+
+
+def _gtopk_reference(accs: np.ndarray, k: int) -> tuple[np.ndarray, list, np.ndarray]:
+    """Published gTopk on every rank's ``acc`` at once, on dense arrays: (the merged
+    values at the global winners, zeros elsewhere; each rank's own selection; the loss:
+    at each winner, the sum of the selected contributions some merge dropped)."""
+    size, n = accs.shape
+    sels = [_top(a, k) for a in accs]
+    held = np.zeros_like(accs)
+    alive = np.zeros((size, n), bool)  # rank p's value at i is still in its subtree's set
+    for p, s in enumerate(sels):
+        held[p, s] = accs[p, s]
+        alive[p, s] = True
+    step = 1
+    while step < size:
+        for dst in range(0, size, 2 * step):
+            if dst + step < size:
+                total = held[dst] + held[dst + step]
+                held[dst] = 0
+                keep = _top(total, k)
+                held[dst, keep] = total[keep]
+                kept = np.zeros(n, bool)
+                kept[keep] = True
+                alive[dst:dst + 2 * step] &= kept
+        step *= 2
+    want = held[0]
+    won = np.zeros(n, bool)
+    won[np.flatnonzero(want)] = True
+    gone = np.zeros(n)
+    for p, s in enumerate(sels):
+        dropped = s[won[s] & ~alive[p, s]]
+        gone[dropped] += accs[p, dropped].astype(np.float64)
+    return want, sels, gone
 
 
 def negotiated_checks_after_a_first_call(arg: dict) -> None:

@@ -236,6 +236,28 @@ cores, so one alltoall is faster here (up to 1.7x at 4 ranks); with a core per r
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
+The `gtopk` rows above predate the published gTopk: they are the variant that sums
+exactly at the winners (now `GTopk(exact_sums=True)`, `gtopk-exact`, which then sent its
+winners as int64 after a count broadcast). The bench now also prints words received per
+k. A rank of the published gTopk sends at most one tree message and one broadcast hop of
+k pairs, at most 4 words per k whatever P; rank 0 receives 2 per k in each of its
+ceil(log2 P) merge rounds. Worst rank, both gradients and densities, from
+`python -m totalreduce.bench sparse -n 2,4 --backends totalreduce-shm --elements 100000
+--calls 6` (times there were too noisy to quote):
+
+```
+algorithm    n  words sent / k  words recv / k
+-----------  -  --------------  --------------
+gtopk        2  2.00            2.00
+gtopk-exact  2  3.00            3.00
+oktopk       2  2.28-2.64       2.28-2.64
+topka        2  2.00            2.00
+gtopk        4  4.01-4.02       4.01-4.02
+gtopk-exact  4  5.01-5.02       6.01-6.02
+oktopk       4  3.42-3.81       3.39-4.57
+topka        4  6.00-6.01       6.00-6.01
+```
+
 ## Training with sparse gradients: accuracy against epochs and bytes (digits, 4 ranks)
 
 The digits MLP (50,890 parameters) trained for 30 epochs at 4 ranks, per-rank batch 32,
@@ -255,14 +277,15 @@ target is dense's final accuracy less one point.
 
 ![accuracy against epochs and against MB sent per rank](bench/convergence-4.png)
 
-Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 2%
-(18 against 9). Ok-Topk at 1% sends 0.078 MB per rank per epoch once its warm-up is over,
-against 0.127 for TopkA at the same density, 0.125 for PowerSGD and 4.07 for dense: 52x
-less than dense. Its first epoch is the dense warm-up (10 steps, about 4 MB), which is
-most of its bytes to target; PowerSGD's vanilla start costs the same. On this small model
-PowerSGD at rank 2 trains as well as dense in fewer bytes than Ok-Topk's warm-up plus
-sparse epochs; the sparse methods' volume advantage grows with the model, which the
-words-per-k table above measures.
+Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 2% (18
+against 9); the gTopk rows were trained with what is now `GTopk(exact_sums=True)`.
+Ok-Topk at 1% sends 0.078 MB per rank per epoch once its warm-up is over, against 0.127
+for TopkA at the same density, 0.125 for PowerSGD and 4.07 for dense: 52x less than
+dense. Its first epoch is the dense warm-up (10 steps, about 4 MB), which is most of its
+bytes to target; PowerSGD's vanilla start costs the same. On this small model PowerSGD
+at rank 2 trains as well as dense in fewer bytes than Ok-Topk's warm-up plus sparse
+epochs; the sparse methods' volume advantage grows with the model, which the words-per-k
+table above measures.
 
 The example itself draws the same run's loss and accuracy with `--plot`:
 `totalrun -np 4 python examples/train_digits.py --epochs 30 --compression oktopk --density

@@ -74,6 +74,7 @@ def summarize(test: str, raw: list[dict[str, Any]]) -> list[Row]:
                     slot["versus"] = first["versus"]
                 if test == "sparse":
                     slot["words_per_k"] = max(it["words_per_k"] for it in items)
+                    slot["recv_per_k"] = max(it["recv_per_k"] for it in items)
                     slot["nnz"] = first["nnz"]
     rows = list(pooled.values())
     for row in rows:
@@ -202,14 +203,14 @@ def print_table(test: str, rows: list[Row]) -> None:
                 for r in sorted(rows, key=lambda r: (r["ranks"], r["median"]))]
     elif test == "sparse":
         head = ("gradients", "density", "n", "algorithm", "median ms", "time / dense",
-                "words sent / k", "output nnz")
+                "words sent / k", "words recv / k", "output nnz")
         body = []
         for r in sorted((r for r in rows if "median" in r),
                         key=lambda r: (r["mode"].rsplit(" ", 2)[0], r["ranks"], r["mode"])):
             source, density, alg = r["mode"].rsplit(" ", 2)
             body.append((source, density, r["ranks"], alg, _ms(r["median"]),
                          _ratio(r.get("time_vs_dense", 0.0)), f"{r['words_per_k']:.2f}",
-                         r["nnz"]))
+                         f"{r['recv_per_k']:.2f}", r["nnz"]))
     elif test == "tiny":
         head = ("n", "backend", "case", "median us/op", "p10-p90 us/op", "speed vs mpi")
         body = [(r["ranks"], r["backend"], r["mode"], f"{r['median'] * 1e6:.1f}",

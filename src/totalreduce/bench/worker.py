@@ -172,7 +172,7 @@ def _digits_gradients(rank: int, calls: int) -> list[np.ndarray]:
 
 def sparse(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Each sparse algorithm against dense on the same gradients: time per call, payload
-    words sent per rank in units of k, output nonzeros."""
+    words sent and received per rank in units of k, output nonzeros."""
     if not b.name.startswith("totalreduce"):
         return [{"mode": "-", "unsupported": "totalreduce only"}]
     from .. import compression
@@ -189,10 +189,11 @@ def sparse(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         for density in cfg["densities"]:
             algs = {"dense": compression.Dense(), "topka": compression.TopkA(density),
                     "gtopk": compression.GTopk(density),
+                    "gtopk-exact": compression.GTopk(density, exact_sums=True),
                     "oktopk": compression.OkTopk(density, warmup=1),
                     "oktopk-1a2a": compression.OkTopk(density, warmup=1, pipeline=False)}
             for name, alg in algs.items():
-                times, words, nnz = [], [], 0
+                times, words, recv, nnz = [], [], [], 0
                 for call, grad in enumerate(grads):
                     b.barrier()
                     t = time.perf_counter()
@@ -200,12 +201,15 @@ def sparse(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                     elapsed = time.perf_counter() - t
                     st = alg.stats(f"g.{source}.{density}")
                     if call >= 2:  # past Ok-Topk's warm-up and first exact thresholds
+                        k = max(1, int(grad.size * density))
                         times.append(elapsed)
-                        words.append((st["bytes_sent"] - 64 * st["messages_sent"]) / 4
-                                     / max(1, int(grad.size * density)))
+                        words.append((st["bytes_sent"] - 64 * st["messages_sent"]) / 4 / k)
+                        recv.append((st["bytes_received"] - 64 * st["messages_received"])
+                                    / 4 / k)
                     nnz = int(np.count_nonzero(result))
                 out.append({"mode": f"{source} {density:g} {name}", "times": times,
-                            "words_per_k": float(np.median(words)), "nnz": nnz,
+                            "words_per_k": float(np.median(words)),
+                            "recv_per_k": float(np.median(recv)), "nnz": nnz,
                             "n": int(grads[0].size)})
     return out
 

@@ -7,7 +7,8 @@ exactly where p's value reached the output, so for every call
 
     P * out + sum_p new_residual_p == sum_p (grad_p + old_residual_p)
 
-and nothing a rank computed is ever lost, only delayed.
+and nothing a rank computed is ever lost, only delayed.  Published gTopk is the
+exception, as published (baselines.GTopk says what it loses).
 
 Pairs travel as one byte row each: the index (uint32 while the buffer has fewer than 2^32
 elements, else int64: never packed into a float), then the value's bytes.  Volume is read
@@ -235,6 +236,8 @@ class SparseAllreduce:
         state.stats = {"bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                        "bytes_received": after["bytes_received"] - before["bytes_received"],
                        "messages_sent": after["messages_sent"] - before["messages_sent"],
+                       "messages_received": (after["messages_received"]
+                                             - before["messages_received"]),
                        "local_selected": local, "global_selected": chosen,
                        "k": self.k(arr.size)}
         return dest.reshape(np.shape(grad)) if out is None else out

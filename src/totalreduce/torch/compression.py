@@ -86,6 +86,9 @@ class Compression:
         return SparseCompressor(TopkA(density))
 
     @staticmethod
-    def gtopk(density: float = 0.01) -> SparseCompressor:
-        """Top-k sets merged up a tree, then summed exactly at the winners."""
-        return SparseCompressor(GTopk(density))
+    def gtopk(density: float = 0.01, exact_sums: bool = False) -> SparseCompressor:
+        """gTopk as published: top-k sets merged pairwise up a tree in log2(P) rounds,
+        rank 0's k merged pairs broadcast (a contribution dropped at a merge may be lost);
+        ``exact_sums=True`` sums exactly at the winners instead, losing nothing
+        (totalreduce.compression.GTopk)."""
+        return SparseCompressor(GTopk(density, exact_sums=exact_sums))

@@ -159,6 +159,7 @@ def topka_hook(density: float = 0.01) -> Any:
     return _sparse_hook(TopkA(density))
 
 
-def gtopk_hook(density: float = 0.01) -> Any:
-    """A DDP comm hook with gTopk (see :func:`oktopk_hook`)."""
-    return _sparse_hook(GTopk(density))
+def gtopk_hook(density: float = 0.01, exact_sums: bool = False) -> Any:
+    """A DDP comm hook with gTopk, as published unless ``exact_sums`` (see
+    :func:`oktopk_hook` and totalreduce.compression.GTopk)."""
+    return _sparse_hook(GTopk(density, exact_sums=exact_sums))
