@@ -114,19 +114,36 @@ buffer. Modes interleaved rep by rep.
 ## Training with PyTorch: DistributedOptimizer against DDP
 
 `bench train`: samples/s of one SGD step (fixed random batch of 32 per rank, one torch
-thread per rank) under totalreduce's DistributedOptimizer (a bucket-size sweep), DDP over
-gloo (its default 25 MB buckets), and the same DDP with `totalreduce.torch.ddp_comm_hook`.
-A repetition is 5 steps; its time is the slowest rank's. At 1 rank all modes do the same
-work, so their spread there is the host's noise.
+thread per rank) under totalreduce's DistributedOptimizer (16 MiB buckets, reduced while
+backward runs, or with `overlap=False` at `step()`), the same optimizer with each sparse
+compression at density 1 %, DDP over gloo (its default 25 MB buckets), and the same DDP
+with `totalreduce.torch.ddp_comm_hook`. A repetition is 5 steps; its time is the slowest
+rank's.
+
+- `compute only` is the same step with no communication at all, every rank computing at
+  once: no mode can beat it.
+- `comm alone` is the mode's communication with nothing else running: the optimizer's
+  buckets reduced after backward (for the sparse modes, the whole sparse allreduce,
+  selection included), or DDP's bucket sizes allreduced over gloo.
+- `comm hidden` is `1 - (step - compute only) / comm alone`: 100 % when the communication
+  costs the step nothing, 0 % when it costs all of its time alone, below 0 when running
+  it alongside backward costs more than running it after.
+- `speed vs dense` compares a sparse mode (or `overlap=False`) with the dense optimizer.
+
+With one core per rank, as here, a rank has no core to spare for its communication: the
+copies and sums of a reduction take CPU time from backward, and every hand-off between
+two ranks' progress threads waits for the scheduler. Overlap therefore hides little of
+it, or costs more than it hides; `overlap=False` and `TOTALREDUCE_AUTOTUNE=1` are there for
+such machines. Sparse modes run their selection on a worker thread of their own, on the
+same core.
 
 `mlp`, 12.6 M parameters (50 MB of gradients), little compute per sample:
-`python -m totalreduce.bench train -n 1,2,4 --rounds 3` (`docs/bench/train-mlp.txt`; run
-with the bucket sweep that chose the 16 MiB default):
+`python -m totalreduce.bench train -n 2,4 --rounds 2` (`docs/bench/train-mlp.txt`):
 
 {table("train-mlp")[1]}
 
 `convnet`, 1.2 M parameters, compute-heavy:
-`python -m totalreduce.bench train -n 1,2,4 --model convnet --buckets-mb 4,16 --rounds 2`
+`python -m totalreduce.bench train -n 2,4 --model convnet --rounds 2`
 (`docs/bench/train-convnet.txt`):
 
 {table("train-convnet")[1]}
