@@ -17,10 +17,10 @@ class Dense(SparseAllreduce):
     def __init__(self) -> None:
         super().__init__(1.0)
 
-    def _run(self, grad: np.ndarray, name: str, state: State
-             ) -> tuple[np.ndarray, int, int]:
-        out = tr.allreduce(grad, op=tr.Average, name=f"{name}.dense")
-        return out, grad.size, grad.size
+    def _run(self, acc: np.ndarray, k: int, name: str, state: State
+             ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        out = tr.allreduce(acc, op=tr.Average, name=f"{name}.dense")
+        return out, np.arange(acc.size), acc.size, acc.size
 
 
 class TopkA(SparseAllreduce):
@@ -29,20 +29,17 @@ class TopkA(SparseAllreduce):
 
     name = "topka"
 
-    def _run(self, grad: np.ndarray, name: str, state: State
-             ) -> tuple[np.ndarray, int, int]:
-        acc = grad + state.residual
+    def _run(self, acc: np.ndarray, k: int, name: str, state: State
+             ) -> tuple[np.ndarray, np.ndarray, int, int]:
         n, size = acc.size, tr.size()
-        sel = top_k(acc, self.k(n))
+        sel = top_k(acc, k)
         rows = tr.allgather(pack(sel, acc[sel], n), name=f"{name}.topka")
         idx, val = unpack(rows, n, acc.dtype)
         out = np.zeros(n, acc.dtype)
         np.add.at(out, idx, val)
         chosen = int(np.unique(idx).size)
         out /= size
-        acc[sel] = 0  # every selected value reached the output
-        state.residual = acc
-        return out, sel.size, chosen
+        return out, sel, sel.size, chosen  # every selected value reached the output
 
 
 class GTopk(SparseAllreduce):
@@ -57,11 +54,9 @@ class GTopk(SparseAllreduce):
 
     name = "gtopk"
 
-    def _run(self, grad: np.ndarray, name: str, state: State
-             ) -> tuple[np.ndarray, int, int]:
-        acc = grad + state.residual
+    def _run(self, acc: np.ndarray, k: int, name: str, state: State
+             ) -> tuple[np.ndarray, np.ndarray, int, int]:
         n, rank, size = acc.size, tr.rank(), tr.size()
-        k = self.k(n)
         sel = top_k(acc, k)
         idx, val = sel, acc[sel]
         step = 1
@@ -91,6 +86,4 @@ class GTopk(SparseAllreduce):
         summed = tr.allreduce(contrib, op=tr.Sum, name=f"{name}.gtopk.values")
         out = np.zeros(n, acc.dtype)
         out[winners] = summed / size
-        acc[winners[mine]] = 0
-        state.residual = acc
-        return out, sel.size, winners.size
+        return out, winners[mine], sel.size, winners.size

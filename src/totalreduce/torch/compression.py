@@ -8,7 +8,9 @@ halves the bytes of float32/float64 tensors at the cost of float16's range and p
 ``Compression.oktopk(density=0.01)`` (and ``topka``, ``gtopk``) are not of that kind: they
 replace the allreduce itself with a sparse one that keeps what it did not send in
 residuals (totalreduce.compression).  The DistributedOptimizer runs them on its fused
-gradient buckets when it synchronizes, and saves their state with its own.
+gradient buckets when it synchronizes, and saves their state with its own.  With
+``momentum=`` (DGC's momentum correction) the sparse allreduce applies the momentum, and
+the wrapped optimizer must have none of its own.
 """
 
 from __future__ import annotations
@@ -81,11 +83,13 @@ class Compression:
         return SparseCompressor(OkTopk(density, **knobs))
 
     @staticmethod
-    def topka(density: float = 0.01) -> SparseCompressor:
-        """Every rank's top-k to every rank: 2k(P-1) words per rank."""
-        return SparseCompressor(TopkA(density))
+    def topka(density: float = 0.01, **knobs: Any) -> SparseCompressor:
+        """Every rank's top-k to every rank: 2k(P-1) words per rank (knobs: the warm-up,
+        momentum correction and clipping of totalreduce.compression.SparseAllreduce)."""
+        return SparseCompressor(TopkA(density, **knobs))
 
     @staticmethod
-    def gtopk(density: float = 0.01) -> SparseCompressor:
-        """Top-k sets merged up a tree, then summed exactly at the winners."""
-        return SparseCompressor(GTopk(density))
+    def gtopk(density: float = 0.01, **knobs: Any) -> SparseCompressor:
+        """Top-k sets merged up a tree, then summed exactly at the winners (knobs: as
+        ``topka``'s)."""
+        return SparseCompressor(GTopk(density, **knobs))

@@ -139,15 +139,16 @@ def oktopk_hook(density: float = 0.01, **knobs: Any) -> Any:
         model.register_comm_hook(None, totalreduce.torch.oktopk_hook(density=0.01))
 
     The hook runs the sparse allreduce to completion inside backward (it is several
-    blocking collectives), and its residuals live in ``hook.algorithm``."""
+    blocking collectives), and its residuals live in ``hook.algorithm``.  With
+    ``momentum=`` (momentum correction) the optimizer must run without momentum."""
     return _sparse_hook(OkTopk(density, **knobs))
 
 
-def topka_hook(density: float = 0.01) -> Any:
+def topka_hook(density: float = 0.01, **knobs: Any) -> Any:
     """A DDP comm hook with TopkA (see :func:`oktopk_hook`)."""
-    return _sparse_hook(TopkA(density))
+    return _sparse_hook(TopkA(density, **knobs))
 
 
-def gtopk_hook(density: float = 0.01) -> Any:
+def gtopk_hook(density: float = 0.01, **knobs: Any) -> Any:
     """A DDP comm hook with gTopk (see :func:`oktopk_hook`)."""
-    return _sparse_hook(GTopk(density))
+    return _sparse_hook(GTopk(density, **knobs))
