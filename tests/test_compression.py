@@ -5,6 +5,7 @@ and edge cases."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from harness import Result, launch, run_ok
@@ -217,3 +218,46 @@ def test_oktopk_ddp_hook() -> None:
     pytest.importorskip("torch")
     result = run_ok(2, "torch_workers:sparse_ddp_hook", {}, timeout=120)
     assert result.report(0).get("hook_ok"), result.explain()
+
+
+def _momentum_case(alg: str) -> dict:
+    # Each algorithm with momentum correction and a different mix of the other knobs:
+    # dense warm-up then masking (Ok-Topk), DGC's exponential warm-up with local clipping
+    # (TopkA), no masking (gTopk).
+    kwargs = {"oktopk": {"warmup": 2, "tau_local": 4, "tau_global": 4, "tau_region": 8,
+                         "momentum": 0.9},
+              "topka": {"warmup": 3, "warmup_mode": "exponential", "momentum": 0.9,
+                        "clip_norm": 1.0},
+              "gtopk": {"momentum": 0.8, "momentum_masking": False}}[alg]
+    return {"alg": alg, "n": 10_007, "calls": 6, "density": 0.01, "seed": 6,
+            "kwargs": kwargs, "roundtrip": True}
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_momentum_correction_keeps_the_identity_on_the_velocity(alg: str) -> None:
+    """With momentum correction what goes in is the velocity: P * out + the new residuals
+    equal the velocities plus the old residuals, the velocity recomputed in numpy (and
+    zeroed where the rank's value was sent, with masking) matches the algorithm's, and a
+    state_dict round trip carries the velocity: the copy goes on exactly as the original."""
+    result = _job("momentum", 3, {a: _momentum_case(a) for a in ALGS}, timeout=120)
+    for got in _case(result, alg, 3):
+        assert got["worst"] < 1e-5 and got["worst_velocity"] < 1e-6, result.explain()
+    if alg == "topka":  # the exponential warm-up's densities: 0.01^(1/4), ^(2/4), ^(3/4)
+        ks = [v["k"] for v in _case(result, alg, 3)[0]["volumes"]]
+        assert ks[:4] == [int(10_007 * 0.01 ** (c / 4)) for c in (1, 2, 3)] + [100], ks
+
+
+def test_sparse_state_round_trip_keeps_the_velocity() -> None:
+    from totalreduce.compression.sparse import State
+
+    state = State(5, np.dtype(np.float32))
+    state.residual[:] = [1, 0, 2, 0, 3]
+    state.velocity = np.array([0.5, 0, 0, 1, 0], np.float32)
+    state.calls, state.stats = 7, {"global_selected": 3}
+    back = State.from_dict(state.as_dict())
+    assert back.velocity is not None and np.array_equal(back.velocity, state.velocity)
+    assert back.velocity.dtype == np.float32 and back.velocity is not state.velocity
+    assert np.array_equal(back.residual, state.residual) and back.calls == 7
+    assert back.stats == {"global_selected": 3}
+    old = {k: v for k, v in state.as_dict().items() if k not in ("velocity", "stats")}
+    assert State.from_dict(old).velocity is None  # a checkpoint from before momentum

@@ -165,3 +165,31 @@ def test_autotune_tries_each_setting_then_keeps_the_fastest(tmp_path) -> None:  
     rows = log.read_text().splitlines()
     assert rows[0] == "trial,bucket_bytes,overlap,seconds_per_step,chosen"
     assert rows[2] == f"1,{16 << 20},0,0.210000,1" and len(rows) == 5
+
+
+def test_torch_state_keeps_a_sparse_compressions_numpy_state() -> None:
+    """The DistributedOptimizer's state_dict carries a sparse compression's residuals and
+    velocities as numpy arrays; a checkpoint keeps them (as copies: the velocity of the
+    next step must not reach into the checkpoint)."""
+    import json
+
+    import numpy as np
+
+    from totalreduce.compression import OkTopk
+    from totalreduce.torch.checkpoint import _flatten, _unflatten
+
+    alg = OkTopk(0.01, momentum=0.9)
+    alg.load_state_dict({"sparse.b0": {
+        "residual": np.arange(4, dtype=np.float32), "velocity": np.ones(4, np.float32),
+        "calls": 3, "local_threshold": 0.5, "global_threshold": 0.25,
+        "boundaries": np.array([0, 2, 4]), "last_local": 1, "stats": {"global_selected": 2}}})
+    sparse = alg.state_dict()
+    skeleton, arrays = _flatten({"state": {}, "totalreduce_sparse": sparse}, [])
+    back = _unflatten(json.loads(json.dumps(skeleton)), arrays)["totalreduce_sparse"]
+    for key, value in sparse["sparse.b0"].items():
+        got = back["sparse.b0"][key]
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(got, value) and got.dtype == value.dtype, key
+            assert not np.shares_memory(got, value), key
+        else:
+            assert got == value, key

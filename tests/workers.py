@@ -919,7 +919,11 @@ def sparse_allreduce_cases(arg: dict) -> None:
 def _sparse_run(arg: dict, name: str) -> dict:
     """Every call: identical outputs on every rank, and the conservation identity; for
     published gTopk, which does not conserve, the output, residuals and loss against
-    ``_gtopk_reference`` instead."""
+    ``_gtopk_reference`` instead.  With momentum correction in the kwargs, what goes in
+    on each call is the velocity, recomputed here in numpy from the gradients (clipped as
+    the algorithm clips them, masked where a rank's value was sent); the algorithm's own
+    velocity must match it.  ``roundtrip``: a second object loaded from the first's
+    state_dict must go on exactly as the first does."""
     from totalreduce import compression
 
     rank, n_ranks = tr.rank(), tr.size()
@@ -933,9 +937,15 @@ def _sparse_run(arg: dict, name: str) -> dict:
     alg = cls(arg["density"], **kwargs)
     published = kind == "gtopk"
     dtype = np.dtype(arg.get("dtype", "float32"))
+    momentum = kwargs.get("momentum", 0.0)
+    masking = kwargs.get("momentum_masking", True)
+    clip = kwargs.get("clip_norm")
+    warm = kwargs.get("warmup", 10 if kind == "oktopk" else 0)
+    dense_calls = warm if kwargs.get("warmup_mode", "dense") == "dense" else 0
     old = np.zeros((n_ranks, n), dtype)
+    velocity = np.zeros((n_ranks, n), dtype)
     volumes = []
-    worst = 0.0
+    worst = worst_velocity = 0.0
     lost, moved = 0.0, 0.0
     for call in range(calls):
         rng = np.random.default_rng([arg["seed"], call])
@@ -947,19 +957,30 @@ def _sparse_run(arg: dict, name: str) -> dict:
             grads[:] = 0
         elif case == "ties":
             grads = np.round(grads * 20) / 20  # many equal magnitudes at the threshold
+        if clip is not None:
+            limit = clip / np.sqrt(n_ranks)
+            for p in range(n_ranks):
+                norm = float(np.linalg.norm(grads[p].astype(np.float64)))
+                if norm > limit:
+                    grads[p] = (grads[p] * (limit / norm)).astype(dtype)
+        if momentum:
+            velocity = (momentum * velocity + grads).astype(dtype)
+            inputs = velocity
+        else:
+            inputs = grads
         out = alg.allreduce(grads[rank], name)
         every_out = tr.allgather(out.reshape(1, n))
         assert all(np.array_equal(every_out[0], o) for o in every_out), "outputs differ"
         new = tr.allgather(alg.residual(name).reshape(1, n))
         lhs = n_ranks * out.astype(np.float64) + new.astype(np.float64).sum(axis=0)
-        rhs = (grads.astype(np.float64) + old).sum(axis=0)
+        rhs = (inputs.astype(np.float64) + old).sum(axis=0)
         scale = max(1.0, float(np.abs(rhs).max()))
         if published and rank != 0:
             err = 0.0  # rank 0 checks every rank's output and residual (they are gathered)
         elif published:
             # The loss is the identity's whole gap.
-            accs = grads + old
-            want, sels, gone = _gtopk_reference(accs, alg.k(n))
+            accs = inputs + old
+            want, sels, gone = _gtopk_reference(accs, alg.k(n, call))
             assert np.array_equal(out, want / np.array(n_ranks, dtype)), \
                 f"call {call}: output differs from the tree merge"
             winners = np.flatnonzero(want)
@@ -974,10 +995,17 @@ def _sparse_run(arg: dict, name: str) -> dict:
             err = float(np.abs(lhs - rhs).max()) / scale
         worst = max(worst, err)
         assert err < 1e-5, f"call {call}: conservation off by {err}"
-        warm = arg.get("kwargs", {}).get("warmup", 10) if kind == "oktopk" else 0
-        if call < warm:
-            dense = tr.allreduce(grads[rank] + old[rank], op=tr.Average)
+        if call < dense_calls:
+            dense = tr.allreduce(inputs[rank] + old[rank], op=tr.Average)
             assert np.array_equal(out, dense), "a warm-up call differs from dense"
+        if momentum:
+            if masking and call >= dense_calls:
+                # Sent: what was in the accumulator and is not in the residual now.
+                velocity[((inputs + old) != 0) & (new == 0)] = 0
+            got = tr.allgather(alg.velocity(name).reshape(1, n))
+            off = float(np.abs(got.astype(np.float64) - velocity).max())
+            worst_velocity = max(worst_velocity, off / max(1.0, float(np.abs(velocity).max())))
+            assert worst_velocity < 1e-6, f"call {call}: velocity off by {off}"
         st = alg.stats(name)
         volumes.append({"call": call, "bytes_sent": st["bytes_sent"],
                         "bytes_received": st["bytes_received"],
@@ -985,9 +1013,22 @@ def _sparse_run(arg: dict, name: str) -> dict:
                         "messages_received": st["messages_received"], "k": st["k"],
                         "local": st["local_selected"], "global": st["global_selected"]})
         old = new.astype(dtype)
+    if arg.get("roundtrip"):
+        twin = cls(arg["density"], **kwargs)
+        twin.load_state_dict(alg.state_dict())
+        mine, theirs = alg.velocity(name), twin.velocity(name)
+        assert (mine is None) == (theirs is None), "velocity lost in the round trip"
+        assert mine is None or np.array_equal(mine, theirs), "velocity changed"
+        rng = np.random.default_rng([arg["seed"], calls])
+        grad = (rng.standard_t(2, size=(n_ranks, n)) * 1e-2).astype(dtype)[rank]
+        outs = [a.allreduce(grad, name) for a in (alg, twin)]  # in turn: collective
+        assert np.array_equal(outs[0], outs[1]), "outputs part after the round trip"
+        assert np.array_equal(alg.residual(name), twin.residual(name)), "residuals part"
+        assert mine is None or np.array_equal(alg.velocity(name), twin.velocity(name)), \
+            "velocities part after the round trip"
     nz = np.flatnonzero(out)
-    return {"volumes": volumes, "worst": worst, "nonzero": int(nz.size),
-            "last_nonzero": int(nz[-1]) if nz.size else -1,
+    return {"volumes": volumes, "worst": worst, "worst_velocity": worst_velocity,
+            "nonzero": int(nz.size), "last_nonzero": int(nz[-1]) if nz.size else -1,
             "lost": lost, "lost_fraction": lost / moved if moved else 0.0}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 import totalreduce as tr
@@ -17,10 +19,10 @@ class Dense(SparseAllreduce):
     def __init__(self) -> None:
         super().__init__(1.0)
 
-    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
-             ) -> tuple[int, int]:
-        out[...] = tr.allreduce(grad, op=tr.Average, name=f"{name}.dense")
-        return grad.size, grad.size
+    def _run(self, acc: np.ndarray, k: int, name: str, state: State, out: np.ndarray
+             ) -> tuple[np.ndarray, int, int]:
+        out[...] = tr.allreduce(acc, op=tr.Average, name=f"{name}.dense")
+        return np.arange(acc.size), acc.size, acc.size
 
 
 class TopkA(SparseAllreduce):
@@ -29,20 +31,17 @@ class TopkA(SparseAllreduce):
 
     name = "topka"
 
-    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
-             ) -> tuple[int, int]:
-        acc = state.residual
-        acc += grad
+    def _run(self, acc: np.ndarray, k: int, name: str, state: State, out: np.ndarray
+             ) -> tuple[np.ndarray, int, int]:
         n, size = acc.size, tr.size()
-        sel = top_k(acc, self.k(n))
+        sel = top_k(acc, k)
         rows = tr.allgather(pack(sel, acc[sel], n), name=f"{name}.topka")
         idx, val = unpack(rows, n, acc.dtype)
         out.fill(0)
         np.add.at(out, idx, val)
         chosen = int(np.unique(idx).size)
         out /= size
-        acc[sel] = 0  # every selected value reached the output
-        return sel.size, chosen
+        return sel, sel.size, chosen  # every selected value reached the output
 
 
 class GTopk(SparseAllreduce):
@@ -81,16 +80,14 @@ class GTopk(SparseAllreduce):
 
     name = "gtopk"
 
-    def __init__(self, density: float, exact_sums: bool = False) -> None:
-        super().__init__(density)
+    def __init__(self, density: float, warmup: int = 0, *, exact_sums: bool = False,
+                 **knobs: Any) -> None:
+        super().__init__(density, warmup, **knobs)
         self.exact_sums = exact_sums
 
-    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
-             ) -> tuple[int, int]:
-        acc = state.residual
-        acc += grad
+    def _run(self, acc: np.ndarray, k: int, name: str, state: State, out: np.ndarray
+             ) -> tuple[np.ndarray, int, int]:
         n, rank, size = acc.size, tr.rank(), tr.size()
-        k = self.k(n)
         sel = top_k(acc, k)
         idx, val = self._tree_merge(sel, acc[sel], n, k, name)
         # One fixed-size broadcast of k rows, padded with index n (past the buffer), so
@@ -120,8 +117,7 @@ class GTopk(SparseAllreduce):
             merged = tr.allreduce(contrib, op=tr.Sum, name=f"{name}.gtopk.values")
         out.fill(0)
         out[winners] = merged / size
-        acc[winners[mine]] = 0
-        return sel.size, winners.size
+        return winners[mine], sel.size, winners.size
 
     @staticmethod
     def _tree_merge(idx: np.ndarray, val: np.ndarray, n: int, k: int, name: str

@@ -1,7 +1,8 @@
 """Ok-Topk (Li and Hoefler, PPoPP 2022): a sparse allreduce whose volume per rank stays
 under 6k(P-1)/P words however many ranks there are.
 
-One call on ``acc = grad + residual`` (after ``warmup`` dense calls):
+One call on ``acc = input + residual`` (the input: the gradient, or with momentum
+correction the velocity; after ``warmup`` dense calls):
 
 1. Local selection: the indices with |acc| at or above the local threshold.  The
    threshold is the exact k-th largest magnitude every ``tau_local`` calls and is reused
@@ -29,6 +30,8 @@ selected indices that won globally.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 import totalreduce as tr
@@ -54,7 +57,8 @@ class OkTopk(SparseAllreduce):
     Args:
         density: k = density * n values per call (at least one).
         warmup: calls reduced densely first (the model moves fastest then, and residuals
-            of early gradients would be stale by the time they are sent).
+            of early gradients would be stale by the time they are sent); with
+            ``warmup_mode="exponential"``, calls at a falling density instead.
         tau_local: calls between exact local thresholds; larger is cheaper (no
             selection sort) but lets the local count drift from k.
         tau_global: calls between exact global thresholds; larger saves the candidates'
@@ -67,41 +71,36 @@ class OkTopk(SparseAllreduce):
         pipeline: split-and-reduce in P - 1 rotation steps, summing one step's pairs
             while the next travel (as published); False sends all in one alltoall,
             which costs fewer messages and nothing to overlap.
+        knobs: the base's ``warmup_mode``, ``momentum``, ``momentum_masking`` and
+            ``clip_norm`` (:class:`~totalreduce.compression.SparseAllreduce`; all off
+            by default).
     """
 
     name = "oktopk"
 
     def __init__(self, density: float, warmup: int = 10, tau_local: int = 32,
                  tau_global: int = 32, tau_region: int = 64, max_ratio: float = 1.5,
-                 pipeline: bool = True) -> None:
-        super().__init__(density)
+                 pipeline: bool = True, **knobs: Any) -> None:
+        super().__init__(density, warmup, **knobs)
         for knob, value in (("tau_local", tau_local), ("tau_global", tau_global),
                             ("tau_region", tau_region)):
             if value < 1:
                 raise ValueError(f"{knob} must be >= 1, got {value}")
-        if warmup < 0 or max_ratio < 1.0:
-            raise ValueError("warmup must be >= 0 and max_ratio >= 1")
-        self.warmup, self.tau_local, self.tau_global = warmup, tau_local, tau_global
+        if max_ratio < 1.0:
+            raise ValueError(f"max_ratio must be >= 1, got {max_ratio}")
+        self.tau_local, self.tau_global = tau_local, tau_global
         self.tau_region, self.max_ratio = tau_region, max_ratio
         self.pipeline = pipeline
 
-    def _run(self, grad: np.ndarray, name: str, state: State, out: np.ndarray
-             ) -> tuple[int, int]:
-        n, size, rank = grad.size, tr.size(), tr.rank()
-        # The residual becomes the accumulator in place: no n-element allocation a call.
-        acc = state.residual
-        acc += grad
-        if state.calls < self.warmup:
-            out[...] = tr.allreduce(acc, op=tr.Average, name=f"{name}.oktopk.dense")
-            acc.fill(0)
-            return n, n
-        k = self.k(n)
+    def _run(self, acc: np.ndarray, k: int, name: str, state: State, out: np.ndarray
+             ) -> tuple[np.ndarray, int, int]:
+        n, size, rank = acc.size, tr.size(), tr.rank()
         sel = self._local(acc, k, state)
         bounds = self._regions(sel, n, size, state, name)
         region = self._split_and_reduce(acc, sel, bounds, name)
         lo = int(bounds[rank])
         # Global selection in my region.
-        if (state.calls - self.warmup) % self.tau_global == 0:
+        if (state.calls - self.dense_calls) % self.tau_global == 0:
             state.global_threshold = self._global_threshold(region, k, name)
         elif state.stats.get("global_selected"):
             ratio = state.stats["global_selected"] / k
@@ -116,8 +115,8 @@ class OkTopk(SparseAllreduce):
         gidx, gval = unpack(gathered, n, acc.dtype)
         out.fill(0)
         out[gidx] = gval / size
-        acc[sel[np.isin(sel, gidx, assume_unique=True)]] = 0  # what won was sent
-        return sel.size, gidx.size
+        won = sel[np.isin(sel, gidx, assume_unique=True)]
+        return won, sel.size, gidx.size
 
     def _split_and_reduce(self, acc: np.ndarray, sel: np.ndarray, bounds: np.ndarray,
                           name: str) -> np.ndarray:
@@ -153,7 +152,7 @@ class OkTopk(SparseAllreduce):
         return region
 
     def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
-        exact = (state.calls - self.warmup) % self.tau_local == 0 \
+        exact = (state.calls - self.dense_calls) % self.tau_local == 0 \
             or state.local_threshold <= 0
         if not exact:
             state.local_threshold *= np.sqrt(max(state.last_local, 1) / k)
@@ -172,7 +171,7 @@ class OkTopk(SparseAllreduce):
     def _regions(self, sel: np.ndarray, n: int, size: int, state: State,
                  name: str) -> np.ndarray:
         """Region boundaries (P + 1 of them, the same on every rank)."""
-        due = (state.calls - self.warmup) % self.tau_region == 0
+        due = (state.calls - self.dense_calls) % self.tau_region == 0
         if state.boundaries is not None and state.boundaries[-1] == n and not due:
             return state.boundaries
         bins = min(n, _BINS_PER_RANK * size)

@@ -105,6 +105,9 @@ def _flatten(obj: Any, arrays: list[np.ndarray]) -> tuple[Any, list[np.ndarray]]
     if isinstance(obj, torch.Tensor):
         arrays.append(_to_numpy(obj))
         return {"t": len(arrays) - 1, "dtype": str(obj.dtype).removeprefix("torch.")}, arrays
+    if isinstance(obj, np.ndarray):  # a sparse compression's residuals and velocities
+        arrays.append(np.array(obj, copy=True))
+        return {"a": len(arrays) - 1}, arrays
     if isinstance(obj, dict):
         return {"d": [[k, _flatten(v, arrays)[0]] for k, v in obj.items()]}, arrays
     if isinstance(obj, list | tuple):
@@ -113,13 +116,16 @@ def _flatten(obj: Any, arrays: list[np.ndarray]) -> tuple[Any, list[np.ndarray]]
     if obj is None or isinstance(obj, bool | int | float | str):
         return {"v": obj}, arrays
     raise TypeError(f"TorchState: cannot keep a {type(obj).__name__} from the optimizer's "
-                    "state_dict (tensors, numbers, strings, lists and dicts only)")
+                    "state_dict (tensors, numpy arrays, numbers, strings, lists and dicts "
+                    "only)")
 
 
 def _unflatten(node: dict[str, Any], arrays: list[np.ndarray]) -> Any:
     if "t" in node:
         tensor = torch.from_numpy(np.array(arrays[node["t"]], copy=True))
         return tensor.to(getattr(torch, node["dtype"]))
+    if "a" in node:
+        return np.array(arrays[node["a"]], copy=True)
     if "d" in node:
         return {k: _unflatten(v, arrays) for k, v in node["d"]}
     if "l" in node:

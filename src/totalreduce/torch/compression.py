@@ -8,7 +8,9 @@ halves the bytes of float32/float64 tensors at the cost of float16's range and p
 ``Compression.oktopk(density=0.01)`` (and ``topka``, ``gtopk``) are not of that kind: they
 replace the allreduce itself with a sparse one that keeps what it did not send in
 residuals (totalreduce.compression).  The DistributedOptimizer runs them on its fused
-gradient buckets when it synchronizes, and saves their state with its own.
+gradient buckets when it synchronizes, and saves their state with its own.  With
+``momentum=`` (DGC's momentum correction) the sparse allreduce applies the momentum, and
+the wrapped optimizer must have none of its own.
 """
 
 from __future__ import annotations
@@ -81,14 +83,16 @@ class Compression:
         return SparseCompressor(OkTopk(density, **knobs))
 
     @staticmethod
-    def topka(density: float = 0.01) -> SparseCompressor:
-        """Every rank's top-k to every rank: 2k(P-1) words per rank."""
-        return SparseCompressor(TopkA(density))
+    def topka(density: float = 0.01, **knobs: Any) -> SparseCompressor:
+        """Every rank's top-k to every rank: 2k(P-1) words per rank (knobs: the warm-up,
+        momentum correction and clipping of totalreduce.compression.SparseAllreduce)."""
+        return SparseCompressor(TopkA(density, **knobs))
 
     @staticmethod
-    def gtopk(density: float = 0.01, exact_sums: bool = False) -> SparseCompressor:
+    def gtopk(density: float = 0.01, exact_sums: bool = False, **knobs: Any
+              ) -> SparseCompressor:
         """gTopk as published: top-k sets merged pairwise up a tree in log2(P) rounds,
         rank 0's k merged pairs broadcast (a contribution dropped at a merge may be lost);
         ``exact_sums=True`` sums exactly at the winners instead, losing nothing
-        (totalreduce.compression.GTopk)."""
-        return SparseCompressor(GTopk(density, exact_sums=exact_sums))
+        (totalreduce.compression.GTopk; knobs: as ``topka``'s)."""
+        return SparseCompressor(GTopk(density, exact_sums=exact_sums, **knobs))

@@ -150,16 +150,17 @@ def oktopk_hook(density: float = 0.01, **knobs: Any) -> Any:
 
     Each bucket's sparse allreduce (several blocking collectives) runs on a thread of
     the hook's own while backward goes on; DDP waits for it at the end of the pass.  The
-    residuals live in ``hook.algorithm``."""
+    residuals live in ``hook.algorithm``.  With ``momentum=`` (momentum correction) the
+    optimizer must run without momentum."""
     return _sparse_hook(OkTopk(density, **knobs))
 
 
-def topka_hook(density: float = 0.01) -> Any:
+def topka_hook(density: float = 0.01, **knobs: Any) -> Any:
     """A DDP comm hook with TopkA (see :func:`oktopk_hook`)."""
-    return _sparse_hook(TopkA(density))
+    return _sparse_hook(TopkA(density, **knobs))
 
 
-def gtopk_hook(density: float = 0.01, exact_sums: bool = False) -> Any:
+def gtopk_hook(density: float = 0.01, exact_sums: bool = False, **knobs: Any) -> Any:
     """A DDP comm hook with gTopk, as published unless ``exact_sums`` (see
     :func:`oktopk_hook` and totalreduce.compression.GTopk)."""
-    return _sparse_hook(GTopk(density, exact_sums=exact_sums))
+    return _sparse_hook(GTopk(density, exact_sums=exact_sums, **knobs))
