@@ -223,12 +223,13 @@ def test_oktopk_ddp_hook() -> None:
 def _momentum_case(alg: str) -> dict:
     # Each algorithm with momentum correction and a different mix of the other knobs:
     # dense warm-up then masking (Ok-Topk), DGC's exponential warm-up with local clipping
-    # (TopkA), no masking (gTopk).
+    # (TopkA), no masking (gTopk as published), masking (gTopk with exact sums).
     kwargs = {"oktopk": {"warmup": 2, "tau_local": 4, "tau_global": 4, "tau_region": 8,
                          "momentum": 0.9},
               "topka": {"warmup": 3, "warmup_mode": "exponential", "momentum": 0.9,
                         "clip_norm": 1.0},
-              "gtopk": {"momentum": 0.8, "momentum_masking": False}}[alg]
+              "gtopk": {"momentum": 0.8, "momentum_masking": False},
+              "gtopk-exact": {"momentum": 0.8}}[alg]
     return {"alg": alg, "n": 10_007, "calls": 6, "density": 0.01, "seed": 6,
             "kwargs": kwargs, "roundtrip": True}
 
