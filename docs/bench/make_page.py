@@ -138,15 +138,18 @@ such machines. Sparse modes run their selection on a worker thread of their own,
 same core.
 
 `mlp`, 12.6 M parameters (50 MB of gradients), little compute per sample:
-`python -m totalreduce.bench train -n 2,4 --rounds 2` (`docs/bench/train-mlp.txt`):
+`python -m totalreduce.bench train -n 2,4 --rounds 2 --reps 3` (`docs/bench/train-mlp.txt`):
 
 {table("train-mlp")[1]}
 
 `convnet`, 1.2 M parameters, compute-heavy:
-`python -m totalreduce.bench train -n 2,4 --model convnet --rounds 2`
+`python -m totalreduce.bench train -n 2,4 --model convnet --rounds 2 --reps 3`
 (`docs/bench/train-convnet.txt`):
 
 {table("train-convnet")[1]}
+
+The convnet's communication is a few percent of its step, less than the run-to-run spread
+of the step itself, so its `comm hidden` column is noise.
 
 Whole training runs: `examples/torch_synthetic_benchmark.py` (a ResNet-18-shaped network,
 batch 16 of 64x64 images per worker, one thread each) gives about 67 img/s at 1 worker,
