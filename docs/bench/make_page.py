@@ -142,11 +142,16 @@ same core.
 
 {table("train-mlp")[1]}
 
+![median step time per mode, mlp](bench/train-mlp.png) (`--plot train-mlp.png` on the same
+command draws it)
+
 `convnet`, 1.2 M parameters, compute-heavy:
 `python -m totalreduce.bench train -n 2,4 --model convnet --rounds 2 --reps 3`
 (`docs/bench/train-convnet.txt`):
 
 {table("train-convnet")[1]}
+
+![median step time per mode, convnet](bench/train-convnet.png)
 
 The convnet's communication is a few percent of its step, less than the run-to-run spread
 of the step itself, so its `comm hidden` column is noise.
