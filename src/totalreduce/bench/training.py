@@ -114,32 +114,21 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         barrier = hvd.barrier
-        setups = []
-        for mb in cfg["buckets_mb"]:
-            def make(mb: float = mb) -> tuple[Any, Any]:
+        def optimizer(**kw: Any) -> Callable[[], tuple[Any, Any]]:
+            def make() -> tuple[Any, Any]:
                 model = _model(cfg["model"])
                 opt = hvd.DistributedOptimizer(
                     torch.optim.SGD(model.parameters(), lr=1e-4),
-                    named_parameters=model.named_parameters(),
-                    bucket_bytes=int(mb * (1 << 20)))
+                    named_parameters=model.named_parameters(), **kw)
                 return model, opt
-            setups.append((f"optimizer {mb:g}MB", make))
-        def make_at_step() -> tuple[Any, Any]:
-            model = _model(cfg["model"])
-            opt = hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=1e-4),
-                named_parameters=model.named_parameters(), overlap=False)
-            return model, opt
-        setups.append(("optimizer, reduced at step", make_at_step))
-        for alg in cfg["sparse"]:
-            def make_sparse(alg: str = alg) -> tuple[Any, Any]:
-                model = _model(cfg["model"])
-                opt = hvd.DistributedOptimizer(
-                    torch.optim.SGD(model.parameters(), lr=1e-4),
-                    named_parameters=model.named_parameters(),
-                    compression=getattr(hvd.Compression, alg)(density=cfg["density"]))
-                return model, opt
-            setups.append((f"{alg} {cfg['density']:g}", make_sparse))
+            return make
+
+        setups = [(f"optimizer {mb:g}MB", optimizer(bucket_bytes=int(mb * (1 << 20))))
+                  for mb in cfg["buckets_mb"]]
+        setups.append(("optimizer, reduced at step", optimizer(overlap=False)))
+        setups += [(f"{alg} {cfg['density']:g}", optimizer(
+            compression=getattr(hvd.Compression, alg)(density=cfg["density"])))
+            for alg in cfg["sparse"]]
         default_mb = _runtime_bucket_mb()
     else:
         import torch.distributed as dist
