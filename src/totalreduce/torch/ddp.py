@@ -119,9 +119,11 @@ def _sparse_hook(algorithm: Any) -> Any:
         buffer = bucket.buffer()
         index = bucket.index()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        staged = stage(buffer, f"{algorithm.name}_hook")
 
         def reduce() -> None:
+            # Staged here, so that a tensor it refuses fails the job like any other error
+            # (raised by backward(), see the module docstring), not the hook itself.
+            staged = stage(buffer, f"{algorithm.name}_hook")
             algorithm.allreduce(staged.array, f"{prefix}.bucket{index}", out=staged.array)
             staged.write_back()
 
