@@ -31,7 +31,7 @@ from sklearn.model_selection import train_test_split
 import totalreduce.torch as hvd
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-digest", action="store_true",
                    help="print a hash of the final weights (to compare two runs)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def model() -> torch.nn.Module:
@@ -92,8 +92,10 @@ def progress(total: int, enabled: bool, desc: str):  # noqa: ANN201 - tqdm or a 
     return tqdm(total=total, desc=desc, unit="batch", leave=False, file=sys.stderr)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> float:
+    """Train with these command-line arguments (default: sys.argv's) on every rank;
+    returns the final test accuracy (the same on every rank)."""
+    args = parse_args(argv)
     hvd.init()
     torch.set_num_threads(1)  # ranks share the cores
     rank, size = hvd.rank(), hvd.size()
@@ -208,6 +210,7 @@ def main() -> None:
             what = args.compression + (f" at density {args.density:g}" if sparse else "")
             plot(history, args.plot, f"digits on {size} rank(s), compression {what}")
     hvd.shutdown()
+    return history[-1][2]
 
 
 def plot(history: list[tuple[int, float, float]], path: str, title: str) -> None:

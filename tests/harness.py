@@ -12,7 +12,9 @@ Python stacks (faulthandler) so the failure says where it hung.
 default), ``tcp`` (totalrun, sockets only), ``mpi`` (mpiexec, the MPI transport) or
 ``srun`` (no launcher process: the ranks are started directly with the variables srun
 sets, ``SLURM_PROCID``/``SLURM_NTASKS``, plus ``TOTALREDUCE_RENDEZVOUS`` and
-``TOTALREDUCE_SECRET``, as a SLURM job would; TCP and shared memory).
+``TOTALREDUCE_SECRET``, as a SLURM job would; TCP and shared memory).  With ``hosts``
+(a :class:`totalreduce.bench.simhosts.SimulatedHosts`), srun's ranks are spread over
+simulated hosts.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from reporting import read_reports
+from totalreduce.bench.simhosts import SimulatedHosts
 from totalreduce.launcher.mpiexec import find_mpiexec
 
 HERE = Path(__file__).resolve().parent
@@ -77,16 +80,19 @@ class Result:
 
 def launch(n: int, target: str, arg: object = None, *, timeout: float = 60,
            env: dict[str, str] | None = None, launcher_args: tuple[str, ...] = (),
-           transport: str = "shm") -> Result:
+           transport: str = "shm", hosts: SimulatedHosts | None = None) -> Result:
+    """``hosts``: start the ranks as srun would (``transport`` is ignored), an equal share
+    on each simulated host, in rank order."""
     with tempfile.TemporaryDirectory(prefix="trtest-reports-") as reports:
         result = _launch(n, target, arg, timeout, dict(env or {}, WORKER_REPORT_DIR=reports),
-                         launcher_args, transport)
+                         launcher_args, "srun" if hosts else transport, hosts)
         result.reports = read_reports(reports)
         return result
 
 
 def _launch(n: int, target: str, arg: object, timeout: float, env: dict[str, str],
-            launcher_args: tuple[str, ...], transport: str) -> Result:
+            launcher_args: tuple[str, ...], transport: str,
+            hosts: SimulatedHosts | None = None) -> Result:
     full_env = dict(os.environ)
     for key in list(full_env):
         if key.startswith("TOTALREDUCE_"):
@@ -96,7 +102,7 @@ def _launch(n: int, target: str, arg: object, timeout: float, env: dict[str, str
     full_env.update(env or {})
     worker = [sys.executable, str(HERE / "run_worker.py"), target, json.dumps(arg)]
     if transport == "srun":
-        return _launch_srun(n, worker, full_env, timeout)
+        return _launch_srun(n, worker, full_env, timeout, hosts)
     if transport == "mpi":
         exe = mpiexec()
         assert exe is not None, "the mpi transport needs mpi4py and mpiexec"
@@ -150,16 +156,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch_srun(n: int, worker: list[str], env: dict[str, str], timeout: float) -> Result:
+def _launch_srun(n: int, worker: list[str], env: dict[str, str], timeout: float,
+                 hosts: SimulatedHosts | None = None) -> Result:
     """Start ``n`` ranks as srun would (each in its own process group), merge their output
-    with ``[rank] `` prefixes; the return code is the first non-zero one, as srun's."""
-    env = dict(env, TOTALREDUCE_RENDEZVOUS=f"127.0.0.1:{_free_port()}",
+    with ``[rank] `` prefixes; the return code is the first non-zero one, as srun's.  With
+    ``hosts``, ranks ``r * n // hosts.n`` onwards run on host ``r``."""
+    per_host = n // hosts.n if hosts else n
+    address = f"{hosts.address(0)}:29400" if hosts else f"127.0.0.1:{_free_port()}"
+    env = dict(env, TOTALREDUCE_RENDEZVOUS=address,
                TOTALREDUCE_SECRET=secrets.token_hex(16), SLURM_NTASKS=str(n),
                WORKER_TAG_LINES="1")
     start = time.monotonic()
-    procs = [subprocess.Popen(worker, env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for r in range(n)]
+
+    def start_rank(r: int) -> subprocess.Popen[str]:
+        rank_env = dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r % per_host),
+                        SLURM_NODEID=str(r // per_host))
+        if hosts:
+            return hosts.popen(r // per_host, worker, rank_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+        return subprocess.Popen(worker, env=rank_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    procs = [start_rank(r) for r in range(n)]
     outs: list[tuple[str, str]] = []
     try:
         deadline = start + timeout

@@ -166,3 +166,22 @@ def test_tiny_shows_both_scheduling_modes_by_default(capsys: pytest.CaptureFixtu
         assert f"2  {b} " in out, out
     assert "totalreduce-shm/-tcp/-mpi self-guided" in out
     assert "totalreduce-neg negotiated" in out
+
+
+def test_hosts_bench_runs_flat_and_hierarchical_on_simulated_hosts() -> None:
+    from totalreduce.bench.hosts import link_bound
+    from totalreduce.bench.simhosts import unavailable
+
+    # 64 MiB over 1 Gbit/s between 2 hosts: each host sends the buffer once.
+    assert link_bound(64 << 20, 2, 10**9) == pytest.approx(0.537, abs=1e-3)
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    done = subprocess.run([sys.executable, "-m", "totalreduce.bench", "hosts", "--sizes",
+                           "256K", "--reps", "2", "--rounds", "1", "--link", "10gbit"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.strip().split(" ")[0].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("262144", "flat"), ("262144", "hierarchical")]
+    assert all(float(r[2]) > 0 for r in rows), done.stdout

@@ -139,3 +139,16 @@ def test_submit_while_a_floating_body_is_arriving() -> None:
     # submitted before the body finished arriving, and the op hung.
     run_ok(4, "workers:submit_while_streaming", {"iters": 8, "elems": 4 << 20},
            timeout=120)
+
+
+@pytest.mark.parametrize("reduce_thread", ["-1", "0"])
+def test_ops_that_read_their_input_instead_of_a_copy_match_numpy(reduce_thread: str) -> None:
+    # Blocking allreduces and reducescatters above TOTALREDUCE_DIRECT_BYTES reduce straight
+    # from the caller's array into an undefined result buffer (OpSpec.fresh); 1 KiB puts
+    # every multi-piece array of the matrix on that path, on the ring, inline and on the
+    # reduce thread.
+    result = run_ok(3, "workers:check_collectives", {},
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096", "TOTALREDUCE_SMALL_BYTES": "0",
+                         "TOTALREDUCE_DIRECT_BYTES": "1024",
+                         "TOTALREDUCE_REDUCE_THREAD_BYTES": reduce_thread}, timeout=150)
+    _check(result, 3, "shm")

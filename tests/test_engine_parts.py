@@ -283,7 +283,7 @@ def test_mismatch_tracker_gathers_both_views_and_fails_the_op_naming_each_rank()
     wrong = data_header(op, dtype=dtype_code(np.dtype(np.float64)), count=5)
     assert tracker.check(op, 1, wrong) is None
     assert op.mismatch is not None and len(tracker) == 1
-    assert [h.kind for h, _body in outbox.named("tell_all")] == [Kind.MISMATCH]
+    assert [h.kind for h, _body, _skip in outbox.named("tell_all")] == [Kind.MISMATCH]
     assert not op.future.done()  # the peer's own view is not in yet
     tracker.heard(1, op.spec.key, {"kind": "allreduce", "dtype": "float64", "shape": [5]})
     error = op.future.error()
@@ -396,7 +396,7 @@ def test_applier_hands_big_reductions_to_the_reduce_thread_and_fails_on_its_erro
     ops.active[op.spec.key] = op
     op.left.add((1, 1, 0))
     applier.deliver(op, 1, data_header(op), memoryview(bytearray(16)), True)
-    [(_ufunc, _dest, _buf, token)] = reducer.named("submit")
+    [(_ufunc, _dest, _buf, token, _left)] = reducer.named("submit")
     applier.reduced(token, ValueError("bad"))
     error = op.future.error()
     assert isinstance(error, TotalReduceError) and "reduction failed" in str(error)
@@ -754,7 +754,7 @@ _ENGINE_DIR = pathlib.Path(totalreduce.__file__).parent / "engine"
 
 _OWNERS = {
     "ready_peers": {"outbox"}, "announce": {"outbox"}, "sends_left": {"outbox"},
-    "left": {"outbox"}, "got": {"applier"}, "held": {"applier"},
+    "left": {"outbox"}, "got": {"applier"}, "held": {"applier"}, "done_recvs": {"applier"},
     "recvs_left": {"applier"}, "pending_from": {"applier"}, "t_first": {"applier"},
     "mismatch": {"mismatch_tracker"}, "warned": {"stall"},
     "finished": {"optable"}, "forgotten": {"optable"},

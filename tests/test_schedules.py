@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 
@@ -16,18 +17,24 @@ from totalreduce.engine.algorithms import (
     ring_allreduce,
     ring_reducescatter,
 )
+from totalreduce.engine.algorithms.hierarchical import hierarchical_allreduce, host_groups
 from totalreduce.engine.schedule import COPY, Schedule, even_bounds
 
 
 def simulate(schedules: list[Schedule], works: list[np.ndarray],
-             sources: list[np.ndarray] | None = None, seed: int = 0) -> None:
+             sources: list[np.ndarray] | None = None, seed: int = 0,
+             finalize: bool = False, fresh: bool = False) -> None:
     """Run every rank's step machine with adversarial timing.
 
     A queued send reads its buffer only when it "leaves", at a random later moment, and
     messages arrive in a random order, honouring only the unlock rules and ``Recv.after``
-    (a reduce waits until the named sends have left, as the engine holds it).  A schedule
-    that overwrote a region before its send of that region had left would compute garbage
-    here.
+    (a reduce waits until the named sends have left, as the engine holds it) and
+    ``Recv.wait`` (until the named receives were applied).  A schedule that overwrote a
+    region before its send of that region had left would compute garbage here.  With
+    ``finalize``, a final receive negates its region (as an average divides it), so a
+    region finalized twice, or before every contribution is in, comes out wrong.  With
+    ``fresh`` (OpSpec.fresh), a reduce combines the source's region with the body, as
+    the engine does for an op whose working buffer starts undefined.
 
     It also checks that every rank finishes only after hearing, through some chain of
     messages, from every other rank: that is what lets a rank that disagrees about an op
@@ -45,19 +52,42 @@ def simulate(schedules: list[Schedule], works: list[np.ndarray],
     held: list[list[tuple[object, np.ndarray]]] = [[] for _ in range(n)]
 
     sent_knows: list[dict[tuple[int, int, int], frozenset[int]]] = [{} for _ in range(n)]
+    applied: list[dict[tuple[int, int, int], frozenset[int]]] = [{} for _ in range(n)]
 
-    def apply(dst: int, recv, buf: np.ndarray, knows: frozenset[int]) -> None:
+    def ready(dst: int, recv) -> bool:
+        return set(recv.after) <= left[dst] and set(recv.wait) <= applied[dst].keys()
+
+    def apply(dst: int, key, recv, buf: np.ndarray, knows: frozenset[int]) -> None:
         if recv.mode == COPY:
             works[dst][recv.lo:recv.hi] = buf
+        elif fresh:
+            assert sources is not None
+            works[dst][recv.lo:recv.hi] = sources[dst][recv.lo:recv.hi] + buf
         else:
             works[dst][recv.lo:recv.hi] += buf
+        if finalize and recv.final:
+            works[dst][recv.lo:recv.hi] *= -1
         # What this rank surely knew by now: what the message brought, and what the sends
-        # it had to wait for (Recv.after) knew.  Sends it unlocks carry that on.
-        for key in recv.after:
-            knows |= sent_knows[dst][key]
+        # and receives it had to wait for (Recv.after, Recv.wait) knew.  Sends it unlocks
+        # carry that on.
+        for k in recv.after:
+            knows |= sent_knows[dst][k]
+        for k in recv.wait:
+            knows |= applied[dst][k]
         knows |= {dst}
         heard[dst] |= knows
+        applied[dst][key] = knows
         queued.extend((dst, s, knows) for s in recv.then)
+
+    def release(dst: int) -> None:
+        """Apply what ``dst`` held back and may apply now, until nothing more is ready."""
+        i = 0
+        while i < len(held[dst]):
+            if ready(dst, held[dst][i][1]):
+                apply(dst, *held[dst].pop(i))
+                i = 0
+            else:
+                i += 1
 
     while queued or inflight:
         if queued and (not inflight or rng.random() < 0.5):
@@ -66,10 +96,7 @@ def simulate(schedules: list[Schedule], works: list[np.ndarray],
             inflight.append((src, send, buf, knows))
             left[src].add((send.peer, send.step, send.piece))
             sent_knows[src][(send.peer, send.step, send.piece)] = knows
-            for item in list(held[src]):
-                if set(item[0].after) <= left[src]:
-                    held[src].remove(item)
-                    apply(src, *item)
+            release(src)
             continue
         src, send, buf, knows = inflight.pop(rng.randrange(len(inflight)))
         dst = send.peer
@@ -78,11 +105,12 @@ def simulate(schedules: list[Schedule], works: list[np.ndarray],
         assert key not in got[dst], f"duplicate {key}"
         got[dst].add(key)
         assert recv.hi - recv.lo == buf.size
-        assert not recv.after or recv.mode != COPY, "only reduces may wait for sends"
-        if set(recv.after) <= left[dst]:
-            apply(dst, recv, buf, knows)
+        assert not (recv.after or recv.wait) or recv.mode != COPY, "only reduces may wait"
+        if ready(dst, recv):
+            apply(dst, key, recv, buf, knows)
+            release(dst)
         else:
-            held[dst].append((recv, buf, knows))
+            held[dst].append((key, recv, buf, knows))
     for r in range(n):
         assert got[r] == set(schedules[r].recvs), f"rank {r} missed messages"
         assert not held[r], f"rank {r} still holds reduces"
@@ -189,3 +217,83 @@ def test_simulator_catches_a_reduce_that_does_not_wait_for_its_send() -> None:
         simulate([strip(doubling_allreduce(r, 4, 5, 2)) for r in range(4)], works, seed=seed)
         wrong += any(not np.array_equal(w, sum(inputs)) for w in works)
     assert wrong > 0
+
+
+def _hosts(n_hosts: int, n_local: int, interleaved: bool) -> tuple[int, ...]:
+    """Each rank's host: ranks of a host contiguous, or dealt round-robin."""
+    n = n_hosts * n_local
+    return tuple(r % n_hosts if interleaved else r // n_local for r in range(n))
+
+
+@pytest.mark.parametrize(("n_hosts", "n_local"), [(2, 2), (2, 3), (3, 2), (4, 2), (2, 4)])
+@pytest.mark.parametrize("count", [0, 1, 5, 37, 1000])
+@pytest.mark.parametrize("seg", [1, 7, 10_000])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_hierarchical_allreduce(n_hosts: int, n_local: int, count: int, seg: int,
+                                interleaved: bool) -> None:
+    hosts = _hosts(n_hosts, n_local, interleaved)
+    n = len(hosts)
+    rng = np.random.default_rng(count * 31 + seg)
+    inputs = [rng.integers(0, 100, count) for _ in range(n)]
+    works = [x.copy() for x in inputs]
+    scheds = [hierarchical_allreduce(r, hosts, count, seg) for r in range(n)]
+    simulate(scheds, works, seed=count + seg, finalize=True)
+    for w in works:
+        assert np.array_equal(w, -sum(inputs))
+
+
+def test_hierarchical_allreduce_keeps_cross_host_traffic_to_the_link_bound() -> None:
+    # 2 hosts x 2 ranks: each host sends 2 (H - 1) / H = 1 buffer across, half per rank,
+    # where the flat ring's rank 1 alone sends 2 (n - 1) / n = 1.5 buffers to rank 2.
+    hosts, count = (0, 0, 1, 1), 1200
+    for rank in range(4):
+        sched = hierarchical_allreduce(rank, hosts, count, 100)
+        sends = [*sched.first, *(s for r in sched.recvs.values() for s in r.then)]
+        across = sum(s.hi - s.lo for s in sends if hosts[s.peer] != hosts[rank])
+        assert across == count // 2
+
+
+def test_hierarchical_allreduce_needs_its_waits() -> None:
+    # Without Recv.wait a cross-host piece that comes before this host's own sum of its
+    # region is passed on without it: the simulator must catch that, or it proves nothing.
+    hosts, count = (0, 0, 1, 1), 40
+    inputs = [np.arange(count) * (r + 1) for r in range(4)]
+    wrong = 0
+    for seed in range(20):
+        scheds = []
+        for r in range(4):
+            s = hierarchical_allreduce(r, hosts, count, 5)
+            scheds.append(Schedule(s.first, {k: dataclasses.replace(v, wait=())
+                                             for k, v in s.recvs.items()}, s.local_final))
+        works = [x.copy() for x in inputs]
+        simulate(scheds, works, seed=seed)
+        wrong += any(not np.array_equal(w, sum(inputs)) for w in works)
+    assert wrong > 0
+
+
+@pytest.mark.parametrize("hosts", [(0, 0, 0, 0), (0, 1, 2, 3), (0, 0, 1), (0, 0, 1, 1, 1, 0, 2)])
+def test_hierarchical_layout_refuses_what_it_cannot_split(hosts: tuple[int, ...]) -> None:
+    assert host_groups(hosts) is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("count", [0, 1, 7, 1000])
+@pytest.mark.parametrize("seg", [1, 3, 10_000])
+def test_ring_reads_the_source_when_its_buffer_starts_undefined(n: int, count: int,
+                                                                seg: int) -> None:
+    # OpSpec.fresh: no copy of the input; whatever the working buffer held must not show.
+    rng = np.random.default_rng(n * 7 + count)
+    inputs = [rng.integers(0, 100, count).astype(float) for _ in range(n)]
+    bounds = tuple(even_bounds(count, n))
+    for scheds, whole in (([ring_allreduce(r, n, count, seg, True) for r in range(n)], True),
+                          ([ring_reducescatter(r, n, bounds, seg, True) for r in range(n)],
+                           False)):
+        works = [np.full(count, np.nan) for _ in range(n)]
+        for r, s in enumerate(scheds):
+            for lo, hi in s.local_final:
+                works[r][lo:hi] = inputs[r][lo:hi]
+        simulate(scheds, works, sources=inputs, seed=count, fresh=True)
+        total = sum(inputs)
+        for r in range(n):
+            lo, hi = (0, count) if whole else (bounds[r], bounds[r + 1])
+            assert np.array_equal(works[r][lo:hi], total[lo:hi]), (r, whole)

@@ -3,6 +3,7 @@ the world-of-one API including local misuse errors."""
 
 from __future__ import annotations
 
+import pickle
 import socket
 import threading
 
@@ -12,7 +13,12 @@ import pytest
 import totalreduce as tr
 from totalreduce import runtime as tr_runtime
 from totalreduce.config import Config
-from totalreduce.exceptions import AuthenticationError
+from totalreduce.exceptions import (
+    AuthenticationError,
+    MismatchError,
+    OpTimeoutError,
+    PeerFailureError,
+)
 from totalreduce.rendezvous.auth import client_handshake, server_handshake
 from totalreduce.rendezvous.env import detect_launch
 from totalreduce.transport.wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
@@ -108,6 +114,30 @@ def test_external_launchers(env: dict, launcher: str, rank: int, size: int,
 def test_missing_rendezvous_address_says_what_to_set() -> None:
     with pytest.raises(ValueError, match="TOTALREDUCE_RENDEZVOUS=host:port"):
         detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "TOTALREDUCE_SECRET": "x"})
+
+
+def test_ray_workers_win_over_the_launcher_that_started_the_cluster() -> None:
+    """A Ray actor inherits the variables of whatever started its node (here SLURM); the
+    executor's say who it is, and the driver, not rank 0, serves the store."""
+    info = detect_launch({
+        "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "TOTALREDUCE_RAY_RANK": "0",
+        "TOTALREDUCE_RAY_SIZE": "2", "TOTALREDUCE_RAY_LOCAL_RANK": "0",
+        "TOTALREDUCE_RAY_LOCAL_SIZE": "1", "TOTALREDUCE_RENDEZVOUS": "driver:9",
+        "TOTALREDUCE_SECRET": "s"})
+    assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size,
+            info.rendezvous, info.serve_rendezvous) == ("ray", 0, 2, 0, 1, "driver:9", False)
+    with pytest.raises(ValueError, match="RayExecutor"):
+        detect_launch({"TOTALREDUCE_RAY_RANK": "0", "TOTALREDUCE_RAY_SIZE": "2"})
+
+
+@pytest.mark.parametrize("error", [
+    PeerFailureError(3, "rank 0: rank 3 failed", orderly=True),
+    MismatchError("grad", "shapes differ"), OpTimeoutError("grad", "waited 60 s")])
+def test_errors_survive_pickling(error: Exception) -> None:
+    # Ray and multiprocessing bring a worker's error back by pickle.
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert vars(back) == vars(error)
 
 
 @pytest.fixture

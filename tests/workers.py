@@ -1255,3 +1255,132 @@ def ragged_mismatch(arg: dict) -> None:
     tr.allgather(np.ones((rank + 1, 3)), name="fine")  # first dims may differ
     tr.shutdown()
     report(errors=errors)
+
+
+def hosts_allreduce(arg: dict) -> None:
+    """Allreduce on ranks that play hosts of their own (``arg["hosts"][rank]`` names each
+    rank's host through TOTALREDUCE_HOST_ID; without it, the ranks' own hosts tell):
+    every dtype and op at odd sizes against
+    numpy, async ops each rank submits in its own order, and how much of a large op went
+    over sockets rather than shared memory."""
+    hosts = arg.get("hosts")
+    tr.init(**({"host_id": f"host-{hosts[tr_rank()]}"} if hosts else {}))
+    rank, n = tr.rank(), tr.size()
+    from totalreduce.runtime import current
+
+    transport = current().transport
+    checked = 0
+    seed = 3
+    for dtype in DTYPES:
+        for shape in ((0,), (1,), (7,), (1031,), (3, 4099)):
+            seed += 1
+            inputs = [data(seed, r, shape, dtype) for r in range(n)]
+            for opname, op in OPS.items():
+                if opname == "Average" and dtype == np.bool_:
+                    continue
+                if opname == "Product" and shape == (3, 4099) and dtype != np.float64:
+                    continue
+                got = tr.allreduce(inputs[rank], op=op)
+                assert_same(got, reference_reduce(inputs, opname),
+                            f"allreduce {opname} {np.dtype(dtype)} {shape}")
+                checked += 1
+    order = list(range(12))
+    random.Random(rank).shuffle(order)
+    sizes = [0, 1, 5, 4097, 100_003, 3, 65_537, 2, 17, 250_001, 9, 31]
+    handles = {}
+    for i in order:
+        time.sleep(random.Random(rank * 100 + i).random() * 0.01)
+        handles[i] = tr.allreduce_async(data(i, rank, (sizes[i],), np.float32), name=f"h{i}",
+                                        op=tr.Sum)
+    for i, h in handles.items():
+        want = reference_reduce([data(i, r, (sizes[i],), np.float32) for r in range(n)], "Sum")
+        assert_same(tr.synchronize(h), want, f"async allreduce {i}")
+        checked += 1
+    big = data(99, rank, (1 << 20,), np.float32)
+    before = tr.transport_stats()
+    got = tr.allreduce(big, name="big", op=tr.Sum)
+    after = tr.transport_stats()
+    assert_same(got, reference_reduce([data(99, r, (1 << 20,), np.float32)
+                                       for r in range(n)], "Sum"), "big allreduce")
+    moved = {k: after[k] - before[k] for k in ("tcp_bytes_sent", "shm_bytes_sent")}
+    layout = transport.hosts
+    rings = transport.ring_peers()
+    tr.barrier()
+    tr.shutdown()
+    report(checked=checked, hosts=list(layout), rings=rings, moved=moved,
+           nbytes=big.nbytes)
+
+
+def process_sets(arg: dict) -> None:
+    """Process sets at 4 ranks: two disjoint pairs allreducing at once, a set of 3 running
+    every collective, a rank outside a set, a mismatch inside one, ranks that ask for
+    different sets, and a removed set."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    assert n == 4
+    pairs = [tr.add_process_set([0, 1]), tr.add_process_set(tr.ProcessSet([2, 3]))]
+    trio = tr.add_process_set([0, 1, 2])
+    pair = pairs[rank // 2]
+    out: dict[str, object] = {"ids": [p.process_set_id for p in (*pairs, trio)]}
+    # Each pair's ops, async and in a per-rank random order, between global ones.
+    sizes = [1, 7, 4099, 300_001, 0, 33]
+    order = list(range(len(sizes)))
+    random.Random(rank).shuffle(order)
+    handles = {}
+    for k, i in enumerate(order):
+        handles[i] = tr.allreduce_async(data(i, rank, (sizes[i],), np.float32), op=tr.Sum,
+                                        name=f"p{i}", process_set=pair)
+        glob = tr.allreduce(np.full(3, rank, np.int64), op=tr.Sum, name=f"g{k}")
+        assert glob.tolist() == [6, 6, 6], glob
+    for i, h in handles.items():
+        want = reference_reduce([data(i, q, (sizes[i],), np.float32) for q in pair.ranks],
+                                "Sum")
+        assert_same(h.wait(), want, f"pair allreduce {i}")
+    if trio.included():
+        me = trio.rank()
+        inputs = [data(50, q, (5, 3), np.int32) for q in trio.ranks]
+        for root in trio.ranks:
+            got = tr.broadcast(inputs[me], root_rank=root, process_set=trio)
+            assert_same(got, inputs[trio.ranks.index(root)], f"trio broadcast from {root}")
+        parts = [data(51, q, (q + 1, 2), np.float64) for q in trio.ranks]
+        assert_same(tr.allgather(parts[me], process_set=trio), np.concatenate(parts),
+                    "trio allgather")
+        total = reference_reduce(inputs, "Sum")
+        b = [0, 2, 4, 5]  # 5 rows over 3 ranks: the lower ranks take the extra rows
+        assert_same(tr.reducescatter(inputs[me], op=tr.Sum, process_set=trio),
+                    total[b[me]:b[me + 1]], "trio reducescatter")
+        got, splits = tr.alltoall(np.arange(3) + 10 * rank, process_set=trio)
+        assert got.tolist() == [10 * q + me for q in trio.ranks], got
+        assert_same(tr.allreduce(inputs[me], op=tr.Average, process_set=trio),
+                    reference_reduce(inputs, "Average"), "trio average")
+        grouped = tr.grouped_allreduce([inputs[me], inputs[me][0]], op=tr.Max,
+                                       process_set=trio)
+        assert_same(grouped[1], reference_reduce([x[0] for x in inputs], "Max"), "grouped")
+        assert tr.allgather_object({"r": rank}, process_set=trio) == [
+            {"r": q} for q in trio.ranks]
+        tr.barrier(process_set=trio)
+        try:
+            tr.allreduce(np.ones(3 + (rank == 1)), name="bad", process_set=trio)
+            out["mismatch"] = "none"
+        except tr.MismatchError as exc:
+            out["mismatch"] = str(exc)
+    else:
+        try:
+            tr.allreduce(np.ones(3), process_set=trio)
+            out["outside"] = "accepted"
+        except ValueError as exc:
+            out["outside"] = str(exc)
+    try:
+        tr.add_process_set([0, 1, 3] if rank == 0 else [0, 2, 3])
+        out["disagree"] = "accepted"
+    except ValueError as exc:
+        out["disagree"] = str(exc)
+    out["removed"] = tr.remove_process_set(pairs[0])
+    try:
+        tr.allreduce(np.ones(2), process_set=pairs[0])
+        out["after_remove"] = "accepted"
+    except ValueError as exc:
+        out["after_remove"] = str(exc)
+    tr.barrier()
+    tr.shutdown()
+    report(**out)

@@ -26,7 +26,8 @@ from .exceptions import (
     TransportClosedError,
 )
 from .objects import allgather_object, broadcast_object
-from .scheduling import Handle, ReduceOp
+from .scheduling import Handle, ReduceOp, Scheduler
+from .scheduling.process_sets import ProcessSet, global_process_set
 from .version import __version__ as __version__
 
 Average = ReduceOp.AVERAGE
@@ -37,7 +38,8 @@ Product = ReduceOp.PRODUCT
 
 __all__ = [
     "AuthenticationError", "Average", "Handle", "Max", "Min", "MismatchError",
-    "OpTimeoutError", "PeerFailureError", "Product", "ReduceOp", "ShutdownError", "Sum",
+    "OpTimeoutError", "PeerFailureError", "ProcessSet", "Product", "ReduceOp",
+    "ShutdownError", "Sum", "add_process_set", "global_process_set", "remove_process_set",
     "TotalReduceError", "TransportClosedError", "allgather", "allgather_async",
     "allgather_object", "broadcast_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
@@ -103,15 +105,43 @@ def transport_stats() -> dict[str, int]:
     return _runtime.current().transport.stats()
 
 
-def _ops() -> Any:
-    return _runtime.current().collectives
+def _ops(process_set: ProcessSet | None = None, what: str = "") -> Scheduler:
+    """What runs an op on ``process_set`` (the whole job's scheduler by default)."""
+    rt = _runtime.current()
+    if process_set is None or process_set is global_process_set:
+        return rt.collectives
+    return rt.process_sets.scheduler(process_set, what)
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set (a ``ProcessSet`` or a list of ranks) and return it.
+
+    A collective of the whole job: every rank adds the same sets in the same order, and
+    ranks outside a set register it too.  Ops on it (``process_set=``) run over its ranks
+    only, concurrently with other sets' ops; ranks, ``root_rank`` included, stay the
+    job's ranks.
+
+    Raises:
+        ValueError: the ranks asked for different sets (every rank's error says which
+            rank asked for what), a rank outside the job, or a set already registered.
+        NotImplementedError: negotiated coordination or recovery (totalrun
+            --max-restarts) is on.
+    """
+    return _runtime.current().process_sets.add(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Forget ``process_set`` on every rank (a collective of the whole job); False if it
+    was not registered."""
+    return _runtime.current().process_sets.remove(process_set)
 
 
 # --- allreduce ------------------------------------------------------------------------
 
 
 def allreduce_async(x: Any, op: ReduceOp = Average, name: str | None = None,
-                    priority: int = 0) -> Handle:
+                    priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce of ``x``; ``handle.wait()`` returns a new array.
 
     Args:
@@ -129,17 +159,19 @@ def allreduce_async(x: Any, op: ReduceOp = Average, name: str | None = None,
             is not a str, or Average of a bool array.
         ValueError: unknown op.
     """
-    return _ops().allreduce(x, op, name, priority, inplace=False)
+    return _ops(process_set, "allreduce").allreduce(x, op, name, priority, inplace=False)
 
 
 def allreduce_async_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
-                     priority: int = 0) -> Handle:
+                     priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: ``x`` holds the result once the handle is done."""
-    return _ops().allreduce(x, op, name, priority, inplace=True)
+    return _ops(process_set, "allreduce_").allreduce(x, op, name, priority, inplace=True)
 
 
 def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
-              priority: int = 0) -> np.ndarray:
+              priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce ``x`` over all ranks and return the result as a new array.
 
     Raises:
@@ -147,41 +179,48 @@ def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
         PeerFailureError: a rank died.
         OpTimeoutError: the op waited longer than ``TOTALREDUCE_OP_TIMEOUT``.
     """
-    ops = _ops()
+    ops = _ops(process_set, "allreduce")
     with ops.caller_waits():
         return ops.allreduce(x, op, name, priority, inplace=False).wait()
 
 
 def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
-               priority: int = 0) -> np.ndarray:
+               priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``x``."""
-    ops = _ops()
+    ops = _ops(process_set, "allreduce_")
     with ops.caller_waits():
         return ops.allreduce(x, op, name, priority, inplace=True).wait()
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
-                            name: str | None = None, priority: int = 0) -> Handle:
+                            name: str | None = None, priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """Allreduce a list of arrays as one fused op per dtype; ``wait()`` returns a list."""
-    return _ops().grouped_allreduce(xs, op, name, priority, inplace=False)
+    return _ops(process_set, "grouped_allreduce").grouped_allreduce(xs, op, name, priority,
+                                                                 inplace=False)
 
 
 def grouped_allreduce(xs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
-                      priority: int = 0) -> list[np.ndarray]:
-    ops = _ops()
+                      priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    ops = _ops(process_set, "grouped_allreduce")
     with ops.caller_waits():
         return ops.grouped_allreduce(xs, op, name, priority, False).wait()
 
 
 def grouped_allreduce_async_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
-                             name: str | None = None, priority: int = 0) -> Handle:
+                             name: str | None = None, priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """In-place form of :func:`grouped_allreduce_async`: ``xs`` receive the results."""
-    return _ops().grouped_allreduce(xs, op, name, priority, inplace=True)
+    return _ops(process_set, "grouped_allreduce_").grouped_allreduce(xs, op, name, priority,
+                                                                  inplace=True)
 
 
 def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
-                       name: str | None = None, priority: int = 0) -> list[np.ndarray]:
-    ops = _ops()
+                       name: str | None = None, priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    ops = _ops(process_set, "grouped_allreduce_")
     with ops.caller_waits():
         return ops.grouped_allreduce(xs, op, name, priority, True).wait()
 
@@ -189,48 +228,55 @@ def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
 # --- the others -----------------------------------------------------------------------
 
 
-def allgather_async(x: Any, name: str | None = None, priority: int = 0) -> Handle:
+def allgather_async(x: Any, name: str | None = None, priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ)."""
-    return _ops().allgather(x, name, priority)
+    return _ops(process_set, "allgather").allgather(x, name, priority)
 
 
-def allgather(x: Any, name: str | None = None, priority: int = 0) -> np.ndarray:
-    ops = _ops()
+def allgather(x: Any, name: str | None = None, priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> np.ndarray:
+    ops = _ops(process_set, "allgather")
     with ops.caller_waits():
         return ops.allgather(x, name, priority).wait()
 
 
 def broadcast_async(x: Any, root_rank: int, name: str | None = None,
-                    priority: int = 0) -> Handle:
+                    priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """Every rank gets ``root_rank``'s ``x`` (all ranks pass the same shape and dtype).
 
     Raises:
         ValueError: ``root_rank`` is not a rank of the job.
     """
-    return _ops().broadcast(x, root_rank, name, priority, inplace=False)
+    return _ops(process_set, "broadcast").broadcast(x, root_rank, name, priority, inplace=False)
 
 
 def broadcast_async_(x: np.ndarray, root_rank: int, name: str | None = None,
-                     priority: int = 0) -> Handle:
-    return _ops().broadcast(x, root_rank, name, priority, inplace=True)
+                     priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
+    return _ops(process_set, "broadcast_").broadcast(x, root_rank, name, priority, inplace=True)
 
 
 def broadcast(x: Any, root_rank: int, name: str | None = None,
-              priority: int = 0) -> np.ndarray:
-    ops = _ops()
+              priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> np.ndarray:
+    ops = _ops(process_set, "broadcast")
     with ops.caller_waits():
         return ops.broadcast(x, root_rank, name, priority, inplace=False).wait()
 
 
 def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
-               priority: int = 0) -> np.ndarray:
-    ops = _ops()
+               priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> np.ndarray:
+    ops = _ops(process_set, "broadcast_")
     with ops.caller_waits():
         return ops.broadcast(x, root_rank, name, priority, inplace=True).wait()
 
 
 def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
-                   priority: int = 0) -> Handle:
+                   priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """Send rows ``splits[i]`` of ``x`` (along axis 0) to rank ``i``.
 
     ``splits=None`` divides the rows as evenly as possible, lower ranks taking the extra
@@ -240,35 +286,38 @@ def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
         ValueError: ``splits`` is not one non-negative count per rank summing to
             ``x.shape[0]``.
     """
-    return _ops().alltoall(x, splits, name, priority)
+    return _ops(process_set, "alltoall").alltoall(x, splits, name, priority)
 
 
 def alltoall(x: Any, splits: Any = None, name: str | None = None,
-             priority: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    ops = _ops()
+             priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
+    ops = _ops(process_set, "alltoall")
     with ops.caller_waits():
         return ops.alltoall(x, splits, name, priority).wait()
 
 
 def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,
-                        priority: int = 0) -> Handle:
+                        priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> Handle:
     """Reduce ``x`` over all ranks and keep this rank's share of axis 0.
 
     Rows are split as evenly as possible; lower ranks take the extra rows.
     """
-    return _ops().reducescatter(x, op, name, priority)
+    return _ops(process_set, "reducescatter").reducescatter(x, op, name, priority)
 
 
 def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
-                  priority: int = 0) -> np.ndarray:
-    ops = _ops()
+                  priority: int = 0,
+    process_set: ProcessSet = global_process_set) -> np.ndarray:
+    ops = _ops(process_set, "reducescatter")
     with ops.caller_waits():
         return ops.reducescatter(x, op, name, priority).wait()
 
 
-def barrier() -> None:
-    """Return once every rank has entered the barrier."""
-    ops = _ops()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has entered the barrier."""
+    ops = _ops(process_set, "barrier")
     with ops.caller_waits():
         ops.barrier().wait()
 

@@ -39,6 +39,16 @@ TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the      
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
                                    else shm); see transport/registry.py
+TOTALREDUCE_HOST_ID                what ranks compare to learn who shares their    (none)
+                                   host (and so shared memory and the first stage
+                                   of a hierarchical allreduce); default: the
+                                   hostname and the kernel's boot id
+TOTALREDUCE_HIERARCHICAL           allreduce across hosts: on (1) reduce within    auto
+                                   each host, then across hosts, then share within
+                                   it; off (0) one flat ring or doubling over all
+                                   ranks; auto: on where the job spans hosts with
+                                   the same number of ranks on each (>= 2) and
+                                   the op would take the ring
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    -1
                                    ranks on one host (shm transport; 0 = off,
                                    -1 = auto: two segments plus 128 KiB)
@@ -94,7 +104,8 @@ TOTALREDUCE_MOCK_DEATH             fault injection for tests: ``rank,version,   
 A Horovod job's settings carry over: where a ``TOTALREDUCE_*`` variable above is unset, its
 Horovod counterpart is read (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``,
 ``HOROVOD_CACHE_CAPACITY``, ``HOROVOD_TIMELINE``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``,
-``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``), and rank 0 prints a one-line notice for each.
+``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, ``HOROVOD_HIERARCHICAL_ALLREDUCE``), and rank 0
+prints a one-line notice for each.
 It also prints one for each ``TOTALREDUCE_*`` variable that names no setting (a typo is
 otherwise silently ignored).
 
@@ -134,6 +145,7 @@ _HOROVOD = {
     "stall_shutdown_time": ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 1),
     "autotune": ("HOROVOD_AUTOTUNE", 1),
     "autotune_log": ("HOROVOD_AUTOTUNE_LOG", 1),
+    "hierarchical": ("HOROVOD_HIERARCHICAL_ALLREDUCE", 1),
 }
 
 
@@ -141,7 +153,8 @@ _HOROVOD = {
 _LAUNCH_VARIABLES = frozenset({
     "TOTALREDUCE_RANK", "TOTALREDUCE_SIZE", "TOTALREDUCE_LOCAL_RANK",
     "TOTALREDUCE_LOCAL_SIZE", "TOTALREDUCE_RENDEZVOUS", "TOTALREDUCE_SECRET",
-    "TOTALREDUCE_JOB_ID", "TOTALREDUCE_FAILURE_DIR",
+    "TOTALREDUCE_JOB_ID", "TOTALREDUCE_FAILURE_DIR", "TOTALREDUCE_RAY_RANK",
+    "TOTALREDUCE_RAY_SIZE", "TOTALREDUCE_RAY_LOCAL_RANK", "TOTALREDUCE_RAY_LOCAL_SIZE",
 })
 
 # What each setting accepts, and what the error says when a value is outside it.
@@ -160,6 +173,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "direct_bytes": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = never)"),
     "transport": (lambda v: v in ("auto", "shm", "tcp", "mpi", "inproc"),
                   "must be one of auto, shm, tcp, mpi, inproc"),
+    "hierarchical": (lambda v: v in ("auto", "on", "off", "1", "0"),
+                     "must be auto, on (or 1) or off (or 0)"),
     "shm_bytes": (lambda v: v >= -1,
                   "must be >= 0 (bytes; 0 = no shared memory), or -1 for auto"),
     "cma_bytes": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = never lend)"),
@@ -238,6 +253,8 @@ class Config:
     small_bytes: int = -1
     direct_bytes: int = 2 << 20
     transport: str = "auto"
+    host_id: str = ""
+    hierarchical: str = "auto"
     shm_bytes: int = -1
     cma_bytes: int = 1 << 20
     scratch_bytes: int = 32 << 20

@@ -45,6 +45,11 @@ class PeerFailureError(TotalReduceError, HorovodInternalError):
         self.rank = rank
         self.orderly = orderly
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled with the constructor's arguments, not ``args`` (the message alone), so
+        # that the error survives a trip between processes (a Ray task's error does).
+        return type(self), (self.rank, str(self), self.orderly), self.__dict__
+
 
 class MismatchError(TotalReduceError):
     """Ranks submitted the same op (by name and call count) with different arguments."""
@@ -53,6 +58,9 @@ class MismatchError(TotalReduceError):
         super().__init__(message)
         self.op_name = op_name
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.op_name, str(self)), self.__dict__
+
 
 class OpTimeoutError(TotalReduceError):
     """An op waited longer than ``TOTALREDUCE_OP_TIMEOUT`` seconds."""
@@ -60,6 +68,9 @@ class OpTimeoutError(TotalReduceError):
     def __init__(self, op_name: str, message: str) -> None:
         super().__init__(message)
         self.op_name = op_name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.op_name, str(self)), self.__dict__
 
 
 class AuthenticationError(TotalReduceError):

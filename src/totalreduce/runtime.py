@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from .config import Config, horovod_notices
 from .engine.engine import Engine
 from .exceptions import PeerFailureError, ShutdownError, TotalReduceError
@@ -28,6 +30,7 @@ from .recovery.robust import Robust
 from .rendezvous import detect_launch
 from .rendezvous.generations import Generations
 from .scheduling import Negotiated, SelfGuided
+from .scheduling.process_sets import ProcessSets
 from .timeline import Timeline, timeline_path
 from .transport.mesh import WorldMoved
 from .transport.registry import Connected, choose, connect
@@ -70,6 +73,8 @@ class Runtime:
             self.collectives = Robust(self.scheduler, self.rank, self.size, config.attempt,
                                       config.recovery_log_bytes, config.recovery_timeout,
                                       config.mock_death, self.rebuild)
+        self.process_sets = ProcessSets(self.rank, self.size, self.collectives,
+                                        self._agree, self._process_set)
         self._kept: tuple[int, dict[str, Any] | None] = (0, None)  # without recovery
         if self.rank == 0:
             for line in horovod_notices():
@@ -88,6 +93,23 @@ class Runtime:
         self.scheduler: SelfGuided | Negotiated = \
             Negotiated(self.engine, config, self.timeline) if negotiated \
             else SelfGuided(self.engine, config)
+
+    # --- process sets ---------------------------------------------------------------------
+
+    def _agree(self, kind: str, mine: np.ndarray) -> np.ndarray:
+        """Every rank's ``mine``, concatenated in rank order (a collective of the job)."""
+        with self.collectives.caller_waits():
+            return np.asarray(self.collectives.allgather(mine, f"\x00{kind}", 0).wait())
+
+    def _process_set(self, members: tuple[int, ...], set_id: int) -> SelfGuided:
+        if self.collectives is not self.scheduler or not isinstance(self.scheduler,
+                                                                     SelfGuided):
+            raise NotImplementedError(
+                "add_process_set: process sets run under self-guided coordination (the "
+                "default) without --max-restarts; this job has "
+                f"TOTALREDUCE_COORDINATION={self.config.coordination}"
+                + (" and recovery on" if self._generations is not None else ""))
+        return SelfGuided(self.engine, self.config, members, set_id)
 
     # --- checkpoints (Rabit's API; with recovery, the Robust layer's) --------------------
 
@@ -167,6 +189,7 @@ class Runtime:
                 self._close_also()
 
     def shutdown(self) -> None:
+        self.process_sets.close()
         try:
             self._stop_world()
         finally:
@@ -264,6 +287,19 @@ def _on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> 
         elif runtime.config.max_restarts > 0 and isinstance(exc, TotalReduceError) and \
                 not exc.recoverable:
             _HOLDER.exit_code = NO_RESTART
+
+
+def abandon(exc: BaseException) -> None:
+    """What an uncaught ``exc`` does to the world (see :func:`_on_uncaught`), for a host
+    that catches it and lives on, as a Ray actor does after its task raised: tell every
+    peer that this rank failed, then shut down.  Without it the peers would wait for this
+    rank's next op, which never comes, for as long as the process lives."""
+    runtime = _HOLDER.runtime
+    if runtime is None:
+        return
+    if _lost_peer(exc, runtime) is None:
+        runtime.engine.abort(f"it raised {type(exc).__name__}: {exc}")
+    shutdown()
 
 
 def _lost_peer(exc: BaseException, runtime: Runtime) -> int | None:

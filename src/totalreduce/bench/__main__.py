@@ -1,5 +1,5 @@
 """``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny,sparse,
-convergence,recovery}``:
+convergence,recovery,hosts}``:
 side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
@@ -31,7 +31,9 @@ DistributedOptimizer (see ``training.py``).  ``convergence`` trains the digits M
 dense and sparse averaging (totalreduce-shm) and with torch's PowerSGD DDP hook (gloo):
 test accuracy against epochs and bytes sent (see ``convergence.py``).  ``recovery``
 times a job's recovery from a killed worker against its checkpoint's size (totalreduce
-alone: no other backend recovers; see ``recovery.py``).
+alone: no other backend recovers; see ``recovery.py``).  ``hosts`` runs allreduce on
+hosts simulated with network namespaces over rate-limited links, flat and hierarchical,
+next to the link's bound (root only; see ``hosts.py``).
 """
 
 from __future__ import annotations
@@ -138,6 +140,12 @@ def chosen_backends(test: str, named: str | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["hosts"]:
+        from .hosts import main as hosts_main
+
+        hosts_main(argv[1:])
+        return 0
     ap = argparse.ArgumentParser(prog="python -m totalreduce.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="test", required=True)

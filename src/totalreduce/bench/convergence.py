@@ -26,14 +26,15 @@ from typing import Any
 SPARSE = ("oktopk", "topka", "gtopk")
 
 
-def digits_mlp() -> Any:
-    """The digits example's MLP (64-256-128-10, 50,890 parameters)."""
+def digits_mlp(hidden: tuple[int, int] = (256, 128)) -> Any:
+    """The digits example's MLP (64-256-128-10, 50,890 parameters), or one as wide as
+    ``hidden`` says (2048, 2048: 4,350,986 parameters)."""
     import torch
 
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 10))
+        torch.nn.Linear(64, hidden[0]), torch.nn.ReLU(),
+        torch.nn.Linear(hidden[0], hidden[1]), torch.nn.ReLU(),
+        torch.nn.Linear(hidden[1], 10))
 
 
 def _data(rank: int, size: int) -> tuple[Any, Any, Any, Any]:
@@ -97,7 +98,7 @@ def _train(method: str, density: float, rank: int, size: int, cfg: dict[str, Any
 
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = _data(rank, size)
-    net = digits_mlp()
+    net = digits_mlp(tuple(cfg.get("hidden", (256, 128))))  # type: ignore[arg-type]
     sparse = method in SPARSE
     lr, momentum = (0.25, 0.0) if sparse else (0.05, 0.9)
     if method == "powersgd":

@@ -3,7 +3,9 @@ reduce thread for big pieces), then what that unlocks (the sends that waited for
 op's end).
 
 The receiving side of an op's state is this part's: which pieces arrived, which wait for a
-send of ours to leave first (``held``), and how many are still to come from each peer.
+send of ours to leave or another piece to be applied first (``held``), which were applied
+(``done_recvs``, kept only for schedules whose receives wait on others), and how many are
+still to come from each peer.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class Applier:
         went, or are queued by the outbox)."""
         for rkey, _recv in got:
             op.got.add(rkey)
+            if op.spec.schedule.waits:
+                op.done_recvs.add(rkey)
             op.recvs_left -= 1
             op.pending_from[rkey[0]] -= 1
         if got and not op.t_first:
@@ -73,8 +77,10 @@ class Applier:
         """Reduce a REDUCE piece into place, now or once the send it would overwrite has
         left."""
         op.got.add(rkey)
-        if recv.after and not op.left.issuperset(recv.after):
-            # This body would overwrite bytes that a send of ours has yet to read.
+        if (recv.after and not op.left.issuperset(recv.after)) or \
+                (recv.wait and not op.done_recvs.issuperset(recv.wait)):
+            # This body would overwrite bytes that a send of ours has yet to read, or what
+            # it unlocks must carry a piece that has yet to come.
             if not pooled:
                 copy = self._scratch.get(buf.nbytes)  # a ring slot is only ours during
                 copy[:] = buf                          # this call
@@ -84,11 +90,15 @@ class Applier:
         spec = op.spec
         assert spec.ufunc is not None
         dest = spec.work[recv.lo:recv.hi]
+        left = None
+        if spec.fresh:
+            assert spec.source is not None
+            left = spec.source[recv.lo:recv.hi]
         token = (op, rkey, recv, buf if pooled else None)
         if self._reducer is not None and dest.nbytes >= self._reduce_min:
-            self._reducer.submit(spec.ufunc, dest, buf, token)
+            self._reducer.submit(spec.ufunc, dest, buf, token, left)
             return
-        reduce_into(spec.ufunc, dest, buf)
+        reduce_into(spec.ufunc, dest, buf, left)
         self.reduced(token, None)
 
     def reduced(self, token: Any, error: BaseException | None) -> None:
@@ -107,11 +117,14 @@ class Applier:
     def send_left(self, op: LiveOp) -> None:
         """A send of ``op`` left: the pieces that waited for it may be reduced now, and the
         op may be over."""
+        self._release(op)
+        self._ops.complete(op)
+
+    def _release(self, op: LiveOp) -> None:
         if op.held:
             held, op.held = op.held, []
             for item in held:
                 self.reduce(op, *item)
-        self._ops.complete(op)
 
     def _after_recv(self, op: LiveOp, rkey: PieceKey, recv: Recv) -> None:
         if not op.t_first:
@@ -124,4 +137,7 @@ class Applier:
         outbox = self._outbox
         for send in recv.then:
             outbox.queue(op, send)
+        if spec.schedule.waits:
+            op.done_recvs.add(rkey)
+            self._release(op)
         self._ops.complete(op)

@@ -75,6 +75,7 @@ class Engine:
         self.rank = rank = transport.rank
         self.size = size = transport.size
         self.transport = transport
+        self.hosts = transport.hosts  # each rank's host, for algorithms that mind it
         self._config = config
         peers = [p for p in range(size) if p != rank]
         ledger = CreditLedger(peers, config.floating_cap // max(1, size - 1),

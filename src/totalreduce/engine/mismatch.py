@@ -20,9 +20,9 @@ _RAGGED = ("allgather", "alltoall")
 
 
 class MismatchRecord:
-    def __init__(self, label: str, size: int, deadline: float) -> None:
+    def __init__(self, label: str, ranks: frozenset[int], deadline: float) -> None:
         self.label = label
-        self.size = size
+        self.ranks = ranks  # whose views complete it: the op's ranks, once known here
         self.deadline = deadline
         self.views: dict[int, dict[str, Any]] = {}
         self.announced = False
@@ -33,7 +33,7 @@ class MismatchRecord:
         self.views[rank] = dict(view, partial=partial)
 
     def complete(self) -> bool:
-        return len(self.views) >= self.size and not any(
+        return self.ranks <= self.views.keys() and not any(
             v.get("partial") for v in self.views.values())
 
     def error(self, rank: int, op_name: str) -> MismatchError:
@@ -48,7 +48,7 @@ class MismatchRecord:
             shown = ", ".join(f"{f}={_fmt(v[f])}" for f in _FIELDS if f in v)
             suffix = " (as seen in its message header)" if v.get("partial") else ""
             lines.append(f"  rank {r}: {shown}{suffix}")
-        missing = sorted(set(range(self.size)) - set(self.views))
+        missing = sorted(self.ranks - set(self.views))
         if missing:
             lines.append(f"  ranks {missing}: not heard from (not submitted yet?)")
         lines.append("Every rank must call the same collectives, with the same names, "

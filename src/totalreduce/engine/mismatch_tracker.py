@@ -30,6 +30,7 @@ class MismatchTracker:
         """``grace``: how long to wait for every rank's view once the first arrives."""
         self._rank = rank
         self._size = size
+        self._everyone = frozenset(range(size))
         self._ops = ops
         self._outbox = outbox
         self._grace = grace
@@ -100,27 +101,33 @@ class MismatchTracker:
     def forget(self, key: OpKey) -> None:
         self._records.pop(key)
 
-    def tell_view(self, key: OpKey, view: dict[str, Any]) -> None:
-        """Tell every live peer this rank's view of op ``key`` (a MISMATCH)."""
+    def tell_view(self, key: OpKey, view: dict[str, Any],
+                  ranks: tuple[int, ...] | None = None) -> None:
+        """Tell every live peer (of ``ranks``, the op's, if given) this rank's view of op
+        ``key`` (a MISMATCH)."""
         body = encode_view(view)
+        skip = None if ranks is None else set(range(self._size)) - set(ranks)
         self._outbox.tell_all(
-            Header(Kind.MISMATCH, name_key=key[0], seq=key[1], nbytes=len(body)), body)
+            Header(Kind.MISMATCH, name_key=key[0], seq=key[1], nbytes=len(body)), body, skip)
 
     def _record(self, key: OpKey, label: str) -> MismatchRecord:
-        """The mismatch record of op ``key``, begun now if this is the first word of it."""
+        """The mismatch record of op ``key``, begun now if this is the first word of it
+        (waiting for every rank's view until the op, if it starts here, says whose)."""
         record = self._records.get(key)
         if record is None:
-            record = MismatchRecord(label, self._size, time.monotonic() + self._grace)
+            record = MismatchRecord(label, self._everyone, time.monotonic() + self._grace)
             self._records.put(key, record)
         return record
 
     def _join(self, op: LiveOp, record: MismatchRecord) -> None:
         op.mismatch = record
         record.label = op.spec.label
+        if op.spec.ranks is not None:
+            record.ranks = frozenset(op.spec.ranks)
         record.add(self._rank, {k: v for k, v in op.spec.describe.items() if k != "name"})
         if not record.announced:
             record.announced = True
-            self.tell_view(op.spec.key, op.spec.describe)
+            self.tell_view(op.spec.key, op.spec.describe, op.spec.ranks)
         if record.complete():
             self._ops.fail(op, record.error(self._rank, op.spec.describe.get("name", "")))
 

@@ -28,8 +28,10 @@ class LiveOp:
     ready_peers, t_floated      starter (init)  who said READY early; when pieces floated
     ready_peers, announce,      outbox          who said READY; whose READY rides on our
     sends_left, left                            first DATA; sends still due; sends gone
-    got, held, recvs_left,      applier         pieces arrived; reductions waiting for a
-    pending_from, t_first                       send to leave; pieces due (per peer)
+    got, held, done_recvs,      applier         pieces arrived; reductions waiting for a
+    recvs_left, pending_from,                   send to leave or a piece to be applied;
+    t_first                                     pieces applied (Schedule.waits only);
+                                                pieces due (per peer)
     mismatch                    mismatch        the ranks' views once they disagree
                                 tracker
     warned                      stall           a stall warning was logged
@@ -44,8 +46,8 @@ class LiveOp:
 
     __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
                  "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
-                 "source_bytes", "itemsize", "left", "held", "announce", "t_first",
-                 "t_floated", "forgotten")
+                 "source_bytes", "itemsize", "left", "held", "done_recvs", "announce",
+                 "t_first", "t_floated", "forgotten")
 
     def __init__(self, spec: OpSpec, future: OpFuture, ready_peers: set[int] | None = None,
                  t_floated: float = 0.0) -> None:
@@ -69,6 +71,7 @@ class LiveOp:
         self.source_bytes = bytes_view(spec.source)
         self.left: set[tuple[int, int, int]] = set()  # sends gone: (peer, step, piece)
         self.held: list[tuple[tuple[int, int, int], Recv, Any, bool]] = []
+        self.done_recvs: set[tuple[int, int, int]] = set()
 
     def awaits_from(self, peer: int) -> bool:
         """Whether some message of this op from ``peer`` has not arrived yet.  A piece that

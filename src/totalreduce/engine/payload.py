@@ -35,6 +35,11 @@ class OpSpec:
     priority: int = 0
     recipe: int = 0            # wire.Header.recipe: how a joined rank can serve this op
     epoch: int = -1            # wire.Header.epoch; -1: the engine stamps its own at start
+    ranks: tuple[int, ...] | None = None  # who takes part (a process set); None: every rank
+    # The working buffer starts undefined: REDUCE receives combine the source's region
+    # with the body (schedules where each region is reduced once), and regions finished
+    # without a receive are copied from the source.  Spares a copy of the input.
+    fresh: bool = False
 
 
 class OpFuture:

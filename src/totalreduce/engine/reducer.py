@@ -21,17 +21,20 @@ import numpy as np
 from ..threads import start_daemon
 
 
-def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any) -> None:
+def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any,
+                left: np.ndarray | None = None) -> None:
+    """``dest = ufunc(left, incoming)``; ``left`` defaults to ``dest`` itself."""
     if dest.size == 0:
         return
     src = np.frombuffer(incoming, dtype=dest.dtype, count=dest.size)
+    first = dest if left is None else left
     if dest.dtype.kind not in "fc":
-        ufunc(dest, src, out=dest)  # integer arrays wrap without a warning
+        ufunc(first, src, out=dest)  # integer arrays wrap without a warning
         return
     # Overflow to inf is the defined result (as in MPI), not an error to print from a
     # background thread.  (np.errstate costs about half a small reduction: floats only.)
     with np.errstate(all="ignore"):
-        ufunc(dest, src, out=dest)
+        ufunc(first, src, out=dest)
 
 
 def size_class(nbytes: int) -> int:
@@ -102,18 +105,19 @@ class ReduceThread:
         self._wake = wake
         self._thread = start_daemon(self._run, "totalreduce-reduce")
 
-    def submit(self, ufunc: np.ufunc, dest: np.ndarray, incoming: Any, token: Any) -> None:
-        self._jobs.put((ufunc, dest, incoming, token))
+    def submit(self, ufunc: np.ufunc, dest: np.ndarray, incoming: Any, token: Any,
+               left: np.ndarray | None = None) -> None:
+        self._jobs.put((ufunc, dest, incoming, token, left))
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            ufunc, dest, incoming, token = job
+            ufunc, dest, incoming, token, left = job
             error: BaseException | None = None
             try:
-                reduce_into(ufunc, dest, incoming)
+                reduce_into(ufunc, dest, incoming, left)
             except BaseException as exc:  # reported to the op, never lost
                 error = exc
             self._on_done((token, error))

@@ -38,6 +38,10 @@ class Recv:
     # Sends, as (peer, step, piece), that must have left before this body is reduced in:
     # they read the region it writes.  Only REDUCE receives may name any.
     after: tuple[tuple[int, int, int], ...] = ()
+    # Receives, as (source, step, piece), that must have been applied before this body is
+    # reduced in: what it unlocks must carry theirs too (a hierarchical allreduce's
+    # cross-host stage waits for this host's own sum).  Only REDUCE receives may name any.
+    wait: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,8 +56,10 @@ class Schedule:
     _expected: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False,
                                                                compare=False)
     _sends_to: dict[int, int] = dataclasses.field(init=False, repr=False, compare=False)
+    waits: bool = dataclasses.field(init=False, repr=False, compare=False)  # any Recv.wait
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "waits", any(r.wait for r in self.recvs.values()))
         counts: dict[int, int] = {}
         for src, _step, _piece in self.recvs:
             counts[src] = counts.get(src, 0) + 1
@@ -93,3 +99,18 @@ def pieces(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
 
 def piece_count(longest: int, seg_elems: int) -> int:
     return max(1, -(-longest // max(1, seg_elems)))
+
+
+def remap(schedule: Schedule, members: tuple[int, ...]) -> Schedule:
+    """``schedule``, built for ranks ``0..len(members) - 1`` of a subset of the job, with
+    each of those ranks replaced by its rank in the job, ``members[i]``."""
+    def send(s: Send) -> Send:
+        return dataclasses.replace(s, peer=members[s.peer])
+
+    def keys(ks: tuple[tuple[int, int, int], ...]) -> tuple[tuple[int, int, int], ...]:
+        return tuple((members[p], step, piece) for p, step, piece in ks)
+
+    recvs = {(members[src], step, piece): dataclasses.replace(
+        r, then=tuple(send(t) for t in r.then), after=keys(r.after), wait=keys(r.wait))
+        for (src, step, piece), r in schedule.recvs.items()}
+    return Schedule(tuple(send(s) for s in schedule.first), recvs, schedule.local_final)

@@ -124,8 +124,10 @@ class SmallPath:
         holds the drive lock and has checked the loop's queues)."""
         job = self._job
         ops = self._ops
+        # A schedule whose receives wait on others (Recv.wait), or an op whose buffer
+        # starts undefined (OpSpec.fresh), is a large op's: this path does neither.
         if (ops.active or job.broken is not None or job.closing or ops.tracing()
-                or self._floating.bytes
+                or spec.schedule.waits or spec.fresh or self._floating.bytes
                 or len(self._mismatches) or self._departures.any()):
             return False
         key = spec.key

@@ -28,7 +28,8 @@ def waiting_on(rank: int, size: int, op: LiveOp) -> str:
         return "all data arrived; its last sends are still leaving this rank"
     heard = op.ready_peers | {p for p, _step, _piece in op.got}
     submitted = sorted({rank} | heard)
-    not_yet = sorted(set(range(size)) - set(submitted))
+    everyone = range(size) if op.spec.ranks is None else op.spec.ranks
+    not_yet = sorted(set(everyone) - set(submitted))
     text = f"submitted by rank(s) {submitted}"
     if not_yet:
         text += f", not (yet) by rank(s) {not_yet}"

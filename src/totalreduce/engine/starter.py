@@ -50,6 +50,9 @@ class Starter:
         if op is None:
             return
         for lo, hi in spec.schedule.local_final:
+            if spec.fresh and hi > lo:
+                assert spec.source is not None
+                spec.work[lo:hi] = spec.source[lo:hi]
             if spec.finalize is not None and hi > lo:
                 spec.finalize(spec.work[lo:hi])
         if self._catch_up(op):

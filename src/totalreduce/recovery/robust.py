@@ -39,7 +39,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from ..exceptions import PeerFailureError, TotalReduceError
 from ..lru import LRU
 from ..scheduling.handle import Handle
 from ..scheduling.ops import ReduceOp
+from ..scheduling.protocol import Scheduler
 from .codec import blanks, copy_state, decode, encode, join, split
 from .log import PRELUDE, ResultLog
 from .plan import OpId, Plan, Statement, decide, wanted
@@ -55,24 +56,6 @@ logger = logging.getLogger(__name__)
 
 _INTERNAL = "__recovery"
 _NAMES = 1 << 16  # distinct collective names remembered between two checkpoints
-
-
-class Scheduler(Protocol):
-    """The scheduling layer's collectives (scheduling/selfguided.py, negotiated.py)."""
-
-    def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
-                  inplace: bool) -> Handle: ...
-    def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
-                          priority: int, inplace: bool) -> Handle: ...
-    def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
-                  inplace: bool) -> Handle: ...
-    def allgather(self, x: Any, name: str | None, priority: int) -> Handle: ...
-    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle: ...
-    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle: ...
-    def barrier(self) -> Handle: ...
-    def caller_waits(self) -> Any: ...
-    def stats(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
 
 
 def parse_deaths(spec: str) -> set[tuple[int, int, int, int]]:

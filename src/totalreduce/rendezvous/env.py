@@ -5,6 +5,9 @@ Checked in this order, first match wins:
 =============  =====================================================================
 launcher       variables read
 =============  =====================================================================
+Ray            TOTALREDUCE_RAY_RANK, TOTALREDUCE_RAY_SIZE, TOTALREDUCE_RAY_LOCAL_RANK,
+               TOTALREDUCE_RAY_LOCAL_SIZE, TOTALREDUCE_RENDEZVOUS, TOTALREDUCE_SECRET
+               (set by ``totalreduce.ray.RayExecutor`` in each actor)
 totalrun       TOTALREDUCE_RANK, TOTALREDUCE_SIZE, TOTALREDUCE_LOCAL_RANK,
                TOTALREDUCE_LOCAL_SIZE, TOTALREDUCE_RENDEZVOUS, TOTALREDUCE_SECRET
 torchrun       RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -16,8 +19,10 @@ SLURM (srun)   SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
 Under an external launcher the rendezvous store is served by rank 0 at
 ``TOTALREDUCE_RENDEZVOUS`` (host:port) if set, else at MASTER_ADDR:(MASTER_PORT + 1) — one
 above torchrun's own store, which already owns MASTER_PORT.  The job secret must then be
-given as ``TOTALREDUCE_SECRET`` on every rank.  With no launcher at all the process is a
-world of one.
+given as ``TOTALREDUCE_SECRET`` on every rank.  Under Ray the executor serves the store
+from the driver, as totalrun does, and Ray is checked first: a Ray cluster started inside
+a SLURM or MPI allocation hands that launcher's variables on to every actor.  With no
+launcher at all the process is a world of one.
 """
 
 from __future__ import annotations
@@ -81,6 +86,16 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             missing under an external launcher (the message says how to set it).
     """
     env = os.environ if environ is None else environ
+    rank = _int(env, "TOTALREDUCE_RAY_RANK")
+    if rank is not None:
+        size = _int(env, "TOTALREDUCE_RAY_SIZE")
+        if size is None or not env.get("TOTALREDUCE_RENDEZVOUS"):
+            raise ValueError("TOTALREDUCE_RAY_RANK is set but TOTALREDUCE_RAY_SIZE or "
+                             "TOTALREDUCE_RENDEZVOUS is not; start workers with "
+                             "totalreduce.ray.RayExecutor")
+        return _finish(env, "ray", rank, size, _int(env, "TOTALREDUCE_RAY_LOCAL_RANK"),
+                       _int(env, "TOTALREDUCE_RAY_LOCAL_SIZE"),
+                       env["TOTALREDUCE_RENDEZVOUS"], serve=False)
     if _int(env, "TOTALREDUCE_RANK") is not None:
         rank = _int(env, "TOTALREDUCE_RANK")
         size = _int(env, "TOTALREDUCE_SIZE")

@@ -4,6 +4,7 @@ negotiated (when a coordinator says every rank has asked for them)."""
 from .handle import Handle
 from .negotiated import Negotiated
 from .ops import ReduceOp
+from .protocol import Scheduler
 from .selfguided import SelfGuided
 
-__all__ = ["Handle", "Negotiated", "ReduceOp", "SelfGuided"]
+__all__ = ["Handle", "Negotiated", "ReduceOp", "Scheduler", "SelfGuided"]

@@ -21,11 +21,20 @@ from ..config import Config
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture
 from ..timeline import Timeline
+from .checks import (
+    check_allreduce,
+    check_alltoall,
+    check_broadcast,
+    check_grouped,
+    check_name,
+    check_reducescatter,
+    check_rows,
+)
 from .controller import Controller
 from .handle import FutureHandle, Handle
-from .ops import ReduceOp, as_reduce_op, check_op_dtype
+from .ops import ReduceOp
 from .requests import ParamsTable, Request, params_of
-from .selfguided import SelfGuided, _check_array, check_allreduce
+from .selfguided import SelfGuided
 
 _PARAMS_ENTRIES = 4096
 
@@ -60,9 +69,7 @@ class Negotiated:
     def _name(self, kind: str, name: str | None) -> str:
         if name is None:
             return f"{kind}.noname.{next(self._unnamed)}"
-        if not isinstance(name, str):
-            raise TypeError(f"{kind}: name must be a str or None, got {type(name).__name__} "
-                            f"{name!r}")
+        check_name(name, kind)
         return name
 
     def _request(self, kind: str, name: str | None, arr: np.ndarray | None, op: int = -1,
@@ -80,8 +87,6 @@ class Negotiated:
             type(op) is ReduceOp else None
         if params is None or (inplace and not x.flags.writeable):
             op, x = check_allreduce(x, op, name, inplace)
-            if inplace and not x.flags.writeable:
-                raise ValueError("in-place collective on a read-only array")
             params = params_of("allreduce", x, int(op), -1)
             self._params.add((x.dtype, op, x.shape), params)
         if type(name) is not str:
@@ -92,6 +97,7 @@ class Negotiated:
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
                           priority: int, inplace: bool) -> Handle:
+        check_grouped(xs, op, name, inplace)
         base = self._name("grouped_allreduce", name)
         requests = [self.allreduce(x, op, f"{base}.{i}", priority, inplace)
                     for i, x in enumerate(xs)]
@@ -100,33 +106,20 @@ class Negotiated:
 
     def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        arr = _check_array(x, "broadcast", name)
-        if not isinstance(root_rank, int | np.integer) or not 0 <= root_rank < self.size:
-            raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of this "
-                             f"{self.size}-rank job")
-        if inplace and not isinstance(x, np.ndarray):
-            raise TypeError("broadcast_: the in-place form needs a numpy array")
-        return self._request("broadcast", name, arr, root=int(root_rank), inplace=inplace,
+        arr, root = check_broadcast(x, root_rank, name, inplace, self.size)
+        return self._request("broadcast", name, arr, root=root, inplace=inplace,
                              priority=priority)
 
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
-        rop = as_reduce_op(op)
-        arr = _check_array(x, "reducescatter", name)
-        check_op_dtype(rop, arr.dtype, "reducescatter", name)
-        if arr.ndim == 0:
-            raise ValueError("reducescatter needs an array with at least one dimension")
+        rop, arr = check_reducescatter(x, op, name)
         return self._request("reducescatter", name, arr, int(rop), priority=priority)
 
     def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
-        arr = _check_array(x, "allgather", name)
-        if arr.ndim == 0:
-            raise ValueError("allgather needs an array with at least one dimension")
+        arr = check_rows(x, "allgather", name)
         return self._request("allgather", name, arr, priority=priority)
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
-        arr = _check_array(x, "alltoall", name)
-        if arr.ndim == 0:
-            raise ValueError("alltoall needs an array with at least one dimension")
+        arr, _rows = check_alltoall(x, splits, name, self.size)
         return self._request("alltoall", name, arr, priority=priority, splits=splits)
 
     def barrier(self) -> Handle:

@@ -31,9 +31,17 @@ from ..transport.wire import (
     Header,
     dtype_code,
 )
+from .checks import (
+    check_allreduce,
+    check_alltoall,
+    check_broadcast,
+    check_grouped,
+    check_reducescatter,
+    check_rows,
+)
 from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
-from .ops import UFUNCS, ReduceOp, as_reduce_op, averager, check_op_dtype
+from .ops import UFUNCS, ReduceOp, averager
 
 _UNNAMED = "\x00unnamed"
 _JOIN = "\x00join"
@@ -60,36 +68,6 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _check_array(x: Any, kind: str, name: str | None) -> np.ndarray:
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"{kind}: name must be a str or None, got {type(name).__name__} "
-                        f"{name!r}")
-    arr = x if type(x) is np.ndarray else np.asarray(x)
-    try:
-        dtype_code(arr.dtype)
-    except TypeError as exc:
-        if arr.dtype.kind == "O":
-            raise TypeError(f"{_what(kind, name)}: object arrays cannot be communicated; "
-                            "pass a numeric array") from None
-        raise TypeError(f"{_what(kind, name)}: {exc}") from None
-    return arr
-
-
-def check_allreduce(x: Any, op: Any, name: str | None,
-                    inplace: bool) -> tuple[ReduceOp, np.ndarray]:
-    """The reduction and the array of an allreduce call, or the error it deserves."""
-    rop = as_reduce_op(op)
-    arr = _check_array(x, "allreduce", name)
-    check_op_dtype(rop, arr.dtype, "allreduce", name)
-    if inplace and not isinstance(x, np.ndarray):
-        raise TypeError("allreduce_: the in-place form needs a numpy array")
-    return rop, arr
-
-
-def _what(kind: str, name: str | None) -> str:
-    return kind + (f" '{name}'" if name else "")
-
-
 def _bounds(counts: Sequence[int] | np.ndarray, scale: int) -> tuple[int, ...]:
     out = [0]
     for c in counts:
@@ -109,15 +87,25 @@ class _Ident:
 class SelfGuided:
     """Builds op specs from numpy arrays and submits them to the engine."""
 
-    def __init__(self, engine: Engine, config: Config) -> None:
+    def __init__(self, engine: Engine, config: Config,
+                 members: tuple[int, ...] | None = None, set_id: int = 0) -> None:
+        """``members``: the job's ranks of process set ``set_id`` (process_sets.py), whose
+        ops this instance runs, counting ranks within the set; None: the whole job."""
         self._engine = engine
         self._config = config
-        self.rank = engine.rank
-        self.size = engine.size
+        self._members = members
+        self._set_id = set_id
+        self.rank = engine.rank if members is None else members.index(engine.rank)
+        self.size = engine.size if members is None else len(members)
+        # Op names of a set carry its id: its calls never match another set's.
+        self._tag = f"\x00set{set_id}" if set_id else ""
         self._caller_waits = engine.caller_waits()
         self._direct_bytes = config.direct_bytes
-        self._algorithms = Algorithms(engine.rank, engine.size, config.segment_bytes,
-                                      config.small_bytes)
+        hosts = engine.hosts
+        if members is not None and hosts is not None:
+            hosts = tuple(hosts[m] for m in members)
+        self._algorithms = Algorithms(self.rank, self.size, config.segment_bytes,
+                                      config.small_bytes, hosts, config.hierarchical, members)
         self._lock = threading.Lock()
         # name (+ phase) -> [hash, calls so far, generation]; a name forgotten here is
         # forgotten by the engine too, so its next call starts afresh at 0 (config.py:
@@ -170,7 +158,7 @@ class SelfGuided:
                                                     self._served_next.peek(name_key) or 0))
 
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
-        key = (_UNNAMED if name is None else name) + phase
+        key = (_UNNAMED if name is None else name) + phase + self._tag
         with self._lock:
             entry = self._names.get(key)
             if entry is None:
@@ -183,6 +171,8 @@ class SelfGuided:
             entry[1] = seq + 1
         shown = f"{kind} '{name}'" if name is not None else f"{kind} (unnamed)"
         label = f"{shown} (call #{seq})" if name is None or seq else shown
+        if self._set_id:
+            label += f" in process set {self._set_id} (ranks {list(self._members or ())})"
         return _Ident((h, seq), "" if name is None else name, label)
 
     def _spec(self, ident: _Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
@@ -216,7 +206,7 @@ class SelfGuided:
         if shown is not None:
             view = dict(shown, name=ident.name)
         return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
-                      work, priority=priority, **kw)
+                      work, priority=priority, ranks=self._members, **kw)
 
     # --- allreduce ------------------------------------------------------------------
 
@@ -224,14 +214,18 @@ class SelfGuided:
                   inplace: bool) -> Handle:
         rop, arr = check_allreduce(x, op, name, inplace)
         ident = self._ident("allreduce", name)
-        work, writeback = self._working_copy(arr, inplace)
+        source = self._fresh_source(arr, inplace)
+        if source is not None:
+            work, writeback = np.empty(arr.size, arr.dtype), False
+        else:
+            work, writeback = self._working_copy(arr, inplace)
 
         def view() -> dict[str, Any]:
             return {"kind": "allreduce", "dtype": str(arr.dtype), "shape": list(arr.shape),
                     "op": rop.label}
 
         spec = self._reduce_spec(ident, view, arr.dtype, work, rop, priority,
-                                 ("allreduce", arr.dtype, arr.shape, rop))
+                                 ("allreduce", arr.dtype, arr.shape, rop), source)
 
         def finish() -> np.ndarray:
             if writeback:
@@ -252,6 +246,15 @@ class SelfGuided:
                 return FutureHandle([ran], finish, spec.label)
         return FutureHandle([self._engine.submit(spec)], finish, spec.label)
 
+    def _fresh_source(self, arr: np.ndarray, inplace: bool) -> np.ndarray | None:
+        """The input itself, where an op may read it instead of a copy of it: a large
+        one (no small path), not in place, contiguous, whose caller waits for it (so it
+        cannot change the input meanwhile, as an async caller could)."""
+        if (inplace or arr.nbytes <= self._direct_bytes or not arr.flags.c_contiguous
+                or not self._engine.waits_here()):
+            return None
+        return arr.reshape(-1)
+
     def _working_copy(self, arr: np.ndarray, inplace: bool) -> tuple[np.ndarray, bool]:
         """A flat contiguous buffer; in place when the array allows it."""
         if inplace and arr.flags.c_contiguous and arr.flags.writeable:
@@ -263,8 +266,14 @@ class SelfGuided:
     def _reduce_spec(self, ident: _Ident,
                      view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
                      work: np.ndarray, rop: ReduceOp, priority: int,
-                     known: tuple[Any, ...] | None = None) -> OpSpec:
-        plan = self._algorithms.allreduce(work.size, dtype)
+                     known: tuple[Any, ...] | None = None,
+                     source: np.ndarray | None = None) -> OpSpec:
+        """``source``: the input, where ``work`` is left undefined for the algorithm to
+        fill from it (OpSpec.fresh); copied into ``work`` if the algorithm cannot."""
+        plan = self._algorithms.allreduce(work.size, dtype, source is not None)
+        if source is not None and not plan.fresh:
+            np.copyto(work, source)
+            source = None
         if plan.algorithm != "ring":
             base = view
 
@@ -275,7 +284,8 @@ class SelfGuided:
         schedule, recipe = plan.schedule, plan.recipe | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         return self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
-                          ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe)
+                          ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe,
+                          source=source, fresh=source is not None)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
                           priority: int, inplace: bool) -> Handle:
@@ -285,12 +295,7 @@ class SelfGuided:
         Fusing everything cost a copy in and a copy out of every byte, which made a
         ResNet-50 gradient set slower grouped (78 ms at 2 ranks) than reduced tensor by
         tensor (41 ms); the copies pay only where they save per-op overhead."""
-        rop = as_reduce_op(op)
-        arrs = [_check_array(x, "grouped_allreduce", name) for x in xs]
-        for a in arrs:
-            check_op_dtype(rop, a.dtype, "grouped_allreduce", name)
-        if inplace and not all(isinstance(x, np.ndarray) for x in xs):
-            raise TypeError("grouped_allreduce_: the in-place form needs numpy arrays")
+        rop, arrs = check_grouped(xs, op, name, inplace)
         parts: list[list[int]] = []
         fused: dict[np.dtype, list[int]] = {}
         for i, a in enumerate(arrs):
@@ -337,18 +342,15 @@ class SelfGuided:
 
     def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        arr = _check_array(x, "broadcast", name)
-        self._check_root(root_rank, "broadcast", name)
-        if inplace and not isinstance(x, np.ndarray):
-            raise TypeError("broadcast_: the in-place form needs a numpy array")
+        arr, root = check_broadcast(x, root_rank, name, inplace, self.size, self._members)
         ident = self._ident("broadcast", name)
-        if self.rank == root_rank or inplace:
+        if self.rank == root or inplace:
             work, writeback = self._working_copy(arr, inplace)
         else:
             work, writeback = np.empty(arr.size, arr.dtype), False
         view = {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
                 "root": int(root_rank)}
-        schedule = self._algorithms.broadcast(int(root_rank), work.size, arr.dtype)
+        schedule = self._algorithms.broadcast(root, work.size, arr.dtype)
         spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority)
 
         def finish() -> np.ndarray:
@@ -358,30 +360,24 @@ class SelfGuided:
 
         return self._launch(spec, finish)
 
-    def _check_root(self, root: int, kind: str, name: str | None) -> None:
-        if not isinstance(root, int | np.integer) or not 0 <= root < self.size:
-            raise ValueError(f"{kind}" + (f" '{name}'" if name else "") +
-                             f": root_rank {root!r} is not a rank of this job (0..{self.size - 1})")
-
     # --- reducescatter --------------------------------------------------------------
 
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
-        rop = as_reduce_op(op)
-        arr = _check_array(x, "reducescatter", name)
-        check_op_dtype(rop, arr.dtype, "reducescatter", name)
-        if arr.ndim == 0:
-            raise ValueError("reducescatter needs an array with at least one dimension")
+        rop, arr = check_reducescatter(x, op, name)
         ident = self._ident("reducescatter", name)
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         rows = even_bounds(arr.shape[0], self.size)
         bounds = tuple(b * row for b in rows)
-        work = np.array(arr, copy=True, order="C").reshape(-1)
+        source = self._fresh_source(arr, False)
+        work = np.array(arr, copy=True, order="C").reshape(-1) if source is None \
+            else np.empty(arr.size, arr.dtype)
         view = {"kind": "reducescatter", "dtype": str(arr.dtype), "shape": list(arr.shape),
                 "op": rop.label}
-        schedule = self._algorithms.reducescatter(bounds, arr.dtype)
+        schedule = self._algorithms.reducescatter(bounds, arr.dtype, source is not None)
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
-                          ufunc=UFUNCS[rop], finalize=finalize)
+                          ufunc=UFUNCS[rop], finalize=finalize, source=source,
+                          fresh=source is not None)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))
@@ -414,9 +410,7 @@ class SelfGuided:
         return outer
 
     def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
-        arr = _check_array(x, "allgather", name)
-        if arr.ndim == 0:
-            raise ValueError("allgather needs an array with at least one dimension")
+        arr = check_rows(x, "allgather", name)
         sizes_id = self._ident("allgather", name)
         data_id = self._ident("allgather", name, "\x00data")
         view = {"kind": "allgather", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
@@ -460,24 +454,8 @@ class SelfGuided:
         return FutureHandle([future], finish, label)
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
-        arr = _check_array(x, "alltoall", name)
-        what = "alltoall" + (f" '{name}'" if name else "")
-        if arr.ndim == 0:
-            raise ValueError(f"{what} needs an array with at least one dimension")
+        arr, send_rows = check_alltoall(x, splits, name, self.size)
         n, rank = self.size, self.rank
-        if splits is None:
-            b = even_bounds(arr.shape[0], n)
-            send_rows = np.array([b[i + 1] - b[i] for i in range(n)], np.int64)
-        else:
-            send_rows = np.asarray(splits)
-            if (send_rows.ndim != 1 or send_rows.size != n
-                    or not np.issubdtype(send_rows.dtype, np.integer)):
-                raise ValueError(f"{what}: splits must be {n} integers (one per rank), got "
-                                 f"{splits!r}")
-            send_rows = send_rows.astype(np.int64)
-            if (send_rows < 0).any() or int(send_rows.sum()) != arr.shape[0]:
-                raise ValueError(f"{what}: splits {send_rows.tolist()} must be non-negative "
-                                 f"and sum to the first dimension {arr.shape[0]}")
         splits_id = self._ident("alltoall", name)
         data_id = self._ident("alltoall", name, "\x00data")
         view = {"kind": "alltoall", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
@@ -512,6 +490,8 @@ class SelfGuided:
     def join(self) -> int:
         """Serve the peers' allreduces (joining.py) until every rank has joined; return
         the rank that joined last (by the wall clock of its join() call)."""
+        if self._members is not None:
+            raise NotImplementedError("join() runs over the whole job, not a process set")
         ident = self._ident("join", _JOIN)
         n, rank = self.size, self.rank
         now = time.time_ns()

@@ -16,6 +16,8 @@ Needs the ``torch`` extra: ``pip install torch==2.13.0 && pip install "totalredu
 
 from __future__ import annotations
 
+from totalreduce import ProcessSet, add_process_set, global_process_set, remove_process_set
+
 from .. import (
     AuthenticationError,
     MismatchError,
@@ -59,11 +61,9 @@ from .collectives import (
     Average,
     Max,
     Min,
-    ProcessSet,
     Product,
     Sum,
     TorchHandle,
-    add_process_set,
     allgather,
     allgather_async,
     allreduce,
@@ -77,7 +77,6 @@ from .collectives import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    global_process_set,
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -89,7 +88,6 @@ from .collectives import (
     poll,
     reducescatter,
     reducescatter_async,
-    remove_process_set,
     sparse_allreduce_async,
     synchronize,
 )

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 import totalreduce as _tr
+from totalreduce import ProcessSet, global_process_set
 
 from . import adasum as _adasum
 from .adasum import Adasum
@@ -59,39 +60,16 @@ Max = _tr.Max
 Product = _tr.Product
 
 
-class ProcessSet:
-    """Horovod's process sets: only the global one (every rank) exists here."""
-
-    def __repr__(self) -> str:
-        return "global_process_set"
-
-
-global_process_set = ProcessSet()
-
-
-def add_process_set(process_set: Any) -> ProcessSet:
-    """Horovod's sub-communicators are not supported: every collective runs over all ranks.
-
-    Raises:
-        NotImplementedError: always.
-    """
-    raise NotImplementedError("add_process_set: process sets other than global_process_set "
-                              "are not supported; every collective runs over all ranks")
-
-
-def remove_process_set(process_set: Any) -> bool:
-    """See :func:`add_process_set`: only the global set exists, and it cannot be removed.
-
-    Raises:
-        NotImplementedError: always.
-    """
-    raise NotImplementedError("remove_process_set: only global_process_set exists here")
-
-
 def _check_process_set(process_set: Any, what: str) -> None:
+    """Fail now, not inside the op, where ``process_set`` is not registered here or this
+    rank is not in it (Horovod's process sets; totalreduce.add_process_set)."""
+    _tr._ops(process_set, what)
+
+
+def _whole_job(process_set: ProcessSet, what: str) -> None:
     if process_set is not global_process_set:
-        raise NotImplementedError(f"{what}: process sets other than global_process_set are "
-                                  "not supported; every collective runs over all ranks")
+        raise NotImplementedError(f"rank {_tr.rank()}: {what}: op=Adasum runs over the "
+                                  "whole job only, not a process set")
 
 
 class _LiveNames:
@@ -129,10 +107,8 @@ class _LiveNames:
 _live_names = _LiveNames()
 
 
-def _ops() -> Any:
-    from .. import runtime
-
-    return runtime.current().collectives
+def _ops(process_set: ProcessSet | None = None, what: str = "") -> Any:
+    return _tr._ops(process_set, what)
 
 
 class TorchHandle:
@@ -280,9 +256,10 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
     rop = resolve_op(op, average, what)
     staged, source = _scaled_stage(tensor, prescale, postscale, inplace, what)
     if rop is Adasum:
+        _whole_job(process_set, what)
         return _adasum_allreduce([staged], [source], name, postscale, priority, inplace,
                                  what, grouped=False)
-    handle = _live_names.submit(name, what, lambda: _ops().allreduce(
+    handle = _live_names.submit(name, what, lambda: _ops(process_set, what).allreduce(
         source, rop, name, priority, inplace=inplace))
 
     def finish(result: np.ndarray) -> torch.Tensor:
@@ -389,9 +366,10 @@ def _grouped(tensors: Sequence[torch.Tensor], average: bool | None, name: str | 
     staged = [p[0] for p in pairs]
     sources = [p[1] for p in pairs]
     if rop is Adasum:
+        _whole_job(process_set, what)
         return _adasum_allreduce(staged, sources, name, postscale, 0, inplace, what,
                                  grouped=True)
-    handle = _live_names.submit(name, what, lambda: _ops().grouped_allreduce(
+    handle = _live_names.submit(name, what, lambda: _ops(process_set, what).grouped_allreduce(
         sources, rop, name, 0, inplace=inplace))
 
     def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
@@ -477,7 +455,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     what = "allgather" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
-    return TorchHandle(_live_names.submit(name, what, lambda: _ops().allgather(
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops(process_set, what).allgather(
         staged.array, name, 0)), staged.result)
 
 
@@ -499,7 +477,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     what = "broadcast" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
-    return TorchHandle(_live_names.submit(name, what, lambda: _ops().broadcast(
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops(process_set, what).broadcast(
         staged.array, root_rank, name, 0, inplace=False)), staged.result)
 
 
@@ -514,7 +492,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         staged.write_back()
         return tensor
 
-    return TorchHandle(_live_names.submit(name, what, lambda: _ops().broadcast(
+    return TorchHandle(_live_names.submit(name, what, lambda: _ops(process_set, what).broadcast(
         staged.array, root_rank, name, 0, inplace=True)), finish)
 
 
@@ -549,13 +527,13 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     staged = stage(tensor, what)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
-    n = _tr.size()
+    n = process_set.size()
     if splits is None and tensor.dim() > 0 and tensor.shape[0] % n:
         # Horovod refuses what the numpy API would split unevenly (lower ranks first).
         raise ValueError(f"rank {_tr.rank()}: {what}: without splits, dimension 0 "
                          f"({tensor.shape[0]} rows) must be divisible by the world size "
                          f"({n}); pass splits= to send uneven parts")
-    handle = _live_names.submit(name, what, lambda: _ops().alltoall(
+    handle = _live_names.submit(name, what, lambda: _ops(process_set, what).alltoall(
         staged.array, splits, name, 0))
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
@@ -588,7 +566,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     if rop is Adasum:
         raise ValueError(f"rank {_tr.rank()}: {what}: op=Adasum is only for allreduce and "
                          "grouped_allreduce; use Sum or Average")
-    handle = _live_names.submit(name, what, lambda: _ops().reducescatter(
+    handle = _live_names.submit(name, what, lambda: _ops(process_set, what).reducescatter(
         source, rop, name, 0))
 
     def finish(result: np.ndarray) -> torch.Tensor:
@@ -730,8 +708,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
             return out
         # Divided after the entries at one index are summed, as a dense Average would.
         v = out.values()
-        v = v / _tr.size() if v.is_floating_point() else \
-            torch.div(v, _tr.size(), rounding_mode="trunc")
+        n = process_set.size()
+        v = v / n if v.is_floating_point() else torch.div(v, n, rounding_mode="trunc")
         return torch.sparse_coo_tensor(out.indices(), v, out.shape, is_coalesced=True)
 
     return TorchHandle(_Together(handles, what), finish)  # type: ignore[arg-type]
@@ -739,8 +717,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank has entered the barrier."""
-    _check_process_set(process_set, "barrier")
-    _tr.barrier()
+    _tr.barrier(process_set)
 
 
 # --- gradients ------------------------------------------------------------------------
@@ -868,7 +845,7 @@ class _ReducescatterFn(torch.autograd.Function):
         name, rop, process_set, factor = ctx.args
         _check_grad_op(rop, "reducescatter" + (f" '{name}'" if name else ""))
         if rop == Average:
-            factor /= _tr.size()
+            factor /= process_set.size()
         every = _blocking(lambda: allgather_async(grad.contiguous(), _grad_name(name),
                                                   process_set))
         return every * factor, None, None, None, None, None

@@ -134,8 +134,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
         if process_set is not global_process_set:
-            raise NotImplementedError("DistributedOptimizer: only global_process_set is "
-                                      "supported")
+            if op is Adasum or isinstance(compression, SparseCompressor):
+                raise NotImplementedError(
+                    "DistributedOptimizer: a process set other than global_process_set "
+                    "works with op=Average or Sum and dense compression (Adasum and the "
+                    "sparse compressions run over the whole job)")
+            _tr._ops(process_set, "DistributedOptimizer")  # registered, and this rank in it
+        self._process_set = process_set
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be an int >= 1, got "
                              f"{backward_passes_per_step!r}")
@@ -233,23 +238,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         mine = _buckets.describe(names, params)
         digests = _tr.allgather(np.array([_buckets.digest(mine)], np.int64),
-                                name=f"{self._prefix}.check")
+                                name=f"{self._prefix}.check", process_set=self._process_set)
         if len(set(digests.tolist())) == 1:
             return
-        views = _tr.allgather_object(mine, name=f"{self._prefix}.describe")
+        views = _tr.allgather_object(mine, name=f"{self._prefix}.describe",
+                                     process_set=self._process_set)
         rank = _tr.rank()
+        ranks = self._process_set.ranks or list(range(_tr.size()))
         longest = max(len(v) for v in views)
         for i in range(longest):
             row = [v[i] if i < len(v) else ("(none)", "(no parameter)") for v in views]
             if len(set(row)) > 1:
                 if len({n for n, _ in row}) == 1:
                     what = f"parameter '{row[0][0]}'"
-                    shown = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(row))
+                    shown = "; ".join(f"rank {ranks[r]}: {d}" for r, (_, d) in enumerate(row))
                 else:
                     what = f"parameter #{i}"
-                    shown = "; ".join(f"rank {r}: {n} {d}" for r, (n, d) in enumerate(row))
-                raise MismatchError(row[rank][0], f"rank {rank}: DistributedOptimizer: "
-                                    f"{what} differs between ranks: {shown}")
+                    shown = "; ".join(f"rank {ranks[r]}: {n} {d}"
+                                      for r, (n, d) in enumerate(row))
+                raise MismatchError(row[ranks.index(rank)][0],
+                                    f"rank {rank}: DistributedOptimizer: {what} differs "
+                                    f"between ranks: {shown}")
         raise MismatchError("", f"rank {rank}: DistributedOptimizer: ranks have different "
                             "parameters")
 
@@ -279,7 +288,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         def agree(seconds: float, trial: int) -> float:
             slowest = _tr.allreduce(np.array([seconds]), op=_tr.Max,
-                                    name=f"{self._prefix}.autotune.{trial}")
+                                    name=f"{self._prefix}.autotune.{trial}",
+                                    process_set=self._process_set)
             return float(slowest[0])
 
         return _autotune.Autotuner(settings, agree, log_path if _tr.rank() == 0 else "")
@@ -341,7 +351,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         last_pass = self._passes + 1 == self._passes_per_step
         if last_pass:
             self._sparse_pending[p] = sparse_allreduce_async(
-                grad, name=f"{self._prefix}.sparse.{bucket.names[i]}", op=self._op)
+                grad, name=f"{self._prefix}.sparse.{bucket.names[i]}", op=self._op,
+                process_set=self._process_set)
             if self._overlap and len(bucket.fired) == len(bucket.params):
                 self._launch(bucket)
 
@@ -384,7 +395,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             handle = _tr.allreduce_async_(staged.array, op=self._op,
                                           name=f"{self._prefix}.b{bucket.index}",
-                                          priority=bucket.index)
+                                          priority=bucket.index,
+                                          process_set=self._process_set)
 
         def finished(_h: Any) -> None:
             bucket.done_time = time.monotonic()

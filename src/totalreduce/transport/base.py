@@ -78,6 +78,9 @@ class Transport(abc.ABC):
     rank: int
     size: int
     counters: Counters
+    # Each rank's host, numbered in the order of its first rank (so rank 0's is 0); None
+    # where the transport does not know.  Algorithms that mind locality read it.
+    hosts: tuple[int, ...] | None = None
 
     def stats(self) -> dict[str, int]:
         """Messages and bytes sent and received so far (see :class:`Counters`)."""

@@ -52,7 +52,6 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
         kv = KVClient(launch.rendezvous, launch.secret, launch.job_id, timeout)
         me = "127.0.0.1" if local else _route_ip(host)
         keys = world_keys(launch.job_id, world)
-        kv.set(f"{keys}/host/{rank}", socket.gethostname().encode())
 
         def lookup(peer: int, timeout: float) -> str:
             assert kv is not None
@@ -76,8 +75,9 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
 
         transport = connect_mesh(rank, launch.size, launch.secret, launch.job_id,
                                  "127.0.0.1" if local else "0.0.0.0", me, publish, lookup,
-                                 timeout, ring_bytes, config.cma_bytes, world, cancelled)
-        local_rank, local_size = _locality(kv, launch, keys, timeout)
+                                 timeout, ring_bytes, config.cma_bytes, world, cancelled,
+                                 config.host_id)
+        local_rank, local_size = _locality(launch, transport.hosts)
         return Connected(transport, local_rank, local_size,
                          server.close if server is not None else None)
     except BaseException as exc:
@@ -127,11 +127,11 @@ def world_keys(job_id: str, world: int | str) -> str:
     return job_id if world == 0 else f"{job_id}/world{world}"
 
 
-def _locality(kv: KVClient, launch: LaunchInfo, keys: str,
-              timeout: float) -> tuple[int, int]:
+def _locality(launch: LaunchInfo, hosts: tuple[int, ...] | None) -> tuple[int, int]:
+    """The launcher's local rank and size, else those among the ranks that published
+    this host's identity."""
     if launch.local_rank is not None and launch.local_size is not None:
         return launch.local_rank, launch.local_size
-    hosts = [kv.get(f"{keys}/host/{r}", timeout) for r in range(launch.size)]
-    mine = hosts[launch.rank]
-    same = [r for r in range(launch.size) if hosts[r] == mine]
+    assert hosts is not None
+    same = [r for r in range(launch.size) if hosts[r] == hosts[launch.rank]]
     return same.index(launch.rank), len(same)

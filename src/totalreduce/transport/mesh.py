@@ -192,7 +192,13 @@ def _dial(address: str, secret: bytes, hello: dict[str, Any], expect_rank: int,
         return sock
 
 
-def _host_id() -> str:
+def host_identity(override: str = "") -> str:
+    """What two ranks compare to learn whether they share a host (and so memory): the
+    hostname and the kernel's boot id, which containers of one machine share; or
+    ``override`` (TOTALREDUCE_HOST_ID), for hosts whose names repeat, or to make one
+    machine's ranks act as several hosts'."""
+    if override:
+        return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -216,9 +222,13 @@ def _recv_json(sock: socket.socket) -> dict[str, Any]:
     return obj
 
 
+Rings = dict[int, tuple[RingWriter | None, RingReader | None]]
+
+
 def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
-                 lend: bool = False) -> dict[int, tuple[RingWriter | None, RingReader | None]]:
-    """Set up shared-memory rings with every peer on this host, over the fresh sockets.
+                 lend: bool = False, host: str = "") -> tuple[Rings, dict[int, str]]:
+    """Set up shared-memory rings with every peer on ``host`` (this host's identity),
+    over the fresh sockets; also return every peer's host identity.
 
     Three rounds, each "send to all, then read from all" so none can deadlock: host
     identities, ring names, and whether the name could be opened.  The writer unlinks its
@@ -230,10 +240,12 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
     in that direction are then lent instead of copied into the ring.
     """
     want = ring_capacity(ring_bytes) if ring_bytes > 0 and shm_available() else 0
-    me = {"host": _host_id(), "ring_bytes": want}
+    me = {"host": host or host_identity(), "ring_bytes": want}
     for sock in socks.values():
         _send_json(sock, me)
-    local = [p for p, sock in socks.items() if _recv_json(sock) == me and want]
+    theirs = {p: _recv_json(sock) for p, sock in socks.items()}
+    peer_hosts = {p: str(msg.get("host")) for p, msg in theirs.items()}
+    local = [p for p, msg in theirs.items() if msg == me and want]
     writers: dict[int, RingWriter] = {}
     readers: dict[int, RingReader] = {}
     acks: dict[int, dict[str, Any]] = {}
@@ -273,7 +285,7 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
     finally:
         for writer in writers.values():
             writer.unlink()
-    rings: dict[int, tuple[RingWriter | None, RingReader | None]] = {}
+    rings: Rings = {}
     for peer in local:
         mine = writers.get(peer)
         if mine is not None and acks[peer].get("ok") is not True:
@@ -282,7 +294,7 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
         if mine is not None:
             mine.lend = acks[peer].get("read") is True
         rings[peer] = (mine, readers.get(peer))
-    return rings
+    return rings, peer_hosts
 
 
 def _probe(offer: dict[str, Any]) -> bool:
@@ -299,7 +311,7 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
                  advertise_host: str, publish: Callable[[str], None],
                  lookup: Callable[[int, float], str], timeout: float,
                  ring_bytes: int = 0, lend_bytes: int = 0, world: int | str = 0,
-                 cancelled: Cancelled | None = None) -> TcpTransport:
+                 cancelled: Cancelled | None = None, host: str = "") -> TcpTransport:
     """Connect this rank to every other rank and return the transport.
 
     ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
@@ -309,7 +321,9 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
     where the kernel allows it (:mod:`.cma`; 0: never).  ``world`` counts the earlier
     ``init()`` calls of this job's processes (or names the restart generation it meets
     in, with recovery on); peers of another world are refused.  ``cancelled()`` is asked
-    while waiting for peers: True raises :class:`WorldMoved`.
+    while waiting for peers: True raises :class:`WorldMoved`.  ``host`` overrides this
+    host's identity (:func:`host_identity`); the transport's ``hosts`` say where every
+    rank runs.
 
     Raises:
         OSError / TimeoutError: a peer could not be reached before ``timeout``.
@@ -332,10 +346,19 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
             socks[peer] = sock
         for sock in socks.values():
             sock.settimeout(max(1.0, deadline - time.monotonic()))
-        rings = _share_rings(rank, socks, ring_bytes, lend_bytes > 0)
+        mine = host or host_identity()
+        rings, peer_hosts = _share_rings(rank, socks, ring_bytes, lend_bytes > 0, mine)
         for sock in socks.values():
             sock.settimeout(None)
     except BaseException:
         acceptor.stop()
         raise
-    return TcpTransport(rank, size, socks, acceptor, rings, lend_bytes)
+    peer_hosts[rank] = mine
+    return TcpTransport(rank, size, socks, acceptor, rings, lend_bytes,
+                        number_hosts([peer_hosts[r] for r in range(size)]))
+
+
+def number_hosts(identities: list[str]) -> tuple[int, ...]:
+    """Each rank's host as a small number: hosts in the order their first rank comes."""
+    seen: dict[str, int] = {}
+    return tuple(seen.setdefault(ident, len(seen)) for ident in identities)

@@ -73,11 +73,12 @@ class _Send:
 
 
 class MpiTransport(Transport):
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, hosts: tuple[int, ...] | None = None) -> None:
         self._mpi = import_mpi()
         self._comm = comm.Dup()
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
+        self.hosts = hosts
         self.counters = Counters()
         self._handler: MessageHandler | None = None
         self._event = threading.Event()
@@ -245,12 +246,18 @@ class MpiTransport(Transport):
                 self._handler.peer_lost(peer, reason, orderly=False)
 
 
-def mpi_world() -> tuple[Any, int, int]:
-    """COMM_WORLD plus this rank's (local rank, local size) among ranks on its node."""
+def mpi_world() -> tuple[Any, int, int, tuple[int, ...]]:
+    """COMM_WORLD, this rank's (local rank, local size) among ranks on its node, and
+    every rank's node (see Transport.hosts)."""
+    from .mesh import number_hosts
+
     MPI = import_mpi()
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     try:
-        return world, node.Get_rank(), node.Get_size()
+        # A node is named by its first rank: the same on every rank, unlike a hostname.
+        leader = node.bcast(world.Get_rank(), root=0)
+        hosts = number_hosts([str(r) for r in world.allgather(leader)])
+        return world, node.Get_rank(), node.Get_size(), hosts
     finally:
         node.Free()

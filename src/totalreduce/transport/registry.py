@@ -50,8 +50,8 @@ def _sockets(config: Config, world: int | str, cancelled: Cancelled | None,
 def _mpi(config: Config, world: int | str, cancelled: Cancelled | None) -> Connected:
     from .mpi import MpiTransport, mpi_world
 
-    world, local_rank, local_size = mpi_world()
-    return Connected(MpiTransport(world), local_rank, local_size)
+    world, local_rank, local_size, hosts = mpi_world()
+    return Connected(MpiTransport(world, hosts), local_rank, local_size)
 
 
 def _inproc(config: Config, world: int | str, cancelled: Cancelled | None) -> Connected:

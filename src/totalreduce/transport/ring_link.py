@@ -17,7 +17,7 @@ from collections import deque
 from . import cma
 from .base import Outgoing
 from .shmring import RingReader, RingWriter
-from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner
+from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
 from .wire import (
     FLAG_CHUNKED,
     FLAG_REMOTE,
@@ -42,6 +42,7 @@ class RingLink(Link):
     def __init__(self, owner: LinkOwner, peer: int, sock: socket.socket,
                  ring_out: RingWriter, ring_in: RingReader, lend_bytes: int) -> None:
         super().__init__(owner, peer, sock)
+        self.counters = owner.shm_counters
         self.ring_out: RingWriter | None = ring_out
         self.ring_in: RingReader | None = ring_in
         self._lend_bytes = lend_bytes if ring_out.lend else 0
@@ -100,7 +101,7 @@ class RingLink(Link):
         ring = self.ring_out
         assert ring is not None
         handler = self.owner.handler
-        counters = self.owner.counters
+        counters = self.counters
         posted = 0
         while self._acks:
             if not ring.post(Header(Kind.RING_ACK, seq=self._acks[0]).pack()):
@@ -159,7 +160,7 @@ class RingLink(Link):
                 or self.closed or (body is not None and body.nbytes > ring.max_body)
                 or not ring.post(header, body)):
             return False
-        counters = self.owner.counters
+        counters = self.counters
         counters.messages_sent += 1
         counters.bytes_sent += HEADER_SIZE + (0 if body is None else body.nbytes)
         if ring.reader_sleeping():
@@ -198,7 +199,7 @@ class RingLink(Link):
         except (BlockingIOError, InterruptedError):
             pass  # the socket is full of unread doorbells: the peer wakes anyway
         except OSError as exc:
-            self.owner.lost(self, f"send failed: {exc}")
+            self.owner.lost(self, f"send failed: {explain(exc)}")
 
     # --- reading -------------------------------------------------------------------
 
@@ -219,7 +220,7 @@ class RingLink(Link):
             self.owner.lost(self, f"corrupt stream: {exc}")
         except OSError as exc:
             self.read_ring(None)
-            self.owner.lost(self, f"receive failed: {exc}")
+            self.owner.lost(self, f"receive failed: {explain(exc)}")
 
     def read_ring(self, budget: int | None = READ_BUDGET) -> None:
         """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
@@ -228,7 +229,7 @@ class RingLink(Link):
         if ring is None or (self.deferred and budget is not None):
             return
         handler = self.owner.handler
-        counters = self.owner.counters
+        counters = self.counters
         peer = self.peer
         freed = False
         self.deferred = False
@@ -317,7 +318,7 @@ class RingLink(Link):
         else:
             self._acks.append(lend)
             self.owner.again(self.peer)
-        counters = self.owner.counters
+        counters = self.counters
         counters.messages_received += 1
         counters.bytes_received += HEADER_SIZE + header.nbytes
         handler.received(self.peer, header, dest)

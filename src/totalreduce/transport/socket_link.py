@@ -9,6 +9,7 @@ whose peer shares this host carries its messages in shared-memory rings instead
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections import deque
 from typing import Any, Protocol
@@ -23,11 +24,24 @@ READ_BUDGET = 2 << 20  # bytes read from one link per poll (ring bodies included
 WRITE_BUDGET = 2 << 20  # bytes written to one link per poll (ring bodies included)
 
 
+_SILENT_HOST = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+
+
+def explain(exc: OSError) -> str:
+    """The error, and what it means where the peer's host went silent (mesh.py's
+    keepalives give up after about 25 s without an answer)."""
+    if exc.errno in _SILENT_HOST:
+        return (f"{exc}: its host stopped answering (the network between us, or that "
+                "host, is down)")
+    return str(exc)
+
+
 class LinkOwner(Protocol):
     """What a link needs from its transport."""
 
     handler: MessageHandler
     counters: Counters
+    shm_counters: Counters  # what goes through shared-memory rings
 
     def again(self, peer: int) -> None:
         """Write more to ``peer`` on the next turn (its budget ran out, or it must retry)."""
@@ -44,6 +58,7 @@ class Link:
 
     def __init__(self, owner: LinkOwner, peer: int, sock: socket.socket) -> None:
         self.owner = owner
+        self.counters = owner.counters
         self.peer = peer
         self.sock = sock
         self.out: deque[memoryview] = deque()
@@ -73,7 +88,7 @@ class Link:
         self.header = None
         self.body = None
         self.body_off = 0
-        counters = self.owner.counters
+        counters = self.counters
         counters.messages_received += 1
         counters.bytes_received += HEADER_SIZE + header.nbytes
         self.owner.handler.received(self.peer, header, body)
@@ -100,7 +115,7 @@ class Link:
                 self.owner.set_writing(self, True)
                 return
             except OSError as exc:
-                self.owner.lost(self, f"send failed: {exc}")
+                self.owner.lost(self, f"send failed: {explain(exc)}")
                 return
             self._consume(n)
             if self.out:
@@ -125,7 +140,7 @@ class Link:
             self.marks.append([size, msg.token])
             total += size
             count += 1
-        counters = self.owner.counters
+        counters = self.counters
         counters.messages_sent += count
         counters.bytes_sent += total
         return total
@@ -188,7 +203,7 @@ class Link:
         except WireError as exc:
             self.owner.lost(self, f"corrupt stream: {exc}")
         except OSError as exc:
-            self.owner.lost(self, f"receive failed: {exc}")
+            self.owner.lost(self, f"receive failed: {explain(exc)}")
 
     def _parse(self) -> None:
         """Handle every whole header in the staging buffer."""

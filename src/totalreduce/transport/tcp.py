@@ -34,10 +34,12 @@ class TcpTransport(Transport):
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  acceptor: _Stoppable | None,
                  rings: dict[int, tuple[RingWriter | None, RingReader | None]] | None = None,
-                 lend_bytes: int = 0) -> None:
+                 lend_bytes: int = 0, hosts: tuple[int, ...] | None = None) -> None:
         self.rank = rank
         self.size = size
-        self.counters = Counters()
+        self.hosts = hosts
+        self.counters = Counters()  # socket links'
+        self.shm_counters = Counters()
         self._links: dict[int, Link] = {}
         rings = rings or {}
         for peer, sock in socks.items():
@@ -76,6 +78,15 @@ class TcpTransport(Transport):
 
     def pending_output(self) -> bool:
         return any(link.pending_output() for link in self._links.values() if not link.closed)
+
+    def stats(self) -> dict[str, int]:
+        """The totals, then the same counts for each kind of link: ``tcp_*`` for peers
+        reached over sockets, ``shm_*`` for those on this host's shared-memory rings."""
+        tcp, shm = self.counters.as_dict(), self.shm_counters.as_dict()
+        out = {name: tcp[name] + shm[name] for name in tcp}
+        out.update({f"tcp_{name}": value for name, value in tcp.items()})
+        out.update({f"shm_{name}": value for name, value in shm.items()})
+        return out
 
     def ring_peers(self) -> list[int]:
         """Peers whose messages travel through shared memory."""

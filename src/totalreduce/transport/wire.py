@@ -38,6 +38,7 @@ REMOTE_BODY = struct.Struct("<QQ")
 # Recipe algorithms (low four bits); the op's ReduceOp code sits in the high four.
 RECIPE_RING_ALLREDUCE = 1
 RECIPE_DOUBLING_ALLREDUCE = 2
+RECIPE_HIERARCHICAL_ALLREDUCE = 3
 
 
 class Kind(enum.IntEnum):

@@ -14,8 +14,12 @@ from ..schedule import COPY, REDUCE, Recv, Schedule, Send, even_bounds, piece_co
 
 
 def _ring(rank: int, size: int, bounds: tuple[int, ...], seg_elems: int,
-          reduce_steps: int, gather_steps: int, shift: int) -> Schedule:
+          reduce_steps: int, gather_steps: int, shift: int, fresh: bool = False) -> Schedule:
     """Scatter-reduce for ``reduce_steps`` steps, then allgather for ``gather_steps``.
+
+    ``fresh``: the first sends read the op's source (OpSpec.fresh: the working buffer
+    starts undefined); every block a rank reduces into it reduces once, so each reduction
+    can take its left operand from the source too.
 
     At reduce step ``s`` rank ``r`` sends block ``r - s + shift`` and reduces block
     ``r - s - 1 + shift`` into its buffer; after ``n - 1`` steps it owns the reduced block
@@ -49,24 +53,27 @@ def _ring(rank: int, size: int, bounds: tuple[int, ...], seg_elems: int,
             recvs[(left, s, j)] = Recv(lo, hi, REDUCE if s < reduce_steps else COPY,
                                        s == reduce_steps - 1, then)
     first = tuple(send(0, j) for j in range(m)) if steps else ()
+    if fresh:
+        first = tuple(Send(x.peer, x.step, x.piece, x.lo, x.hi, True) for x in first)
     return Schedule(first, recvs, ())
 
 
 @lru_cache(maxsize=256)
-def ring_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Schedule:
+def ring_allreduce(rank: int, size: int, count: int, seg_elems: int,
+                   fresh: bool = False) -> Schedule:
     if size == 1:
         return Schedule((), {}, ((0, count),))
     bounds = tuple(even_bounds(count, size))
-    return _ring(rank, size, bounds, seg_elems, size - 1, size - 1, 0)
+    return _ring(rank, size, bounds, seg_elems, size - 1, size - 1, 0, fresh)
 
 
 @lru_cache(maxsize=256)
 def ring_reducescatter(rank: int, size: int, bounds: tuple[int, ...],
-                       seg_elems: int) -> Schedule:
+                       seg_elems: int, fresh: bool = False) -> Schedule:
     """Leaves the reduced block ``rank`` (``bounds[rank]:bounds[rank + 1]``) on each rank."""
     if size == 1:
         return Schedule((), {}, ((bounds[0], bounds[1]),))
-    return _ring(rank, size, bounds, seg_elems, size - 1, 0, -1)
+    return _ring(rank, size, bounds, seg_elems, size - 1, 0, -1, fresh)
 
 
 @lru_cache(maxsize=256)

@@ -1,6 +1,11 @@
 """Which algorithm runs a collective, and with which segment size: the scheduler above
 says what an op is (kind, sizes, root), this says how.
 
+Across hosts (``TOTALREDUCE_HIERARCHICAL``; see hierarchical.py), allreduces the ring
+would take run hierarchically instead: auto does so where every host has the same number
+of ranks, two or more, since each host then sends the buffer across the network once
+instead of once per rank pair that straddles hosts; on also takes the small ones.
+
 Allreduce picks recursive doubling (fewest hops) or the ring by size
 (``TOTALREDUCE_SMALL_BYTES``; auto: doubling up to 1 MiB, the ring above).  At 2 ranks
 doubling moves the same bytes as the ring, but each rank reduces the whole buffer and a
@@ -14,70 +19,127 @@ MismatchError, not a hang.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import numpy as np
 
-from ...transport.wire import RECIPE_DOUBLING_ALLREDUCE, RECIPE_RING_ALLREDUCE
-from ..schedule import Schedule
+from ...lru import LRU
+from ...transport.wire import (
+    RECIPE_DOUBLING_ALLREDUCE,
+    RECIPE_HIERARCHICAL_ALLREDUCE,
+    RECIPE_RING_ALLREDUCE,
+)
+from ..schedule import Schedule, remap
 from .chain import chain_broadcast
 from .doubling import doubling_allreduce
+from .hierarchical import hierarchical_allreduce, host_groups
 from .pairwise import pairwise_alltoallv
 from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
+
+logger = logging.getLogger("totalreduce")
 
 
 class AllreducePlan(NamedTuple):
     schedule: Schedule
-    algorithm: str  # "ring" or "doubling"
+    algorithm: str  # "ring", "doubling" or "hierarchical"
     recipe: int  # wire.Header.recipe without the op: how a joined rank rebuilds it
+    fresh: bool = False  # built for an op whose buffer starts undefined (OpSpec.fresh)
 
 
 class Algorithms:
     """Schedules for one rank of a ``size``-rank job."""
 
-    def __init__(self, rank: int, size: int, segment_bytes: int, small_bytes: int) -> None:
+    def __init__(self, rank: int, size: int, segment_bytes: int, small_bytes: int,
+                 hosts: tuple[int, ...] | None = None, hierarchical: str = "auto",
+                 members: tuple[int, ...] | None = None) -> None:
+        """``hosts``: each rank's host (Transport.hosts); ``hierarchical``: auto, on (1)
+        or off (0), as TOTALREDUCE_HIERARCHICAL.  ``members``: the job's ranks of a
+        process set, which this instance's ``rank`` and ``size`` then count within
+        (``hosts`` too); its schedules name the job's ranks."""
         self.rank = rank
         self.size = size
+        self._members = members
+        # Remapped schedules, by the cached schedule they came from (kept, so that its
+        # id is not reused while the entry lives).
+        self._mapped: LRU[int, tuple[Schedule, Schedule]] = LRU(256)
         self._segment_bytes = segment_bytes
         if small_bytes < 0:
             small_bytes = 2 << 20 if size == 2 else 1 << 20
         self._small_bytes = small_bytes
+        mode = {"1": "on", "0": "off"}.get(hierarchical, hierarchical)
+        layout = host_groups(hosts) if hosts is not None and mode != "off" else None
+        if mode == "on" and layout is None and rank == 0:
+            logger.warning("totalreduce: TOTALREDUCE_HIERARCHICAL=on, but the ranks' hosts "
+                           "%s do not split into two or more hosts of the same number (>= 2) "
+                           "of ranks: allreduce runs flat", hosts)
+        self._hosts = hosts if layout is not None else None
+        # With a layout, allreduces above this many bytes run hierarchically.
+        self._hier_above = -1 if mode == "on" else small_bytes
+
+    def _job(self, schedule: Schedule) -> Schedule:
+        """``schedule`` with the job's ranks in it (a process set's are its own)."""
+        members = self._members
+        if members is None:
+            return schedule
+        hit = self._mapped.get(id(schedule))
+        if hit is not None and hit[0] is schedule:
+            return hit[1]
+        mapped = remap(schedule, members)
+        self._mapped.put(id(schedule), (schedule, mapped))
+        return mapped
 
     def segment(self, dtype: np.dtype) -> int:
         """Elements per pipelined piece."""
         return max(1, self._segment_bytes // np.dtype(dtype).itemsize)
 
-    def allreduce(self, count: int, dtype: np.dtype) -> AllreducePlan:
+    def allreduce(self, count: int, dtype: np.dtype, fresh: bool = False) -> AllreducePlan:
+        """``fresh``: the caller can leave its buffer undefined where the algorithm
+        allows (the ring: the plan says whether it took it)."""
         itemsize = dtype.itemsize  # every op pays for this call: no conversions
         seg = max(1, self._segment_bytes // itemsize)
-        if count * itemsize <= self._small_bytes:
-            return AllreducePlan(doubling_allreduce(self.rank, self.size, count, seg),
+        nbytes = count * itemsize
+        if self._hosts is not None and nbytes > self._hier_above:
+            return AllreducePlan(
+                self._job(hierarchical_allreduce(self.rank, self._hosts, count, seg)),
+                "hierarchical", RECIPE_HIERARCHICAL_ALLREDUCE)
+        if nbytes <= self._small_bytes:
+            return AllreducePlan(self._job(doubling_allreduce(self.rank, self.size, count, seg)),
                                  "doubling", RECIPE_DOUBLING_ALLREDUCE)
-        return AllreducePlan(ring_allreduce(self.rank, self.size, count, seg), "ring",
-                             RECIPE_RING_ALLREDUCE)
+        return AllreducePlan(self._job(ring_allreduce(self.rank, self.size, count, seg,
+                                                      fresh)),
+                             "ring", RECIPE_RING_ALLREDUCE, fresh)
 
     def allreduce_from_recipe(self, recipe: int, count: int, dtype: np.dtype
                               ) -> Schedule | None:
         """The schedule a peer's op was built with (its header's recipe), or None."""
         if recipe == RECIPE_RING_ALLREDUCE:
-            return ring_allreduce(self.rank, self.size, count, self.segment(dtype))
+            return self._job(ring_allreduce(self.rank, self.size, count, self.segment(dtype)))
         if recipe == RECIPE_DOUBLING_ALLREDUCE:
-            return doubling_allreduce(self.rank, self.size, count, self.segment(dtype))
+            return self._job(doubling_allreduce(self.rank, self.size, count,
+                                                self.segment(dtype)))
+        if recipe == RECIPE_HIERARCHICAL_ALLREDUCE and self._hosts is not None:
+            return self._job(hierarchical_allreduce(self.rank, self._hosts, count,
+                                                    self.segment(dtype)))
         return None
 
     def broadcast(self, root: int, count: int, dtype: np.dtype) -> Schedule:
-        return chain_broadcast(self.rank, self.size, root, count, self.segment(dtype))
+        return self._job(chain_broadcast(self.rank, self.size, root, count,
+                                         self.segment(dtype)))
 
-    def reducescatter(self, bounds: tuple[int, ...], dtype: np.dtype) -> Schedule:
-        return ring_reducescatter(self.rank, self.size, bounds, self.segment(dtype))
+    def reducescatter(self, bounds: tuple[int, ...], dtype: np.dtype,
+                      fresh: bool = False) -> Schedule:
+        return self._job(ring_reducescatter(self.rank, self.size, bounds,
+                                            self.segment(dtype), fresh))
 
     def allgather(self, bounds: tuple[int, ...], dtype: np.dtype | None = None) -> Schedule:
         """Gather blocks of ``bounds``; without a dtype, one element per piece (a
         sizes exchange)."""
         seg = 1 if dtype is None else self.segment(dtype)
-        return ring_allgatherv(self.rank, self.size, bounds, seg)
+        return self._job(ring_allgatherv(self.rank, self.size, bounds, seg))
 
     def alltoall(self, send_bounds: tuple[int, ...], recv_bounds: tuple[int, ...],
                  dtype: np.dtype | None = None) -> Schedule:
         seg = 1 if dtype is None else self.segment(dtype)
-        return pairwise_alltoallv(self.rank, self.size, send_bounds, recv_bounds, seg)
+        return self._job(pairwise_alltoallv(self.rank, self.size, send_bounds, recv_bounds,
+                                            seg))

@@ -1,0 +1,35 @@
+"""The one interface the public API calls, whichever way ops are scheduled: self-guided
+(selfguided.py), negotiated (negotiated.py), or either under recovery (recovery/robust.py
+wraps one).  Arguments are checked by checks.py before any of them schedules a call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .handle import Handle
+
+
+class Scheduler(Protocol):
+    """Collectives on numpy arrays, each returning a handle to wait on."""
+
+    rank: int
+    size: int
+
+    def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
+                  inplace: bool) -> Handle: ...
+    def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
+                          priority: int, inplace: bool) -> Handle: ...
+    def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
+                  inplace: bool) -> Handle: ...
+    def allgather(self, x: Any, name: str | None, priority: int) -> Handle: ...
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle: ...
+    def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle: ...
+    def barrier(self) -> Handle: ...
+    def join(self) -> int:
+        """Stand in for this rank in the others' allreduces until every rank has joined;
+        the rank that joined last."""
+    def caller_waits(self) -> Any:
+        """``with caller_waits():`` this thread waits for what it submits inside."""
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
