@@ -266,7 +266,7 @@ def test_floating_bodies_are_counted_until_taken_and_their_credit_owed_back() ->
     assert scratch.named("put") == [(body,)] and ledger.named("owe")[-1] == (1, 50)
     floating.receiving(70)
     floating.keep(FloatingBody(1, header, body, 70))
-    floating.clear()  # a broken job owes no credit
+    floating.clear(TotalReduceError("broken"))  # a broken job owes no credit
     assert floating.bytes == 0 and len(ledger.named("owe")) == 2 and floating.peak == 100
 
 
@@ -485,7 +485,8 @@ def _peer_events(**over: Any) -> tuple[PeerEvents, dict[str, Any]]:
     parts: dict[str, Any] = {
         "job": Fake(rank=0, closing=False), "ops": OpTable(), "outbox": Fake(),
         "ledger": Fake(), "mismatches": Fake(), "departures": Fake(bye=set()),
-        "serving": Fake(), "starter": Fake(returns={"try_serve": False})}
+        "serving": Fake(), "starter": Fake(returns={"try_serve": False}),
+        "floating": Fake()}
     parts.update(over)
     return PeerEvents(**parts), parts
 
@@ -643,7 +644,7 @@ def _loop(config: Config | None = None, **over: Any) -> tuple[Loop, dict[str, An
             "has_backlog": False, "pending_output": False, "close_writes": True}),
         "ops": ops, "outbox": Fake(peers=[1], closed=set(), returns={"has_control": False}),
         "applier": Fake(), "mismatches": Fake(returns={"due": []}), "starter": Fake(),
-        "serving": Fake(), "completions": deque()}
+        "serving": Fake(), "completions": deque(), "floating": Fake()}
     parts.update(over)
     return Loop(**parts), parts
 

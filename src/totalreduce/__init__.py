@@ -48,7 +48,8 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "shutdown", "size", "synchronize", "transport_stats",
+    "reducescatter_async", "recv", "recv_async", "send", "send_async", "shutdown", "size",
+    "synchronize", "transport_stats",
 ]
 
 
@@ -313,6 +314,70 @@ def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
     ops = _ops(process_set, "reducescatter")
     with ops.caller_waits():
         return ops.reducescatter(x, op, name, priority).wait()
+
+
+# --- point-to-point -------------------------------------------------------------------
+
+
+def send_async(x: Any, dest: int, tag: int = 0) -> Handle:
+    """Start sending ``x`` to rank ``dest``; ``handle.wait()`` returns None once it is
+    sent (``x`` is copied first, so it may change meanwhile).
+
+    Messages of one ``tag`` (0..32767) from one rank to another are received in the order
+    they were sent; a message sent before its receive is posted waits on the receiver,
+    within ``TOTALREDUCE_FLOATING_CAP``, and beyond it on the sender.
+
+    Raises:
+        ValueError: ``dest`` is not another rank of the job, or a bad tag.
+        TypeError: an unsupported dtype.
+        NotImplementedError: recovery (``--max-restarts``) is on.
+    """
+    return _runtime.current().messages("send").send(x, dest, tag)
+
+
+def send(x: Any, dest: int, tag: int = 0) -> None:
+    """Send ``x`` to rank ``dest`` and return once it is sent (see :func:`send_async`).
+
+    A receive of another size or dtype fails on the receiver, with a MismatchError
+    naming both ranks; the send has usually completed by then (as MPI_Send may return
+    before the receive is posted) and raises it only if it was still in flight.
+
+    Raises:
+        PeerFailureError: ``dest`` died or shut down first.
+    """
+    messages = _runtime.current().messages("send")
+    with messages.caller_waits():
+        messages.send(x, dest, tag).wait()
+
+
+def recv_async(buf: Any, source: int | None = None, tag: int = 0) -> Handle:
+    """Start receiving the next message of ``tag`` from rank ``source`` (None: from any
+    rank) into ``buf``, a numpy array or a ``(shape, dtype)`` pair to allocate one.
+    ``handle.wait()`` returns the array, or ``(array, source)`` when ``source`` is None.
+
+    The message must have ``buf``'s dtype and number of elements (its shape may differ).
+
+    Raises:
+        ValueError: ``source`` is not another rank of the job, a bad tag, or a read-only
+            ``buf``.
+        TypeError: ``buf`` is neither an array nor a ``(shape, dtype)`` pair.
+        NotImplementedError: recovery (``--max-restarts``) is on.
+    """
+    return _runtime.current().messages("recv").recv(buf, source, tag)
+
+
+def recv(buf: Any, source: int | None = None, tag: int = 0) -> Any:
+    """Receive a message (see :func:`recv_async`): the array filled, or ``(array,
+    source)`` when ``source`` is None.
+
+    Raises:
+        MismatchError: the message has another size or dtype (naming both ranks).
+        PeerFailureError: ``source`` (or, for any source, every other rank) died or
+            shut down before sending it.
+    """
+    messages = _runtime.current().messages("recv")
+    with messages.caller_waits():
+        return messages.recv(buf, source, tag).wait()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

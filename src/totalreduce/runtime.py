@@ -30,6 +30,7 @@ from .recovery.robust import Robust
 from .rendezvous import detect_launch
 from .rendezvous.generations import Generations
 from .scheduling import Negotiated, SelfGuided
+from .scheduling.point_to_point import PointToPoint
 from .scheduling.process_sets import ProcessSets
 from .timeline import Timeline, timeline_path
 from .transport.mesh import WorldMoved
@@ -93,6 +94,15 @@ class Runtime:
         self.scheduler: SelfGuided | Negotiated = \
             Negotiated(self.engine, config, self.timeline) if negotiated \
             else SelfGuided(self.engine, config)
+        self._messages = PointToPoint(self.engine, config)
+
+    def messages(self, what: str) -> PointToPoint:
+        """What sends and receives point-to-point messages."""
+        if self._generations is not None:
+            raise NotImplementedError(
+                f"{what}: point-to-point messages cannot be replayed to a restarted rank, "
+                "so they are not available with recovery on (totalrun --max-restarts)")
+        return self._messages
 
     # --- process sets ---------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..config import Config
@@ -37,10 +38,11 @@ from ..exceptions import ShutdownError
 from ..interrupts import deferred as ctrl_c
 from ..timeline import Timeline
 from ..transport.base import Transport
+from ..transport.wire import Header
 from .applier import Applier
 from .departures import Departures
 from .driving import CallerWaits, Driver
-from .floating import Floating
+from .floating import Floating, Watch
 from .handler import Handler
 from .inbox import Inbox
 from .job import JobState
@@ -99,11 +101,11 @@ class Engine:
         starter = Starter(job, ops, ledger, outbox, floating, applier, mismatches, departures,
                           serving, scratch, transport.resume)
         peer_events = PeerEvents(job, ops, outbox, ledger, mismatches, departures, serving,
-                                 starter)
+                                 starter, floating)
         inbox = Inbox(job, ops, ledger, outbox, mismatches, floating, applier, starter,
                       peer_events, scratch, use_in_place=reducer is None)
         self.loop = loop = Loop(job, config, transport, ops, outbox, applier, mismatches,
-                                starter, serving, completions)
+                                starter, serving, completions, floating)
         self._commands = loop.commands
         self._closed = loop.closed
         self._driver = Driver(rank, transport, loop, self._closed)
@@ -149,6 +151,22 @@ class Engine:
             return small.run(spec)
 
         return self._driver.exclusive(run)
+
+    def watch(self, match: Callable[[int, Header], bool], sources: Iterable[int],
+              label: str) -> OpFuture:
+        """A future resolved once a body that no submitted op here expects, from one of
+        ``sources``, is accepted by ``match(sender, header)`` (run on the loop's thread,
+        once per such body until it accepts one; bodies floating already are asked first,
+        the earliest first).  It fails if every source shuts down or the job breaks.  A
+        receive from any source learns this way which op to submit."""
+        future = OpFuture(self.wait)
+        if self.job.closing or self._closed.is_set():
+            future.resolve(ShutdownError(f"{label}: cannot receive after shutdown()"))
+            return future
+        self._commands.append(("watch", Watch(match, set(sources), future, label), None))
+        self._driver.kick(future)
+        self._driver.nudge()
+        return future
 
     def waits_here(self) -> bool:
         """Whether this thread is inside :meth:`caller_waits` (it blocks on what it

@@ -4,15 +4,37 @@ Each is kept whole in a pooled buffer until the op is submitted here (then appli
 ends (then dropped).  Their bytes are counted against the credit the sender spent on them
 (ledger.py), so floating memory stays under ``TOTALREDUCE_FLOATING_CAP``; the credit is
 owed back once a body leaves this store.
+
+A *watch* waits for a floating body that its predicate accepts: a receive from any source
+(point-to-point) learns which op to submit from the first body that arrives for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..exceptions import PeerFailureError, TotalReduceError
 from ..transport.wire import Header
 from .ledger import CreditLedger
 from .opstate import FloatingBody
-from .payload import OpKey
+from .payload import OpFuture, OpKey
 from .reducer import ScratchPool
+
+
+class Watch:
+    """A wait for the first floating body that ``match(sender, header)`` accepts.  The
+    predicate records what it accepted itself (it runs on the loop's thread and is asked
+    once per body until it accepts one).  ``sources``: the ranks a body may come from;
+    the watch fails once all of them have left."""
+
+    __slots__ = ("match", "sources", "future", "label")
+
+    def __init__(self, match: Callable[[int, Header], bool], sources: set[int],
+                 future: OpFuture, label: str) -> None:
+        self.match = match
+        self.sources = sources
+        self.future = future
+        self.label = label
 
 
 class Floating:
@@ -22,6 +44,7 @@ class Floating:
         self._bodies: dict[OpKey, list[FloatingBody]] = {}
         self.bytes = 0  # credit charged for the bodies held now
         self.peak = 0
+        self._watches: list[Watch] = []
 
     def __contains__(self, key: OpKey) -> bool:
         return key in self._bodies
@@ -34,6 +57,11 @@ class Floating:
     def keep(self, item: FloatingBody) -> None:
         """A floating body has arrived whole."""
         self._bodies.setdefault(item.header.op_key, []).append(item)
+        for watch in self._watches:
+            if item.src in watch.sources and watch.match(item.src, item.header):
+                self._watches.remove(watch)
+                watch.future.resolve()
+                return
 
     def release(self, item: FloatingBody) -> None:
         """``item`` floats no more (applied or dropped): its credit is owed back."""
@@ -63,12 +91,49 @@ class Floating:
             for item in self.take(k):
                 self._scratch.put(item.buf)
 
-    def clear(self) -> None:
-        """The job is broken: every body goes, and no credit is owed for it."""
+    def clear(self, error: TotalReduceError) -> None:
+        """The job is broken: every body goes, and no credit is owed for it; every watch
+        fails with ``error``."""
         for items in self._bodies.values():
             for item in items:
                 self.bytes -= item.charge
         self._bodies.clear()
+        self.end_watches(error)
+
+    # --- watches -------------------------------------------------------------------------
+
+    def watch(self, watch: Watch) -> None:
+        """Resolve ``watch`` with the earliest floating body it accepts, or once one
+        arrives."""
+        firsts = sorted((items[0] for items in self._bodies.values() if items),
+                        key=lambda item: item.t)
+        for item in firsts:
+            if item.src in watch.sources and watch.match(item.src, item.header):
+                watch.future.resolve()
+                return
+        if not watch.sources:
+            watch.future.resolve(TotalReduceError(f"{watch.label}: no rank to receive from"))
+            return
+        self._watches.append(watch)
+
+    def watched(self) -> bool:
+        """Whether a watch waits (the transport must keep reading, the loop running)."""
+        return bool(self._watches)
+
+    def left(self, peer: int, rank: int) -> None:
+        """``peer`` shut down: it sends nothing more, so a watch with no other source
+        fails."""
+        for watch in list(self._watches):
+            watch.sources.discard(peer)
+            if not watch.sources:
+                self._watches.remove(watch)
+                watch.future.resolve(PeerFailureError(
+                    peer, f"rank {rank}: {watch.label}: rank {peer} shut down and no other "
+                    "rank it could come from is left", orderly=True))
+
+    def end_watches(self, error: BaseException) -> None:
+        watches, self._watches = self._watches, []
+        OpFuture.resolve_all((w.future for w in watches), error)
 
     def waiting(self) -> list[tuple[int, Header]]:
         """The first body of each op not submitted here: (sender, header)."""

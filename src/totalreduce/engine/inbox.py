@@ -151,7 +151,7 @@ class Inbox:
         # Only with no op in flight here: then nothing behind this message (another op's
         # data, credit, READY) can be what this rank waits for, and the next submit
         # resumes reading.
-        return not self._ops.active and self._job.usable() \
+        return not self._ops.active and self._job.usable() and not self._floating.watched() \
             and (self.small is None or self.small.current is None) \
             and header.op_key not in self._ops.done
 

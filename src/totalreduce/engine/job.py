@@ -53,4 +53,4 @@ class JobState:
                 outbox.control(peer, abort, body)
         for op in self._ops.live():
             self._ops.fail(op, error)
-        self._floating.clear()
+        self._floating.clear(error)

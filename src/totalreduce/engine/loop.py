@@ -26,6 +26,7 @@ from ..transport.base import Transport
 from ..transport.wire import Header, Kind
 from .applier import Applier
 from .driving import HOUSEKEEPING
+from .floating import Floating
 from .job import JobState
 from .mismatch_tracker import MismatchTracker
 from .optable import OpTable
@@ -46,7 +47,8 @@ class Awaited(Protocol):
 class Loop:
     def __init__(self, job: JobState, config: Config, transport: Transport, ops: OpTable,
                  outbox: Outbox, applier: Applier, mismatches: MismatchTracker,
-                 starter: Starter, serving: JoinServer, completions: deque[Any]) -> None:
+                 starter: Starter, serving: JoinServer, completions: deque[Any],
+                 floating: Floating) -> None:
         """``completions``: where the reduce thread leaves its results for the loop."""
         self._job = job
         self._config = config
@@ -57,6 +59,7 @@ class Loop:
         self._mismatches = mismatches
         self._starter = starter
         self._serving = serving
+        self._floating = floating
         self.commands: deque[tuple[str, Any, Any]] = deque()
         self.completions = completions
         self.closed = threading.Event()
@@ -74,7 +77,8 @@ class Loop:
 
     def wanted(self) -> bool:
         return bool(self._ops.active or self.commands or self.completions) \
-            or self._shutdown_deadline is not None or self._transport.has_backlog()
+            or self._floating.watched() or self._shutdown_deadline is not None \
+            or self._transport.has_backlog()
 
     def idle_for(self) -> float | None:
         if self.commands or self.completions:
@@ -125,6 +129,12 @@ class Loop:
     def _run(self, cmd: str, arg: Any, future: Any) -> None:
         if cmd == "submit":
             self._starter.start(arg, future)
+        elif cmd == "watch":
+            self._transport.resume()  # it may have stopped reading with nothing in flight
+            if self._job.broken is not None:
+                arg.future.resolve(self._job.broken)
+            else:
+                self._floating.watch(arg)
         elif cmd == "forget":
             self._ops.forget(arg)
         elif cmd == "join":
@@ -150,6 +160,8 @@ class Loop:
         for op in ops.live():
             ops.fail(op, TransportClosedError(
                 f"rank {job.rank}: {op.spec.label} was still pending at shutdown()"))
+        self._floating.end_watches(TransportClosedError(
+            f"rank {job.rank}: a receive was still pending at shutdown()"))
         if job.broken is None:  # a broken job has told its peers already (ABORT)
             self._outbox.tell_all(Header(Kind.GOODBYE))
         return time.monotonic() + self._config.shutdown_timeout
@@ -180,8 +192,12 @@ class Loop:
         for op in ops.live():
             ops.fail(op, job.broken or TransportClosedError(
                 f"rank {job.rank}: {op.spec.label} was still pending at shutdown()"))
+        self._floating.end_watches(job.broken or TransportClosedError(
+            f"rank {job.rank}: a receive was still pending at shutdown()"))
         while self.commands:
-            _cmd, _arg, future = self.commands.popleft()
+            cmd, arg, future = self.commands.popleft()
+            if cmd == "watch":
+                future = arg.future
             if future is not None:
                 future.resolve(ShutdownError("cannot submit after shutdown()"))
         self._transport.abort()

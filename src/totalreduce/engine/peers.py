@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..exceptions import PeerFailureError, TotalReduceError
 from ..transport.wire import Header, Kind
 from .departures import Departures
+from .floating import Floating
 from .job import JobState
 from .ledger import CreditLedger
 from .mismatch_tracker import MismatchTracker, read_view
@@ -23,7 +24,7 @@ from .starter import Starter
 class PeerEvents:
     def __init__(self, job: JobState, ops: OpTable, outbox: Outbox, ledger: CreditLedger,
                  mismatches: MismatchTracker, departures: Departures, serving: JoinServer,
-                 starter: Starter) -> None:
+                 starter: Starter, floating: Floating) -> None:
         self._job = job
         self._rank = job.rank
         self._ops = ops
@@ -33,6 +34,7 @@ class PeerEvents:
         self._departures = departures
         self._serving = serving
         self._starter = starter
+        self._floating = floating
 
     def control(self, peer: int, header: Header, body: bytes) -> None:
         """A control message (its body read whole)."""
@@ -99,6 +101,7 @@ class PeerEvents:
         """``peer`` shut down: every op here that still expects a message from it or owes
         it one cannot finish, and neither can any rank's copy of it that waits on ours:
         they are told."""
+        self._floating.left(peer, self._rank)
         ops = self._ops
         for op in ops.live():
             if op.mismatch is not None:

@@ -64,7 +64,7 @@ def _freeze(obj: Any) -> Any:
     return obj
 
 
-def _hash64(text: str) -> int:
+def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
@@ -163,7 +163,7 @@ class SelfGuided:
             entry = self._names.get(key)
             if entry is None:
                 generation = self._generations.pop(key) or 0
-                h = _hash64(f"{key}\x00{generation}" if generation else key)
+                h = hash64(f"{key}\x00{generation}" if generation else key)
                 entry = [h, self._served_next.pop(h) or 0, generation]
                 self._names.put(key, entry)
                 self._by_hash[h] = entry
@@ -198,7 +198,7 @@ class SelfGuided:
             frozen = _freeze(view)
             with self._lock:
                 cached = self._sigs.get(frozen)
-            sig = _hash64(json.dumps(view, sort_keys=True)) if cached is None else cached
+            sig = hash64(json.dumps(view, sort_keys=True)) if cached is None else cached
             with self._lock:
                 self._sigs.put(frozen, sig)
                 if key is not None:
