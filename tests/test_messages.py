@@ -44,3 +44,11 @@ def test_receive_from_a_rank_that_left_fails() -> None:
     assert "recv from rank 1 (tag 0, message #0)" in named, got
     assert got["anyone"].startswith("PeerFailureError: rank 0: recv from any rank (tag 0): "
                                     "rank 1 shut down"), got
+
+
+def test_send_recv_tensors() -> None:
+    pytest.importorskip("torch")
+    result = run_ok(3, "torch_workers:messages", {}, timeout=120,
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "65536"})
+    assert all(result.report(r).get("ok") for r in range(3)), result.explain()
+    assert result.report(0)["seen"] == [1, 2]

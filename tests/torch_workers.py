@@ -1390,3 +1390,32 @@ def process_set_training(arg: dict) -> None:
     assert got.tolist() == [float(root)] * 2, got
     hvd.shutdown()
     report(ok=True)
+
+
+def messages(arg: dict) -> None:
+    """send / recv on tensors around a ring, every dtype, received into a tensor (a
+    non-contiguous one included); then rank 0 hears from every other rank."""
+    hvd.init()
+    rank, n = hvd.rank(), hvd.size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for i, dtype in enumerate(TORCH_DTYPES):
+        for j, shape in enumerate([(0,), (5,), (3, 7), (20_000,)]):
+            sent = hvd.send_async(tensor(i, rank * 10 + j, shape, dtype), right, tag=j)
+            into = torch.zeros(shape, dtype=dtype)
+            got = hvd.recv(into, left, tag=j)
+            assert got is into
+            sent.wait()
+            close(got, tensor(i, left * 10 + j, shape, dtype), f"{dtype} {shape}")
+    if rank == 0:
+        seen = []
+        for _ in range(n - 1):
+            into = torch.zeros(4, 2, dtype=torch.float32)[:, 1]  # not contiguous
+            got, src = hvd.recv_async(into, tag=3).wait()
+            assert got is into
+            close(got, torch.full((4,), float(src)), f"from {src}")
+            seen.append(src)
+        report(seen=sorted(seen))
+    else:
+        hvd.send(torch.full((4,), float(rank)), 0, tag=3)
+    report(ok=True)
+    hvd.shutdown()

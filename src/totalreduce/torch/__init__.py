@@ -94,6 +94,7 @@ from .collectives import (
 from .compression import Compression, Compressor
 from .ddp import ddp_comm_hook, gtopk_hook, oktopk_hook, topka_hook
 from .join import join
+from .messages import recv, recv_async, send, send_async
 from .optimizer import DistributedOptimizer, StepTimings
 from .state import broadcast_optimizer_state, broadcast_parameters
 from .sync_batch_norm import SyncBatchNorm
@@ -114,7 +115,8 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "gtopk_hook", "init",
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "oktopk_hook", "poll", "rank",
-    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown",
+    "recv", "recv_async", "reducescatter", "reducescatter_async", "remove_process_set",
+    "rocm_built", "send", "send_async", "shutdown",
     "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
     "topka_hook", "version_number",
 ]
