@@ -1419,3 +1419,45 @@ def messages(arg: dict) -> None:
         hvd.send(torch.full((4,), float(rank)), 0, tag=3)
     report(ok=True)
     hvd.shutdown()
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def averaging(arg: dict) -> None:
+    """Parameter averaging: at period 1 with plain SGD it ends with the weights of
+    gradient averaging; at period 4 after 3 warm-up steps the ranks agree exactly after
+    the steps that average (and the warm-up's), and differ after the local ones."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    per_rank, steps = 8, 20
+    batches = _batches(steps, per_rank * n)
+    lo, hi = r * per_rank, (r + 1) * per_rank
+
+    dense = _model(3)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=0.1),
+                                   named_parameters=dense.named_parameters())
+    _train(dense, opt, batches, lo, hi, 1)
+    local = _model(3)
+    opt = hvd.PostLocalSGDOptimizer(torch.optim.SGD(local.parameters(), lr=0.1),
+                                    hvd.PeriodicAverager(local, period=1))
+    _train(local, opt, batches, lo, hi, 1)
+    close(_flat(local), _flat(dense), "period 1 against gradient averaging", 1e-5)
+    # Not trivially equal: without averaging the ranks would have drifted apart.
+    alone = _model(3)
+    _train(alone, torch.optim.SGD(alone.parameters(), lr=0.1), batches, lo, hi, 1)
+    report(drift=float((_flat(alone) - _flat(dense)).abs().max()))
+
+    model = _model(3)
+    averager = hvd.PeriodicAverager(model, period=4, warmup_steps=3)
+    opt = hvd.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), averager)
+    agree = []
+    for i, (x, y) in enumerate(batches[:12]):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+        rows = hvd.allgather(_flat(model)[None], name=f"check.{i}")
+        agree.append(bool((rows == rows[0]).all()))
+    report(agree=agree, steps=averager.step, ok=True)
+    hvd.shutdown()

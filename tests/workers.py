@@ -1384,3 +1384,23 @@ def process_sets(arg: dict) -> None:
     tr.barrier()
     tr.shutdown()
     report(**out)
+
+
+def average_arrays(arg: dict) -> None:
+    """totalreduce.average: a list of arrays averaged in place, every rank's result
+    checked against the numpy reference; a single array too."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    shapes = [((7,), np.float32), ((3, 5), np.float64), ((0,), np.float32),
+              ((1031,), np.int32)]
+    mine = [data(5, rank * 10 + i, s, d) for i, (s, d) in enumerate(shapes)]
+    got = tr.average(mine, name="params")
+    assert got is mine
+    for i, (s, d) in enumerate(shapes):
+        want = reference_reduce([data(5, r * 10 + i, s, d) for r in range(n)], "Average")
+        assert_same(mine[i], want, f"average {s} {np.dtype(d)}")
+    one = np.full(4, float(rank))
+    assert tr.average(one) is one
+    assert_same(one, np.full(4, (n - 1) / 2), "average of one array")
+    report(ok=True)
+    tr.shutdown()

@@ -43,6 +43,7 @@ __all__ = [
     "TotalReduceError", "TransportClosedError", "allgather", "allgather_async",
     "allgather_object", "broadcast_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "average",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "checkpoint", "load_checkpoint", "version_number",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
@@ -314,6 +315,24 @@ def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
     ops = _ops(process_set, "reducescatter")
     with ops.caller_waits():
         return ops.reducescatter(x, op, name, priority).wait()
+
+
+def average(arrays: np.ndarray | Sequence[np.ndarray], name: str | None = None,
+            process_set: ProcessSet = global_process_set) -> Any:
+    """Average ``arrays`` (an array or a list of them: a model's parameters) over the
+    ranks, in place, and return them: the step of parameter averaging (local SGD).  The
+    arrays must be writable numpy arrays of the same shapes and dtypes on every rank.
+
+    Raises:
+        TypeError: not numpy arrays, or an unsupported dtype.
+        MismatchError: ranks disagree on the shapes or dtypes.
+    """
+    single = isinstance(arrays, np.ndarray)
+    group = [arrays] if single else list(arrays)  # type: ignore[list-item]
+    ops = _ops(process_set, "average")
+    with ops.caller_waits():
+        ops.grouped_allreduce(group, Average, name, 0, inplace=True).wait()
+    return arrays
 
 
 # --- point-to-point -------------------------------------------------------------------

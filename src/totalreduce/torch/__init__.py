@@ -40,6 +40,7 @@ from .. import (
 from ..exceptions import HorovodInternalError
 from ..objects import allgather_object, broadcast_object
 from .adasum import Adasum
+from .averaging import PeriodicAverager, PostLocalSGDOptimizer
 from .basics import (
     ccl_built,
     cross_rank,
@@ -102,7 +103,8 @@ from .sync_batch_norm import SyncBatchNorm
 __all__ = [
     "Adasum", "AuthenticationError", "Average", "Compression", "Compressor",
     "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "MismatchError",
-    "OpTimeoutError", "PeerFailureError", "ProcessSet", "Product", "ShutdownError",
+    "OpTimeoutError", "PeerFailureError", "PeriodicAverager", "PostLocalSGDOptimizer",
+    "ProcessSet", "Product", "ShutdownError",
     "StepTimings", "Sum", "SyncBatchNorm", "TorchHandle", "TorchState", "TotalReduceError",
     "TransportClosedError", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
