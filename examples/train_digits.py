@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--op", choices=["average", "adasum"], default="average",
                    help="how gradients combine: average (the lr is scaled by the size) or "
                    "adasum (adaptive summation: the lr stays one worker's)")
+    p.add_argument("--average-period", type=int, default=0, metavar="H",
+                   help="local SGD: step on each rank's own gradients and average the "
+                   "parameters every H steps (default 0: average the gradients every step)")
+    p.add_argument("--average-warmup", type=int, default=0, metavar="STEPS",
+                   help="with --average-period: average the gradients for this many "
+                   "steps first")
     p.add_argument("--plot", metavar="PNG", help="write loss and accuracy curves here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-digest", action="store_true",
@@ -150,9 +156,18 @@ def main(argv: list[str] | None = None) -> float:
     else:
         compression = hvd.Compression.fp16 if args.compression == "fp16" \
             else hvd.Compression.none
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters(),
-                                         compression=compression,
-                                         op=hvd.Adasum if args.op == "adasum" else hvd.Average)
+    if args.average_period:
+        if sparse or args.op == "adasum" or args.compression != "none":
+            raise SystemExit("--average-period averages parameters: it takes neither "
+                             "--compression nor --op adasum")
+        # The averaged parameters move by the mean of the ranks' steps, as averaged
+        # gradients of the same rate would: the rate stays scaled by the size.
+        optimizer = hvd.PostLocalSGDOptimizer(optimizer, hvd.PeriodicAverager(
+            net, period=args.average_period, warmup_steps=args.average_warmup))
+    else:
+        optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=net.named_parameters(), compression=compression,
+            op=hvd.Adasum if args.op == "adasum" else hvd.Average)
 
     # The job's state after each epoch, kept in memory by every rank: a restarted worker
     # resumes from the survivors' copy (a fresh start leaves it as it is).  Collectives
@@ -167,6 +182,8 @@ def main(argv: list[str] | None = None) -> float:
         print(f"digits: {size} rank(s), {len(digits.data)} images, per-rank batch "
               f"{args.batch_size}, {args.epochs} epochs, compression {args.compression}, "
               f"{args.op}, lr {scaled:g}, momentum {momentum:g}"
+              + (f", parameters averaged every {args.average_period} step(s) after "
+                 f"{args.average_warmup}" if args.average_period else "")
               + (f" ({'corrected' if correction else 'plain'}, warm-up "
                  f"{knobs.get('warmup', 'default')} {args.warmup_mode} step(s))"
                  if sparse else ""))
