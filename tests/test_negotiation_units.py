@@ -77,7 +77,7 @@ def test_coordinator_answers_when_every_rank_asked_and_names_differences() -> No
     assert out[1].error == "" and out[1].params == ok
     assert "differs: shape" in out[0].error and "rank 1: kind=allreduce, dtype=float32, " \
         "shape=(5,)" in out[0].error
-    assert coord.requests_received == 6 and len(coord) == 0
+    assert coord.stats() == {"coordinator_received": 6, "coordinator_table": 0}
 
 
 def test_coordinator_stall_warning_then_error(caplog: pytest.LogCaptureFixture) -> None:

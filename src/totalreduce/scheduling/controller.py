@@ -19,8 +19,14 @@ One cycle:
    self-guided scheduler with the tensor's name, which every rank now submits alike.
 
 So steady-state training costs one small allreduce per cycle and nothing reaches the
-coordinator.  A cached tensor that waits past ``stall_check_time`` is marked invalid, so
-that it goes to the coordinator, which names the ranks that have not submitted it.
+coordinator.
+
+Stalls are found in two halves.  Here, a cached tensor that waits past
+``stall_check_time`` is marked invalid (step 1), so that it goes to the coordinator
+instead of waiting for a cache bit that some rank never sets.  There (coordinator.py,
+its ``check()`` runs in step 2 on rank 0), a name that some ranks asked for and others
+not gets a warning naming both, and past ``stall_shutdown_time`` an error response that
+every rank waiting on it raises.
 """
 
 from __future__ import annotations
@@ -112,8 +118,7 @@ class Controller:
                    pending=len(self._pending) + len(self._queue),
                    fusion_idle_bytes=self._buffers.idle_bytes())
         if self._coordinator is not None:
-            out["coordinator_received"] = self._coordinator.requests_received
-            out["coordinator_table"] = len(self._coordinator)
+            out.update(self._coordinator.stats())
         return out
 
     # --- the cycle thread ----------------------------------------------------------------
@@ -156,15 +161,38 @@ class Controller:
         self._pending.clear()
 
     def _one_cycle(self) -> bool:
-        """One cycle; returns whether the ranks agreed to stop."""
+        """One cycle, the steps of the module's docstring; returns whether the ranks
+        agreed to stop."""
         self.counts["cycles"] += 1
-        uncached_join = False
+        joining = self._take_requests()
+        hit_bits, invalid, uncached = self._classify()
+        bits = self._vote(hit_bits, invalid, bool(uncached) or joining)
+        if not bits[_INVALID]:
+            self._evict_invalid(invalid)
+        responses = self._cache.ready(np.flatnonzero(self._cache_bits).tolist())
+        self._others_joined = not bits[_NONE_JOINED]
+        if not bits[_UNCACHED]:
+            if joining:
+                assert self._join is not None
+                uncached.append(self._join)
+            responses += self._negotiate(uncached)
+        self._run_responses(responses)
+        if bits[_ALL_JOINED]:
+            self._end_join()
+        return not bits[_SHUT_DOWN]
+
+    # --- step 1: this rank's requests ----------------------------------------------------
+
+    def _take_requests(self) -> bool:
+        """Move the requests submitted since the last cycle to the pending table; returns
+        whether a join() came among them."""
+        joining = False
         queue, pending = self._queue, self._pending
         for _ in range(len(queue)):  # a submitting thread may append meanwhile
             request = queue.popleft()
             if request.kind == "join":
                 self._join, self._joined_at = request, self.counts["cycles"]
-                uncached_join = True
+                joining = True
                 continue
             if request.name in pending:
                 request.resolve(ValueError(
@@ -172,21 +200,30 @@ class Controller:
                     "flight; names must be unique among pending collectives"))
                 continue
             pending[request.name] = request
+        return joining
+
+    def _classify(self) -> tuple[list[int], list[int], list[Request]]:
+        """The pending requests not with the coordinator already, as cache bits ready
+        here, cache bits invalid here, and requests the cache does not know."""
         negotiating = self._negotiating
-        candidates = [r for n, r in pending.items() if n not in negotiating] \
-            if negotiating else pending.values()
+        candidates = [r for n, r in self._pending.items() if n not in negotiating] \
+            if negotiating else self._pending.values()
         hit_bits, hits, invalid, uncached = self._cache.classify(candidates)
-        now = time.monotonic()
-        others_joined = self._others_joined
         # Pending requests are in submission order: the first hit is the oldest.
-        if hits and (others_joined or self._stalled(hits[0], now)):
-            hit_bits = self._screen(hit_bits, hits, invalid, now)
+        if hits and (self._others_joined or self._stalled(hits[0], time.monotonic())):
+            hit_bits = self._screen(hit_bits, hits, invalid, time.monotonic())
+        return hit_bits, invalid, uncached
+
+    # --- steps 2 and 3: the bit vectors ---------------------------------------------------
+
+    def _vote(self, hit_bits: list[int], invalid: list[int], uncached: bool) -> np.ndarray:
+        """The AND of every rank's status and cache bits (step 2)."""
         bits = self._bits
         bits.fill(False)
         self._cache_bits[hit_bits] = True
         news = False
         if self._coordinator is not None:
-            self._coordinator.check()
+            self._coordinator.check()  # the stall inspector's turn
             news = self._coordinator.due()
         joined = self._join is not None
         if joined:
@@ -196,31 +233,24 @@ class Controller:
                 if response is not None and response.kind == "allreduce":
                     self._cache_bits[bit] = True
         bits[_SHUT_DOWN] = not self._stop.is_set()
-        bits[_UNCACHED] = not uncached and not news and not uncached_join
+        bits[_UNCACHED] = not uncached and not news
         bits[_INVALID] = not invalid
         bits[_NONE_JOINED] = not joined
         bits[_ALL_JOINED] = joined
         self._control(lambda: self._ops.allreduce(bits, ReduceOp.MIN, _BITS, _CONTROL, True))
-        if not bits[_INVALID]:
-            mark = self._mark
-            mark.fill(False)
-            mark[invalid] = True
-            self._control(lambda: self._ops.allreduce(mark, ReduceOp.MAX, _INVALIDS, _CONTROL,
-                                                      True))
-            for bit in np.flatnonzero(mark).tolist():
-                self._cache_bits[bit] = False
-                self._cache.evict(bit)
-        responses = self._cache.ready(np.flatnonzero(self._cache_bits).tolist())
-        self._others_joined = not bits[_NONE_JOINED]
-        if not bits[_UNCACHED]:
-            if uncached_join:
-                assert self._join is not None
-                uncached.append(self._join)
-            responses += self._negotiate(uncached)
-        self._run_responses(responses)
-        if bits[_ALL_JOINED]:
-            self._end_join()
-        return not bits[_SHUT_DOWN]
+        return bits
+
+    def _evict_invalid(self, invalid: list[int]) -> None:
+        """Some rank has invalid entries: every rank evicts every rank's (step 3), and
+        their requests are negotiated afresh."""
+        mark = self._mark
+        mark.fill(False)
+        mark[invalid] = True
+        self._control(lambda: self._ops.allreduce(mark, ReduceOp.MAX, _INVALIDS, _CONTROL,
+                                                  True))
+        for bit in np.flatnonzero(mark).tolist():
+            self._cache_bits[bit] = False
+            self._cache.evict(bit)
 
     def _screen(self, hit_bits: list[int], hits: list[Request], invalid: list[int],
                 now: float) -> list[int]:
@@ -262,7 +292,12 @@ class Controller:
         with self._ops.caller_waits():
             return start().wait()
 
+    # --- step 4: the coordinator ----------------------------------------------------------
+
     def _negotiate(self, uncached: list[Request]) -> list[Response]:
+        """Gather every rank's uncached requests to rank 0, whose coordinator answers with
+        the responses every rank has asked for (and any stall errors); broadcast the
+        answer, cache it in order and return it."""
         payload = encode([r.wire() for r in uncached])
         for request in uncached:
             self._negotiating.add(request.name)
@@ -292,7 +327,7 @@ class Controller:
                 self._cache.put(response)
         return responses
 
-    # --- running the responses -------------------------------------------------------------
+    # --- step 5: running the responses --------------------------------------------------
 
     def _run_responses(self, responses: list[Response]) -> None:
         ready: list[Request] = []

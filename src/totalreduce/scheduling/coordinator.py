@@ -71,8 +71,9 @@ class Coordinator:
         self._joined: set[int] = set()
         self.requests_received = 0
 
-    def __len__(self) -> int:
-        return len(self._table)
+    def stats(self) -> dict[str, int]:
+        return {"coordinator_received": self.requests_received,
+                "coordinator_table": len(self._table)}
 
     def add(self, rank: int, requests: list[tuple[str, Params]]) -> None:
         now = time.monotonic()
