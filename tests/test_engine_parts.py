@@ -619,7 +619,7 @@ def test_breaking_the_job_fails_every_op_and_tells_every_peer_still_there() -> N
     assert [args[0] for args in outbox.named("control")] == [1]  # not 2 (lost), not 3
     header = outbox.named("control")[0][1]
     assert header.kind == Kind.ABORT and header.step == 3
-    assert floating.named("clear") == [()] and resumed == [1]
+    assert floating.named("clear") == [(error,)] and resumed == [1]
 
 
 def test_departures_are_closed_links_and_goodbyes() -> None:
