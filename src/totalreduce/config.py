@@ -94,6 +94,9 @@ TOTALREDUCE_RECOVERY_TIMEOUT       seconds the survivors of a failure wait for  
 TOTALREDUCE_RECOVERY_LOG_BYTES     results kept since the last checkpoint, for a   1 GiB
                                    replacement to catch up from; a failure past
                                    it cannot be recovered (checkpoint more often)
+TOTALREDUCE_SERVERS                set by ``totalrun --servers S``: the last S     0
+                                   ranks are parameter servers (totalreduce.ps),
+                                   the others its workers
 TOTALREDUCE_MOCK_DEATH             fault injection for tests: ``rank,version,      (none)
                                    op,attempt`` (';' between several): that rank
                                    kills itself (SIGKILL) before its op-th
@@ -192,6 +195,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attempt": (lambda v: v >= 0, "must be >= 0 (set by totalrun)"),
     "recovery_timeout": (lambda v: v > 0, "must be > 0 (seconds)"),
     "recovery_log_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
+    "servers": (lambda v: v >= 0, "must be >= 0 (parameter servers; 0 = none)"),
     "mock_death": (lambda v: re.fullmatch(r"(\s*-?\d+(,-?\d+){3}\s*(;|$))*", v) is not None,
                    "must be rank,version,op,attempt entries of integers, ';' between"),
 }
@@ -272,6 +276,7 @@ class Config:
     attempt: int = 0
     recovery_timeout: float = 120.0
     recovery_log_bytes: int = 1 << 30
+    servers: int = 0
     mock_death: str = ""
 
     def __post_init__(self) -> None:

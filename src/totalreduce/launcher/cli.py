@@ -18,6 +18,7 @@ TOTALREDUCE_JOB_ID         a fresh random job id
 TOTALREDUCE_FAILURE_DIR    where a rank that dies of an uncaught exception notes whether
                            it failed on its own or because another rank did
 TOTALREDUCE_MAX_RESTARTS   the ``--max-restarts`` value (init() turns recovery on when > 0)
+TOTALREDUCE_SERVERS        the ``--servers`` value, where given (totalreduce.ps)
 TOTALREDUCE_ATTEMPT        0 in a worker's first life, 1 after its first restart, ...
 RANK, WORLD_SIZE,          what ``torch.distributed``'s ``env://`` init reads, so that
 LOCAL_RANK,                ``init_process_group("gloo")`` (DDP, with or without
@@ -92,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                         "times per rank, while the others wait for it and keep their "
                         "memory; the job must checkpoint with totalreduce.checkpoint() "
                         "(env TOTALRUN_MAX_RESTARTS, default 0: a failure ends the job)")
+    p.add_argument("--servers", type=int, default=None, metavar="S",
+                   help="make the last S of the -np ranks parameter servers and the rest "
+                        "their workers (totalreduce.ps; env TOTALREDUCE_SERVERS)")
     p.add_argument("--output-dir", default=os.environ.get("TOTALRUN_OUTPUT_DIR"),
                    help="also write each rank's output to DIR/rank.NN/ "
                         "(env TOTALRUN_OUTPUT_DIR)")
@@ -163,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"-np must be at least 1, got {args.np}")
     if args.max_restarts is not None and args.max_restarts < 0:
         _parser().error(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    if args.servers is not None and args.servers < 0:
+        _parser().error(f"--servers must be at least 0, got {args.servers}")
     if args.grace is not None and args.grace < 0:
         _parser().error(f"--grace must be >= 0, got {args.grace}")
     # Every wrong knob at once, one line each, before anything starts.
@@ -175,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"totalrun: cannot start the workers: {problem[0]}", file=sys.stderr)
         return problem[1]
+    if args.servers is not None and args.servers >= args.np:
+        _parser().error(f"--servers {args.servers} leaves no workers among -np {args.np} "
+                        "ranks (servers are taken from the -np ranks)")
     cores = _cores()
     if args.np > cores:
         print(f"totalrun: {args.np} ranks on {cores} cores: the job is oversubscribed; ranks "
@@ -203,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         "HOROVOD_CROSS_SIZE": "1",
         "TOTALREDUCE_MAX_RESTARTS": str(args.max_restarts),
     })
+    if args.servers is not None:
+        env["TOTALREDUCE_SERVERS"] = str(args.servers)
     try:
         supervisor = Supervisor(args.command, args.np, env, args.grace, args.output_dir,
                                 args.max_restarts, store.set_generation)
