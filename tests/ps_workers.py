@@ -91,5 +91,6 @@ def refusals(arg: dict) -> None:
         ps.push("k", np.full(4, 2.0, np.float32), lo=3, hi=7)
     ps.clock()
     ranged = ps.pull("k", 2, 8)
+    among = tr.allreduce(np.ones(3), op=tr.Sum, process_set=ps.workers())
     report(ok=True, bad=bad, k=k.tolist(), unchanged=unchanged.tolist(), clash=clash,
-           ranged=ranged.tolist(), workers=ps.num_workers())
+           ranged=ranged.tolist(), workers=ps.num_workers(), among=among.tolist())

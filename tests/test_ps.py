@@ -89,7 +89,7 @@ def test_bad_pushes_are_refused_and_change_nothing() -> None:
         expected = np.arange(2, 8, dtype=np.float32)
         expected[1:5] -= np.float32(0.5 / 3 * 2.0)
         np.testing.assert_allclose(got["ranged"], expected, rtol=1e-6)
-        assert got["workers"] == WORKERS
+        assert got["workers"] == WORKERS and got["among"] == [WORKERS] * 3
     clash = result.report(1)["clash"]
     assert clash.startswith("ValueError: rank 1: ps.init('m'): server rank "), clash
     assert ("worker rank 1 has float64 x 5 elements, but worker rank 0 made key 'm' "

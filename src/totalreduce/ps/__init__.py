@@ -42,11 +42,14 @@ from .server import Server
 from .updaters import SGD, Adam, Updater, make_updater, register_updater
 
 __all__ = ["SGD", "Adam", "TopK", "Updater", "clock", "finish", "init", "is_server",
-           "num_workers", "pull", "push", "register_updater", "start", "worker_rank"]
+           "num_workers", "pull", "push", "register_updater", "start", "worker_rank",
+           "workers"]
 
 log = logging.getLogger(__name__)
 _client: Client | None = None
 _roles: Roles | None = None
+_workers: tr.ProcessSet | None = None
+_why_no_workers = "call ps.start() first"
 
 
 def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
@@ -64,7 +67,7 @@ def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
         ValueError: no servers (``--servers``/``TOTALREDUCE_SERVERS``), no workers left,
             a bad ``max_delay``, an unknown updater, or ``start`` called twice.
     """
-    global _client, _roles
+    global _client, _roles, _workers, _why_no_workers
     if not tr.is_initialized():
         tr.init()
     rank, size = tr.rank(), tr.size()
@@ -82,6 +85,10 @@ def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
     roles = Roles(size, servers)
     apply = make_updater(updater, roles.workers, options)
     _roles = roles
+    try:  # registered by every rank, servers included, as process sets are
+        _workers = tr.add_process_set(list(range(roles.workers)))
+    except NotImplementedError as exc:  # negotiated coordination has no process sets
+        _why_no_workers = str(exc)
     if roles.is_server(rank):
         server = Server(roles, rank, apply)
         server.serve()
@@ -109,6 +116,14 @@ def num_workers() -> int:
     if _roles is None:
         raise ValueError("ps.num_workers: call ps.start() first")
     return _roles.workers
+
+
+def workers() -> tr.ProcessSet:
+    """The workers as a process set, for collectives among them only (a loss average:
+    ``tr.allreduce(x, process_set=ps.workers())``); the servers never join a collective."""
+    if _workers is None:
+        raise ValueError(f"ps.workers: no process set of the workers: {_why_no_workers}")
+    return _workers
 
 
 def worker_rank() -> int:

@@ -217,10 +217,19 @@ class Server:
     def _release(self) -> None:
         slowest = self._slowest()
         if self.held:
-            due = [(share, grad) for share, grad, t in self.held if t < slowest]
+            # One step per key on the sum of the iteration's pushes (the built-in updaters
+            # scale it to the average), before any clock returns: pulls must see it.
+            sums: dict[int, tuple[Share, np.ndarray]] = {}
+            for share, grad, t in self.held:
+                if t >= slowest:
+                    continue
+                if id(share) in sums:
+                    np.add(sums[id(share)][1], grad, out=sums[id(share)][1])
+                else:
+                    sums[id(share)] = (share, grad)
             self.held = [entry for entry in self.held if entry[2] >= slowest]
-            for share, grad in due:  # before any clock returns: pulls must see them
-                self._apply(share, grad)
+            for share, total in sums.values():
+                self._apply(share, total)
         still = []
         for worker, needed in self.waiters:
             if needed <= slowest:

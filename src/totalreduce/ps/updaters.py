@@ -1,11 +1,12 @@
 """What a server does with a pushed gradient: an updater, chosen by name (``"sgd"``,
 ``"adam"``, or one added with :func:`register_updater`) or given as an object.
 
-A server applies pushes one at a time, in the order they arrive.  The built-in updaters
-treat each push as one worker's share of an iteration: their rate is per iteration of
-all the workers, each push applying ``1 / num_workers`` of it, so that with
-``max_delay=0`` one iteration of SGD here is one step of synchronous SGD on the average
-gradient.
+With a delay bound (``max_delay`` > 0 or None) a server applies each push on arrival, one
+at a time; with ``max_delay=0`` it sums an iteration's pushes and applies them once,
+when every worker has finished the iteration.  The built-in updaters divide what they are
+given by the number of workers: one push is one worker's share of an iteration, and at
+``max_delay=0`` an iteration is one step (momentum and Adam included) on the average
+gradient, as synchronous data-parallel training takes it.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class Adam:
                  = (0.9, 0.999), eps: float = 1e-8) -> None:
         if not lr > 0:
             raise ValueError(f"Adam needs lr > 0, got {lr}")
-        self.lr, self.betas, self.eps = lr / num_workers, betas, eps
+        self.lr, self.betas, self.eps, self.scale = lr, betas, eps, 1.0 / num_workers
 
     def __call__(self, name: str, weights: np.ndarray, grad: np.ndarray,
                  state: dict[str, Any]) -> None:
         b1, b2 = self.betas
+        grad = grad * self.scale
         m = state.setdefault("m", np.zeros_like(weights))
         v = state.setdefault("v", np.zeros_like(weights))
         state["t"] = t = state.get("t", 0) + 1
