@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--average-warmup", type=int, default=0, metavar="STEPS",
                    help="with --average-period: average the gradients for this many "
                    "steps first")
+    p.add_argument("--straggler", action="store_true",
+                   help="the last rank runs at half speed (sleeps in each step as long "
+                   "as its previous step took)")
     p.add_argument("--plot", metavar="PNG", help="write loss and accuracy curves here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-digest", action="store_true",
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> float:
     state = hvd.TorchState(net, optimizer, epoch=1, history=np.zeros((0, 3)))
     state.load()
     history = [tuple(row) for row in state.history]
+    first_epoch = state.epoch
     # A bar redraws its line with carriage returns: fine on a terminal, and totalrun
     # keeps them out of logs; other launchers would write every redraw to the log.
     show_bar = sys.stderr.isatty() or "TOTALREDUCE_RANK" in os.environ
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> float:
               + (f" ({'corrected' if correction else 'plain'}, warm-up "
                  f"{knobs.get('warmup', 'default')} {args.warmup_mode} step(s))"
                  if sparse else ""))
+    training, last_step = 0.0, 0.0
     for epoch in range(state.epoch, args.epochs + 1):
         net.train()
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
@@ -195,14 +200,20 @@ def main(argv: list[str] | None = None) -> float:
         for i in range(steps):
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
             optimizer.zero_grad()
+            began = time.perf_counter()
             loss = F.cross_entropy(net(x_train[idx]), y_train[idx])
             loss.backward()
+            if args.straggler and rank == size - 1:
+                time.sleep(last_step)
+                began += last_step
             optimizer.step()
+            last_step = time.perf_counter() - began
             loss_sum += loss.item()
             bar.update(1)
             bar.set_postfix_str(f"loss {loss.item():.3f}")
         bar.close()
         elapsed = time.perf_counter() - start
+        training += elapsed
         net.eval()
         with torch.no_grad():
             correct = (net(x_test).argmax(1) == y_test).sum()
@@ -221,7 +232,11 @@ def main(argv: list[str] | None = None) -> float:
     if rank == 0 and args.print_digest:
         weights = b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values())
         print(f"final weights sha256 {hashlib.sha256(weights).hexdigest()}")
+    # The job trains as fast as its slowest rank.
+    slowest = float(hvd.allreduce(torch.tensor([training]), op=hvd.Max, name="training_time"))
     if rank == 0:
+        trained = (args.epochs + 1 - first_epoch) * steps * args.batch_size * size
+        print(f"training took {slowest:.2f} s: {trained / slowest:,.0f} samples/s")
         print(f"final test accuracy {history[-1][2]:.2%}")
         if args.plot:
             what = args.compression + (f" at density {args.density:g}" if sparse else "")

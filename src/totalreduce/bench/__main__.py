@@ -1,5 +1,5 @@
 """``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny,sparse,
-convergence,recovery,hosts}``:
+convergence,recovery,hosts,ps}``:
 side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
@@ -33,7 +33,9 @@ test accuracy against epochs and bytes sent (see ``convergence.py``).  ``recover
 times a job's recovery from a killed worker against its checkpoint's size (totalreduce
 alone: no other backend recovers; see ``recovery.py``).  ``hosts`` runs allreduce on
 hosts simulated with network namespaces over rate-limited links, flat and hierarchical,
-next to the link's bound (root only; see ``hosts.py``).
+next to the link's bound (root only; see ``hosts.py``).  ``ps`` compares allreduce,
+parameter averaging and the parameter server with and without a straggler (see
+``parameter_server.py``).
 """
 
 from __future__ import annotations
@@ -214,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--density", type=float, default=0.01, help="of the sparse compressions")
     p.add_argument("--steps", type=int, default=5, help="steps per timed repetition")
     p.add_argument("--reps", type=int, default=5)
+    p = sub.add_parser("ps", help="allreduce, averaging and the parameter server on the "
+                       "digits MLP, with and without a straggler")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3, help="jobs per cell (median)")
+    p.add_argument("--json", metavar="FILE", help="write the results")
+    p.add_argument("--plot", metavar="PNG", help="write a bar chart")
+    p.add_argument("--timeout", type=float, default=300)
     p = sub.add_parser("recovery", help="kill a worker: time to recover against the "
                        "checkpoint's size (totalrun --max-restarts)")
     p.add_argument("-n", "--ranks", default="4", help="world sizes, e.g. 2,4")
@@ -224,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.test == "recovery":
         return _recovery(args)
+    if args.test == "ps":
+        return _parameter_server(args)
 
     cfg: dict[str, Any] = {"test": args.test}
     if args.test == "collectives":
@@ -310,6 +323,20 @@ def _recovery(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
+    return 0
+
+
+def _parameter_server(args: argparse.Namespace) -> int:
+    from .parameter_server import bench, plot_rows, print_rows
+
+    rows = bench(args.workers, args.servers, args.epochs, args.rounds, args.timeout)
+    _print_machine(_machine())
+    print_rows(rows, args.workers, args.servers, args.epochs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
+    if args.plot:
+        plot_rows(rows, args.plot)
     return 0
 
 
