@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from harness import run_ok
+from harness import launch, run_ok
 from ps_workers import SHAPES, gradients, problem, start_weights
 
 pytestmark = pytest.mark.multiprocess
@@ -94,3 +94,13 @@ def test_bad_pushes_are_refused_and_change_nothing() -> None:
     assert clash.startswith("ValueError: rank 1: ps.init('m'): server rank "), clash
     assert ("worker rank 1 has float64 x 5 elements, but worker rank 0 made key 'm' "
             "float32 x 5") in clash, clash
+
+
+def test_starting_without_servers_says_how_on_every_rank() -> None:
+    result = launch(3, "ps_workers:train", {"lr": 0.1, "max_delay": 0, "steps": 1},
+                    timeout=60)
+    assert result.returncode != 0, result.explain()
+    for r in range(3):
+        assert any(f"ValueError: rank {r}: ps.start: 0 servers among 3 ranks; start the job "
+                   "with totalrun -np N --servers S" in line for line in result.lines(r)), \
+            result.explain()

@@ -66,6 +66,7 @@ def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
     Raises:
         ValueError: no servers (``--servers``/``TOTALREDUCE_SERVERS``), no workers left,
             a bad ``max_delay``, an unknown updater, or ``start`` called twice.
+        NotImplementedError: recovery (``--max-restarts``) is on.
     """
     global _client, _roles, _workers, _why_no_workers
     if not tr.is_initialized():
@@ -73,7 +74,12 @@ def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
     rank, size = tr.rank(), tr.size()
     if _roles is not None:
         raise ValueError(f"rank {rank}: ps.start was called already")
-    servers = _runtime.current().config.servers
+    config = _runtime.current().config
+    if config.max_restarts > 0:
+        raise NotImplementedError(
+            f"rank {rank}: ps.start: the parameter server does not survive restarts yet "
+            "(its weights live in the servers' memory only); run it without --max-restarts")
+    servers = config.servers
     if not 0 < servers < size:
         raise ValueError(
             f"rank {rank}: ps.start: {servers} servers among {size} ranks; start the job "
