@@ -9,6 +9,7 @@ import numpy as np
 
 import totalreduce as tr
 import totalreduce.ps as ps
+from message_workers import _failure
 from reporting import report
 
 SHAPES = {"w": (13, 3), "b": (1,)}  # b: smaller than the server count
@@ -55,14 +56,6 @@ def train(arg: dict) -> None:
     ps.finish()
     report(ok=True, w=w.tolist(), b=b.tolist(), started=started, leads=leads)
 
-
-
-def _failure(fn) -> str:  # type: ignore[no-untyped-def]
-    try:
-        fn()
-    except (ValueError, TypeError, tr.TotalReduceError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def refusals(arg: dict) -> None:
