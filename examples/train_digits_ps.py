@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from train_digits import model  # the same MLP as the allreduce example (this folder)
 
 import totalreduce as tr
 import totalreduce.ps as ps
@@ -45,13 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "as its previous step took)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 10))
 
 
 def main(argv: list[str] | None = None) -> float | None:

@@ -46,19 +46,22 @@ class Client:
 
     # --- requests ----------------------------------------------------------------------
 
-    def _exchange(self, what: str, posts: Sequence[tuple[int, Request, np.ndarray | None]]
-                  ) -> list[tuple[int, Reply]]:
-        """Send one request to each server named, then take every reply; a refusal is
+    def _exchange(self, what: str, posts: Sequence[tuple[int, Request, np.ndarray | None]],
+                  data: Sequence[np.ndarray] | None = None) -> list[tuple[int, Reply]]:
+        """Send one request to each server named, then take every reply (and, with
+        ``data``, the bytes that follow each accepted one, into ``data[i]``); a refusal is
         raised after all replies are in, so no reply is left for the next request."""
         handles: list[tr.Handle] = []
         for server, request, payload in posts:
             handles += post_request(request, payload, self.roles.server_rank(server))
         replies, errors = [], []
-        for server, _, _ in posts:
+        for i, (server, _, _) in enumerate(posts):
             rank = self.roles.server_rank(server)
             reply = reply_from(rank)
             if reply.status == ERROR:
                 errors.append(error_text(reply, rank))
+            elif data is not None:
+                tr.recv(data[i], rank, DATA)
             replies.append((server, reply))
         for handle in handles:
             handle.wait()
@@ -172,22 +175,8 @@ class Client:
         posts: list[tuple[int, Request, np.ndarray | None]] = [
             (s, Request(Op.PULL, key.id, a, b, key.size, encode_dtype(key.dtype)), None)
             for s, a, b in parts]
-        # Each server's reply is followed by its data: take them in that order.
-        handles: list[tr.Handle] = []
-        for server, request, payload in posts:
-            handles += post_request(request, payload, self.roles.server_rank(server))
-        errors = []
-        for server, a, b in parts:
-            rank = self.roles.server_rank(server)
-            reply = reply_from(rank)
-            if reply.status == ERROR:
-                errors.append(error_text(reply, rank))
-            else:
-                tr.recv(as_bytes(out[a - lo:b - lo]), rank, DATA)
-        for handle in handles:
-            handle.wait()
-        if errors:
-            raise ValueError(f"rank {self.rank}: ps.pull({name!r}): " + "; ".join(errors))
+        self._exchange(f"ps.pull({name!r})", posts,
+                       [as_bytes(out[a - lo:b - lo]) for _, a, b in parts])
         return out.reshape(key.shape) if whole else out
 
     def clock(self) -> int:
