@@ -3,6 +3,8 @@ inside ``ps.start`` and leave from there, workers train and report."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -87,3 +89,66 @@ def refusals(arg: dict) -> None:
     among = tr.allreduce(np.ones(3), op=tr.Sum, process_set=ps.workers())
     report(ok=True, bad=bad, k=k.tolist(), unchanged=unchanged.tolist(), clash=clash,
            ranged=ranged.tolist(), workers=ps.num_workers(), among=among.tolist())
+
+
+PUSHES_BEFORE_KILL = 11  # pushes (of any key) the victim server takes, then it is killed
+KILL_KEYS = {"a": 11, "z": 1}  # z: smaller than the server count
+
+
+def kill_push(key: str, worker: int, step: int) -> np.ndarray:
+    """Worker ``worker``'s push of ``key`` at ``step``: integers unique to the push, so
+    the final weights show each one counted exactly once."""
+    n = KILL_KEYS[key]
+    return (worker + 1) * 100_000 + step * 100 + np.arange(n, dtype=np.int64) % 7
+
+
+def add(name: str, weights: np.ndarray, grad: np.ndarray, state: dict) -> None:
+    """A deterministic updater: the weights are the sum of every push taken."""
+    state["pushes"] = state.get("pushes", 0) + 1
+    weights += grad
+
+
+def through_a_kill(arg: dict) -> None:
+    """Training through a SIGKILL of rank ``victim``'s first life: a server dies after
+    taking PUSHES_BEFORE_KILL pushes (its replacement takes over its share from its
+    peer), a worker between its two pushes of iteration 3 (its replacement goes on
+    from where it stopped)."""
+    attempt = int(os.environ.get("TOTALREDUCE_ATTEMPT", "0"))
+    tr.init()
+    if tr.rank() == arg["victim"] and attempt == 0:
+        from totalreduce.ps.server import Server
+        taken = Server._from_worker
+        count = [0]
+
+        def counting(self, request, payload, worker):  # type: ignore[no-untyped-def]
+            if request.op == 2:  # Op.PUSH
+                count[0] += 1
+                if count[0] > PUSHES_BEFORE_KILL:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            taken(self, request, payload, worker)
+
+        Server._from_worker = counting  # type: ignore[method-assign]
+    ps.start(updater=add, max_delay=arg["max_delay"])
+    me = ps.worker_rank()
+    report(**{f"pid{attempt}": os.getpid()})
+    for key, n in KILL_KEYS.items():
+        ps.init(key, np.zeros(n, np.int64))
+    for step in range(ps.iterations_done(), arg["steps"]):
+        for key in KILL_KEYS:
+            ps.push(key, kill_push(key, me, step))
+            if tr.rank() == arg["victim"] and attempt == 0 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        ps.clock()
+    ps.clock()  # at max_delay 0: every worker has pushed everything
+    workers = ps.num_workers()
+    expected = {key: sum(kill_push(key, w, t) for w in range(workers)
+                         for t in range(arg["steps"])) for key in KILL_KEYS}
+    deadline = time.monotonic() + 30
+    while True:  # without a delay bound, the others' last pushes may be on their way
+        got = {key: ps.pull(key) for key in KILL_KEYS}
+        if all(np.array_equal(got[k], expected[k]) for k in KILL_KEYS) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    report(ok=True, **{key: value.tolist() for key, value in got.items()})
+    ps.finish()

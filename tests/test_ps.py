@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from harness import launch, run_ok
-from ps_workers import SHAPES, gradients, problem, start_weights
+from ps_workers import KILL_KEYS, SHAPES, gradients, kill_push, problem, start_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -104,3 +104,34 @@ def test_starting_without_servers_says_how_on_every_rank() -> None:
         assert any(f"ValueError: rank {r}: ps.start: 0 servers among 3 ranks; start the job "
                    "with totalrun -np N --servers S" in line for line in result.lines(r)), \
             result.explain()
+
+
+def _through_a_kill(rank: int, max_delay: int | None, steps: int = 8) -> None:
+    """Every push is acknowledged before the worker goes on, so the final weights must
+    hold every push of every worker exactly once, and only ``rank`` restarted."""
+    result = run_ok(WORKERS + SERVERS, "ps_workers:through_a_kill",
+                    {"victim": rank, "max_delay": max_delay, "steps": steps}, timeout=120,
+                    launcher_args=("--servers", str(SERVERS), "--max-restarts", "1"))
+    for key in KILL_KEYS:
+        expected = sum(kill_push(key, w, t) for w in range(WORKERS) for t in range(steps))
+        for w in range(WORKERS):
+            got = result.report(w)
+            assert got.get("ok"), result.explain()
+            assert got[key] == expected.tolist(), (key, w, result.explain())
+    for w in range(WORKERS):
+        lives = ["pid0", "pid1"] if w == rank else ["pid0"]
+        assert sorted(k for k in result.report(w) if k.startswith("pid")) == lives
+    assert result.stderr.count(f"totalrun: rank {rank} (pid") == 1, result.explain()
+    assert "job finished after 1 restart(s)" in result.stderr, result.explain()
+
+
+@pytest.mark.parametrize(("victim", "max_delay"), [(0, 0), (1, None)])
+def test_a_killed_server_is_replaced_and_no_acknowledged_push_is_lost(
+        victim: int, max_delay: int | None) -> None:
+    _through_a_kill(WORKERS + victim, max_delay)
+
+
+def test_a_killed_workers_replacement_goes_on_where_it_stopped() -> None:
+    # Killed between its two pushes of an iteration at max_delay 0: the push held from
+    # that iteration is dropped and pushed again by the replacement.
+    _through_a_kill(1, 0)

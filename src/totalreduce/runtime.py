@@ -96,9 +96,12 @@ class Runtime:
             else SelfGuided(self.engine, config)
         self._messages = PointToPoint(self.engine, config)
 
-    def messages(self, what: str) -> PointToPoint:
-        """What sends and receives point-to-point messages."""
-        if self._generations is not None:
+    def messages(self, what: str, retried: bool = False) -> PointToPoint:
+        """What sends and receives point-to-point messages.  ``retried``: the caller
+        meets a lost rank's replacement itself (:meth:`meet_replacement`) and then sends
+        again what the lost world did not deliver (the parameter server), so its messages
+        need no replay and may run with recovery on."""
+        if self._generations is not None and not retried:
             raise NotImplementedError(
                 f"{what}: point-to-point messages cannot be replayed to a restarted rank, "
                 "so they are not available with recovery on (totalrun --max-restarts)")
@@ -185,6 +188,30 @@ class Runtime:
         self.generation = self._generations.after(self.generation, deadline)
         self._wire(self._meet(deadline))
         return self.scheduler
+
+    def meet_replacement(self, cause: PeerFailureError) -> None:
+        """For a caller of :meth:`messages` with ``retried``: a rank was lost; drop this
+        world and meet its replacement (the collectives go on on the new world too).
+
+        Raises:
+            PeerFailureError: no recovery here (``cause`` itself), the rank left in order
+                (a shutdown is no death), or no replacement joined within
+                ``TOTALREDUCE_RECOVERY_TIMEOUT``.
+        """
+        if self._generations is None or cause.orderly or not cause.recoverable:
+            raise cause
+        logger.warning("rank %d: waiting for rank %d's replacement", self.rank, cause.rank)
+        try:
+            self.rebuild(time.monotonic() + self.config.recovery_timeout)
+        except (OSError, TimeoutError) as exc:
+            error = PeerFailureError(cause.rank, f"rank {self.rank}: lost rank {cause.rank} "
+                                     "and no replacement joined within "
+                                     "TOTALREDUCE_RECOVERY_TIMEOUT="
+                                     f"{self.config.recovery_timeout:g} s ({exc}); {cause}")
+            error.recoverable = False
+            raise error from cause
+        if isinstance(self.collectives, Robust):
+            self.collectives.rewire(self.scheduler)
 
     def _stop_world(self, quick: bool = False) -> None:
         try:

@@ -21,7 +21,12 @@ Keys are named arrays; each server owns one contiguous range of every key's elem
 iteration t - max_delay - 1 (0: synchronous SGD; None: never wait).  Under mpirun or srun
 set ``TOTALREDUCE_SERVERS`` instead of ``--servers``.
 
-Servers keep the weights in memory only: a server that dies ends the job.
+Servers keep the weights in memory.  Without restarts a server that dies ends the job;
+with ``totalrun --max-restarts K`` and two servers or more, each server's share is
+replicated on the next server, and a killed server's replacement takes it from there:
+the workers wait for it and go on, and no push they were told was taken is lost (see
+server.py).  A killed worker's replacement runs the script again: ``ps.init`` returns
+the current weights and :func:`iterations_done` says where it had stopped.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ from .server import Server
 from .updaters import SGD, Adam, Updater, make_updater, register_updater
 
 __all__ = ["SGD", "Adam", "TopK", "Updater", "clock", "finish", "init", "is_server",
-           "num_workers", "pull", "push", "register_updater", "start", "worker_rank",
-           "workers"]
+           "iterations_done", "num_workers", "pull", "push", "register_updater", "start",
+           "worker_rank", "workers"]
 
 log = logging.getLogger(__name__)
 _client: Client | None = None
@@ -65,8 +70,9 @@ def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
 
     Raises:
         ValueError: no servers (``--servers``/``TOTALREDUCE_SERVERS``), no workers left,
-            a bad ``max_delay``, an unknown updater, or ``start`` called twice.
-        NotImplementedError: recovery (``--max-restarts``) is on.
+            a bad ``max_delay``, an unknown updater, ``start`` called twice, or
+            recovery (``--max-restarts``) with one server (it has no peer to keep a
+            copy of its share).
     """
     global _client, _roles, _workers, _why_no_workers
     if not tr.is_initialized():
@@ -75,10 +81,7 @@ def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
     if _roles is not None:
         raise ValueError(f"rank {rank}: ps.start was called already")
     config = _runtime.current().config
-    if config.max_restarts > 0:
-        raise NotImplementedError(
-            f"rank {rank}: ps.start: the parameter server does not survive restarts yet "
-            "(its weights live in the servers' memory only); run it without --max-restarts")
+    recovery = config.max_restarts > 0
     servers = config.servers
     if not 0 < servers < size:
         raise ValueError(
@@ -88,21 +91,33 @@ def start(updater: str | Updater = "sgd", max_delay: int | None = 0,
     if max_delay is not None and (not isinstance(max_delay, int) or max_delay < 0):
         raise ValueError(f"rank {rank}: ps.start: max_delay must be an int >= 0 or None, "
                          f"got {max_delay!r}")
+    if recovery and servers < 2:
+        raise ValueError(
+            f"rank {rank}: ps.start: --max-restarts with {servers} server: a server's "
+            "share survives its loss only as a copy on another server; start the job "
+            "with --servers 2 or more")
     roles = Roles(size, servers)
     apply = make_updater(updater, roles.workers, options)
     _roles = roles
-    try:  # registered by every rank, servers included, as process sets are
-        _workers = tr.add_process_set(list(range(roles.workers)))
-    except NotImplementedError as exc:  # negotiated coordination has no process sets
-        _why_no_workers = str(exc)
+    if recovery:
+        # A process set's collectives cannot be replayed to a restarted rank.
+        _why_no_workers = "process sets do not run with recovery on (--max-restarts)"
+    else:
+        try:  # registered by every rank, servers included, as process sets are
+            _workers = tr.add_process_set(list(range(roles.workers)))
+        except NotImplementedError as exc:  # negotiated coordination has no process sets
+            _why_no_workers = str(exc)
+    replacement = config.attempt > 0
     if roles.is_server(rank):
-        server = Server(roles, rank, apply)
-        server.serve()
+        server = Server(roles, rank, apply, replicated=recovery)
+        server.serve(replacement)
         log.info("server rank %d: done; the fastest worker was at most %d iterations "
                  "ahead of the slowest", rank, server.lead)
         tr.shutdown()
         raise SystemExit(0)
     _client = Client(roles, rank, max_delay)
+    if replacement:
+        _client.resume()
     atexit.register(_finish_at_exit)
 
 
@@ -130,6 +145,12 @@ def workers() -> tr.ProcessSet:
     if _workers is None:
         raise ValueError(f"ps.workers: no process set of the workers: {_why_no_workers}")
     return _workers
+
+
+def iterations_done() -> int:
+    """How many iterations this worker has finished (called :func:`clock` for): 0 in a
+    fresh job; in a killed worker's replacement, where its predecessor stopped."""
+    return _worker("iterations_done").done
 
 
 def worker_rank() -> int:

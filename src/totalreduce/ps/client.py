@@ -11,15 +11,17 @@ import numpy as np
 
 import totalreduce as tr
 
+from .. import runtime as _runtime
+from ..exceptions import PeerFailureError
 from .keys import Key, Roles, key_id, shares
 from .messages import (
-    DATA,
     ERROR,
     Codec,
     Op,
     Reply,
     Request,
     as_bytes,
+    data_from,
     encode_dtype,
     error_text,
     post_request,
@@ -42,6 +44,7 @@ class Client:
         self.roles, self.rank, self.max_delay = roles, rank, max_delay
         self.keys: dict[str, Key] = {}
         self.done = 0
+        self.pushes = 0  # numbers each push, so that one sent twice is applied once
         self.finished = False
 
     # --- requests ----------------------------------------------------------------------
@@ -50,7 +53,20 @@ class Client:
                   data: Sequence[np.ndarray] | None = None) -> list[tuple[int, Reply]]:
         """Send one request to each server named, then take every reply (and, with
         ``data``, the bytes that follow each accepted one, into ``data[i]``); a refusal is
-        raised after all replies are in, so no reply is left for the next request."""
+        raised after all replies are in, so no reply is left for the next request.
+
+        With recovery on, a rank lost meanwhile takes every request of the lost world
+        with it: once its replacement has joined, all are sent again (a server that
+        holds a push already only acknowledges it)."""
+        while True:
+            try:
+                return self._exchange_once(what, posts, data)
+            except PeerFailureError as exc:
+                _runtime.current().meet_replacement(exc)
+
+    def _exchange_once(self, what: str,
+                       posts: Sequence[tuple[int, Request, np.ndarray | None]],
+                       data: Sequence[np.ndarray] | None) -> list[tuple[int, Reply]]:
         handles: list[tr.Handle] = []
         for server, request, payload in posts:
             handles += post_request(request, payload, self.roles.server_rank(server))
@@ -61,7 +77,7 @@ class Client:
             if reply.status == ERROR:
                 errors.append(error_text(reply, rank))
             elif data is not None:
-                tr.recv(data[i], rank, DATA)
+                data_from(rank, data[i])
             replies.append((server, reply))
         for handle in handles:
             handle.wait()
@@ -136,6 +152,7 @@ class Client:
             raise ValueError(f"rank {self.rank}: {what}: compression must be None, 'fp16' "
                              f"or ps.TopK(density), got {compression!r}")
         flat = grad.reshape(-1)
+        self.pushes += 1
         # Synchronous (max_delay=0): the servers hold the push until the iteration ends.
         held = self.done + 1 if self.max_delay == 0 else 0
         posts = []
@@ -151,7 +168,7 @@ class Client:
                 payload = as_bytes(part)
             posts.append((server, Request(Op.PUSH, key.id, a, b, key.size,
                                           encode_dtype(key.dtype), codec, count,
-                                          payload.size, held), payload))
+                                          payload.size, held, self.pushes), payload))
         self._exchange(what, posts)
 
     def _top_k(self, key: Key, a: int, b: int, part: np.ndarray, density: float
@@ -186,6 +203,15 @@ class Client:
             (s, Request(Op.CLOCK, 0, amount=self.done, extra=delay), None)
             for s in range(self.roles.servers)]
         return min(reply.value for _, reply in self._exchange("ps.clock", posts))
+
+    def resume(self) -> None:
+        """A replacement's start: go on from where the lost worker stopped (its clock and
+        its pushes' numbers, which the servers know)."""
+        posts: list[tuple[int, Request, np.ndarray | None]] = [
+            (s, Request(Op.RESUME, 0), None) for s in range(self.roles.servers)]
+        replies = self._exchange("ps.start", posts)
+        self.done = max(reply.value for _, reply in replies)
+        self.pushes = max(reply.extra for _, reply in replies)
 
     def finish(self) -> None:
         if self.finished:

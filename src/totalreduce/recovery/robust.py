@@ -348,6 +348,12 @@ class Robust:
 
     # --- recovery -------------------------------------------------------------------------
 
+    def rewire(self, scheduler: Scheduler) -> None:
+        """The world was rebuilt by a caller of point-to-point messages (the parameter
+        server, which makes no collectives): go on on its new scheduler."""
+        with self._lock:
+            self._ops = scheduler
+
     def _begin_recovery(self, cause: PeerFailureError) -> None:
         """A rank was lost: keep what finished, meet the replacement, then go round."""
         for handle in list(self._pending.values()):
