@@ -76,25 +76,29 @@ def main(argv: list[str] | None = None) -> float | None:
     compression = {"none": None, "fp16": "fp16",
                    "topk": ps.TopK(args.density)}[args.compression]
     generator = torch.Generator().manual_seed(args.seed + me)
+    orders = [torch.randperm(len(shard_x), generator=generator) for _ in range(args.epochs)]
     start, lead, last_step = time.perf_counter(), 0, 0.0
-    for epoch in range(args.epochs):
-        order = torch.randperm(len(shard_x), generator=generator)
-        for step in range(steps):
-            began = time.perf_counter()
-            batch = order[step * args.batch_size:(step + 1) * args.batch_size]
-            net.zero_grad()
-            F.cross_entropy(net(shard_x[batch]), shard_y[batch]).backward()
-            grad = parameters_to_vector([p.grad for p in params]).numpy()
-            if args.straggler and me == workers - 1:
-                time.sleep(last_step)
-                began += last_step
-            ps.push("params", grad, compression=compression)
-            lead = max(lead, epoch * steps + step + 1 - ps.clock())
-            vector_to_parameters(torch.from_numpy(ps.pull("params")), params)
-            last_step = time.perf_counter() - began
-    # The job trains as fast as its slowest worker.
-    elapsed = float(tr.allreduce(np.array([time.perf_counter() - start]), op=tr.Max,
-                                 process_set=ps.workers())[0])
+    # A killed worker's replacement (totalrun --max-restarts) goes on where it stopped.
+    for it in range(ps.iterations_done(), args.epochs * steps):
+        epoch, step = divmod(it, steps)
+        began = time.perf_counter()
+        batch = orders[epoch][step * args.batch_size:(step + 1) * args.batch_size]
+        net.zero_grad()
+        F.cross_entropy(net(shard_x[batch]), shard_y[batch]).backward()
+        grad = parameters_to_vector([p.grad for p in params]).numpy()
+        if args.straggler and me == workers - 1:
+            time.sleep(last_step)
+            began += last_step
+        ps.push("params", grad, compression=compression)
+        lead = max(lead, it + 1 - ps.clock())
+        vector_to_parameters(torch.from_numpy(ps.pull("params")), params)
+        last_step = time.perf_counter() - began
+    elapsed = time.perf_counter() - start
+    try:  # the job trains as fast as its slowest worker
+        elapsed = float(tr.allreduce(np.array([elapsed]), op=tr.Max,
+                                     process_set=ps.workers())[0])
+    except ValueError:  # no process sets with --max-restarts: worker 0's own time
+        pass
     ps.finish()
     if me != 0:
         return None

@@ -123,7 +123,7 @@ def through_a_kill(arg: dict) -> None:
         def counting(self, request, payload, worker):  # type: ignore[no-untyped-def]
             if request.op == 2:  # Op.PUSH
                 count[0] += 1
-                if count[0] > PUSHES_BEFORE_KILL:
+                if count[0] > arg.get("kill_after", PUSHES_BEFORE_KILL):
                     os.kill(os.getpid(), signal.SIGKILL)
             taken(self, request, payload, worker)
 
