@@ -3,7 +3,9 @@ MLP, with and without a straggler: synchronous gradient allreduce
 (``examples/train_digits.py``), parameter averaging every H steps (the same, with
 ``--average-period H``), and the parameter server at several delay bounds
 (``examples/train_digits_ps.py``; its servers are extra ranks, as they are extra machines
-in a cluster).  Every method trains the same number of workers for the same epochs.
+in a cluster); "replicated" runs the server with ``--max-restarts 1``, where each
+server's share has a copy on the next server.  Every method trains the same number of
+workers for the same epochs.
 
 Per cell: the job's training throughput (samples over the slowest worker's training time)
 and the test accuracy at the end, medians over ``--rounds`` jobs run interleaved.  The
@@ -38,6 +40,9 @@ def methods(workers: int, servers: int) -> list[tuple[str, int, list[str], list[
             for h in (1, 4, 16)]
     out += [(f"server tau={d}", workers + servers, ["--servers", str(servers)],
              [ps, "--max-delay", d]) for d in ("0", "1", "4", "none")]
+    # What surviving a server's loss costs: every push waits for the replica's copy.
+    out.append(("server tau=0 replicated", workers + servers,
+                ["--servers", str(servers), "--max-restarts", "1"], [ps, "--max-delay", "0"]))
     return out
 
 
