@@ -343,7 +343,10 @@ The digits MLP trained for 10 epochs by 3 workers in three ways: gradient allred
 and the parameter server with 2 servers at delay bounds tau (`examples/train_digits_ps.py
 --max-delay`; the servers are 2 more ranks, so 5 processes share the 2 cores). With a
 straggler, the last worker sleeps in each step as long as its previous step took. Samples/s
-is over the slowest worker's training time; accuracy is on the test split at the end.
+is over the slowest worker's training time (worker 0's in the replicated row: with
+`--max-restarts` the workers have no process set to agree on it; at tau = 0 they move in
+step). "replicated" is tau = 0 under `--max-restarts 1`, where each server's range has a
+copy on the other server and a push returns once both hold it.
 Medians of 3 jobs per cell. `{CMD_PS}` (`docs/bench/ps.txt`, `docs/bench/ps.png`):
 
 {table("ps")[1]}
@@ -352,9 +355,11 @@ Medians of 3 jobs per cell. `{CMD_PS}` (`docs/bench/ps.txt`, `docs/bench/ps.png`
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a small op costs about 100 µs on this loaded machine, against a few for MPI), so it
-trains at about 0.3x allreduce's rate. With the straggler, removing the bound buys 1.3x
-over tau = 0 and costs about 1.8 points of accuracy; bounds of 1 and 4 keep tau = 0's
-accuracy. Averaging every 16 steps is the fastest and loses 2 points.
+trains at about 0.35x allreduce's rate. With the straggler, removing the bound buys 1.3x
+over tau = 0 and costs about 1.1 points of accuracy; bounds of 1 and 4 keep tau = 0's
+accuracy. Averaging every 16 steps is the fastest and loses 2 points. Surviving a
+server's loss costs 0.71x of tau = 0's throughput without a straggler (a push waits for
+a second server's round trip) and 0.95x with one (the straggler's wait hides it).
 
 ## Across hosts
 

@@ -86,10 +86,10 @@ def bench(workers: int, servers: int, epochs: int, rounds: int, timeout: float
 
 def print_rows(rows: list[dict[str, Any]], workers: int, servers: int, epochs: int) -> None:
     print(f"digits MLP, {workers} workers ({servers} more ranks as servers), {epochs} epochs")
-    print(f"{'method':<18} {'samples/s':>10} {'accuracy':>9} {'straggler: samples/s':>21} "
+    print(f"{'method':<24} {'samples/s':>10} {'accuracy':>9} {'straggler: samples/s':>21} "
           f"{'accuracy':>9}")
     for r in rows:
-        print(f"{r['method']:<18} {r['samples_per_s']:>10,.0f} {r['accuracy']:>8.2f}% "
+        print(f"{r['method']:<24} {r['samples_per_s']:>10,.0f} {r['accuracy']:>8.2f}% "
               f"{r['samples_per_s_straggler']:>21,.0f} {r['accuracy_straggler']:>8.2f}%")
 
 

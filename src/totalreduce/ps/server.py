@@ -94,7 +94,7 @@ class Server:
         asks its peers for the stores its predecessor held."""
         if replacement and self.replicated:
             self._ask_for_stores()
-        while len(self.finished) < self.roles.workers or self._forwards:
+        while len(self.finished) < self.roles.workers:
             try:
                 request, payload, source = next_request()
                 self._take(request, payload, source)
@@ -126,6 +126,8 @@ class Server:
         for forward in self._forwards:
             forward.replies.clear()
             self._send_forward(forward)
+        for which in self._missing:  # a replacement still waiting: ask the new world
+            self._ask_for(which)
         log.warning("server rank %d: serving again after a rebuild (%d forwards sent "
                     "again)", self.rank, len(self._forwards))
 
@@ -238,9 +240,14 @@ class Server:
         predecessor's share.  Workers' requests wait until both are here."""
         self._missing = {PRIMARY, REPLICA}
         self.recoveries += 1
-        self._send(post_request(Request(Op.RECOVER, 0, amount=REPLICA), None, self.successor))
-        self._send(post_request(Request(Op.RECOVER, 0, amount=PRIMARY), None,
-                                self.predecessor))
+        for which in self._missing:
+            self._ask_for(which)
+
+    def _ask_for(self, which: int) -> None:
+        """Our own share is the successor's REPLICA; our copy, the predecessor's
+        PRIMARY."""
+        holder = self.successor if which == REPLICA else self.predecessor
+        self._send(post_request(Request(Op.RECOVER, 0, amount=which), None, holder))
 
     def _send_store(self, which: int, server: int) -> None:
         if self._missing:
