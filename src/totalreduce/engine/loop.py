@@ -83,6 +83,11 @@ class Loop:
     def idle_for(self) -> float | None:
         if self.commands or self.completions:
             return None
+        if self._writes_closed and set(self._outbox.peers) <= self._outbox.closed:
+            # Every peer's end has been read: the next turn finishes the shutdown, and no
+            # event would come to end a wait (every process paid a housekeeping period
+            # on the way out).
+            return None
         return max(0.0, min(HOUSEKEEPING, self._next_check - time.monotonic()))
 
     def leaving(self) -> bool:
