@@ -112,7 +112,7 @@ class Engine:
         loop.on_close = self._driver.closed
         self._small = small = SmallPath(job, ops, ledger, floating, mismatches, departures,
                                         serving, starter, applier, transport, loop.step,
-                                        self.wait)
+                                        self.wait, inbox.received_view)
         inbox.small = small
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox

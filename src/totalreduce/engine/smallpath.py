@@ -47,6 +47,10 @@ from .starter import Starter
 # housekeeping (stall warnings, op timeouts) then watches it.
 PROMOTE_AFTER = 0.25
 
+# While a small op busy-polls the rings its messages come through, a full turn of the loop
+# (sockets, other peers' rings, housekeeping) this often.
+_TURN_EVERY = 200e-6
+
 PieceKey = tuple[int, int, int]  # (peer, step, piece)
 
 
@@ -100,9 +104,13 @@ class SmallPath:
                  floating: Floating, mismatches: MismatchTracker, departures: Departures,
                  serving: JoinServer, starter: Starter, applier: Applier,
                  transport: Transport, step: Callable[[float | None, Awaited | None], None],
-                 waiter: Callable[[OpFuture, float | None], bool]) -> None:
+                 waiter: Callable[[OpFuture, float | None], bool],
+                 deliver: Callable[[int, Header, memoryview], None]) -> None:
         """``step(timeout, until)``: one turn of the engine's loop (loop.py); ``waiter``:
-        how a future of the engine's is waited for (Engine.wait)."""
+        how a future of the engine's is waited for (Engine.wait); ``deliver``: where a
+        message taken from the transport goes (the inbox's received_view, which hands
+        this op's back to :meth:`received`)."""
+        self._deliver = deliver
         self._waiter = waiter
         self._job = job
         self._applier = applier
@@ -286,16 +294,52 @@ class SmallPath:
         return True
 
     def _drive(self, op: SmallOp) -> None:
-        """Turn the loop until ``op`` is over or must go on as an ordinary op."""
+        """Turn the loop until ``op`` is over or must go on as an ordinary op.
+
+        The peers' messages for ``op`` are taken straight from the transport where it can
+        show them in place (:meth:`.Transport.peek`, shared-memory rings): a busy-poll on
+        the rings we expect them in, at a fraction of a loop turn's cost.  Anything else
+        that arrives, and a periodic look at everything (sockets, other peers), is a turn
+        of the loop; so is the wait once the spin is over (it blocks in poll())."""
         step = self._step
         job = self._job
+        transport = self._transport
+        peek = transport.peek
+        deliver = self._deliver
+        now = time.monotonic
         deadline = op.t_start + PROMOTE_AFTER
+        spin = transport.spin_for()
+        sources = tuple(op.spec.schedule.sources) if spin else ()
+        key0, key1 = op.key0, op.key1
+        spin_until = now() + spin
+        next_turn = now() + _TURN_EVERY
         while not op.done():
             if (ctrl_c.pending or job.broken is not None or job.closing
-                    or time.monotonic() >= deadline or self._lost_peer(op)):
+                    or self._lost_peer(op)):
                 self._promote(op)
                 return
-            step(PROMOTE_AFTER, op)
+            for peer in sources:
+                record = peek(peer)
+                if record is None:
+                    continue
+                header, body = record
+                if body is None or header.name_key != key0 or header.seq != key1:
+                    step(0, op)  # not this op's: the loop takes it
+                else:
+                    deliver(peer, header, body)
+                    transport.take(peer, header)
+                break
+            else:
+                t = now()
+                if t >= deadline:
+                    self._promote(op)
+                    return
+                if t >= spin_until:
+                    step(PROMOTE_AFTER, op)  # blocks in poll() until something comes
+                    spin_until = now() + spin
+                elif t >= next_turn:
+                    step(0, op)
+                    next_turn = t + _TURN_EVERY
 
     def hand_over(self) -> None:
         """The op in flight goes on on the general path now (the inbox has a body for it

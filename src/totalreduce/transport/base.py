@@ -111,6 +111,26 @@ class Transport(abc.ABC):
         output of ours waiting); False, nothing sent, otherwise."""
         return False
 
+    def peek(self, peer: int) -> tuple[Header, memoryview | None] | None:
+        """The next message from ``peer`` if one has arrived, without taking it: with its
+        body when it is a DATA message lying whole in this process's memory (a
+        shared-memory slot), to be handled in place and then freed by :meth:`take`; with
+        None instead for anything else, which only poll() takes.  None when nothing has
+        arrived, or where the transport cannot tell without a poll() (then always).  A
+        thread waiting for one small op reads its messages this way, without a turn of
+        poll() (engine/smallpath.py)."""
+        return None
+
+    def take(self, peer: int, header: Header) -> None:
+        """The message from :meth:`peek` (``header``) has been handled: free it."""
+        raise NotImplementedError
+
+    def spin_for(self) -> float:
+        """How long a thread waiting for a peer's message should busy-poll
+        (:meth:`peek`) before it blocks in poll(): long when every local rank can have a
+        core of its own, short when they share cores, 0 where peek() sees nothing."""
+        return 0.0
+
     def flush(self) -> None:
         """Write what can be written now, without reading or blocking."""
         self.poll(0)

@@ -26,6 +26,9 @@ _SPIN = 50e-6  # busy-poll this long before a blocking select
 # peers reply within tens of us, a sleep plus doorbell costs ~50 us).
 _SPIN_OWN_CORE = 2e-3
 _SPIN_SOCKET_EVERY = 16  # while spinning on rings, look at the sockets this seldom
+# ... or, when every peer is on a ring, this long apart: a Ctrl-C, a peer's end or another
+# thread's submit then waits at most this long to be seen by a spinning thread.
+_SOCKET_PERIOD = 200e-6
 _RING_SLEEP = 0.02  # the longest nap with shared-memory peers
 
 POLL_SLOT = 0
@@ -40,15 +43,19 @@ def _cores() -> int:
 
 
 class Poller:
-    def __init__(self, rings: list[RingLink]) -> None:
+    def __init__(self, rings: list[RingLink], rings_only: bool = False) -> None:
+        """``rings``: the ring links (the caller's list, kept up to date in place);
+        ``rings_only``: every peer is reached through one."""
         self.rings = rings
-        self._spin = _SPIN_OWN_CORE if rings and len(rings) + 1 <= _cores() else _SPIN
+        self.rings_only = rings_only and bool(rings)
+        self.spin = _SPIN_OWN_CORE if rings and len(rings) + 1 <= _cores() else _SPIN
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._socket_turns = 0  # turns since select() last looked at the sockets
+        self._next_look = 0.0  # when rings_only: when to look at the sockets again
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -76,24 +83,20 @@ class Poller:
         ring has a record (the caller drains the rings whatever this returns).  A spin
         also ends once ``pending`` (the caller's links with output waiting) fills."""
         rings = self.rings
-        if rings and self._socket_turns < _SPIN_SOCKET_EVERY and self.rings_ready():
+        if rings and not self._sockets_due() and self.rings_ready():
             # Records are waiting: take them first and look at the sockets (doorbells, EOF,
-            # a remote peer's bytes) on a later turn, though never fewer than one in so many.
-            self._socket_turns += 1
+            # a remote peer's bytes) on a later turn, though never too seldom.
             return []
-        self._socket_turns = 0
-        events = self.selector.select(0)
+        events = self._look_at_sockets()
         if events or timeout == 0 or self.rings_ready():
             return events
         # The thread in wait() spins briefly only: the application may want the GIL.
-        spin_until = time.monotonic() + (self._spin if slot == POLL_SLOT else _SPIN)
-        turns = 0
+        spin_until = time.monotonic() + (self.spin if slot == POLL_SLOT else _SPIN)
         while time.monotonic() < spin_until and not pending:
             if self.rings_ready():
                 return events
-            turns += 1
-            if turns % _SPIN_SOCKET_EVERY == 0 or not rings:
-                events = self.selector.select(0)
+            if not rings or self._sockets_due():
+                events = self._look_at_sockets()
                 if events:
                     return events
         stuck: list[RingLink] = []
@@ -111,6 +114,21 @@ class Poller:
             for link in stuck:
                 link.ask_for_room(False)
         return events
+
+    def _sockets_due(self) -> bool:
+        """Whether a turn that could take ring records instead should look at the sockets:
+        when every peer is on a ring, they carry only doorbells, wake-ups and ends, and a
+        look costs a system call (microseconds, on a small op's critical path), so once a
+        period; else once in so many turns, for the socket peers' data."""
+        if self.rings_only:
+            return time.monotonic() >= self._next_look
+        self._socket_turns += 1
+        return self._socket_turns >= _SPIN_SOCKET_EVERY
+
+    def _look_at_sockets(self) -> list[tuple[Any, int]]:
+        self._socket_turns = 0
+        self._next_look = time.monotonic() + _SOCKET_PERIOD
+        return self.selector.select(0)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -222,6 +222,33 @@ class RingLink(Link):
             self.read_ring(None)
             self.owner.lost(self, f"receive failed: {explain(exc)}")
 
+    def peek(self) -> tuple[Header, memoryview | None] | None:
+        """See :meth:`.base.Transport.peek`: the ring's next record, with its body if it
+        is a DATA message whose body lies whole in the slot (not chunked, not lent)."""
+        ring = self.ring_in
+        if ring is None or self.body is not None or self.closed or not ring.ready():
+            return None
+        try:
+            record = ring.next()
+        except WireError:
+            return (Header(Kind.RING_WRAP), None)  # for read_ring() to report
+        if record is None:
+            return None
+        header, body = record
+        if header.kind != Kind.DATA or header.flags & (FLAG_CHUNKED | FLAG_REMOTE):
+            return (header, None)
+        return record
+
+    def take(self, header: Header) -> None:
+        """The record :meth:`peek` returned has been handled."""
+        ring = self.ring_in
+        assert ring is not None
+        counters = self.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+        if ring.release() and not self.closed:
+            self.doorbell()  # its writer waits for room
+
     def read_ring(self, budget: int | None = READ_BUDGET) -> None:
         """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
         worth per poll, None: all of them)."""

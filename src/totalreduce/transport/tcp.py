@@ -20,6 +20,7 @@ from .poller import WAIT_SLOT, Poller
 from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
 from .socket_link import BATCH_BYTES, WRITE_BUDGET, Link
+from .wire import Header
 
 _RING_RETRY = 0.001  # safety-net poll while a ring is full (a doorbell normally wakes us)
 
@@ -55,7 +56,8 @@ class TcpTransport(Transport):
         self._ring_links = [link for link in self._links.values()
                             if isinstance(link, RingLink)]
         self._acceptor = acceptor
-        self._poller = Poller(self._ring_links)
+        self._poller = Poller(self._ring_links,
+                             rings_only=len(self._ring_links) == len(self._links))
         self._pending: set[int] = set()
         self.handler: MessageHandler
         for link in self._links.values():
@@ -97,6 +99,18 @@ class TcpTransport(Transport):
             return False  # output of ours for it waits: this message must not pass it
         link = self._links.get(peer)
         return type(link) is RingLink and link.post_now(header, body)
+
+    def peek(self, peer: int) -> tuple[Header, memoryview | None] | None:
+        link = self._links.get(peer)
+        return link.peek() if type(link) is RingLink else None
+
+    def take(self, peer: int, header: Header) -> None:
+        link = self._links[peer]
+        assert type(link) is RingLink
+        link.take(header)
+
+    def spin_for(self) -> float:
+        return self._poller.spin if self._ring_links else 0.0
 
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
