@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -62,6 +63,8 @@ def fail_on_rank_1(how: str) -> str:
         if tr.rank() == 1:
             if how == "exit":
                 os._exit(3)
+            if how == "sys.exit":
+                sys.exit(3)
             raise ValueError("rank 1 gives up")
         for _ in range(100):
             tr.allreduce(np.ones(1000), name="step")
@@ -90,7 +93,7 @@ def test_ranks_allreduce_and_results_come_in_rank_order(cluster: None) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["raise", "exit"])
+@pytest.mark.parametrize("how", ["raise", "exit", "sys.exit"])
 def test_one_rank_failing_names_it_and_the_other_gets_peer_failure(cluster: None,
                                                                    how: str) -> None:
     executor = RayExecutor(num_workers=2, failure_grace=60)
@@ -107,6 +110,8 @@ def test_one_rank_failing_names_it_and_the_other_gets_peer_failure(cluster: None
     if how == "raise":
         assert isinstance(error.errors[1], ValueError)
         assert "rank 1 gives up" in str(error)
+    elif how == "sys.exit":  # not the actor's death, which would hide the code
+        assert "SystemExit: 3" in str(error), error
     else:
         assert isinstance(error.errors[1], ray.exceptions.RayActorError)
     with pytest.raises(RuntimeError, match="start"):
@@ -128,6 +133,34 @@ def test_a_rank_that_never_joins_is_killed_after_the_grace(cluster: None) -> Non
         executor.run(rank_1_fails_before_init)
     assert caught.value.rank == 1
     assert isinstance(caught.value.errors[0], TimeoutError)
+
+
+class _Holder:
+    def ready(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_start_says_what_it_waits_for(cluster: None, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Ray says nothing while actors wait for CPUs: start() does, then goes on waiting
+    until they are free."""
+    from totalreduce.ray import executor as module
+
+    monkeypatch.setattr(module, "PLACEMENT_NOTICE", 1.0)
+    holder = ray.remote(num_cpus=2)(_Holder).remote()  # every CPU of the cluster
+    ray.get(holder.ready.remote())
+    freed = threading.Timer(2.5, ray.kill, (holder,))
+    freed.start()
+    try:
+        with caplog.at_level("WARNING", logger=module.__name__), \
+                RayExecutor(num_workers=2) as executor:
+            assert executor.run(int) == [0, 0]
+    finally:
+        freed.join()
+    notices = [r.getMessage() for r in caplog.records if r.name == module.__name__]
+    assert notices and notices[0].startswith("RayExecutor: 0 of 2 workers placed after 1 s")
+    assert "each needs {'CPU': 1}, the cluster has {'CPU': 2.0, 'GPU': 0.0}" in notices[0]
 
 
 @pytest.mark.timeout(120)

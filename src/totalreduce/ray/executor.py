@@ -9,6 +9,7 @@ environment variables ``totalreduce.init()`` reads under Ray (rendezvous/env.py)
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +25,13 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from ..rendezvous import KVServer
 from .failures import WorkerFailedError, root_cause
 from .worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# How long start() waits for Ray to place every actor before it says what it waits for
+# (and again each time as long after): Ray itself says nothing while an actor waits for
+# CPUs or GPUs that the cluster lacks or that other actors hold.
+PLACEMENT_NOTICE = 30.0
 
 
 class RayExecutor:
@@ -69,7 +77,8 @@ class RayExecutor:
 
     def start(self) -> None:
         """Create the actors and tell each its rank.  Waits until Ray has placed them all
-        (for as long as the cluster needs to find the resources)."""
+        (for as long as the cluster needs to find the resources, with a warning every
+        ``PLACEMENT_NOTICE`` seconds that says what is missing)."""
         if self._workers:
             raise RuntimeError("this RayExecutor is already started; shutdown() first")
         if not ray.is_initialized():
@@ -78,7 +87,7 @@ class RayExecutor:
                                            num_gpus=self.gpus_per_worker)
         workers: list[Any] = [actor.remote() for _ in range(self.num_workers)]
         try:
-            places = ray.get([w.where.remote() for w in workers])
+            places = ray.get(self._placed([w.where.remote() for w in workers]))
             # Ranks numbered node by node (nodes in the order their first actor came), so
             # that each node's ranks are consecutive, as launchers number them.
             first = {node: i for i, (node, _) in reversed(list(enumerate(places)))}
@@ -109,6 +118,25 @@ class RayExecutor:
             raise
         self._workers = workers
         self._hosts = [host for _, host in places]
+
+    def _placed(self, refs: list[Any]) -> list[Any]:
+        """``refs`` once every actor is placed; a warning every ``PLACEMENT_NOTICE``
+        seconds until then, naming what each needs and what the cluster has."""
+        waited = 0.0
+        while True:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=PLACEMENT_NOTICE)
+            if len(done) == len(refs):
+                return refs
+            waited += PLACEMENT_NOTICE
+            need = {"CPU": self.cpus_per_worker}
+            if self.gpus_per_worker:
+                need["GPU"] = self.gpus_per_worker
+            logger.warning(
+                "RayExecutor: %d of %d workers placed after %.0f s, still waiting; each "
+                "needs %s, the cluster has %s in all and %s free (start Ray with more, "
+                "or ask for fewer workers or cpus_per_worker)", len(done), len(refs),
+                waited, need, _cpus_gpus(ray.cluster_resources()),
+                _cpus_gpus(ray.available_resources()))
 
     def shutdown(self) -> None:
         """End the actors (a rank still initialized is cut off, not shut down) and the
@@ -214,6 +242,10 @@ class RayExecutor:
         store, self._store = self._store, None
         if store is not None:
             store.close()
+
+
+def _cpus_gpus(resources: Mapping[str, float]) -> dict[str, float]:
+    return {k: resources.get(k, 0.0) for k in ("CPU", "GPU")}
 
 
 def _cause(exc: Exception) -> BaseException:

@@ -39,6 +39,10 @@ class Worker:
             # The actor outlives the error, so its links would stay open and the other
             # ranks would wait on it: fail the world now, as an uncaught error would.
             abandon(exc)
+            if isinstance(exc, SystemExit):
+                # Ray would end the actor and report only that it "died unexpectedly":
+                # bring the exit code back as the function's error instead.
+                raise RuntimeError(f"the function raised SystemExit: {exc.code}") from None
             raise
 
     def execute(self, fn: Callable[[Worker], Any]) -> Any:
