@@ -19,7 +19,7 @@ from totalreduce.engine.algorithms import chain_broadcast, doubling_allreduce
 from totalreduce.engine.applier import Applier
 from totalreduce.engine.departures import Departures
 from totalreduce.engine.driving import Driver
-from totalreduce.engine.floating import Floating
+from totalreduce.engine.floating import Floating, Watch
 from totalreduce.engine.handler import Handler
 from totalreduce.engine.inbox import Inbox
 from totalreduce.engine.job import JobState
@@ -268,6 +268,21 @@ def test_floating_bodies_are_counted_until_taken_and_their_credit_owed_back() ->
     floating.keep(FloatingBody(1, header, body, 70))
     floating.clear(TotalReduceError("broken"))  # a broken job owes no credit
     assert floating.bytes == 0 and len(ledger.named("owe")) == 2 and floating.peak == 100
+
+
+def test_a_watch_over_peers_that_left_already_fails_naming_them() -> None:
+    # A receive from any rank, asked for after the last rank it could come from has
+    # shut down: nothing will ever tell the watch again, so it fails at once.
+    floating = Floating(Fake(), Fake())  # type: ignore[arg-type]
+    watch = Watch(lambda src, header: True, {1, 2}, OpFuture(), "recv from any rank (tag 0)")
+    floating.watch(watch, {1}, 0)
+    assert not watch.future.done() and watch.sources == {2}  # rank 2 may still send
+    later = Watch(lambda src, header: True, {1}, OpFuture(), "recv from any rank (tag 3)")
+    floating.watch(later, {1, 2}, 0)
+    error = later.future.error()
+    assert isinstance(error, PeerFailureError) and error.orderly, error
+    assert str(error) == ("rank 0: recv from any rank (tag 3): rank 1 shut down and no "
+                          "other rank it could come from is left")
 
 
 # --- the mismatch tracker --------------------------------------------------------------

@@ -105,14 +105,14 @@ class Engine:
         inbox = Inbox(job, ops, ledger, outbox, mismatches, floating, applier, starter,
                       peer_events, scratch, use_in_place=reducer is None)
         self.loop = loop = Loop(job, config, transport, ops, outbox, applier, mismatches,
-                                starter, serving, completions, floating)
+                                starter, serving, completions, floating, departures)
         self._commands = loop.commands
         self._closed = loop.closed
         self._driver = Driver(rank, transport, loop, self._closed)
         loop.on_close = self._driver.closed
         self._small = small = SmallPath(job, ops, ledger, floating, mismatches, departures,
                                         serving, starter, applier, transport, loop.step,
-                                        self.wait, inbox.received_view)
+                                        self.wait, outbox.unpark)
         inbox.small = small
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox
@@ -142,15 +142,14 @@ class Engine:
         flight here and no other thread drives: True once it is done, False if it did not
         begin (submit it), or the future of an op that went on on the general path (wait
         for it).  Raises the op's error."""
+        return self._driver.exclusive(self._run_small, spec)
+
+    def _run_small(self, spec: OpSpec) -> OpFuture | bool:
         loop = self.loop
         small = self._small
-
-        def run() -> OpFuture | bool:
-            if loop.commands or loop.completions or not small.eligible(spec):
-                return False
-            return small.run(spec)
-
-        return self._driver.exclusive(run)
+        if loop.commands or loop.completions or not small.eligible(spec):
+            return False
+        return small.run(spec)
 
     def watch(self, match: Callable[[int, Header], bool], sources: Iterable[int],
               label: str) -> OpFuture:

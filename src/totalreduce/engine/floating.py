@@ -102,9 +102,10 @@ class Floating:
 
     # --- watches -------------------------------------------------------------------------
 
-    def watch(self, watch: Watch) -> None:
+    def watch(self, watch: Watch, gone: set[int] | None = None, rank: int = -1) -> None:
         """Resolve ``watch`` with the earliest floating body it accepts, or once one
-        arrives."""
+        arrives; ``gone``: peers that have left already (``rank``: ours, for the error
+        when every source has)."""
         firsts = sorted((items[0] for items in self._bodies.values() if items),
                         key=lambda item: item.t)
         for item in firsts:
@@ -115,6 +116,8 @@ class Floating:
             watch.future.resolve(TotalReduceError(f"{watch.label}: no rank to receive from"))
             return
         self._watches.append(watch)
+        for peer in sorted(watch.sources & (gone or set())):
+            self.left(peer, rank)
 
     def watched(self) -> bool:
         """Whether a watch waits (the transport must keep reading, the loop running)."""

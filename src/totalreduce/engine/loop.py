@@ -25,6 +25,7 @@ from ..exceptions import PeerFailureError, ShutdownError, TotalReduceError, Tran
 from ..transport.base import Transport
 from ..transport.wire import Header, Kind
 from .applier import Applier
+from .departures import Departures
 from .driving import HOUSEKEEPING
 from .floating import Floating
 from .job import JobState
@@ -48,8 +49,10 @@ class Loop:
     def __init__(self, job: JobState, config: Config, transport: Transport, ops: OpTable,
                  outbox: Outbox, applier: Applier, mismatches: MismatchTracker,
                  starter: Starter, serving: JoinServer, completions: deque[Any],
-                 floating: Floating) -> None:
-        """``completions``: where the reduce thread leaves its results for the loop."""
+                 floating: Floating, departures: Departures | None = None) -> None:
+        """``completions``: where the reduce thread leaves its results for the loop;
+        ``departures``: which peers have left (a receive from any of them is refused)."""
+        self._departures = departures
         self._job = job
         self._config = config
         self._transport = transport
@@ -139,7 +142,10 @@ class Loop:
             if self._job.broken is not None:
                 arg.future.resolve(self._job.broken)
             else:
-                self._floating.watch(arg)
+                # Peers that left before it was asked for send nothing more: each is
+                # told as it leaves (Floating.left), but these left already.
+                gone = self._departures.departed() if self._departures is not None else set()
+                self._floating.watch(arg, gone, self._job.rank)
         elif cmd == "forget":
             self._ops.forget(arg)
         elif cmd == "join":
