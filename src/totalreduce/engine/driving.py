@@ -22,6 +22,7 @@ from ..transport.base import Transport
 from .payload import OpFuture
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 HOUSEKEEPING = 0.25  # the longest a turn blocks, and the period of the engine's checks
 
@@ -63,7 +64,8 @@ class Driver:
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread holding the lock (to refuse re-entry)
         # The progress thread sleeps here while callers drive.
-        self._idle = threading.Condition(threading.Lock())
+        self._idle_lock = threading.Lock()
+        self._idle = threading.Condition(self._idle_lock)
         self._drivers = 0  # threads waiting for their op, driving it themselves
         self._driving = _Driving(self)
         self.waiting = Waiting(self)
@@ -105,15 +107,15 @@ class Driver:
     def waits_here(self) -> bool:
         return getattr(self._local, "waits", 0) > 0
 
-    def exclusive(self, fn: Callable[[], T]) -> T | bool:
-        """``fn()`` as the loop's driver, if no other thread drives now and the loop has
+    def exclusive(self, fn: Callable[[A], T], arg: A) -> T | bool:
+        """``fn(arg)`` as the loop's driver, if no other thread drives now and the loop has
         not ended; False otherwise."""
         if not self._lock.acquire(blocking=False):
             return False
         with self._driving:
             if self._loop.ended:
                 return False
-            return fn()
+            return fn(arg)
 
     def caller_waits(self) -> CallerWaits:
         """``with driver.caller_waits():`` this thread waits for each op it submits inside,
@@ -236,12 +238,12 @@ class Waiting:
 
     def __enter__(self) -> None:
         driver = self._driver
-        with driver._idle:
+        with driver._idle_lock:  # the condition's own lock, without its Python layer
             driver._drivers += 1
 
     def __exit__(self, *exc: object) -> None:
         driver = self._driver
-        with driver._idle:
+        with driver._idle_lock:
             driver._drivers -= 1
         driver.nudge()
 

@@ -105,12 +105,11 @@ class SmallPath:
                  serving: JoinServer, starter: Starter, applier: Applier,
                  transport: Transport, step: Callable[[float | None, Awaited | None], None],
                  waiter: Callable[[OpFuture, float | None], bool],
-                 deliver: Callable[[int, Header, memoryview], None]) -> None:
+                 unpark: Callable[[int], None]) -> None:
         """``step(timeout, until)``: one turn of the engine's loop (loop.py); ``waiter``:
-        how a future of the engine's is waited for (Engine.wait); ``deliver``: where a
-        message taken from the transport goes (the inbox's received_view, which hands
-        this op's back to :meth:`received`)."""
-        self._deliver = deliver
+        how a future of the engine's is waited for (Engine.wait); ``unpark(peer)``: the
+        outbox's, told when a peer returns credit (Outbox.unpark)."""
+        self._unpark = unpark
         self._waiter = waiter
         self._job = job
         self._applier = applier
@@ -174,7 +173,6 @@ class SmallPath:
             self._promote(op)
         else:
             self.current = op
-            self._transport.resume()  # what waited in a ring for an op is read now
             try:
                 self._drive(op)
             finally:
@@ -304,8 +302,10 @@ class SmallPath:
         step = self._step
         job = self._job
         transport = self._transport
+        resume = transport.resume
         peek = transport.peek
-        deliver = self._deliver
+        received = self.received
+        ledger = self._ledger
         now = time.monotonic
         deadline = op.t_start + PROMOTE_AFTER
         spin = transport.spin_for()
@@ -324,9 +324,13 @@ class SmallPath:
                     continue
                 header, body = record
                 if body is None or header.name_key != key0 or header.seq != key1:
+                    resume()  # what waited in a ring for an op is read now
                     step(0, op)  # not this op's: the loop takes it
-                else:
-                    deliver(peer, header, body)
+                else:  # as the inbox hands it over (Inbox.received_view)
+                    if header.credit:
+                        ledger.grant(peer, header.credit)
+                        self._unpark(peer)
+                    received(op, peer, header, body)
                     transport.take(peer, header)
                 break
             else:
@@ -335,9 +339,11 @@ class SmallPath:
                     self._promote(op)
                     return
                 if t >= spin_until:
+                    resume()
                     step(PROMOTE_AFTER, op)  # blocks in poll() until something comes
                     spin_until = now() + spin
                 elif t >= next_turn:
+                    resume()
                     step(0, op)
                     next_turn = t + _TURN_EVERY
 
