@@ -12,7 +12,7 @@ import pytest
 from harness import mpiexec
 from totalreduce.bench.compare import compare
 from totalreduce.bench.models import bert_base_shapes, resnet50_shapes
-from totalreduce.bench.report import summarize
+from totalreduce.bench.report import print_table, summarize
 
 
 def test_model_shapes_match_the_published_parameter_counts() -> None:
@@ -145,12 +145,31 @@ def test_train_summary_pools_compute_only_and_computes_the_hidden_share() -> Non
     assert ddp["speed_vs_dense"] is None
 
 
+def test_latency_is_each_calls_time_against_mpis_for_the_same_op(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def job(backend: str, allreduce: list[list[float]], barrier: list[list[float]]) -> dict:
+        return {"backend": backend, "ranks": 2, "round": 0, "per_rank": [
+            {"rank": r, "results": [{"mode": "allreduce 8 B", "times": allreduce[r]},
+                                    {"mode": "barrier", "times": barrier[r]}]}
+            for r in range(2)]}
+
+    raw = [job("mpi", [[4e-6] * 3, [5e-6] * 3], [[3e-6] * 3] * 2),
+           job("totalreduce-shm", [[20e-6, 30e-6, 20e-6], [10e-6, 10e-6, 40e-6]],
+               [[30e-6] * 3] * 2)]
+    rows = {(r["backend"], r["mode"]): r for r in summarize("latency", raw)}
+    ours = rows[("totalreduce-shm", "allreduce 8 B")]
+    assert ours["median"] == pytest.approx(30e-6)  # the slowest rank: 20, 30, 40 us
+    assert ours["time_vs_mpi"] == pytest.approx(30 / 5)  # MPI's slowest rank: 5 us
+    assert rows[("totalreduce-shm", "barrier")]["time_vs_mpi"] == pytest.approx(10.0)
+    print_table("latency", list(rows.values()))
+    assert "6.00x" in capsys.readouterr().out
+
+
 def test_tiny_shows_both_scheduling_modes_by_default(capsys: pytest.CaptureFixture[str]
                                                      ) -> None:
     """What ``python -m totalreduce.bench tiny`` runs and prints without --backends: the
     rows of the table docs/BENCHMARKS.md quotes, with the modes said."""
     from totalreduce.bench.__main__ import chosen_backends
-    from totalreduce.bench.report import print_table
 
     chosen = chosen_backends("tiny", None)
     assert chosen == ["totalreduce-shm", "totalreduce-neg", "totalreduce-neg-nocache",

@@ -27,11 +27,12 @@ def _totalrun(n: int, *args: str, timeout: float, launcher_args: tuple[str, ...]
     return proc
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 4])
 def test_digits_reaches_95_percent_in_10_epochs(n: int) -> None:
     # The first 10 epochs of the README's 20 (nothing in the run depends on --epochs but
     # where it stops, and it is seeded): 95% is first reached at epoch 5-6 at 1, 2 and 4
-    # ranks, and epoch 10 has 96.0-96.9% (97-98% at 20).
+    # ranks, and epoch 10 has 96.0-96.9% (97-98% at 20).  One rank (no communication at
+    # all) and the README's four; two ranks train in the killed-worker test below.
     out = _totalrun(n, str(EXAMPLES / "train_digits.py"), "--epochs", "10",
                     timeout=150).stdout
     found = re.search(r"final test accuracy ([\d.]+)%", out)
@@ -48,10 +49,11 @@ def test_digits_with_parameters_averaged_every_4_steps() -> None:
     assert found and float(found.group(1)) >= 95.0, out[-2000:]
 
 
-@pytest.mark.parametrize("delay", ["0", "4"])
+@pytest.mark.parametrize("delay", ["0"])
 def test_digits_through_a_parameter_server(delay: str) -> None:
-    """3 workers and 2 servers, synchronous and at a delay bound of 4 (96.9% and 96.7%
-    after 10 epochs measured); the bound is what the workers report."""
+    """3 workers and 2 servers, synchronous (96.9% after 10 epochs measured; 96.7% at a
+    delay bound of 4, whose bound test_ps checks exactly with a straggler); the bound is
+    what the workers report."""
     out = _totalrun(5, str(EXAMPLES / "train_digits_ps.py"), "--max-delay", delay,
                     timeout=150, launcher_args=("--servers", "2")).stdout
     found = re.search(r"max delay (\d+): test accuracy ([\d.]+)% after 10 epochs.* ran at "

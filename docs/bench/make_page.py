@@ -17,6 +17,7 @@ CMD_4 = ("python -m totalreduce.bench collectives -n 4 --ops allreduce "
          "--sizes 4,1K,64K,1M,4M,16M,64M --rounds 2 --plot collectives-4.png")
 NEG = "totalreduce-shm,totalreduce-neg,totalreduce-neg-nocache,totalreduce-neg-nofusion,mpi"
 CMD_TINY = "python -m totalreduce.bench tiny -n 2,4 --rounds 4 --reps 10"
+CMD_LATENCY = "python -m totalreduce.bench latency -n 2,4 --rounds 3"
 CMD_RECOVERY = "python -m totalreduce.bench recovery -n 2,4 --rounds 3"
 CMD_HOSTS_1G = "python -m totalreduce.bench hosts --link 1gbit --sizes 16M,64M --rounds 3"
 CMD_HOSTS_10G = "python -m totalreduce.bench hosts --link 10gbit --sizes 16M,64M --rounds 3"
@@ -94,9 +95,19 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 
 {table("collectives-4")[1]}
 
-## Small messages (allreduce, 2 ranks)
+## Latency: blocking 8-byte allreduce and barrier
 
-From the 2-rank table above:
+`{CMD_LATENCY}` (`docs/bench/latency.txt`): 3,000 calls of each back to back (no barrier
+between two, as a training loop makes them), each call timed alone; a call's time is the
+slowest rank's. `time / mpi` is the median over MPI's median for the same op in the same
+run. At 2 ranks a blocking op with nothing else in flight runs to its end on the
+caller's thread (engine/smallpath.py), which reads its peer's message straight out of the
+shared-memory ring; what is left is Python per call (checks, identity, the header, the
+reduction), about ten times MPI's C.
+
+{table("latency")[1]}
+
+The same ops inside the 2-rank collectives table (each call after a barrier):
 
 {small2}
 

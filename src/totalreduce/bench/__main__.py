@@ -1,5 +1,5 @@
-"""``python -m totalreduce.bench {collectives,replay,skew,preempt,train,tiny,sparse,
-convergence,recovery,hosts,ps}``:
+"""``python -m totalreduce.bench {collectives,latency,replay,skew,preempt,train,tiny,
+sparse,convergence,recovery,hosts,ps}``:
 side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="message sizes in bytes (K/M suffixes)")
     p.add_argument("--reps-scale", type=float, default=1.0,
                    help="multiply the per-size repetition counts")
+    p = sub.add_parser("latency", parents=[common],
+                       help="blocking 8-byte allreduces and barriers back to back")
+    p.add_argument("--reps", type=int, default=3000, help="calls of each, timed one by one")
+    p.add_argument("--warmup", type=int, default=200)
     p = sub.add_parser("replay", parents=[common], help="one iteration of real gradients")
     p.add_argument("--models", default="resnet50,bert-base")
     p.add_argument("--buckets-mb", default="4,25", help="bucket sizes for grouped mode")
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                    seed=args.seed)
     elif args.test == "tiny":
         cfg.update(count=args.count, reps=args.reps)
+    elif args.test == "latency":
+        cfg.update(reps=args.reps, warmup=args.warmup)
     elif args.test == "sparse":
         cfg.update(densities=[float(d) for d in args.densities.split(",")],
                    n=args.elements, calls=args.calls)

@@ -135,6 +135,13 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
             ref = dense.get((r["ranks"], r["mode"].rsplit(" ", 1)[0]))
             if ref and "median" in r:
                 r["time_vs_dense"] = r["median"] / ref
+    elif test == "latency":
+        mpi = {(r["ranks"], r["mode"]): r["median"] for r in rows
+               if r["backend"] == "mpi" and "median" in r}
+        for r in rows:
+            ref = mpi.get((r["ranks"], r["mode"]))
+            if ref and "median" in r:
+                r["time_vs_mpi"] = r["median"] / ref
     elif test == "tiny":
         mpi = {r["ranks"]: r["median"] for r in rows if r["backend"] == "mpi" and "median" in r}
         for r in rows:
@@ -211,6 +218,12 @@ def print_table(test: str, rows: list[Row]) -> None:
             body.append((source, density, r["ranks"], alg, _ms(r["median"]),
                          _ratio(r.get("time_vs_dense", 0.0)), f"{r['words_per_k']:.2f}",
                          f"{r['recv_per_k']:.2f}", r["nnz"]))
+    elif test == "latency":
+        head = ("n", "op", "backend", "median us", "p10-p90 us", "time / mpi")
+        body = [(r["ranks"], r["mode"], r["backend"], f"{r['median'] * 1e6:.1f}",
+                 f"{r['p10'] * 1e6:.1f}-{r['p90'] * 1e6:.1f}",
+                 _ratio(r["time_vs_mpi"]) if "time_vs_mpi" in r else "")
+                for r in sorted(rows, key=lambda r: (r["ranks"], r["mode"], r["median"]))]
     elif test == "tiny":
         head = ("n", "backend", "case", "median us/op", "p10-p90 us/op", "speed vs mpi")
         body = [(r["ranks"], r["backend"], r["mode"], f"{r['median'] * 1e6:.1f}",

@@ -137,6 +137,24 @@ def preempt(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def latency(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Blocking 8-byte allreduces, then barriers, back to back as a training loop calls
+    them (no barrier between two): each call's own time.  Both are latency-bound."""
+    out = []
+    for mode, step in (("allreduce 8 B", b.collective("allreduce", 2)),
+                       ("barrier", b.barrier)):
+        for _ in range(cfg["warmup"]):
+            step()
+        b.barrier()
+        times = []
+        for _ in range(cfg["reps"]):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        out.append({"mode": mode, "times": times})
+    return out
+
+
 def tiny(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Many async 4-byte allreduces submitted at once, then waited: per-op overhead."""
     count = cfg["count"]
@@ -215,7 +233,7 @@ def sparse(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 TESTS = {"collectives": collectives, "replay": replay, "skew": skew, "preempt": preempt,
-         "tiny": tiny, "sparse": sparse}
+         "tiny": tiny, "sparse": sparse, "latency": latency}
 
 
 def main() -> None:

@@ -50,6 +50,9 @@ PROMOTE_AFTER = 0.25
 # While a small op busy-polls the rings its messages come through, a full turn of the loop
 # (sockets, other peers' rings, housekeeping) this often.
 _TURN_EVERY = 200e-6
+# The longest that busy-poll lasts before a blocking turn of the loop, which spins on its
+# own first (poller.py): a peer that takes longer is busy with more than this op.
+_PEEK_SPIN = 200e-6
 
 PieceKey = tuple[int, int, int]  # (peer, step, piece)
 
@@ -308,7 +311,7 @@ class SmallPath:
         ledger = self._ledger
         now = time.monotonic
         deadline = op.t_start + PROMOTE_AFTER
-        spin = transport.spin_for()
+        spin = min(transport.spin_for(), _PEEK_SPIN)
         sources = tuple(op.spec.schedule.sources) if spin else ()
         key0, key1 = op.key0, op.key1
         spin_until = now() + spin
