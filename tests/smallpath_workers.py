@@ -126,6 +126,41 @@ def mixed_paths(arg: dict) -> None:
     tr.shutdown()
 
 
+def repeated_calls(arg: dict) -> None:
+    """Blocking allreduces and barriers under a few names, dtypes, shapes and ops, each
+    repeated (a repeat reuses what its first call worked out), with ranks pausing at
+    random: a peer ahead sends its next op's messages while this rank still runs the one
+    before, so they float in before their op starts here."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    common = random.Random(11)
+    mine = random.Random(200 + rank)
+    ops = {tr.Sum: np.sum, tr.Max: np.max, tr.Min: np.min, tr.Average: np.mean}
+    for i in range(arg["steps"]):
+        name = common.choice(["loss", "accuracy", None])
+        shape = common.choice([(), (1,), (3,), (2, 5), (0,)])
+        dtype = common.choice(DTYPES)
+        op = common.choice(list(ops) if np.issubdtype(dtype, np.floating) else
+                           [tr.Sum, tr.Max, tr.Min])
+        if mine.random() < 0.1:
+            time.sleep(mine.random() * 0.002)
+        if common.random() < 0.2:
+            tr.barrier()
+            continue
+        inputs = [a.reshape(shape) for a in _inputs(i, n, int(np.prod(shape)), dtype)]
+        got = tr.allreduce(inputs[rank], op=op, name=name)
+        want = ops[op](np.stack(inputs).astype(np.float64), axis=0)
+        if op is tr.Average:
+            want = want.astype(dtype)
+        assert got.shape == shape and got.dtype == dtype, (i, got.shape, got.dtype)
+        _close(got, np.asarray(want).astype(dtype), f"step {i}: {name} {dtype} {shape}")
+    stats = current().engine.stats()
+    report(direct=stats["direct_ops"], caught_up=stats["direct_caught_up"],
+           handed_over=stats["direct_handed_over"], floating=stats["floating_bytes"],
+           plans=current().collectives.stats()["small_plans"])
+    tr.shutdown()
+
+
 def late_peer(arg: dict) -> None:
     """Rank 1 comes to each small allreduce late: rank 0's op goes on on the general path
     once it has waited past the small path's patience, and still adds up."""

@@ -136,10 +136,10 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
             if ref and "median" in r:
                 r["time_vs_dense"] = r["median"] / ref
     elif test == "latency":
-        mpi = {(r["ranks"], r["mode"]): r["median"] for r in rows
-               if r["backend"] == "mpi" and "median" in r}
+        mpi_op = {(r["ranks"], r["mode"]): r["median"] for r in rows
+                  if r["backend"] == "mpi" and "median" in r}
         for r in rows:
-            ref = mpi.get((r["ranks"], r["mode"]))
+            ref = mpi_op.get((r["ranks"], r["mode"]))
             if ref and "median" in r:
                 r["time_vs_mpi"] = r["median"] / ref
     elif test == "tiny":

@@ -239,7 +239,8 @@ class Engine:
                 "done_names": self._ops.done.names(),
                 "early_ready": self._ledger.early_count(),
                 "mismatch_records": len(self._mismatches),
-                "direct_ops": self._small.ran, "direct_handed_over": self._small.handed_over}
+                "direct_ops": self._small.ran, "direct_handed_over": self._small.handed_over,
+                "direct_caught_up": self._small.caught_up}
 
     def _command(self, what: str, arg: Any) -> None:
         self._commands.append((what, arg, None))

@@ -68,6 +68,19 @@ class Floating:
         self.bytes -= item.charge
         self._ledger.owe(item.src, item.charge)
 
+    def only(self, key: OpKey) -> bool:
+        """Whether every body here (none arriving) is op ``key``'s, or none is."""
+        bodies = self._bodies
+        if not bodies:
+            return not self.bytes
+        items = bodies.get(key)
+        return items is not None and len(bodies) == 1 and \
+            self.bytes == sum(item.charge for item in items)
+
+    def recycle(self, buf: memoryview) -> None:
+        """A taken body's buffer, no longer needed."""
+        self._scratch.put(buf)
+
     def count_from(self, key: OpKey, peer: int) -> int:
         """How many bodies of op ``key`` from ``peer`` are here."""
         return sum(1 for item in self._bodies.get(key, ()) if item.src == peer)

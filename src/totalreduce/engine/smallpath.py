@@ -20,6 +20,7 @@ within ``PROMOTE_AFTER`` (so stall warnings and op timeouts work as for any op).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -53,6 +54,8 @@ _TURN_EVERY = 200e-6
 # The longest that busy-poll lasts before a blocking turn of the loop, which spins on its
 # own first (poller.py): a peer that takes longer is busy with more than this op.
 _PEEK_SPIN = 200e-6
+# ... or, where ranks outnumber cores and the busy-poll yields between looks, this long.
+_YIELD_SPIN = 2e-3
 
 PieceKey = tuple[int, int, int]  # (peer, step, piece)
 
@@ -128,6 +131,7 @@ class SmallPath:
         self.current: SmallOp | None = None  # the op in flight, read by the inbox
         self.ran = 0  # ops that ran to their end here
         self.handed_over = 0  # ops that went on on the general path
+        self.caught_up = 0  # ops begun with bodies that had floated in before them
 
     def eligible(self, spec: OpSpec) -> bool:
         """Whether ``spec`` can run here now: nothing else runs or waits to (the caller
@@ -136,13 +140,14 @@ class SmallPath:
         ops = self._ops
         # A schedule whose receives wait on others (Recv.wait), or an op whose buffer
         # starts undefined (OpSpec.fresh), is a large op's: this path does neither.
+        key = spec.key
+        # Bodies of this very op may have floated in (a peer ahead of us sent them while
+        # we ran the op before): run() applies them first.
         if (ops.active or job.broken is not None or job.closing or ops.tracing()
-                or spec.schedule.waits or spec.fresh or self._floating.bytes
+                or spec.schedule.waits or spec.fresh or not self._floating.only(key)
                 or len(self._mismatches) or self._departures.any()):
             return False
-        key = spec.key
-        return not (self._ops.known(key) or key in self._floating
-                    or key in self._ops.failed_early)
+        return not (ops.known(key) or key in ops.failed_early)
 
     def run(self, spec: OpSpec) -> OpFuture | bool:
         """Run ``spec`` (eligible) to its end: True once done, False if it could not begin
@@ -177,6 +182,9 @@ class SmallPath:
         else:
             self.current = op
             try:
+                if key in self._floating:
+                    self.caught_up += 1
+                    self._take_floating(op)
                 self._drive(op)
             finally:
                 self.current = None
@@ -248,6 +256,22 @@ class SmallPath:
 
     # --- helpers -------------------------------------------------------------------------
 
+    def _take_floating(self, op: SmallOp) -> None:
+        """Apply the bodies of ``op`` that came before it (their credit is owed back as
+        they leave the floating store, so their headers' is not owed again)."""
+        floating = self._floating
+        for item in floating.take(op.spec.key):
+            header = item.header
+            live = op.live
+            if not op.promoted:
+                self.received(op, item.src, header._replace(flags=header.flags & ~FLAG_CREDITED),
+                              item.buf)
+                floating.recycle(item.buf)
+            elif live is not None and not live.finished:
+                self._applier.deliver(live, item.src, header, item.buf, True)
+            else:
+                floating.recycle(item.buf)
+
     def _post(self, op: SmallOp, send: Send) -> bool:
         """Post ``send`` straight into the peer's ring, as the outbox would have sent it."""
         spec = op.spec
@@ -312,6 +336,9 @@ class SmallPath:
         now = time.monotonic
         deadline = op.t_start + PROMOTE_AFTER
         spin = min(transport.spin_for(), _PEEK_SPIN)
+        relax = os.sched_yield if transport.crowded() else None
+        if relax is not None:
+            spin = _YIELD_SPIN
         sources = tuple(op.spec.schedule.sources) if spin else ()
         key0, key1 = op.key0, op.key1
         spin_until = now() + spin
@@ -337,6 +364,8 @@ class SmallPath:
                     transport.take(peer, header)
                 break
             else:
+                if relax is not None:
+                    relax()
                 t = now()
                 if t >= deadline:
                     self._promote(op)

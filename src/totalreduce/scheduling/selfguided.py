@@ -84,6 +84,10 @@ class _Ident:
         self.label = label
 
 
+def _nothing() -> None:
+    return None
+
+
 class _SmallAllreduce:
     """What every blocking allreduce of one (dtype, shape, op, name) shares, for the small
     ones: built once, so a repeated call only counts its identity, copies its input and
@@ -146,6 +150,7 @@ class SelfGuided:
         self._known: LRU[tuple[Any, ...], tuple[dict[str, Any], int]] = LRU(_SPEC_CACHE)
         # (dtype, shape, op, name) -> what its small blocking allreduces share.
         self._small: LRU[tuple[Any, ...], _SmallAllreduce] = LRU(_SPEC_CACHE)
+        self._barrier: _SmallAllreduce | None = None
 
     def close(self) -> None:
         """Nothing to stop: every op is the engine's."""
@@ -574,6 +579,13 @@ class SelfGuided:
     def barrier(self) -> Handle:
         ident = self._ident("barrier", None)
         work = np.zeros(1, np.uint8)
-        view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
-        return self._launch(self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM,
-                                              1 << 30), lambda: None)
+        plan = self._barrier
+        if plan is None:
+            view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
+            spec = self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
+            self._barrier = _SmallAllreduce(spec)
+        else:  # every barrier is the same op but for its identity
+            spec = OpSpec(ident.key, ident.label, plan.sig, plan.code, plan.count,
+                          plan.describe, plan.schedule, work, None, plan.ufunc, None, 1 << 30,
+                          plan.recipe, -1, self._members)
+        return self._launch(spec, _nothing)

@@ -125,6 +125,12 @@ class Transport(abc.ABC):
         """The message from :meth:`peek` (``header``) has been handled: free it."""
         raise NotImplementedError
 
+    def crowded(self) -> bool:
+        """Whether this host's ranks outnumber its cores: a thread waiting for a peer then
+        gives its core away between looks (``os.sched_yield``), since the peer it waits
+        for may need that very core, and a sleep costs a wake-up on every hop."""
+        return False
+
     def spin_for(self) -> float:
         """How long a thread waiting for a peer's message should busy-poll
         (:meth:`peek`) before it blocks in poll(): long when every local rank can have a

@@ -48,7 +48,9 @@ class Poller:
         ``rings_only``: every peer is reached through one."""
         self.rings = rings
         self.rings_only = rings_only and bool(rings)
-        self.spin = _SPIN_OWN_CORE if rings and len(rings) + 1 <= _cores() else _SPIN
+        # Whether every rank of this host can have a core of its own.
+        self.own_core = bool(rings) and len(rings) + 1 <= _cores()
+        self.spin = _SPIN_OWN_CORE if self.own_core else _SPIN
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)

@@ -112,6 +112,9 @@ class TcpTransport(Transport):
     def spin_for(self) -> float:
         return self._poller.spin if self._ring_links else 0.0
 
+    def crowded(self) -> bool:
+        return bool(self._ring_links) and not self._poller.own_core
+
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
         # whatever is left goes out from the next poll().
