@@ -25,6 +25,8 @@ _SPIN = 50e-6  # busy-poll this long before a blocking select
 # poll() spins this long when every local rank can have a core of its own (shared-memory
 # peers reply within tens of us, a sleep plus doorbell costs ~50 us).
 _SPIN_OWN_CORE = 2e-3
+# ... and this long, yielding the core between looks, when ranks outnumber cores.
+_YIELD_SPIN = 1e-3
 _SPIN_SOCKET_EVERY = 16  # while spinning on rings, look at the sockets this seldom
 # ... or, when every peer is on a ring, this long apart: a Ctrl-C, a peer's end or another
 # thread's submit then waits at most this long to be seen by a spinning thread.
@@ -50,7 +52,11 @@ class Poller:
         self.rings_only = rings_only and bool(rings)
         # Whether every rank of this host can have a core of its own.
         self.own_core = bool(rings) and len(rings) + 1 <= _cores()
-        self.spin = _SPIN_OWN_CORE if self.own_core else _SPIN
+        # Ranks share cores: a waiting turn gives the core away between looks (the peer
+        # may be waiting for it) rather than sleeping, which costs a wake-up each time.
+        self.crowded = bool(rings) and not self.own_core
+        self.spin = _SPIN_OWN_CORE if self.own_core else _YIELD_SPIN if self.crowded \
+            else _SPIN
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -94,9 +100,12 @@ class Poller:
             return events
         # The thread in wait() spins briefly only: the application may want the GIL.
         spin_until = time.monotonic() + (self.spin if slot == POLL_SLOT else _SPIN)
+        relax = os.sched_yield if slot == POLL_SLOT and self.crowded else None
         while time.monotonic() < spin_until and not pending:
             if self.rings_ready():
                 return events
+            if relax is not None:
+                relax()
             if not rings or self._sockets_due():
                 events = self._look_at_sockets()
                 if events:

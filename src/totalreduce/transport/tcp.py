@@ -113,7 +113,7 @@ class TcpTransport(Transport):
         return self._poller.spin if self._ring_links else 0.0
 
     def crowded(self) -> bool:
-        return bool(self._ring_links) and not self._poller.own_core
+        return self._poller.crowded
 
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
