@@ -148,7 +148,13 @@ def repeated_calls(arg: dict) -> None:
             tr.barrier()
             continue
         inputs = [a.reshape(shape) for a in _inputs(i, n, int(np.prod(shape)), dtype)]
-        got = tr.allreduce(inputs[rank], op=op, name=name)
+        if common.random() < 0.5:
+            mine_copy = inputs[rank].copy()
+            got = tr.allreduce_(mine_copy, op=op, name=name)
+            assert got is mine_copy, i
+        else:
+            got = tr.allreduce(inputs[rank], op=op, name=name)
+            assert not np.shares_memory(got, inputs[rank]), i
         want = ops[op](np.stack(inputs).astype(np.float64), axis=0)
         if op is tr.Average:
             want = want.astype(dtype)

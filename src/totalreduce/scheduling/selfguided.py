@@ -240,14 +240,15 @@ class SelfGuided:
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        small = (type(x) is np.ndarray and type(op) is ReduceOp and not inplace
+        small = (type(x) is np.ndarray and type(op) is ReduceOp
                  and (name is None or type(name) is str) and self._direct_bytes > 0
-                 and x.nbytes <= self._direct_bytes and self._engine.waits_here())
+                 and x.nbytes <= self._direct_bytes and self._engine.waits_here()
+                 and (not inplace or (x.flags.c_contiguous and x.flags.writeable)))
         if small:
             with self._lock:
                 plan = self._small.get((x.dtype, x.shape, op, name))
             if plan is not None:
-                return self._small_allreduce(plan, x, name, priority)
+                return self._small_allreduce(plan, x, name, priority, inplace)
         rop, arr = check_allreduce(x, op, name, inplace)
         ident = self._ident("allreduce", name)
         source = self._fresh_source(arr, inplace)
@@ -274,19 +275,21 @@ class SelfGuided:
         return self._launch(spec, finish)
 
     def _small_allreduce(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
-                         priority: int) -> Handle:
-        """A repeated small blocking allreduce (see :class:`_SmallAllreduce`)."""
+                         priority: int, inplace: bool) -> Handle:
+        """A repeated small blocking allreduce (see :class:`_SmallAllreduce`); in place,
+        ``x`` is contiguous and writable."""
         ident = self._ident("allreduce", name)
-        work = x.reshape(-1).copy()  # the result is this rank's own array, never x
+        # Not in place, the result is an array of its own, never x.
+        work = x.reshape(-1) if inplace else x.reshape(-1).copy()
         spec = OpSpec(ident.key, ident.label, plan.sig, plan.code, plan.count, plan.describe,
                       plan.schedule, work, None, plan.ufunc, plan.finalize, priority,
                       plan.recipe, -1, self._members)
         ran = self._engine.run_now(spec)
-        shape = x.shape
+        result = x if inplace else work.reshape(x.shape)
         if ran is True:
-            return DoneHandle(work.reshape(shape), spec.label)
+            return DoneHandle(result, spec.label)
         future = self._engine.submit(spec) if ran is False else ran
-        return FutureHandle([future], lambda: work.reshape(shape), spec.label)
+        return FutureHandle([future], lambda: result, spec.label)
 
     def _launch(self, spec: OpSpec, finish: Callable[[], Any]) -> Handle:
         """Start ``spec``: on this thread to its end when it is small, this thread blocks
