@@ -97,13 +97,16 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 
 ## Latency: blocking 8-byte allreduce and barrier
 
-`{CMD_LATENCY}` (`docs/bench/latency.txt`): 3,000 calls of each back to back (no barrier
-between two, as a training loop makes them), each call timed alone; a call's time is the
-slowest rank's. `time / mpi` is the median over MPI's median for the same op in the same
-run. At 2 ranks a blocking op with nothing else in flight runs to its end on the
-caller's thread (engine/smallpath.py), which reads its peer's message straight out of the
-shared-memory ring; what is left is Python per call (checks, identity, the header, the
-reduction), about ten times MPI's C.
+`{CMD_LATENCY}`
+(`docs/bench/latency.txt`): 3,000 calls of each back to back (no barrier between two, as
+a training loop makes them), each call timed alone; a call's time is the slowest rank's.
+`time / mpi` is the median over MPI's median for the same op in the same run. A blocking
+op with nothing else in flight runs to its end on the caller's thread
+(engine/smallpath.py), which reads its peers' messages straight out of the shared-memory
+rings; what is left is Python per call (checks, identity, the header, the reduction),
+many times MPI's C. The host switches between a fast and a slow state for seconds at a
+time, which moves our medians by up to 2x (the p10 column is the fast state) and MPI's
+hardly at all. At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
 {table("latency")[1]}
 
@@ -480,11 +483,10 @@ want it on.
 
 ## Known weak spots
 
-- Small messages: an allreduce of a few bytes costs about 45 us at 2 ranks (MPI: 3-5 us),
-  nearly all of it Python per op, even on the small path (a blocking op with nothing
-  else in flight runs on the caller's thread, engine/smallpath.py). Batch small
-  tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
-  negotiated (fused: see above).
+- Small messages: a blocking allreduce of a few bytes costs 50-100 us at 2 ranks (MPI:
+  3-5 us; the latency table above), nearly all of it Python per op, even on the small
+  path. Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many
+  of them negotiated (fused: see above).
 - The other collectives trail MPI at 2 ranks: allgather 0.47-0.70x, alltoall 0.20-0.69x,
   broadcast 0.29-0.84x from 1 MB up; reducescatter is behind up to 16 MB (0.61-0.70x) and
   ahead from 64 MB (1.55-1.72x). Allreduce, the op training uses, is ahead from 256 KB.
