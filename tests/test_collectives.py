@@ -76,6 +76,19 @@ def test_lent_bodies_match_numpy(n: int) -> None:
             assert lent > 10, lent
 
 
+def test_a_broadcast_root_copies_through_the_ring_and_other_ops_lend() -> None:
+    # The root's core has nothing else to do: a memcpy on each side beats one kernel copy
+    # on the receiver's (OpSpec.lend).
+    result = run_ok(2, "workers:broadcast_root_copies", {},
+                    env={"TOTALREDUCE_CMA_BYTES": "1",
+                         "TOTALREDUCE_SEGMENT_BYTES": str(128 << 10)}, timeout=90)
+    for r in range(2):
+        got = result.report(r)
+        assert got["broadcast"] == 0, result.explain()
+        if cma_works():
+            assert got["allgather"] > 0, result.explain()
+
+
 def test_large_bodies_are_copied_when_lending_is_off() -> None:
     result = run_ok(2, "workers:lent_bodies", {},
                     env={"TOTALREDUCE_CMA_BYTES": "0",

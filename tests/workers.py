@@ -264,6 +264,29 @@ def lent_bodies(arg: dict) -> None:
     report(lent=lent)
 
 
+def broadcast_root_copies(arg: dict) -> None:
+    """A 2-rank broadcast whose root sends through the ring (not lent), then an allgather
+    that lends; reports what each rank lent during each."""
+    tr.init()
+    rank = tr.rank()
+    count = (3 << 20) // 8 + 5  # several 128 KiB pieces and an odd tail
+    want = np.arange(count, dtype=np.float64) * 0.5
+    x = want.copy() if rank == 0 else np.zeros(count)
+    tr.barrier()
+    before = tr.transport_stats()["bodies_lent"]
+    got = tr.broadcast(x, root_rank=0, name="params")
+    assert np.array_equal(got, want), "broadcast"
+    tr.barrier()
+    mid = tr.transport_stats()["bodies_lent"]
+    rows = tr.allgather(np.full((count // 2, 2), rank, np.float64), name="rows")
+    assert np.array_equal(rows[: count // 2], np.zeros((count // 2, 2))), "allgather"
+    assert np.array_equal(rows[count // 2:], np.ones((count // 2, 2))), "allgather"
+    tr.barrier()
+    after = tr.transport_stats()["bodies_lent"]
+    tr.shutdown()
+    report(broadcast=mid - before, allgather=after - mid)
+
+
 def ready_messages(arg: dict) -> None:
     """Allreduces submitted by both ranks at once; prints how many READY messages went."""
     from totalreduce.runtime import current

@@ -408,7 +408,8 @@ class SelfGuided:
         view = {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
                 "root": int(root_rank)}
         schedule = self._algorithms.broadcast(root, work.size, arr.dtype)
-        spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority)
+        spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
+                          lend=self.rank != root)
 
         def finish() -> np.ndarray:
             if writeback:

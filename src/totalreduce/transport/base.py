@@ -43,6 +43,7 @@ class Outgoing(NamedTuple):
     header: bytes
     body: memoryview | None
     token: object
+    lend: bool = True  # the body may be lent instead of copied (OpSpec.lend)
 
 
 class MessageHandler(Protocol):

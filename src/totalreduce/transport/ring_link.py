@@ -120,7 +120,7 @@ class RingLink(Link):
                     break
             body = msg.body
             n = 0 if body is None else body.nbytes
-            if self._lend_bytes and n >= _LEND_MIN and \
+            if self._lend_bytes and msg.lend and n >= _LEND_MIN and \
                     op_nbytes(msg.header) >= self._lend_bytes:
                 assert body is not None
                 lend = self._next_lend
