@@ -202,3 +202,24 @@ def lent_body(arg: dict) -> None:
     report(direct=stats["direct_ops"], handed_over=stats["direct_handed_over"],
            lent=tr.transport_stats()["bodies_lent"])
     tr.shutdown()
+
+
+def piecewise_broadcasts(arg: dict) -> None:
+    """Blocking broadcasts under the small-broadcast threshold but cut into several pieces
+    (algorithms/select.py), from every root, in odd sizes and several dtypes."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    before = current().engine.stats()["direct_ops"]
+    calls = 0
+    for root in range(n):
+        for dtype in (np.float64, np.float16, np.uint8):
+            itemsize = np.dtype(dtype).itemsize
+            for nbytes in (900 << 10, (1 << 20) - 64):
+                count = nbytes // itemsize + 7
+                inputs = _inputs(calls, n, count, dtype)
+                got = tr.broadcast(inputs[rank], root, name=f"bc.{root}.{calls}")
+                _close(got, inputs[root], f"broadcast of {count} {np.dtype(dtype)} from {root}")
+                calls += 1
+    direct = current().engine.stats()["direct_ops"] - before
+    tr.shutdown()
+    report(calls=calls, direct=direct)

@@ -52,3 +52,11 @@ def test_a_lent_body_meets_the_small_path() -> None:
     if result.report(1)["lent"] == 0:
         pytest.skip("this host cannot lend bodies between processes (transport/cma.py)")
     assert result.report(0)["handed_over"] >= 1, result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_small_broadcasts_in_several_pieces_match_numpy(n: int) -> None:
+    result = run_ok(n, "smallpath_workers:piecewise_broadcasts", {}, timeout=120)
+    for r in range(n):
+        got = result.report(r)
+        assert got["calls"] == 6 * n and got["direct"] > 0, result.explain()

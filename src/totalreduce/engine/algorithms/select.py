@@ -39,6 +39,13 @@ from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
 
 logger = logging.getLogger("totalreduce")
 
+# Broadcasts up to small_bytes go in pieces of at most this size: a receiver copies one
+# piece out while the root copies the next in, where a whole-buffer piece makes the two
+# copies run one after the other (2 ranks, 1 MiB: 164 -> 129 us; 2 MiB: 315 -> 231 us).
+# Bigger ones keep the segment size: per-piece overhead would outweigh it (4 MiB in
+# 512 KiB pieces: 389 -> 429 us).
+_SMALL_BROADCAST_PIECE = 512 << 10
+
 
 class AllreducePlan(NamedTuple):
     schedule: Schedule
@@ -124,8 +131,11 @@ class Algorithms:
         return None
 
     def broadcast(self, root: int, count: int, dtype: np.dtype) -> Schedule:
-        return self._job(chain_broadcast(self.rank, self.size, root, count,
-                                         self.segment(dtype)))
+        seg = self.segment(dtype)
+        itemsize = np.dtype(dtype).itemsize
+        if count * itemsize <= self._small_bytes:
+            seg = min(seg, max(1, _SMALL_BROADCAST_PIECE // itemsize))
+        return self._job(chain_broadcast(self.rank, self.size, root, count, seg))
 
     def reducescatter(self, bounds: tuple[int, ...], dtype: np.dtype,
                       fresh: bool = False) -> Schedule:
