@@ -88,6 +88,9 @@ class Recorder:
     def can_defer(self, peer: int, header: Header) -> bool:
         return False
 
+    def overtaking(self, peer: int, front: Header) -> None:
+        return None
+
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         assert peer not in self.lost, f"peer {peer} reported lost twice"
         self.lost[peer] = orderly

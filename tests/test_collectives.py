@@ -89,6 +89,17 @@ def test_a_broadcast_root_copies_through_the_ring_and_other_ops_lend() -> None:
             assert got["allgather"] > 0, result.explain()
 
 
+def test_urgent_ops_overtake_the_lent_pieces_of_a_big_one() -> None:
+    # The big op's lent pieces are read in order, each a copy out of the peer's memory;
+    # the urgent ops' pieces, posted behind many of them, are handled first
+    # (ring_link._overtake).
+    result = run_ok(2, "workers:urgent_overtakes", {},
+                    env={"TOTALREDUCE_CMA_BYTES": "1",
+                         "TOTALREDUCE_SEGMENT_BYTES": str(256 << 10)}, timeout=120)
+    if cma_works():
+        assert sum(result.report(r)["overtaken"] for r in range(2)) > 0, result.explain()
+
+
 def test_large_bodies_are_copied_when_lending_is_off() -> None:
     result = run_ok(2, "workers:lent_bodies", {},
                     env={"TOTALREDUCE_CMA_BYTES": "0",

@@ -231,3 +231,35 @@ def test_chunked_flag_and_empty_body() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+def test_records_read_ahead_and_taken_are_skipped_in_order() -> None:
+    # A reader may handle records behind the one it holds (a slow, lent body) and mark
+    # them taken; reading on in order then shows each taken one as RING_TAKEN, of its own
+    # size, and the rest as posted, across a wrap-around.
+    writer, reader = _pair(4096)
+    assert writer.post(_data(0, 1500), memoryview(b"x" * 1500))
+    assert _drain(reader)[0][0] == 0  # moves the ring's start near its end
+    for step, n in enumerate([512, 64, 900, 8, 700], start=1):
+        assert writer.post(_data(step, n), memoryview(bytes([step]) * n))
+    front = reader.next()
+    assert front is not None and front[0].step == 1
+    ahead = list(reader.ahead())
+    assert [(h.step, bytes(b[:1]), b.nbytes) for _, h, b in ahead] == \
+        [(2, b"\x02", 64), (3, b"\x03", 900), (4, b"\x04", 8), (5, b"\x05", 700)]
+    for where, header, body in ahead:
+        if header.step in (3, 5):
+            body.release()
+            reader.mark_taken(where, header)
+    del ahead, front
+    reader.release()
+    kinds = []
+    while (record := reader.next()) is not None:
+        header, body = record
+        kinds.append((header.kind, header.step, body.nbytes))
+        body.release()
+        reader.release()
+    assert kinds == [(Kind.DATA, 2, 64), (Kind.RING_TAKEN, 0, 900), (Kind.DATA, 4, 8),
+                     (Kind.RING_TAKEN, 0, 700)]
+    # Everything was freed: the writer has the whole ring again.
+    assert writer.post(_data(9, 2000), memoryview(b"y" * 2000))

@@ -287,6 +287,35 @@ def broadcast_root_copies(arg: dict) -> None:
     report(broadcast=mid - before, allgather=after - mid)
 
 
+def urgent_overtakes(arg: dict) -> None:
+    """A big allreduce in many lent pieces, then at once a more urgent small op of each
+    kind whose pieces the peer posts behind them; every result against numpy; reports how
+    many messages were read ahead of slower ones."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    count = (8 << 20) // 4 + 3
+    for rep in range(4):
+        big = np.full(count, rank + rep, np.float32)
+        h = tr.allreduce_async_(big, op=tr.Sum, name=f"big.{rep}", priority=0)
+        dtype = [np.float64, np.int32, np.float16, np.uint8][rep]
+        small = (np.arange(1000 + rep, dtype=np.int64) % 7 + rank).astype(dtype)
+        want = sum((np.arange(1000 + rep, dtype=np.int64) % 7 + r).astype(dtype)
+                   for r in range(n))
+        got = tr.allreduce(small, op=tr.Sum, name=f"urgent.{rep}", priority=5)
+        assert_same(got, want.astype(dtype), f"urgent {rep}")
+        rows = tr.allgather(np.full((rep + 1, 2), rank, np.int32), name=f"rows.{rep}",
+                            priority=5)
+        assert_same(rows, np.concatenate([np.full((rep + 1, 2), r, np.int32)
+                                          for r in range(n)]), f"rows {rep}")
+        h.wait(timeout=120)
+        assert_same(big, np.full(count, sum(r + rep for r in range(n)), np.float32),
+                    f"big {rep}")
+    tr.barrier()
+    stats = tr.transport_stats()
+    tr.shutdown()
+    report(overtaken=stats["overtaken"], lent=stats["bodies_lent"])
+
+
 def ready_messages(arg: dict) -> None:
     """Allreduces submitted by both ranks at once; prints how many READY messages went."""
     from totalreduce.runtime import current

@@ -9,6 +9,8 @@ piece is the applier's (applier.py); control messages go to peers.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..transport.wire import FLAG_CREDITED, FLAG_READY, HEADER_SIZE, Header, Kind
 from .applier import Applier
 from .floating import Floating
@@ -154,6 +156,26 @@ class Inbox:
         return not self._ops.active and self._job.usable() and not self._floating.watched() \
             and (self.small is None or self.small.current is None) \
             and header.op_key not in self._ops.done
+
+    def overtaking(self, peer: int, front: Header) -> Callable[[Header], bool] | None:
+        # Only pieces of an op running here, of a higher priority than front's (which runs
+        # here too): a body for an op not submitted yet floats either way, and between ops
+        # of one priority the order of arrival stands.
+        active = self._ops.active
+        slow = active.get((front.name_key, front.seq))
+        if slow is None:
+            return None
+        floor = slow.spec.priority
+        if not any(op.spec.priority > floor for op in active.values()):
+            return None
+
+        def faster(header: Header) -> bool:
+            if header.kind != Kind.DATA:
+                return False
+            op = active.get((header.name_key, header.seq))
+            return op is not None and not op.finished and op.spec.priority > floor
+
+        return faster
 
     def lost(self, peer: int) -> None:
         """The link to ``peer`` ended: a body it was sending will never finish."""

@@ -13,18 +13,20 @@ may be called without that lock.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from .wire import Header
 
 
 class Counters:
-    """What a transport moved: whole messages (header included) in each direction, and
-    bodies lent rather than copied (ring links).  Counted where each message leaves or
-    arrives, so a benchmark reads volume from here rather than from formulas."""
+    """What a transport moved: whole messages (header included) in each direction, bodies
+    lent rather than copied, and messages read ahead of slower ones (ring links).  Counted
+    where each message leaves or arrives, so a benchmark reads volume from here rather
+    than from formulas."""
 
     __slots__ = ("messages_sent", "bytes_sent", "messages_received", "bytes_received",
-                 "bodies_lent")
+                 "bodies_lent", "overtaken")
 
     def __init__(self) -> None:
         self.messages_sent = 0
@@ -32,6 +34,7 @@ class Counters:
         self.messages_received = 0
         self.bytes_received = 0
         self.bodies_lent = 0
+        self.overtaken = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -68,6 +71,11 @@ class MessageHandler(Protocol):
         """Whether a DATA message still in the transport's memory (a shared-memory slot)
         may stay there, unread, until :meth:`Transport.resume`: its op is not known here
         yet and nothing here waits on anything queued behind it."""
+
+    def overtaking(self, peer: int, front: Header) -> Callable[[Header], bool] | None:
+        """Which messages from ``peer`` posted behind ``front``, a slow one (a lent body),
+        may be handled first (:meth:`received_view`, DATA whose body lies whole in the
+        transport's memory): a test of their headers, or None when none may."""
 
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         """The link to ``peer`` ended.  ``orderly`` is True after the peer said goodbye."""

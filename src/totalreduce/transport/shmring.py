@@ -35,6 +35,7 @@ import os
 import platform
 import secrets
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -240,6 +241,36 @@ class RingReader:
         if chunked:
             return header, view[offset:offset]
         return header, view[offset + HEADER_SIZE:offset + HEADER_SIZE + body]
+
+    def ahead(self) -> Iterator[tuple[int, Header, memoryview]]:
+        """The records posted after the one :meth:`next` returned, oldest first, as (where,
+        header, body), without taking them; bodies as :meth:`next` gives them."""
+        ctl = self._ctl
+        head = int(ctl[_HEAD])
+        pos = self._pos + self._size
+        cap = self.capacity
+        view = self._m.view
+        while pos < head:
+            offset = pos % cap
+            header = unpack_header(view[offset:offset + HEADER_SIZE])
+            if header.kind == Kind.RING_WRAP:
+                pos += cap - offset
+                continue
+            chunked = header.flags & FLAG_CHUNKED
+            body = REMOTE_BODY.size if header.flags & FLAG_REMOTE else header.nbytes
+            size = HEADER_SIZE if chunked else _align(HEADER_SIZE + body)
+            if offset + size > cap or pos + size > head:
+                raise WireError(f"ring record of {header.nbytes} bytes at {offset} overruns")
+            yield pos, header, view[offset + HEADER_SIZE:offset + HEADER_SIZE +
+                                    (0 if chunked else body)]
+            pos += size
+
+    def mark_taken(self, where: int, header: Header) -> None:
+        """A record from :meth:`ahead` (a whole-bodied one) has been handled: :meth:`next`
+        will show it as RING_TAKEN, to be released unread."""
+        offset = where % self.capacity
+        self._m.view[offset:offset + HEADER_SIZE] = \
+            Header(Kind.RING_TAKEN, nbytes=header.nbytes).pack()
 
     def release(self) -> bool:
         """Free the record from :meth:`next`; True if the producer waits for room (ring

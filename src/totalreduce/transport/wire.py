@@ -53,6 +53,8 @@ class Kind(enum.IntEnum):
     RING_ACK = 9   # shared-memory ring only: a FLAG_REMOTE body (lend id in .seq) was read
     OP_FAILED = 10  # the op (name_key, seq) failed here because rank .step - 1 left; body:
                     # the reason.  Peers fail it too: it cannot finish without the sender.
+    RING_TAKEN = 11  # shared-memory ring only: a record its reader has already handled out
+                     # of order (it overtook slower ones); skipped.  Written by the reader.
 
 
 # Codes are part of the wire format: never renumber.
