@@ -91,6 +91,9 @@ class Recorder:
     def overtaking(self, peer: int, front: Header) -> None:
         return None
 
+    def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
+        raise AssertionError("no message may overtake another here")
+
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         assert peer not in self.lost, f"peer {peer} reported lost twice"
         self.lost[peer] = orderly

@@ -89,13 +89,15 @@ def test_a_broadcast_root_copies_through_the_ring_and_other_ops_lend() -> None:
             assert got["allgather"] > 0, result.explain()
 
 
-def test_urgent_ops_overtake_the_lent_pieces_of_a_big_one() -> None:
+@pytest.mark.parametrize("segment", [256 << 10, 1 << 20])
+def test_urgent_ops_overtake_the_lent_pieces_of_a_big_one(segment: int) -> None:
     # The big op's lent pieces are read in order, each a copy out of the peer's memory;
     # the urgent ops' pieces, posted behind many of them, are handled first
-    # (ring_link._overtake).
+    # (ring_link._overtake): between two pieces, and with 1 MiB pieces also between the
+    # slices of one piece's copy.
     result = run_ok(2, "workers:urgent_overtakes", {},
                     env={"TOTALREDUCE_CMA_BYTES": "1",
-                         "TOTALREDUCE_SEGMENT_BYTES": str(256 << 10)}, timeout=120)
+                         "TOTALREDUCE_SEGMENT_BYTES": str(segment)}, timeout=120)
     if cma_works():
         assert sum(result.report(r)["overtaken"] for r in range(2)) > 0, result.explain()
 

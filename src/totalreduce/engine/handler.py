@@ -11,7 +11,7 @@ from .peers import PeerEvents
 
 class Handler:
     __slots__ = ("next_outgoing", "body_buffer", "received", "received_view", "can_defer",
-                 "overtaking", "_outbox", "_inbox", "_applier", "_peers")
+                 "overtaking", "received_ahead", "_outbox", "_inbox", "_applier", "_peers")
 
     def __init__(self, outbox: Outbox, inbox: Inbox, applier: Applier, peers: PeerEvents
                  ) -> None:
@@ -26,6 +26,7 @@ class Handler:
         self.received_view = inbox.received_view
         self.can_defer = inbox.can_defer
         self.overtaking = inbox.overtaking
+        self.received_ahead = inbox.received_ahead
 
     def sent(self, peer: int, token: object) -> None:
         op = self._outbox.sent(token)

@@ -177,6 +177,15 @@ class Inbox:
 
         return faster
 
+    def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
+        # The route of a body still arriving from this peer stays for it.
+        pending = self._routes.pop(peer, None)
+        try:
+            self.received_view(peer, header, body)
+        finally:
+            if pending is not None:
+                self._routes[peer] = pending
+
     def lost(self, peer: int) -> None:
         """The link to ``peer`` ended: a body it was sending will never finish."""
         self._routes.pop(peer, None)

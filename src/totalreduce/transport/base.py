@@ -74,8 +74,13 @@ class MessageHandler(Protocol):
 
     def overtaking(self, peer: int, front: Header) -> Callable[[Header], bool] | None:
         """Which messages from ``peer`` posted behind ``front``, a slow one (a lent body),
-        may be handled first (:meth:`received_view`, DATA whose body lies whole in the
+        may be handled first (:meth:`received_ahead`, DATA whose body lies whole in the
         transport's memory): a test of their headers, or None when none may."""
+
+    def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
+        """:meth:`received_view` for a message that overtook others from ``peer``
+        (:meth:`overtaking`), perhaps while the body of one of them is arriving into the
+        buffer :meth:`body_buffer` gave for it."""
 
     def peer_lost(self, peer: int, reason: str, orderly: bool) -> None:
         """The link to ``peer`` ended.  ``orderly`` is True after the peer said goodbye."""

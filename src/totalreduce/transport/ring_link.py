@@ -35,6 +35,9 @@ _LEND_MIN = 64 << 10  # smaller bodies are copied: a lent body costs the reader 
 # Before handling a body at least this big (lent, or in the ring), more urgent messages
 # posted behind it are handled first (_overtake): it takes tens of microseconds or more.
 _OVERTAKE_MIN = 256 << 10
+# While a more urgent op runs, a lent body is copied in slices of this size, with a look
+# for its messages between two (one syscall per slice instead of one per body).
+_URGENT_SLICE = 256 << 10
 
 
 class _LendFailed(Exception):
@@ -298,11 +301,13 @@ class RingLink(Link):
                 elif header.kind == Kind.RING_TAKEN:
                     freed |= ring.release()
                 elif header.flags & FLAG_REMOTE:
+                    if self._overtake(header):
+                        break  # this turn's caller may be waiting for what they finished
                     address, lend = REMOTE_BODY.unpack_from(body)
-                    self._overtake(header)
                     freed |= ring.release()
-                    self._copy_lent(header._replace(flags=header.flags & ~FLAG_REMOTE),
-                                    address, lend)
+                    if self._copy_lent(header._replace(flags=header.flags & ~FLAG_REMOTE),
+                                       address, lend):
+                        break
                 elif header.flags & FLAG_CHUNKED:
                     freed |= ring.release()
                     header = header._replace(flags=header.flags & ~FLAG_CHUNKED)
@@ -315,8 +320,8 @@ class RingLink(Link):
                 else:
                     if header.kind == Kind.GOODBYE:
                         self.goodbye = True
-                    if header.nbytes >= _OVERTAKE_MIN:
-                        self._overtake(header)
+                    if header.nbytes >= _OVERTAKE_MIN and self._overtake(header):
+                        break
                     counters.messages_received += 1
                     counters.bytes_received += HEADER_SIZE + header.nbytes
                     handler.received_view(peer, header, body)
@@ -330,18 +335,21 @@ class RingLink(Link):
         if freed and not self.closed:
             self.doorbell()  # its writer waits for room
 
-    def _overtake(self, front: Header) -> None:
+    def _overtake(self, front: Header) -> bool:
         """Before handling ``front``, a big body (a lent one: hundreds of microseconds),
         handle the more urgent messages posted behind it (the handler says which): they
         would wait for every big body ahead of them otherwise, since records are read in
-        order.  A message is never handled before an earlier one of its own op."""
+        order.  A message is never handled before an earlier one of its own op.  Returns
+        whether any was: ``front`` then waits for the next turn of the loop, whose driver
+        may be waiting for the op they finished."""
         ring = self.ring_in
         assert ring is not None
         handler = self.owner.handler
         faster = handler.overtaking(self.peer, front)
         if faster is None:
-            return
+            return False
         counters = self.counters
+        took = False
         passed: set[tuple[int, int]] = set()
         for where, header, body in ring.ahead():
             key = (header.name_key, header.seq)
@@ -352,20 +360,32 @@ class RingLink(Link):
             counters.messages_received += 1
             counters.bytes_received += HEADER_SIZE + header.nbytes
             counters.overtaken += 1
-            handler.received_view(self.peer, header, body)
+            handler.received_ahead(self.peer, header, body)
             ring.mark_taken(where, header)
+            took = True
+        return took
 
-    def _copy_lent(self, header: Header, address: int, lend: int) -> None:
-        """Copy a body the peer lent us out of its memory, acknowledge it, hand it on."""
+    def _copy_lent(self, header: Header, address: int, lend: int) -> bool:
+        """Copy a body the peer lent us out of its memory, acknowledge it, hand it on.
+        Returns whether messages overtook it meanwhile (see :meth:`_overtake`)."""
         handler = self.owner.handler
         pid = self.ring_in.lender_pid if self.ring_in is not None else None
         if pid is None:
             raise WireError("a lent body from a peer whose memory we cannot read")
         dest = handler.body_buffer(self.peer, header)
-        if dest.nbytes != header.nbytes:
+        n = dest.nbytes
+        if n != header.nbytes:
             raise AssertionError("body_buffer returned a buffer of the wrong size")
+        took = False
+        urgent = n > _URGENT_SLICE and handler.overtaking(self.peer, header) is not None
         try:
-            cma.read_into(pid, dest, address)
+            if not urgent:
+                cma.read_into(pid, dest, address)
+            else:
+                for at in range(0, n, _URGENT_SLICE):
+                    cma.read_into(pid, dest[at:at + _URGENT_SLICE], address + at)
+                    if at + _URGENT_SLICE < n:
+                        took |= self._overtake(header)
         except OSError as exc:
             raise _LendFailed(f"cannot copy a body out of rank {self.peer}: {exc}") from None
         # Acknowledge before handing it on: the handler may reduce it (hundreds of us)
@@ -382,3 +402,4 @@ class RingLink(Link):
         counters.messages_received += 1
         counters.bytes_received += HEADER_SIZE + header.nbytes
         handler.received(self.peer, header, dest)
+        return took
