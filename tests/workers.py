@@ -266,7 +266,7 @@ def lent_bodies(arg: dict) -> None:
 
 def broadcast_root_copies(arg: dict) -> None:
     """A 2-rank broadcast whose root sends through the ring (not lent), then an allgather
-    that lends; reports what each rank lent during each."""
+    and an alltoall that lend; reports what each rank lent during each."""
     tr.init()
     rank = tr.rank()
     count = (3 << 20) // 8 + 5  # several 128 KiB pieces and an odd tail
@@ -283,8 +283,15 @@ def broadcast_root_copies(arg: dict) -> None:
     assert np.array_equal(rows[count // 2:], np.ones((count // 2, 2))), "allgather"
     tr.barrier()
     after = tr.transport_stats()["bodies_lent"]
+    mine = np.arange(2 * count, dtype=np.float64) + 10 * rank
+    got, splits = tr.alltoall(mine, name="swap")
+    want = np.concatenate([(np.arange(2 * count, dtype=np.float64) + 10 * r)
+                           [rank * count:(rank + 1) * count] for r in range(2)])
+    assert np.array_equal(got, want) and list(splits) == [count, count], "alltoall"
+    tr.barrier()
+    last = tr.transport_stats()["bodies_lent"]
     tr.shutdown()
-    report(broadcast=mid - before, allgather=after - mid)
+    report(broadcast=mid - before, allgather=after - mid, alltoall=last - after)
 
 
 def urgent_overtakes(arg: dict) -> None:

@@ -126,8 +126,10 @@ class RingLink(Link):
                     break
             body = msg.body
             n = 0 if body is None else body.nbytes
+            # An op's size decides (a big op's small tail pieces are lent too), or the
+            # body's where the header carries none (an alltoall's count is 0).
             if self._lend_bytes and msg.lend and n >= _LEND_MIN and \
-                    op_nbytes(msg.header) >= self._lend_bytes:
+                    max(op_nbytes(msg.header), n) >= self._lend_bytes:
                 assert body is not None
                 lend = self._next_lend
                 desc = REMOTE_BODY.pack(cma.address_of(body), lend)
