@@ -102,6 +102,23 @@ def test_urgent_ops_overtake_the_lent_pieces_of_a_big_one(segment: int) -> None:
         assert sum(result.report(r)["overtaken"] for r in range(2)) > 0, result.explain()
 
 
+@pytest.mark.parametrize("mode", ["selfguided", "negotiated"])
+def test_gathering_ops_write_into_out(mode: str) -> None:
+    result = run_ok(3, "workers:results_into_out", {}, timeout=120,
+                    env={"TOTALREDUCE_COORDINATION": mode})
+    for r in range(3):
+        got = result.report(r)
+        assert got["checked"] == 14, result.explain()
+        errors = got["errors"]
+        assert "out must be a float32 array" in errors["dtype"], errors
+        assert "must not overlap" in errors["overlap"], errors
+        if r == 1:
+            assert "rank 1: allgather 'rows': out has 5 rows, the result has 6" \
+                in errors["rows"], errors
+        else:
+            assert errors["rows"] == "", errors
+
+
 def test_large_bodies_are_copied_when_lending_is_off() -> None:
     result = run_ok(2, "workers:lent_bodies", {},
                     env={"TOTALREDUCE_CMA_BYTES": "0",

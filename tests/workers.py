@@ -323,6 +323,52 @@ def urgent_overtakes(arg: dict) -> None:
     report(overtaken=stats["overtaken"], lent=stats["bodies_lent"])
 
 
+def results_into_out(arg: dict) -> None:
+    """allgather and alltoall with out=: every dtype, odd and empty blocks, sync and async,
+    against numpy, the result in the caller's array; then the mistakes: a wrong dtype or
+    an overlapping out raises at once on that rank; out with the wrong rows (rank 1 only)
+    lets every rank's call finish and raises on rank 1 alone."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    checked = 0
+    for i, dtype in enumerate([np.float32, np.float64, np.int32, np.uint8, np.float16,
+                               np.int64, np.bool_]):
+        rows = [(3 * r + i) % 5 for r in range(n)]  # some ranks send no rows
+        blocks = [data(i, r, (rows[r], 3), dtype) for r in range(n)]
+        out = np.full((sum(rows), 3), 7, dtype)
+        if i % 2:
+            got = tr.allgather_async(blocks[rank], name=f"ag.{i}", out=out).wait()
+        else:
+            got = tr.allgather(blocks[rank], name=f"ag.{i}", out=out)
+        assert got is out, "allgather out"
+        assert_same(out, np.concatenate(blocks), f"allgather out {np.dtype(dtype)}")
+        splits = [[(r + d + i) % 3 for d in range(n)] for r in range(n)]
+        sent = [data(100 + i, r, (sum(splits[r]), 2), dtype) for r in range(n)]
+        back = np.empty((sum(splits[r][rank] for r in range(n)), 2), dtype)
+        got, recv = tr.alltoall(sent[rank], splits[rank], name=f"a2a.{i}", out=back)
+        want = [sent[r][sum(splits[r][:rank]):sum(splits[r][:rank + 1])] for r in range(n)]
+        assert got is back and list(recv) == [splits[r][rank] for r in range(n)]
+        assert_same(back, np.concatenate(want), f"alltoall out {np.dtype(dtype)}")
+        checked += 2
+    x = np.ones((2, 3), np.float32)
+    errors = {}
+    for what, call in (("dtype", lambda: tr.allgather(x, name="bad", out=np.empty((2 * n, 3)))),
+                       ("overlap", lambda: tr.alltoall(x, name="bad2", out=x))):
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            errors[what] = str(exc)
+    short = np.empty((2 * n - (1 if rank == 1 else 0), 3), np.float32)
+    try:
+        tr.allgather(x, name="rows", out=short)
+        errors["rows"] = ""
+    except ValueError as exc:
+        errors["rows"] = str(exc)
+    assert_same(tr.allreduce(np.ones(1), op=tr.Sum, name="after"), np.full(1, float(n)), "after")
+    tr.shutdown()
+    report(checked=checked, errors=errors)
+
+
 def ready_messages(arg: dict) -> None:
     """Allreduces submitted by both ranks at once; prints how many READY messages went."""
     from totalreduce.runtime import current

@@ -231,16 +231,27 @@ def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
 
 
 def allgather_async(x: Any, name: str | None = None, priority: int = 0,
-    process_set: ProcessSet = global_process_set) -> Handle:
-    """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ)."""
-    return _ops(process_set, "allgather").allgather(x, name, priority)
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
+    """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ).
+
+    ``out``: a writable C-contiguous array of ``x``'s dtype and trailing dimensions, with
+    as many rows as the result, to write it to (and return) instead of a new array; as
+    torch's ``all_gather_into_tensor`` and MPI's receive buffer.  A big result in a new
+    array costs its pages' first touch on every call, about as much as the copies.
+
+    Raises:
+        ValueError: ``out`` does not fit (its rows only once the others' are known: the
+            call then completes for every rank and raises on this one).
+    """
+    return _ops(process_set, "allgather").allgather(x, name, priority, out)
 
 
 def allgather(x: Any, name: str | None = None, priority: int = 0,
-    process_set: ProcessSet = global_process_set) -> np.ndarray:
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None
+              ) -> np.ndarray:
     ops = _ops(process_set, "allgather")
     with ops.caller_waits():
-        return ops.allgather(x, name, priority).wait()
+        return ops.allgather(x, name, priority, out).wait()
 
 
 def broadcast_async(x: Any, root_rank: int, name: str | None = None,
@@ -278,25 +289,27 @@ def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
 
 def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
                    priority: int = 0,
-    process_set: ProcessSet = global_process_set) -> Handle:
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
     """Send rows ``splits[i]`` of ``x`` (along axis 0) to rank ``i``.
 
     ``splits=None`` divides the rows as evenly as possible, lower ranks taking the extra
-    rows.  ``wait()`` returns ``(output, received_splits)``.
+    rows.  ``wait()`` returns ``(output, received_splits)``.  ``out``: as allgather's
+    (the received rows go there; it must not overlap ``x``).
 
     Raises:
         ValueError: ``splits`` is not one non-negative count per rank summing to
-            ``x.shape[0]``.
+            ``x.shape[0]``, or ``out`` does not fit.
     """
-    return _ops(process_set, "alltoall").alltoall(x, splits, name, priority)
+    return _ops(process_set, "alltoall").alltoall(x, splits, name, priority, out)
 
 
 def alltoall(x: Any, splits: Any = None, name: str | None = None,
              priority: int = 0,
-    process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
     ops = _ops(process_set, "alltoall")
     with ops.caller_waits():
-        return ops.alltoall(x, splits, name, priority).wait()
+        return ops.alltoall(x, splits, name, priority, out).wait()
 
 
 def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,

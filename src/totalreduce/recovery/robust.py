@@ -221,16 +221,18 @@ class Robust:
         return self._call("broadcast", name, lambda s: s.broadcast(
             x, root_rank, name, priority, inplace), x if inplace else None)
 
-    def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
-        return self._call("allgather", name, lambda s: s.allgather(x, name, priority))
+    def allgather(self, x: Any, name: str | None, priority: int,
+                  out: Any = None) -> Handle:
+        return self._call("allgather", name, lambda s: s.allgather(x, name, priority, out))
 
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         return self._call("reducescatter", name,
                           lambda s: s.reducescatter(x, op, name, priority))
 
-    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
+                 out: Any = None) -> Handle:
         return self._call("alltoall", name,
-                          lambda s: s.alltoall(x, splits, name, priority), pair=True)
+                          lambda s: s.alltoall(x, splits, name, priority, out), pair=True)
 
     def barrier(self) -> Handle:
         return self._call("barrier", None, lambda s: s.barrier(), nothing=True)

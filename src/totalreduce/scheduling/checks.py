@@ -110,6 +110,37 @@ def check_rows(x: Any, kind: str, name: str | None) -> np.ndarray:
     return arr
 
 
+def check_out(out: Any, arr: np.ndarray, kind: str, name: str | None) -> np.ndarray | None:
+    """``out=`` of a gathering op (allgather, alltoall): where its result goes instead of
+    a new array.  Its dtype, trailing dimensions and layout are checked here; its first
+    dimension only once the ranks' sizes are known (:func:`check_out_rows`)."""
+    if out is None:
+        return None
+    shown = what(kind, name)
+    if type(out) is not np.ndarray:
+        raise TypeError(f"{shown}: out must be a numpy array, got {type(out).__name__}")
+    if out.dtype != arr.dtype or out.shape[1:] != arr.shape[1:] or out.ndim != arr.ndim:
+        raise ValueError(f"{shown}: out must be a {arr.dtype} array of shape "
+                         f"(rows, {', '.join(map(str, arr.shape[1:]))}) like the input "
+                         f"{arr.dtype} {arr.shape}, got {out.dtype} {out.shape}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError(f"{shown}: out must be a writable C-contiguous array")
+    if kind == "alltoall" and np.may_share_memory(out, arr):
+        # Its rows for the peers are read from the input while theirs are written here.
+        raise ValueError(f"{shown}: out must not overlap the input")
+    return out
+
+
+def check_out_rows(out: np.ndarray | None, rows: int, rank: int, kind: str,
+                   name: str | None) -> None:
+    """``out=`` against the result's first dimension, known after the sizes exchange.
+    A wrong one is found after every rank took part in the data exchange (into a buffer
+    of its own), so that the peers' calls finish."""
+    if out is not None and out.shape[0] != rows:
+        raise ValueError(f"rank {rank}: {what(kind, name)}: out has {out.shape[0]} rows, "
+                         f"the result has {rows}")
+
+
 def check_reducescatter(x: Any, op: Any, name: str | None) -> tuple[ReduceOp, np.ndarray]:
     rop = as_reduce_op(op)
     arr = check_rows(x, "reducescatter", name)

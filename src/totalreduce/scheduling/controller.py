@@ -378,9 +378,9 @@ class Controller:
             elif kind == "broadcast":
                 handle = ops.broadcast(arr, root, name, prio, request.inplace)
             elif kind == "allgather":
-                handle = ops.allgather(arr, name, prio)
+                handle = ops.allgather(arr, name, prio, request.out)
             elif kind == "alltoall":
-                handle = ops.alltoall(arr, request.splits, name, prio)
+                handle = ops.alltoall(arr, request.splits, name, prio, request.out)
             elif kind == "reducescatter":
                 handle = ops.reducescatter(arr, op, name, prio)
             else:
@@ -398,7 +398,10 @@ class Controller:
                 self._timeline.span(name, label, started, time.monotonic())
             error = h.error()
             if error is None:
-                request.result = h.result_now()
+                try:
+                    request.result = h.result_now()
+                except Exception as exc:  # noqa: BLE001 - its caller's (a wrong out=)
+                    error = exc
             request.resolve(error)
 
         handle.add_done_callback(done)

@@ -27,6 +27,7 @@ from .checks import (
     check_broadcast,
     check_grouped,
     check_name,
+    check_out,
     check_reducescatter,
     check_rows,
 )
@@ -74,10 +75,10 @@ class Negotiated:
 
     def _request(self, kind: str, name: str | None, arr: np.ndarray | None, op: int = -1,
                  root: int = -1, inplace: bool = False, priority: int = 0,
-                 splits: Any = None) -> Request:
+                 splits: Any = None, out: np.ndarray | None = None) -> Request:
         """The request, submitted: it is also the handle the caller waits on."""
         request = Request(self._name(kind, name), params_of(kind, arr, op, root), arr,
-                          inplace, priority, splits)
+                          inplace, priority, splits, out)
         self._controller.submit(request)
         return request
 
@@ -114,13 +115,18 @@ class Negotiated:
         rop, arr = check_reducescatter(x, op, name)
         return self._request("reducescatter", name, arr, int(rop), priority=priority)
 
-    def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
+    def allgather(self, x: Any, name: str | None, priority: int,
+                  out: np.ndarray | None = None) -> Handle:
         arr = check_rows(x, "allgather", name)
-        return self._request("allgather", name, arr, priority=priority)
+        check_out(out, arr, "allgather", name)
+        return self._request("allgather", name, arr, priority=priority, out=out)
 
-    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
+                 out: np.ndarray | None = None) -> Handle:
         arr, _rows = check_alltoall(x, splits, name, self.size)
-        return self._request("alltoall", name, arr, priority=priority, splits=splits)
+        check_out(out, arr, "alltoall", name)
+        return self._request("alltoall", name, arr, priority=priority, splits=splits,
+                             out=out)
 
     def barrier(self) -> Handle:
         return self._request("barrier", None, None)

@@ -36,6 +36,8 @@ from .checks import (
     check_alltoall,
     check_broadcast,
     check_grouped,
+    check_out,
+    check_out_rows,
     check_reducescatter,
     check_rows,
 )
@@ -73,6 +75,16 @@ def _bounds(counts: Sequence[int] | np.ndarray, scale: int) -> tuple[int, ...]:
     for c in counts:
         out.append(out[-1] + int(c) * scale)
     return tuple(out)
+
+
+def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtype
+                   ) -> np.ndarray:
+    """Where a gathering op's data phase writes: the caller's ``out`` when it has the
+    result's rows (no fresh pages to fault in and zero: above glibc's mmap threshold a
+    new result costs as much as the copies), else a new flat array."""
+    if out is not None and out.shape[0] == rows:
+        return out.reshape(-1)
+    return np.empty(count, dtype)
 
 
 class _Ident:
@@ -467,8 +479,10 @@ class SelfGuided:
         first.add_done_callback(start_second)
         return outer
 
-    def allgather(self, x: Any, name: str | None, priority: int) -> Handle:
+    def allgather(self, x: Any, name: str | None, priority: int,
+                  out: np.ndarray | None = None) -> Handle:
         arr = check_rows(x, "allgather", name)
+        target = check_out(out, arr, "allgather", name)
         sizes_id = self._ident("allgather", name)
         data_id = self._ident("allgather", name, "\x00data")
         view = {"kind": "allgather", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
@@ -484,15 +498,17 @@ class SelfGuided:
 
         def second() -> OpSpec:
             bounds = _bounds(sizes, row)
-            out = np.empty(bounds[-1], arr.dtype)
-            out[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
-            state["out"] = out
+            buf = _result_buffer(target, int(sizes.sum()), bounds[-1], arr.dtype)
+            buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
+            state["out"] = buf
             schedule = self._algorithms.allgather(bounds, arr.dtype)
-            return self._spec(data_id, view, arr.dtype, bounds[-1], schedule, out, priority,
+            return self._spec(data_id, view, arr.dtype, bounds[-1], schedule, buf, priority,
                               shown=shown)
 
         def finish() -> np.ndarray:
-            return state["out"].reshape((int(sizes.sum()), *arr.shape[1:]))
+            rows = int(sizes.sum())
+            check_out_rows(target, rows, rank, "allgather", name)
+            return state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
 
         return self._phases(first, second, finish, sizes_id.label)
 
@@ -511,8 +527,10 @@ class SelfGuided:
                                  lambda: self._engine.submit(second()))
         return FutureHandle([future], finish, label)
 
-    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int) -> Handle:
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
+                 out: np.ndarray | None = None) -> Handle:
         arr, send_rows = check_alltoall(x, splits, name, self.size)
+        target = check_out(out, arr, "alltoall", name)
         n, rank = self.size, self.rank
         splits_id = self._ident("alltoall", name)
         data_id = self._ident("alltoall", name, "\x00data")
@@ -530,16 +548,18 @@ class SelfGuided:
 
         def second() -> OpSpec:
             sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
-            out = np.empty(rb[-1], arr.dtype)
-            out[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
-            state["out"] = out
+            buf = _result_buffer(target, int(recv_rows.sum()), rb[-1], arr.dtype)
+            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
+            state["out"] = buf
             schedule = self._algorithms.alltoall(sb, rb, arr.dtype)
-            return self._spec(data_id, view, arr.dtype, 0, schedule, out, priority,
+            return self._spec(data_id, view, arr.dtype, 0, schedule, buf, priority,
                               shown=shown, source=flat)
 
         def finish() -> tuple[np.ndarray, np.ndarray]:
-            out = state["out"].reshape((int(recv_rows.sum()), *arr.shape[1:]))
-            return out, recv_rows.copy()
+            rows = int(recv_rows.sum())
+            check_out_rows(target, rows, rank, "alltoall", name)
+            got = state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
+            return got, recv_rows.copy()
 
         return self._phases(first, second, finish, splits_id.label)
 
