@@ -37,7 +37,17 @@ def table(name: str, keep: Callable[[list[str]], bool] | None = None) -> tuple[s
     rows = [ln for ln in lines if ln and not ln.startswith("environment:")]
     if keep is not None:
         rows = rows[:2] + [ln for ln in rows[2:] if keep(ln.split())]
-    return env, "```\n" + "\n".join(rows) + "\n```"
+    return env, "```\n" + "\n".join(rows) + "\n```" + _measured(env)
+
+
+def _measured(env: str) -> str:
+    """Where a table was measured, from its environment line: the tables come from runs
+    at different commits, and on two kinds of host."""
+    fields = dict(part.strip().split(" ", 1) for part in
+                  env.removeprefix("environment: ").split(",") if " " in part.strip())
+    if "cpu" not in fields:
+        return ""
+    return f"\n\n<sub>{fields['cpu']}, commit {fields.get('commit', '?')}</sub>"
 
 
 def main() -> None:
@@ -54,8 +64,13 @@ the defaults, are in `docs/dev/perf-log.md`.
 
 ## Environment
 
-One virtual machine, 2 cores, no GPU; every rank on the same host, so same-host transports
-(shared-memory rings, MPICH's shared memory) carry all traffic. The bench prints:
+A virtual machine with 2 cores and no GPU; every rank on the same host, so same-host
+transports (shared-memory rings, MPICH's shared memory) carry all traffic. The tables
+come from two such machines, one on AMD EPYC and one on Intel Xeon cores (the Intel one
+copies memory faster: MPI's 1 MB broadcast takes 0.06 ms there, 0.08 ms on the AMD
+one), and from different commits: under each table, its machine and commit. Compare
+ratios within a table, not absolute times across tables. The 2-rank collectives table's
+bench printed:
 
     {env.removeprefix("environment: ")}
 
@@ -75,6 +90,10 @@ longer; a table's p10-p90 column shows how much a run was hit.
   reducescatter and alltoall (n-1)/n, broadcast 1. "speed vs mpi" is MPI's median time over
   the backend's, in the same run.
 - Sizes are bytes of float32 per rank (allgather: of the gathered result).
+- Results go into arrays made once, for every library: MPI's receive buffers,
+  totalreduce's in-place forms (`allreduce_`, `broadcast_`) and `out=` (allgather,
+  alltoall). Reducescatter returns a new array (its result is a slice of the op's own
+  buffer).
 
 ## Collectives, 2 ranks
 
@@ -195,6 +214,16 @@ ranks) + MPI's flat allreduce time in the same run.
 `python -m totalreduce.bench preempt -n 2 --rounds 2` (`docs/bench/preempt-2.txt`):
 
 {table("preempt-2")[1]}
+
+Over the shared-memory rings the big op's pieces are lent (the receiver copies each 2 MiB
+piece out of the sender's memory and reduces it, about 0.5 ms), and the reader takes ring
+records in order, so a message posted behind a dozen of them waited for all (8-9 ms, as
+"priority off" still does). With priorities, before each big body the reader handles the
+DATA records posted behind it whose op runs here at a higher priority, and while such an
+op runs it copies lent bodies in 256 KiB slices with a look between two. What is left is
+the piece each rank holds when the urgent op is submitted: the sender posts the urgent
+message only once its loop finishes that piece. Over TCP and the MPI transport the urgent
+message waits behind every byte queued ahead of it in the kernel or in MPI.
 
 ## Coordination: self-guided against negotiated
 
@@ -447,7 +476,13 @@ the same run: lending from 1 MiB took allreduce from 0.69x to 0.74x MPI at 4 MB 
 0.58x at 4 MB and from 0.74x to 0.87x at 16 MB; 64 MB (lent either way) and reducescatter
 (whose pieces stay in the ring) did not move. Ops of up to 2 MiB that run on the caller's
 thread (the small path) never lend. An earlier measurement, with the rings' copies done
-through numpy, had the ring ahead up to 16 MiB when each library ran alone.
+through numpy, had the ring ahead up to 16 MiB when each library ran alone. One exception:
+a broadcast's root does not lend (OpSpec.lend). Its core has nothing else to do, and a
+memcpy into the ring on its side plus one out on the receiver's beat one kernel copy on
+the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead of
+10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Broadcasts up to 2 MiB go
+in 512 KiB pieces, so that the receiver copies one out while the root copies the next in
+(1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 
 Why the ring holds two segments (plus 128 KiB for the small records between them): a ring's
 footprint is its size, and in one process pair alternating ring policies op by op (order
@@ -483,26 +518,32 @@ want it on.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 50-100 us at 2 ranks (MPI:
-  3-5 us; the latency table above), nearly all of it Python per op, even on the small
-  path. Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many
-  of them negotiated (fused: see above).
-- The other collectives trail MPI at 2 ranks: allgather 0.47-0.70x, alltoall 0.20-0.69x,
-  broadcast 0.29-0.84x from 1 MB up; reducescatter is behind up to 16 MB (0.61-0.70x) and
-  ahead from 64 MB (1.55-1.72x). Allreduce, the op training uses, is ahead from 256 KB.
+- Small messages: a blocking allreduce of a few bytes costs 28 us at 2 ranks on the Intel
+  host (MPI: 1.4 us) and 50-100 us on the AMD one (MPI: 3-5 us; the latency table
+  above), nearly all of it Python per op, even on the small path. Batch small tensors
+  (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
+  see above).
+- Allreduce on the Intel host: 0.96x MPI at 1 MB, behind at 4-16 MB (0.71-0.85x), ahead
+  from 64 MB (1.61-1.63x); on the AMD host it led from 256 KB.
+- The other collectives trail MPI at 2 ranks up to 16 MB: allgather 0.36-0.70x, alltoall
+  0.21-0.71x, broadcast 0.38-0.80x, reducescatter 0.40-0.90x from 1 MB (1.10x at 16 MB).
+  Per op, Python costs 0.1-0.2 ms, as much as MPI's whole 1 MB call, and an allgather or
+  alltoall exchanges sizes before data. From 64 MB broadcast (1.18-1.22x) and
+  reducescatter (1.58-1.64x) lead; allgather and alltoall reach 0.83-0.90x (a lent body
+  is one kernel copy, slower per byte here than MPI's). Without `out=` they run at about
+  0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is fresh
+  memory, and the kernel faulting and zeroing it costs about as much as the copies (32 MB
+  into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.8 ms, and 1-16 MB
-  allreduces run at 0.70-0.74x MPI; 64 MB is ahead (2.01x).
-- Preemption: the table above predates lending from 1 MiB. Then the rings held up to two
-  2 MiB pieces of the big op ahead of the urgent record, so priorities changed nothing
-  over shared memory; lent pieces leave only descriptors in the ring. In a run of
-  `python -m totalreduce.bench preempt -n 2` at real-time priority (`chrt -f 10`, the
-  host being busy) the urgent op took 0.64 ms with priorities, 1.19 ms without and
-  0.15 ms alone (MPI: 17.8 ms during the big op); over TCP 6.0 ms against 0.23 ms alone.
-  What is left: the receiver still reduces the lent pieces queued ahead of the urgent
-  record before it reads it, and over TCP a whole 2 MiB piece is written before it.
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.3 ms (Intel) to 0.8 ms
+  (AMD), and 1-16 MB allreduces ran at 0.70-0.74x MPI; 64 MB is ahead (2.01x).
+- Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
+  big one already in the kernel's socket buffers or in MPI (TCP 14.4 ms with priorities
+  against 0.06 ms alone); over shared memory it waits for about one piece (1.2 ms against
+  0.03 ms alone; the preemption section).
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
-  from 1 MB up here, but 0.32-0.97x at 4 oversubscribed ranks between 1 and 16 MB.
+  from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
+  16 MB.
 """]
     PAGE.write_text("".join(parts))
 
