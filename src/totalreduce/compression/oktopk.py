@@ -94,23 +94,22 @@ class OkTopk(SparseAllreduce):
 
     def _run(self, acc: np.ndarray, k: int, name: str, state: State, out: np.ndarray
              ) -> tuple[np.ndarray, int, int]:
-        n, size, rank = acc.size, tr.size(), tr.rank()
+        n, size = acc.size, tr.size()
         sel = self._local(acc, k, state)
         bounds = self._regions(sel, n, size, state, name)
-        region = self._split_and_reduce(acc, sel, bounds, name)
-        lo = int(bounds[rank])
-        # Global selection in my region.
+        ridx, rsum = self._split_and_reduce(acc, sel, bounds, name)
+        # Global selection in my region (only its entries some rank selected are nonzero).
         if (state.calls - self.dense_calls) % self.tau_global == 0:
-            state.global_threshold = self._global_threshold(region, k, name)
+            state.global_threshold = self._global_threshold(rsum, k, name)
         elif state.stats.get("global_selected"):
             ratio = state.stats["global_selected"] / k
             state.global_threshold *= float(np.clip(np.sqrt(ratio), 0.8, 1.25))
-        keep = select(region, state.global_threshold)
+        keep = select(rsum, state.global_threshold)
         cap = -(-int(self.max_ratio * k) // size)
         if keep.size > cap:  # the threshold lagged: keep the region's largest share
-            keep = np.sort(keep[np.argpartition(np.abs(region[keep]), keep.size - cap)
+            keep = np.sort(keep[np.argpartition(np.abs(rsum[keep]), keep.size - cap)
                                 [keep.size - cap:]])
-        gathered = tr.allgather(pack(keep + lo, region[keep], n),
+        gathered = tr.allgather(pack(ridx[keep], rsum[keep], n),
                                 name=f"{name}.oktopk.gather")
         gidx, gval = unpack(gathered, n, acc.dtype)
         out.fill(0)
@@ -119,25 +118,25 @@ class OkTopk(SparseAllreduce):
         return won, sel.size, gidx.size
 
     def _split_and_reduce(self, acc: np.ndarray, sel: np.ndarray, bounds: np.ndarray,
-                          name: str) -> np.ndarray:
-        """My region's sums of every rank's selected pairs in it: my selected pairs in
-        region j go to rank j.  Pipelined, in P - 1 steps: at step s rank r sends to
-        r + s and receives from r - s, every step in flight at once, and the pairs of one
-        step are summed while the later steps still travel."""
+                          name: str) -> tuple[np.ndarray, np.ndarray]:
+        """My region's sums of every rank's selected pairs in it, as (indices, sums) over
+        the indices some rank selected: my selected pairs in region j go to rank j.
+        Pipelined, in P - 1 steps: at step s rank r sends to r + s and receives from
+        r - s, every step in flight at once, and each step's pairs are taken as it
+        arrives, while the later steps still travel.
+
+        Sparse, not a dense region: about k of the region's n / P entries are selected
+        anywhere, and zeroing a dense region, then scanning it for the global selection,
+        cost more than the rest of this step (12.6 M values, 2 ranks)."""
         n, size, rank = acc.size, tr.size(), tr.rank()
         cuts = np.searchsorted(sel, bounds)
-        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-        region = np.zeros(hi - lo, acc.dtype)
         rows = pack(sel, acc[sel], n)
         if not self.pipeline:
             got, _counts = tr.alltoall(rows, splits=np.diff(cuts), name=f"{name}.oktopk.split")
             idx, val = unpack(got, n, acc.dtype)
-            np.add.at(region, idx - lo, val)
-            return region
-        # Within one step the indices come from one rank's selection, so none repeats and
-        # an indexed add does what np.add.at does, faster.
+            return _summed([idx], [val], acc.dtype)
         mine = sel[cuts[rank]:cuts[rank + 1]]
-        region[mine - lo] += acc[mine]
+        idxs, vals = [mine], [acc[mine]]
         steps = []
         for s in range(1, size):
             to = (rank + s) % size
@@ -148,8 +147,9 @@ class OkTopk(SparseAllreduce):
         for step in steps:
             got, _counts = step.wait()
             idx, val = unpack(got, n, acc.dtype)
-            region[idx - lo] += val
-        return region
+            idxs.append(idx)
+            vals.append(val)
+        return _summed(idxs, vals, acc.dtype)
 
     def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
         exact = (state.calls - self.dense_calls) % self.tau_local == 0 \
@@ -192,9 +192,21 @@ class OkTopk(SparseAllreduce):
         state.boundaries = bounds
         return bounds
 
-    def _global_threshold(self, region: np.ndarray, k: int, name: str) -> float:
+    def _global_threshold(self, sums: np.ndarray, k: int, name: str) -> float:
         """The exact k-th largest summed magnitude over every region: each rank offers
         its region's top k (no more can win), every rank picks the same k-th."""
-        mine = np.sort(np.abs(region[top_k(region, k)]))[::-1].astype(np.float64)
+        mine = np.sort(np.abs(sums[top_k(sums, k)]))[::-1].astype(np.float64)
         candidates = tr.allgather(mine, name=f"{name}.oktopk.candidates")
         return kth_largest(candidates, k)
+
+
+def _summed(idxs: list[np.ndarray], vals: list[np.ndarray], dtype: np.dtype
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct indices, sorted; the sum of the values at each), in ``dtype``."""
+    idx = np.concatenate(idxs)
+    if not idx.size:
+        return idx.astype(np.int64), np.zeros(0, dtype)
+    uniq, where = np.unique(idx, return_inverse=True)
+    sums = np.bincount(where, weights=np.concatenate(vals).astype(np.float64),
+                       minlength=uniq.size)
+    return uniq, sums.astype(dtype)
