@@ -36,6 +36,9 @@ CASES = {
     # catching up (v2, op 1 < 2); the same rank dying twice (rank 3 at v5 and at v7)
     "two at once, during its own recovery, the same rank twice":
         "1,2,2,0;2,2,2,0;1,2,1,1;3,5,1,0;3,7,2,1",
+    # at the broadcast (op 5) of an odd version: the replacement takes the allgather and
+    # the alltoall before it from its peers' logs, into its out= arrays
+    "after the gathers into out=": "2,3,5,0",
 }
 
 

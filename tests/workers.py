@@ -1288,8 +1288,9 @@ def recovery_grad(w: np.ndarray, version: int, i: int, rank: int) -> np.ndarray:
 
 def recovery_matrix(arg: dict) -> None:
     """Rabit's test at the numpy API: 10 checkpointed versions of a 10,000-float model,
-    each with three allreduces, an allgather and a broadcast whose root changes; every
-    result is checked against what this rank computes alone."""
+    each with three allreduces, an allgather (into out= in odd versions), an alltoall into
+    out= and a broadcast whose root changes; every result is checked against what this
+    rank computes alone."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     attempt = int(os.environ.get("TOTALREDUCE_ATTEMPT", "0"))
@@ -1305,10 +1306,19 @@ def recovery_matrix(arg: dict) -> None:
             want = sum(recovery_grad(w, v, i, r) for r in range(n))
             assert np.array_equal(got, want), f"rank {rank}: allreduce g{i} at {v} differs"
             w = np.mod(w + got, 1000).astype(np.float32)
-        rows = tr.allgather(np.full((rank + 1, 3), v * 10 + rank, np.int64), name="rows")
+        # Odd versions gather into out=: a result the log replays must land there too.
+        into = np.zeros((n * (n + 1) // 2, 3), np.int64) if v % 2 else None
+        rows = tr.allgather(np.full((rank + 1, 3), v * 10 + rank, np.int64), name="rows",
+                            out=into)
         want_rows = np.concatenate([np.full((r + 1, 3), v * 10 + r, np.int64)
                                     for r in range(n)])
         assert np.array_equal(rows, want_rows), f"rank {rank}: allgather at {v} differs"
+        assert into is None or rows is into, f"rank {rank}: allgather at {v} not into out"
+        back = np.zeros((n, 2), np.float32)
+        swapped, _ = tr.alltoall(np.full((n, 2), v + rank, np.float32), name="swap", out=back)
+        assert swapped is back and np.array_equal(
+            back, np.repeat(np.arange(n, dtype=np.float32)[:, None] + v, 2, axis=1)), \
+            f"rank {rank}: alltoall at {v} differs"
         root = v % n
         mine = w + (100 if rank == root else -1)
         got = tr.broadcast(mine, root_rank=root, name="w")

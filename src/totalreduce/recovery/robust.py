@@ -223,7 +223,8 @@ class Robust:
 
     def allgather(self, x: Any, name: str | None, priority: int,
                   out: Any = None) -> Handle:
-        return self._call("allgather", name, lambda s: s.allgather(x, name, priority, out))
+        return self._call("allgather", name, lambda s: s.allgather(x, name, priority, out),
+                          into=out)
 
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         return self._call("reducescatter", name,
@@ -232,7 +233,8 @@ class Robust:
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
                  out: Any = None) -> Handle:
         return self._call("alltoall", name,
-                          lambda s: s.alltoall(x, splits, name, priority, out), pair=True)
+                          lambda s: s.alltoall(x, splits, name, priority, out), pair=True,
+                          into=out)
 
     def barrier(self) -> Handle:
         return self._call("barrier", None, lambda s: s.barrier(), nothing=True)
@@ -274,8 +276,8 @@ class Robust:
 
     def _call(self, kind: str, name: str | None, submit: Callable[[Any], Handle],
               inplace: Any = None, *, many: bool = False, pair: bool = False,
-              nothing: bool = False, state: dict[str, Any] | None = None
-              ) -> RobustHandle:
+              nothing: bool = False, state: dict[str, Any] | None = None,
+              into: np.ndarray | None = None) -> RobustHandle:
         with self._lock:
             key = name if name is not None else f"~{kind}"
             count = self._counts.get(key) or 0
@@ -286,7 +288,7 @@ class Robust:
                                self.rank, op)
                 os.kill(os.getpid(), signal.SIGKILL)
             self._seq += 1
-            to_arrays, from_arrays, restore = _shapes(inplace, many, pair, nothing)
+            to_arrays, from_arrays, restore = _shapes(inplace, many, pair, nothing, into)
             after = self._committer(op, state) if state is not None else None
             handle = RobustHandle(self, op, kind, submit, to_arrays, from_arrays, restore,
                                   after)
@@ -491,13 +493,21 @@ class Robust:
         return got, out
 
 
-def _shapes(inplace: Any, many: bool, pair: bool, nothing: bool
+def _shapes(inplace: Any, many: bool, pair: bool, nothing: bool,
+            into: np.ndarray | None = None
             ) -> tuple[Callable[[Any], list[np.ndarray]],
                        Callable[[list[np.ndarray]], Any], Callable[[], None] | None]:
     """How a kind of result becomes arrays and back, and how an in-place op's input is put
-    back before it runs again."""
+    back before it runs again.  ``into``: the caller's ``out=``, which a result taken from
+    the log (not run again) is written to as well."""
     if nothing:
         return (lambda _v: []), (lambda _a: None), None
+    if into is not None:
+        def into_back(arrays: list[np.ndarray]) -> Any:
+            into[...] = arrays[0].reshape(into.shape)
+            return (into, arrays[1]) if pair else into
+
+        return (lambda v: [v[0], v[1]] if pair else [v]), into_back, None
     if pair:
         return (lambda v: [v[0], v[1]]), (lambda a: (a[0], a[1])), None
     if many:
