@@ -27,6 +27,7 @@ from .smallpath import SmallPath
 from .starter import Starter
 
 _CONTROL_MAX = 64 << 10  # control bodies are small JSON or text: bigger is not ours to keep
+_URGENT_BYTES = 256 << 10  # ops up to this size may overtake big bodies (overtaking())
 
 
 class Inbox:
@@ -158,22 +159,26 @@ class Inbox:
             and header.op_key not in self._ops.done
 
     def overtaking(self, peer: int, front: Header) -> Callable[[Header], bool] | None:
-        # Only pieces of an op running here, of a higher priority than front's (which runs
-        # here too): a body for an op not submitted yet floats either way, and between ops
-        # of one priority the order of arrival stands.
+        # Only pieces of a small op running here, of a higher priority than front's (which
+        # runs here too): a body for an op not submitted yet floats either way, between ops
+        # of one priority the order of arrival stands, and a big op gains little by
+        # passing another big one while the looking costs every big body (the
+        # optimizer's buckets have priorities of their own: 1-2% of a training step).
         active = self._ops.active
         slow = active.get((front.name_key, front.seq))
         if slow is None:
             return None
         floor = slow.spec.priority
-        if not any(op.spec.priority > floor for op in active.values()):
+        if not any(op.spec.priority > floor and op.spec.work.nbytes <= _URGENT_BYTES
+                   for op in active.values()):
             return None
 
         def faster(header: Header) -> bool:
             if header.kind != Kind.DATA:
                 return False
             op = active.get((header.name_key, header.seq))
-            return op is not None and not op.finished and op.spec.priority > floor
+            return op is not None and not op.finished and op.spec.priority > floor \
+                and op.spec.work.nbytes <= _URGENT_BYTES
 
         return faster
 
