@@ -219,7 +219,8 @@ Over the shared-memory rings the big op's pieces are lent (the receiver copies e
 piece out of the sender's memory and reduces it, about 0.5 ms), and the reader takes ring
 records in order, so a message posted behind a dozen of them waited for all (8-9 ms, as
 "priority off" still does). With priorities, before each big body the reader handles the
-DATA records posted behind it whose op runs here at a higher priority, and while such an
+DATA records posted behind it whose op runs here at a higher priority and is small (up to
+256 KiB: a bucket passing a bucket gains little and the looking costs), and while such an
 op runs it copies lent bodies in 256 KiB slices with a look between two. What is left is
 the piece each rank holds when the urgent op is submitted: the sender posts the urgent
 message only once its loop finishes that piece. Over TCP and the MPI transport the urgent
