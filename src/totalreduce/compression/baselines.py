@@ -8,7 +8,16 @@ import numpy as np
 
 import totalreduce as tr
 
-from .sparse import SparseAllreduce, State, index_dtype, pack, top_k, unpack
+from .sparse import (
+    SparseAllreduce,
+    State,
+    distinct,
+    index_dtype,
+    pack,
+    sum_pairs,
+    top_k,
+    unpack,
+)
 
 
 class Dense(SparseAllreduce):
@@ -39,7 +48,7 @@ class TopkA(SparseAllreduce):
         idx, val = unpack(rows, n, acc.dtype)
         out.fill(0)
         np.add.at(out, idx, val)
-        chosen = int(np.unique(idx).size)
+        chosen = distinct(idx)
         out /= size
         return sel, sel.size, chosen  # every selected value reached the output
 
@@ -111,7 +120,9 @@ class GTopk(SparseAllreduce):
             gidx, gval = unpack(got, n, acc.dtype)
             keep = gidx < n
             winners, merged = gidx[keep], gval[keep]
-        mine = np.isin(winners, sel, assume_unique=True)
+        # Both sorted: a binary search instead of np.isin's sort of both.
+        at = np.minimum(np.searchsorted(sel, winners), max(sel.size - 1, 0))
+        mine = sel[at] == winners if sel.size else np.zeros(winners.size, bool)
         if self.exact_sums:
             contrib = np.where(mine, acc[winners], 0).astype(acc.dtype)
             merged = tr.allreduce(contrib, op=tr.Sum, name=f"{name}.gtopk.values")
@@ -156,8 +167,6 @@ def _merge(i1: np.ndarray, v1: np.ndarray, i2: np.ndarray, v2: np.ndarray, k: in
            ) -> tuple[np.ndarray, np.ndarray]:
     """The top k of the sum of two sparse sets (each without repeated indices), on their
     union only: a dense buffer of n per round would cost more than the pairs."""
-    union, where = np.unique(np.concatenate([i1, i2]), return_inverse=True)
-    summed = np.zeros(union.size, v1.dtype)
-    np.add.at(summed, where, np.concatenate([v1, v2]))
+    union, summed = sum_pairs([i1, i2], [v1, v2], v1.dtype)
     keep = top_k(summed, k)
     return union[keep], summed[keep]

@@ -43,6 +43,7 @@ from .sparse import (
     narrow,
     pack,
     select,
+    sum_pairs,
     top_k,
     top_threshold,
     unpack,
@@ -137,7 +138,7 @@ class OkTopk(SparseAllreduce):
         if not self.pipeline:
             got, _counts = tr.alltoall(rows, splits=np.diff(cuts), name=f"{name}.oktopk.split")
             idx, val = unpack(got, n, acc.dtype)
-            return _summed([idx], [val], acc.dtype)
+            return sum_pairs([idx], [val], acc.dtype)
         mine = sel[cuts[rank]:cuts[rank + 1]]
         idxs, vals = [mine], [acc[mine]]
         steps = []
@@ -152,7 +153,7 @@ class OkTopk(SparseAllreduce):
             idx, val = unpack(got, n, acc.dtype)
             idxs.append(idx)
             vals.append(val)
-        return _summed(idxs, vals, acc.dtype)
+        return sum_pairs(idxs, vals, acc.dtype)
 
     def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
         exact = (state.calls - self.dense_calls) % self.tau_local == 0 \
@@ -202,17 +203,3 @@ class OkTopk(SparseAllreduce):
         candidates = tr.allgather(mine, name=f"{name}.oktopk.candidates")
         return kth_largest(candidates, k)
 
-
-def _summed(idxs: list[np.ndarray], vals: list[np.ndarray], dtype: np.dtype
-            ) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct indices, sorted; the sum of the values at each), in ``dtype``.
-    Each part is sorted already: a stable sort merges the runs (a third less than
-    np.unique's), and equal indices keep the parts' order in their sums."""
-    idx = np.concatenate(idxs).astype(np.int64, copy=False)
-    if not idx.size:
-        return idx, np.zeros(0, dtype)
-    order = np.argsort(idx, kind="stable")
-    ordered = idx[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    sums = np.add.reduceat(np.concatenate(vals)[order].astype(np.float64), starts)
-    return ordered[starts], sums.astype(dtype)

