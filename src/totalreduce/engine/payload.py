@@ -43,7 +43,7 @@ class OpSpec:
     # Its bodies may be lent to same-host peers (transport/cma.py).  A lent body is one
     # kernel copy on the reader's core, slower per byte than a memcpy; through the ring it
     # is a memcpy on each side.  So where the sender's core would sit idle meanwhile (a
-    # broadcast's root) the ring is faster: 6.8-7.8 ms against 10.8-11.3 ms for 64 MB at
+    # broadcast's root) the ring is faster: 6.7-7.7 ms against 10.8-11.3 ms for 64 MB at
     # 2 ranks.  Elsewhere the sender's core has copies or sums of its own to do.
     lend: bool = True
 

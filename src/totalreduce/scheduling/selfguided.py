@@ -119,6 +119,13 @@ class _SmallAllreduce:
         self.finalize = spec.finalize
         self.recipe = spec.recipe
 
+    def spec(self, ident: _Ident, work: np.ndarray, priority: int,
+             members: tuple[int, ...] | None) -> OpSpec:
+        """This op again, under a call's own identity, buffer and priority."""
+        return OpSpec(ident.key, ident.label, self.sig, self.code, self.count, self.describe,
+                      self.schedule, work, None, self.ufunc, self.finalize, priority,
+                      self.recipe, -1, members)
+
 
 class SelfGuided:
     """Builds op specs from numpy arrays and submits them to the engine."""
@@ -293,9 +300,7 @@ class SelfGuided:
         ident = self._ident("allreduce", name)
         # Not in place, the result is an array of its own, never x.
         work = x.reshape(-1) if inplace else x.reshape(-1).copy()
-        spec = OpSpec(ident.key, ident.label, plan.sig, plan.code, plan.count, plan.describe,
-                      plan.schedule, work, None, plan.ufunc, plan.finalize, priority,
-                      plan.recipe, -1, self._members)
+        spec = plan.spec(ident, work, priority, self._members)
         ran = self._engine.run_now(spec)
         result = x if inplace else work.reshape(x.shape)
         if ran is True:
@@ -609,7 +614,5 @@ class SelfGuided:
             spec = self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
             self._barrier = _SmallAllreduce(spec)
         else:  # every barrier is the same op but for its identity
-            spec = OpSpec(ident.key, ident.label, plan.sig, plan.code, plan.count,
-                          plan.describe, plan.schedule, work, None, plan.ufunc, None, 1 << 30,
-                          plan.recipe, -1, self._members)
+            spec = plan.spec(ident, work, 1 << 30, self._members)
         return self._launch(spec, _nothing)

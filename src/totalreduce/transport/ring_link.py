@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 from collections import deque
+from collections.abc import Callable
 
 from . import cma
 from .base import Outgoing
@@ -303,12 +304,13 @@ class RingLink(Link):
                 elif header.kind == Kind.RING_TAKEN:
                     freed |= ring.release()
                 elif header.flags & FLAG_REMOTE:
-                    if self._overtake(header):
+                    faster = handler.overtaking(peer, header)
+                    if faster is not None and self._overtake(faster):
                         break  # this turn's caller may be waiting for what they finished
                     address, lend = REMOTE_BODY.unpack_from(body)
                     freed |= ring.release()
                     if self._copy_lent(header._replace(flags=header.flags & ~FLAG_REMOTE),
-                                       address, lend):
+                                       address, lend, faster):
                         break
                 elif header.flags & FLAG_CHUNKED:
                     freed |= ring.release()
@@ -322,8 +324,10 @@ class RingLink(Link):
                 else:
                     if header.kind == Kind.GOODBYE:
                         self.goodbye = True
-                    if header.nbytes >= _OVERTAKE_MIN and self._overtake(header):
-                        break
+                    if header.nbytes >= _OVERTAKE_MIN:
+                        faster = handler.overtaking(peer, header)
+                        if faster is not None and self._overtake(faster):
+                            break
                     counters.messages_received += 1
                     counters.bytes_received += HEADER_SIZE + header.nbytes
                     handler.received_view(peer, header, body)
@@ -337,19 +341,17 @@ class RingLink(Link):
         if freed and not self.closed:
             self.doorbell()  # its writer waits for room
 
-    def _overtake(self, front: Header) -> bool:
-        """Before handling ``front``, a big body (a lent one: hundreds of microseconds),
-        handle the more urgent messages posted behind it (the handler says which): they
-        would wait for every big body ahead of them otherwise, since records are read in
-        order.  A message is never handled before an earlier one of its own op.  Returns
-        whether any was: ``front`` then waits for the next turn of the loop, whose driver
-        may be waiting for the op they finished."""
+    def _overtake(self, faster: Callable[[Header], bool]) -> bool:
+        """Before handling a big body (a lent one: hundreds of microseconds), handle the
+        more urgent messages posted behind it (``faster``, the handler's test of their
+        headers: MessageHandler.overtaking): they would wait for every big body ahead of
+        them otherwise, since records are read in order.  A message is never handled
+        before an earlier one of its own op.  Returns whether any was: the big body then
+        waits for the next turn of the loop, whose driver may be waiting for the op they
+        finished."""
         ring = self.ring_in
         assert ring is not None
         handler = self.owner.handler
-        faster = handler.overtaking(self.peer, front)
-        if faster is None:
-            return False
         counters = self.counters
         took = False
         passed: set[tuple[int, int]] = set()
@@ -367,9 +369,11 @@ class RingLink(Link):
             took = True
         return took
 
-    def _copy_lent(self, header: Header, address: int, lend: int) -> bool:
-        """Copy a body the peer lent us out of its memory, acknowledge it, hand it on.
-        Returns whether messages overtook it meanwhile (see :meth:`_overtake`)."""
+    def _copy_lent(self, header: Header, address: int, lend: int,
+                   faster: Callable[[Header], bool] | None) -> bool:
+        """Copy a body the peer lent us out of its memory, acknowledge it, hand it on;
+        with ``faster`` (a more urgent op runs), in slices with a look for its messages
+        between two.  Returns whether messages overtook it meanwhile (:meth:`_overtake`)."""
         handler = self.owner.handler
         pid = self.ring_in.lender_pid if self.ring_in is not None else None
         if pid is None:
@@ -379,15 +383,14 @@ class RingLink(Link):
         if n != header.nbytes:
             raise AssertionError("body_buffer returned a buffer of the wrong size")
         took = False
-        urgent = n > _URGENT_SLICE and handler.overtaking(self.peer, header) is not None
         try:
-            if not urgent:
+            if faster is None or n <= _URGENT_SLICE:
                 cma.read_into(pid, dest, address)
             else:
                 for at in range(0, n, _URGENT_SLICE):
                     cma.read_into(pid, dest[at:at + _URGENT_SLICE], address + at)
                     if at + _URGENT_SLICE < n:
-                        took |= self._overtake(header)
+                        took |= self._overtake(faster)
         except OSError as exc:
             raise _LendFailed(f"cannot copy a body out of rank {self.peer}: {exc}") from None
         # Acknowledge before handing it on: the handler may reduce it (hundreds of us)

@@ -220,16 +220,34 @@ class RingReader:
             WireError: the ring holds something that is not a record.
         """
         head = int(self._ctl[_HEAD])
-        pos = self._pos
-        if head == pos:
+        if head == self._pos:
             return None
+        self._pos, header, self._size, body = self._record(self._pos, head)
+        return header, body
+
+    def ahead(self) -> Iterator[tuple[int, Header, memoryview]]:
+        """The records posted after the one :meth:`next` returned, oldest first, as (where,
+        header, body), without taking them; bodies as :meth:`next` gives them."""
+        head = int(self._ctl[_HEAD])
+        pos = self._pos + self._size
+        while pos < head:
+            pos, header, size, body = self._record(pos, head)
+            yield pos, header, body
+            pos += size
+
+    def _record(self, pos: int, head: int) -> tuple[int, Header, int, memoryview]:
+        """The record at ``pos`` (past a wrap marker there): (its position, header, size
+        in the ring, body).
+
+        Raises:
+            WireError: what is there is not a record.
+        """
         cap = self.capacity
         view = self._m.view
         offset = pos % cap
         header = unpack_header(view[offset:offset + HEADER_SIZE])
         if header.kind == Kind.RING_WRAP:
             pos += cap - offset
-            self._pos = pos
             offset = 0
             header = unpack_header(view[:HEADER_SIZE])
         chunked = header.flags & FLAG_CHUNKED
@@ -237,33 +255,8 @@ class RingReader:
         size = HEADER_SIZE if chunked else _align(HEADER_SIZE + body)
         if offset + size > cap or pos + size > head:
             raise WireError(f"ring record of {header.nbytes} bytes at {offset} overruns")
-        self._size = size
-        if chunked:
-            return header, view[offset:offset]
-        return header, view[offset + HEADER_SIZE:offset + HEADER_SIZE + body]
-
-    def ahead(self) -> Iterator[tuple[int, Header, memoryview]]:
-        """The records posted after the one :meth:`next` returned, oldest first, as (where,
-        header, body), without taking them; bodies as :meth:`next` gives them."""
-        ctl = self._ctl
-        head = int(ctl[_HEAD])
-        pos = self._pos + self._size
-        cap = self.capacity
-        view = self._m.view
-        while pos < head:
-            offset = pos % cap
-            header = unpack_header(view[offset:offset + HEADER_SIZE])
-            if header.kind == Kind.RING_WRAP:
-                pos += cap - offset
-                continue
-            chunked = header.flags & FLAG_CHUNKED
-            body = REMOTE_BODY.size if header.flags & FLAG_REMOTE else header.nbytes
-            size = HEADER_SIZE if chunked else _align(HEADER_SIZE + body)
-            if offset + size > cap or pos + size > head:
-                raise WireError(f"ring record of {header.nbytes} bytes at {offset} overruns")
-            yield pos, header, view[offset + HEADER_SIZE:offset + HEADER_SIZE +
-                                    (0 if chunked else body)]
-            pos += size
+        start = offset + HEADER_SIZE
+        return pos, header, size, view[start:start + (0 if chunked else body)]
 
     def mark_taken(self, where: int, header: Header) -> None:
         """A record from :meth:`ahead` (a whole-bodied one) has been handled: :meth:`next`
