@@ -114,6 +114,8 @@ class Outbox:
         """Back into the heap: the pieces of op ``key`` (its READY came), or all of them
         (credit came)."""
         parked = self._parked[peer]
+        if not parked:  # asked on every credit that comes, nearly always with none
+            return
         if key is not None:
             msgs = parked.pop(key, ())
         else:

@@ -235,7 +235,7 @@ class RingLink(Link):
         """See :meth:`.base.Transport.peek`: the ring's next record, with its body if it
         is a DATA message whose body lies whole in the slot (not chunked, not lent)."""
         ring = self.ring_in
-        if ring is None or self.body is not None or self.closed or not ring.ready():
+        if ring is None or self.body is not None or self.closed:
             return None
         try:
             record = ring.next()
