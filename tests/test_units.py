@@ -305,3 +305,23 @@ def test_rendezvous_port_in_use_says_which_and_what_to_do(
         "with another MASTER_PORT (torchrun --master-port), or set "
         "TOTALREDUCE_RENDEZVOUS=host:port to a free port on every rank")
     assert not tr.is_initialized()
+
+
+@pytest.mark.parametrize("n", [0, 1, 65_535, 65_536 + 7, 200_003])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("alias", [False, True])
+def test_add_select_matches_its_three_passes(n: int, dtype: type, alias: bool) -> None:
+    from totalreduce.compression.sparse import add_select, select
+
+    rng = np.random.default_rng(n)
+    acc = rng.standard_normal(n).astype(dtype)
+    inp = rng.standard_normal(n).astype(dtype)
+    want_acc = acc + inp
+    threshold = 2.5
+    want = select(want_acc, threshold)
+    out = inp if alias else np.full(n, 7, dtype)
+    got = add_select(acc, inp, threshold, out)
+    np.testing.assert_array_equal(acc, want_acc)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.flatnonzero(np.abs(want_acc) >= threshold))
+    assert not out.any()

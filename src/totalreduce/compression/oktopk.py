@@ -39,6 +39,7 @@ import totalreduce as tr
 from .sparse import (
     SparseAllreduce,
     State,
+    add_select,
     kth_largest,
     narrow,
     pack,
@@ -113,7 +114,8 @@ class OkTopk(SparseAllreduce):
         gathered = tr.allgather(pack(ridx[keep], rsum[keep], n),
                                 name=f"{name}.oktopk.gather")
         gidx, gval = unpack(gathered, n, acc.dtype)
-        out.fill(0)
+        if state.preselected is None:
+            out.fill(0)
         out[gidx] = gval / size
         # Both sorted (gidx: the regions in rank order, each sorted): a binary search
         # instead of np.isin's sort of both.
@@ -155,12 +157,31 @@ class OkTopk(SparseAllreduce):
             vals.append(val)
         return sum_pairs(idxs, vals, acc.dtype)
 
-    def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
-        exact = (state.calls - self.dense_calls) % self.tau_local == 0 \
+    def _exact_due(self, state: State) -> bool:
+        return (state.calls - self.dense_calls) % self.tau_local == 0 \
             or state.local_threshold <= 0
+
+    def _accumulate(self, acc: np.ndarray, inp: np.ndarray, k: int, state: State,
+                    out: np.ndarray) -> None:
+        # A reused threshold is known before the input is added: select at it in the
+        # same pass (and zero the output there), which saves two passes over the bucket.
+        if self._exact_due(state):
+            acc += inp
+            return
+        threshold = state.local_threshold * float(np.sqrt(max(state.last_local, 1) / k))
+        if not threshold > 0:
+            acc += inp
+            return
+        state.preselected = (threshold, add_select(acc, inp, threshold, out))
+
+    def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
+        exact = self._exact_due(state)
         if not exact:
-            state.local_threshold *= np.sqrt(max(state.last_local, 1) / k)
-            sel = select(acc, state.local_threshold)
+            if state.preselected is not None:
+                state.local_threshold, sel = state.preselected
+            else:
+                state.local_threshold *= np.sqrt(max(state.last_local, 1) / k)
+                sel = select(acc, state.local_threshold)
             if sel.size > self.max_ratio * k:
                 # Too many: the exact threshold is among those selected.
                 state.local_threshold, sel = narrow(acc, sel, k)
