@@ -155,7 +155,8 @@ thread per rank) under totalreduce's DistributedOptimizer (16 MiB buckets, reduc
 backward runs, or with `overlap=False` at `step()`), the same optimizer with each sparse
 compression at density 1 %, DDP over gloo (its default 25 MB buckets), and the same DDP
 with `totalreduce.torch.ddp_comm_hook`. A repetition is 5 steps; its time is the slowest
-rank's.
+rank's. Every mode runs 3 steps before it is timed, and a sparse mode its dense warm-up
+calls too (Ok-Topk's first 10), so its rows show sparse steps only.
 
 - `compute only` is the same step with no communication at all, every rank computing at
   once: no mode can beat it.
