@@ -368,13 +368,11 @@ class SparseAllreduce:
         state.preselected = None
         if state.calls < self.dense_calls:
             acc += inp
-        else:
-            self._accumulate(acc, inp, k, state, dest)
-        if state.calls < self.dense_calls:
             dest[...] = tr.allreduce(acc, op=tr.Average, name=f"{name}.{self.name}.dense")
             acc.fill(0)
             local = chosen = arr.size
         else:
+            self._accumulate(acc, inp, k, state, dest)
             sent, local, chosen = self._run(acc, k, name, state, dest)
             state.preselected = None
             acc[sent] = 0  # every sent value reached the output
