@@ -107,8 +107,8 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
     batch = cfg["batch_size"]
     out: list[dict[str, Any]] = []
     barrier: Callable[[], Any]
-    setups: list[tuple[str, Callable[[], tuple[Any, Any]]]]
-    warmups: dict[str, int] = {}  # steps before a mode is timed, where not 3
+    # (mode, its model and optimizer, steps run before it is timed)
+    setups: list[tuple[str, Callable[[], tuple[Any, Any]], int]]
     if backend.startswith("totalreduce"):
         import totalreduce.torch as hvd
 
@@ -124,16 +124,16 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
                 return model, opt
             return make
 
-        def sparse(alg: str) -> Callable[[], tuple[Any, Any]]:
+        def sparse(alg: str) -> tuple[str, Callable[[], tuple[Any, Any]], int]:
             compression = getattr(hvd.Compression, alg)(density=cfg["density"])
             # Its dense warm-up calls (Ok-Topk's first 10) are not the mode being timed.
-            warmups[f"{alg} {cfg['density']:g}"] = 3 + compression.algorithm.dense_calls
-            return optimizer(compression=compression)
+            return (f"{alg} {cfg['density']:g}", optimizer(compression=compression),
+                    3 + compression.algorithm.dense_calls)
 
-        setups = [(f"optimizer {mb:g}MB", optimizer(bucket_bytes=int(mb * (1 << 20))))
+        setups = [(f"optimizer {mb:g}MB", optimizer(bucket_bytes=int(mb * (1 << 20))), 3)
                   for mb in cfg["buckets_mb"]]
-        setups.append(("optimizer, reduced at step", optimizer(overlap=False)))
-        setups += [(f"{alg} {cfg['density']:g}", sparse(alg)) for alg in cfg["sparse"]]
+        setups.append(("optimizer, reduced at step", optimizer(overlap=False), 3))
+        setups += [sparse(alg) for alg in cfg["sparse"]]
         default_mb = _runtime_bucket_mb()
     else:
         import torch.distributed as dist
@@ -154,7 +154,7 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
             if backend == "ddp-hook":
                 model.register_comm_hook(None, hvd.ddp_comm_hook)
             return model, torch.optim.SGD(model.parameters(), lr=1e-4)
-        setups = [("DDP + totalreduce hook" if backend == "ddp-hook" else "DDP", make_ddp)]
+        setups = [("DDP + totalreduce hook" if backend == "ddp-hook" else "DDP", make_ddp, 3)]
     x, y = _batch(cfg["model"], batch)
 
     def compute_only() -> list[float]:
@@ -169,7 +169,7 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
 
     out.append({"model": cfg["model"], "mode": "compute only", "batch": batch,
                 "times": compute_only()})
-    for mode, build in setups:
+    for mode, build, warmup in setups:
         model, opt = build()
 
         def step(model: Any = model, opt: Any = opt) -> None:
@@ -177,8 +177,7 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
-        times = _time_steps(step, barrier, cfg["steps"], cfg["reps"],
-                            warmup=warmups.get(mode, 3))
+        times = _time_steps(step, barrier, cfg["steps"], cfg["reps"], warmup=warmup)
         if hasattr(opt, "synchronize"):
             # The buckets reduced with backward over: what overlap has to hide.
             alone = _time_steps(lambda opt=opt: opt.synchronize(force=True), barrier,

@@ -165,22 +165,25 @@ class OkTopk(SparseAllreduce):
                     out: np.ndarray) -> None:
         # A reused threshold is known before the input is added: select at it in the
         # same pass (and zero the output there), which saves two passes over the bucket.
-        if self._exact_due(state):
+        threshold = 0.0 if self._exact_due(state) else self._reused_threshold(state, k)
+        if threshold > 0:
+            state.preselected = (threshold, add_select(acc, inp, threshold, out))
+        else:
             acc += inp
-            return
-        threshold = state.local_threshold * float(np.sqrt(max(state.last_local, 1) / k))
-        if not threshold > 0:
-            acc += inp
-            return
-        state.preselected = (threshold, add_select(acc, inp, threshold, out))
+
+    @staticmethod
+    def _reused_threshold(state: State, k: int) -> float:
+        """The last local threshold, scaled by sqrt(last count / k): residuals pile up
+        under a fixed threshold, and the count drifts."""
+        return state.local_threshold * float(np.sqrt(max(state.last_local, 1) / k))
 
     def _local(self, acc: np.ndarray, k: int, state: State) -> np.ndarray:
         exact = self._exact_due(state)
         if not exact:
             if state.preselected is not None:
                 state.local_threshold, sel = state.preselected
-            else:
-                state.local_threshold *= np.sqrt(max(state.last_local, 1) / k)
+            else:  # not selected while added (a threshold gone to NaN)
+                state.local_threshold = self._reused_threshold(state, k)
                 sel = select(acc, state.local_threshold)
             if sel.size > self.max_ratio * k:
                 # Too many: the exact threshold is among those selected.

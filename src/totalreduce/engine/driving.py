@@ -110,18 +110,12 @@ class Driver:
     def exclusive(self, fn: Callable[[A], T], arg: A) -> T | bool:
         """``fn(arg)`` as the loop's driver, if no other thread drives now and the loop has
         not ended; False otherwise."""
-        lock = self._lock
-        if not lock.acquire(blocking=False):
+        if not self._lock.acquire(blocking=False):
             return False
-        # What ``with self._driving`` does, spelled out: this runs for every small op.
-        self._owner = threading.get_ident()
-        try:
+        with self._driving:
             if self._loop.ended:
                 return False
             return fn(arg)
-        finally:
-            self._owner = None
-            lock.release()
 
     def caller_waits(self) -> CallerWaits:
         """``with driver.caller_waits():`` this thread waits for each op it submits inside,

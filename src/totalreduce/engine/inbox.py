@@ -17,7 +17,7 @@ from .floating import Floating
 from .job import JobState
 from .ledger import CreditLedger, charged
 from .mismatch_tracker import MismatchTracker
-from .opstate import FloatingBody, Route
+from .opstate import FloatingBody, LiveOp, Route
 from .optable import OpTable
 from .outbox import Outbox
 from .peers import PeerEvents
@@ -169,16 +169,18 @@ class Inbox:
         if slow is None:
             return None
         floor = slow.spec.priority
-        if not any(op.spec.priority > floor and op.spec.work.nbytes <= _URGENT_BYTES
-                   for op in active.values()):
+
+        def urgent(op: LiveOp) -> bool:
+            return op.spec.priority > floor and op.spec.work.nbytes <= _URGENT_BYTES
+
+        if not any(urgent(op) for op in active.values()):
             return None
 
         def faster(header: Header) -> bool:
             if header.kind != Kind.DATA:
                 return False
             op = active.get((header.name_key, header.seq))
-            return op is not None and not op.finished and op.spec.priority > floor \
-                and op.spec.work.nbytes <= _URGENT_BYTES
+            return op is not None and not op.finished and urgent(op)
 
         return faster
 
