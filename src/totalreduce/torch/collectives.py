@@ -5,27 +5,8 @@ Names, argument names and defaults follow ``horovod.torch``.  Async forms return
 ``poll(handle)`` says whether it is done.  Tensor handling (zero-copy CPU views, bfloat16
 carried as float32, CUDA staged through host memory) is described in ``tensors.py``.
 
-As in Horovod, the blocking ``allreduce``, ``grouped_allreduce``, ``allgather``,
-``grouped_allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` and
-``grouped_reducescatter`` are autograd functions when a tensor that requires grad goes in
-(the in-place and async forms are not).  Their gradients are those of the sum of every rank's
-loss, so that averaging the parameters' gradients over ranks afterwards (the
-DistributedOptimizer) gives the gradient of the mean loss:
-
-- ``allreduce``: the same allreduce (op, prescale and postscale factors) of the incoming
-  gradient; only ``Sum`` and ``Average`` have a gradient (``Min``, ``Max`` and ``Product``
-  raise in backward).
-- ``allgather``: this rank's rows of the sum of every rank's incoming gradient.
-- ``broadcast``: on the root, the sum of every rank's incoming gradient; zero elsewhere.
-- ``alltoall``: the incoming gradient sent back the way the rows came (an alltoall
-  with the received splits).
-- ``reducescatter``: every rank's incoming gradient of its share, allgathered, times the
-  scale factors (and divided by ``size()`` for ``Average``; only ``Sum`` and ``Average``
-  have a gradient).  The grouped forms are those of their tensors, one op each.
-
-Recent Horovod averages instead of summing in the last two, which makes them ``size()``
-times smaller than the derivative.  The ops of a backward pass are named after the
-forward's (``name + ".grad"``), or unnamed when it was, and every rank must run them.
+As in Horovod, the blocking collectives are autograd functions when a tensor that requires
+grad goes in (``gradients.py`` says which, and what their gradients are).
 
 As in Horovod, an op submitted under the name of one of this rank's ops still in flight
 raises ``ValueError``.  (The numpy API allows it: there the second op is matched with the
@@ -48,6 +29,7 @@ import totalreduce as _tr
 from totalreduce import ProcessSet, global_process_set
 
 from . import adasum as _adasum
+from . import gradients as _grads
 from .adasum import Adasum
 from .compression import Compression, Compressor
 from .tensors import Staged, stage
@@ -289,10 +271,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         PeerFailureError: a rank died or left.
     """
     compressed, ctx = compression.compress(tensor)
-    if _differentiable([compressed]):
+    if _grads.differentiable([compressed]):
         what = "allreduce" + (f" '{name}'" if name else "")
         rop = resolve_op(op, average, what)
-        out = _AllreduceFn.apply(compressed, name, rop, prescale_factor, postscale_factor,
+        out = _grads.AllreduceFn.apply(compressed, name, rop, prescale_factor, postscale_factor,
                                  process_set)
     else:
         out = _blocking(lambda: allreduce_async(compressed, average, name, op,
@@ -335,10 +317,10 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     """Allreduce a list of tensors together and return a list of new tensors."""
     pairs = [compression.compress(t) for t in tensors]
     sent = [p[0] for p in pairs]
-    if _differentiable(sent):
+    if _grads.differentiable(sent):
         what = "grouped_allreduce" + (f" '{name}'" if name else "")
         rop = resolve_op(op, average, what)
-        outs = list(_GroupedAllreduceFn.apply(
+        outs = list(_grads.GroupedAllreduceFn.apply(
             (name, rop, prescale_factor, postscale_factor, process_set), *sent))
     else:
         outs = _blocking(lambda: _grouped(sent, average, name, op, prescale_factor,
@@ -462,8 +444,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0 (first dims may differ)."""
-    if _differentiable([tensor]):
-        return _AllgatherFn.apply(tensor, name, process_set)
+    if _grads.differentiable([tensor]):
+        return _grads.AllgatherFn.apply(tensor, name, process_set)
     return _blocking(lambda: allgather_async(tensor, name, process_set))
 
 
@@ -499,8 +481,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank gets ``root_rank``'s ``tensor`` as a new tensor."""
-    if _differentiable([tensor]):
-        return _BroadcastFn.apply(tensor, root_rank, name, process_set)
+    if _grads.differentiable([tensor]):
+        return _grads.BroadcastFn.apply(tensor, root_rank, name, process_set)
     return _blocking(lambda: broadcast_async(tensor, root_rank, name, process_set))
 
 
@@ -547,8 +529,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
-    if _differentiable([tensor]):
-        out, received = _AlltoallFn.apply(tensor, splits, name, process_set)
+    if _grads.differentiable([tensor]):
+        out, received = _grads.AlltoallFn.apply(tensor, splits, name, process_set)
         return out if splits is None else (out, received)
     return _blocking(lambda: alltoall_async(tensor, splits, name, process_set))
 
@@ -582,9 +564,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     compressed, ctx = compression.compress(tensor)
-    if _differentiable([compressed]):
+    if _grads.differentiable([compressed]):
         rop = resolve_op(op, None, "reducescatter" + (f" '{name}'" if name else ""))
-        out = _ReducescatterFn.apply(compressed, name, rop, process_set, prescale_factor,
+        out = _grads.ReducescatterFn.apply(compressed, name, rop, process_set, prescale_factor,
                                      postscale_factor)
     else:
         out = _blocking(lambda: reducescatter_async(compressed, name, op, process_set,
@@ -635,7 +617,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather each of ``tensors`` (first dims may differ by rank); a list of results."""
-    if _differentiable(tensors):
+    if _grads.differentiable(tensors):
         # One op per tensor either way: the differentiable form runs them one by one.
         return [allgather(t, _part_name(name, i), process_set)
                 for i, t in enumerate(tensors)]
@@ -662,7 +644,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each of ``tensors``: this rank's share of each reduced tensor."""
     pairs = [compression.compress(t) for t in tensors]
-    if _differentiable([p[0] for p in pairs]):
+    if _grads.differentiable([p[0] for p in pairs]):
         return [reducescatter(t, _part_name(name, i), compression, op, process_set,
                               prescale_factor, postscale_factor)
                 for i, t in enumerate(tensors)]
@@ -718,134 +700,3 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank has entered the barrier."""
     _tr.barrier(process_set)
-
-
-# --- gradients ------------------------------------------------------------------------
-
-
-def _differentiable(tensors: Sequence[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
-def _grad_name(name: str | None, suffix: str = "") -> str | None:
-    return None if name is None else f"{name}.grad{suffix}"
-
-
-def _check_grad_op(rop: _tr.ReduceOp, what: str) -> None:
-    if rop not in (Sum, Average):
-        raise RuntimeError(f"{what} with op={rop.label} has no gradient here: only Sum and "
-                           "Average are differentiable (detach the tensor, or reduce it "
-                           "with one of those)")
-
-
-class _AllreduceFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, rop: _tr.ReduceOp,
-                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
-        ctx.args = (name, rop, prescale, postscale, process_set)
-        return _blocking(lambda: _allreduce(tensor, None, name, rop, prescale, postscale,
-                                            process_set, 0, inplace=False))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        name, rop, prescale, postscale, process_set = ctx.args
-        _check_grad_op(rop, "allreduce" + (f" '{name}'" if name else ""))
-        out = _blocking(lambda: _allreduce(grad.contiguous(), None, _grad_name(name), rop,
-                                           prescale, postscale, process_set, 0,
-                                           inplace=False))
-        return out, None, None, None, None, None
-
-
-class _GroupedAllreduceFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, args: tuple[Any, ...], *tensors: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
-        name, rop, prescale, postscale, process_set = ctx.args = args
-        return tuple(_blocking(lambda: _grouped(tensors, None, name, rop, prescale, postscale,
-                                                process_set, inplace=False)))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        name, rop, prescale, postscale, process_set = ctx.args
-        _check_grad_op(rop, "grouped_allreduce" + (f" '{name}'" if name else ""))
-        outs = _blocking(lambda: _grouped([g.contiguous() for g in grads], None,
-                                          _grad_name(name), rop, prescale, postscale,
-                                          process_set, inplace=False))
-        return (None, *outs)
-
-
-class _AllgatherFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
-                process_set: ProcessSet) -> torch.Tensor:
-        ctx.args = (tensor.shape[0] if tensor.dim() else 0, name, process_set)
-        return _blocking(lambda: allgather_async(tensor, name, process_set))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        rows, name, process_set = ctx.args
-        total = _blocking(lambda: _allreduce(grad.contiguous(), None, _grad_name(name), Sum,
-                                             1.0, 1.0, process_set, 0, inplace=False))
-        every = _blocking(lambda: allgather_async(torch.tensor([rows], dtype=torch.int64),
-                                                  _grad_name(name, ".rows"), process_set))
-        start = int(every[:_tr.rank()].sum())
-        return total.narrow(0, start, rows), None, None
-
-
-class _BroadcastFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
-                process_set: ProcessSet) -> torch.Tensor:
-        ctx.args = (root_rank, name, process_set)
-        return _blocking(lambda: broadcast_async(tensor, root_rank, name, process_set))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        root_rank, name, process_set = ctx.args
-        total = _blocking(lambda: _allreduce(grad.contiguous(), None, _grad_name(name), Sum,
-                                             1.0, 1.0, process_set, 0, inplace=False))
-        if _tr.rank() != root_rank:
-            total = torch.zeros_like(total)
-        return total, None, None, None
-
-
-class _AlltoallFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
-                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.args = (name, process_set)
-        out, received = _blocking(lambda: alltoall_async(tensor, splits, name, process_set,
-                                                         _both=True))
-        ctx.mark_non_differentiable(received)
-        ctx.received = received
-        return out, received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _grad_splits: Any) -> tuple[Any, ...]:
-        # What came from rank q goes back to rank q, which finds it where it sent it from.
-        name, process_set = ctx.args
-        back, _ = _blocking(lambda: alltoall_async(grad.contiguous(), ctx.received,
-                                                   _grad_name(name), process_set))
-        return back, None, None, None
-
-
-class _ReducescatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, rop: _tr.ReduceOp,
-                process_set: ProcessSet, prescale: float, postscale: float) -> torch.Tensor:
-        ctx.args = (name, rop, process_set, prescale * postscale)
-        return _blocking(lambda: reducescatter_async(tensor, name, rop, process_set,
-                                                     prescale, postscale))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        # Every rank's input reached every rank's share: each rank's gradient is all the
-        # shares' incoming gradients, gathered, times the factors applied on the way.
-        name, rop, process_set, factor = ctx.args
-        _check_grad_op(rop, "reducescatter" + (f" '{name}'" if name else ""))
-        if rop == Average:
-            factor /= process_set.size()
-        every = _blocking(lambda: allgather_async(grad.contiguous(), _grad_name(name),
-                                                  process_set))
-        return every * factor, None, None, None, None, None
