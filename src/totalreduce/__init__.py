@@ -182,6 +182,9 @@ def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
         OpTimeoutError: the op waited longer than ``TOTALREDUCE_OP_TIMEOUT``.
     """
     ops = _ops(process_set, "allreduce")
+    done = ops.allreduce_now(x, op, name, priority, False)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return ops.allreduce(x, op, name, priority, inplace=False).wait()
 
@@ -191,6 +194,9 @@ def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
     process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``x``."""
     ops = _ops(process_set, "allreduce_")
+    done = ops.allreduce_now(x, op, name, priority, True)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return ops.allreduce(x, op, name, priority, inplace=True).wait()
 
@@ -415,8 +421,9 @@ def recv(buf: Any, source: int | None = None, tag: int = 0) -> Any:
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank (of ``process_set``) has entered the barrier."""
     ops = _ops(process_set, "barrier")
-    with ops.caller_waits():
-        ops.barrier().wait()
+    if not ops.barrier_now():
+        with ops.caller_waits():
+            ops.barrier().wait()
 
 
 def join() -> int:

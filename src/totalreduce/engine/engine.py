@@ -42,6 +42,7 @@ from ..transport.wire import Header
 from .applier import Applier
 from .departures import Departures
 from .driving import CallerWaits, Driver
+from .express import Express
 from .floating import Floating, Watch
 from .handler import Handler
 from .inbox import Inbox
@@ -114,6 +115,7 @@ class Engine:
                                         serving, starter, applier, transport, loop.step,
                                         self.wait, outbox.unpark)
         inbox.small = small
+        self._express = Express(small, ops, ledger, serving, transport, outbox.unpark)
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox
         self._floating, self._scratch, self._mismatches = floating, scratch, mismatches
@@ -149,6 +151,9 @@ class Engine:
         small = self._small
         if loop.commands or loop.completions or not small.eligible(spec):
             return False
+        chain = self._express.chain(spec.schedule)
+        if chain is not None and spec.key not in self._floating:
+            return self._express.run(spec, chain)
         return small.run(spec)
 
     def watch(self, match: Callable[[int, Header], bool], sources: Iterable[int],
@@ -239,7 +244,9 @@ class Engine:
                 "done_names": self._ops.done.names(),
                 "early_ready": self._ledger.early_count(),
                 "mismatch_records": len(self._mismatches),
-                "direct_ops": self._small.ran, "direct_handed_over": self._small.handed_over,
+                "direct_ops": self._small.ran + self._express.ran,
+                "express_ops": self._express.ran,
+                "direct_handed_over": self._small.handed_over,
                 "direct_caught_up": self._small.caught_up}
 
     def _command(self, what: str, arg: Any) -> None:

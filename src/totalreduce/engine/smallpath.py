@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -103,6 +103,73 @@ def needs(op: SmallOp) -> set[int]:
     return out
 
 
+def fits(header: Header, sig: int, dtype: int, count: int, nbytes: int) -> bool:
+    """Whether a DATA header is what this rank's op expects for a piece of ``nbytes``."""
+    return (header.sig == sig and header.dtype == dtype and header.count == count
+            and header.nbytes == nbytes)
+
+
+def apply_piece(spec: OpSpec, recv: Recv, body: memoryview) -> None:
+    """Copy or reduce a piece into place (finishing its region if it is the last)."""
+    work = spec.work
+    if recv.mode == COPY:
+        if body.nbytes:
+            work[recv.lo:recv.hi] = np.frombuffer(body, work.dtype)
+    else:
+        assert spec.ufunc is not None
+        reduce_into(spec.ufunc, work[recv.lo:recv.hi], body)
+    if recv.final and spec.finalize is not None and recv.hi > recv.lo:
+        spec.finalize(work[recv.lo:recv.hi])
+
+
+def post_data(ledger: CreditLedger, transport: Transport, spec: OpSpec, send: Send,
+              ready: set[int], told: set[int], sources: Collection[int]) -> bool:
+    """Post ``send`` straight into the peer's ring, as the outbox would have sent it: on
+    credit unless the peer is ``ready``, saying READY if it is one of the ``sources`` not
+    ``told`` yet (then it is).  False, nothing sent or spent, if it cannot go now."""
+    peer = send.peer
+    lo, hi = send.lo, send.hi
+    arr = spec.source if send.from_source else spec.work
+    assert arr is not None
+    body = arr[lo:hi].data.cast("B") if hi > lo else None
+    nbytes = 0 if body is None else body.nbytes
+    flags = 0
+    if peer not in ready:
+        if not ledger.spend(peer, nbytes):
+            return False
+        flags = FLAG_CREDITED
+    tell = peer not in told and peer in sources
+    if tell:
+        flags |= FLAG_READY
+    credit = ledger.take_owed(peer)
+    key0, key1 = spec.key
+    header = pack_header(Kind.DATA, spec.dtype, flags, send.step, key0, key1, spec.sig,
+                         send.piece, nbytes, spec.count, credit, spec.recipe, spec.epoch)
+    if not transport.post_now(peer, header, body):
+        if flags & FLAG_CREDITED:
+            ledger.grant(peer, charge_of(nbytes))
+        ledger.restore_owed(peer, credit)
+        return False
+    if tell:
+        told.add(peer)
+    return True
+
+
+def tell_ready(ledger: CreditLedger, transport: Transport, spec: OpSpec, peer: int,
+               told: set[int]) -> bool:
+    """Send ``peer`` a READY for ``spec`` now (then it is ``told``); False if it cannot go."""
+    credit = ledger.take_owed(peer)
+    key0, key1 = spec.key
+    header = Header(Kind.READY, spec.dtype, name_key=key0, seq=key1, sig=spec.sig,
+                    count=spec.count, recipe=spec.recipe, epoch=spec.epoch,
+                    credit=credit).pack()
+    if not transport.post_now(peer, header, None):
+        ledger.restore_owed(peer, credit)
+        return False
+    told.add(peer)
+    return True
+
+
 class SmallPath:
     """Runs :class:`SmallOp`\\ s; the inbox hands it their messages while one runs."""
 
@@ -176,7 +243,14 @@ class SmallPath:
         for peer in schedule.sources:
             if stuck:
                 break
-            stuck = peer not in op.told and not self._tell_ready(op, peer)
+            stuck = peer not in op.told and not tell_ready(ledger, self._transport, spec,
+                                                           peer, op.told)
+        return self.go_on(op, stuck)
+
+    def go_on(self, op: SmallOp, stuck: bool) -> OpFuture | bool:
+        """Run ``op``, its first messages sent, to its end (as :meth:`run` returns);
+        ``stuck``: one could not go, so the general path takes it at once."""
+        key = op.spec.key
         if stuck:  # the general path sends what could not go (and the READYs owed)
             self._promote(op)
         else:
@@ -195,7 +269,7 @@ class SmallPath:
         self._ops.ran(key)
         # READYs that came while it ran were kept as early ones (it was not in the op
         # table): nothing will ever take them now.
-        ledger.pop_early(key)
+        self._ledger.pop_early(key)
         self._serving.forget(key)
         return True
 
@@ -210,9 +284,9 @@ class SmallPath:
             op.ready.add(peer)
         rkey = (peer, header.step, header.piece)
         recv = spec.schedule.recvs.get(rkey)
-        if (recv is None or header.sig != spec.sig or header.dtype != spec.dtype
-                or header.count != spec.count
-                or header.nbytes != (recv.hi - recv.lo) * op.itemsize or rkey in op.seen):
+        if (recv is None or rkey in op.seen
+                or not fits(header, spec.sig, spec.dtype, spec.count,
+                            (recv.hi - recv.lo) * op.itemsize)):
             # Not what this rank expects: the general path's mismatch handling says so,
             # on every rank.
             self._promote(op)
@@ -236,16 +310,7 @@ class SmallPath:
 
     def _apply(self, op: SmallOp, rkey: PieceKey, recv: Recv, body: memoryview) -> None:
         """Copy or reduce a piece into place, then post the sends it unlocks."""
-        spec = op.spec
-        work = spec.work
-        if recv.mode == COPY:
-            if body.nbytes:
-                work[recv.lo:recv.hi] = np.frombuffer(body, work.dtype)
-        else:
-            assert spec.ufunc is not None
-            reduce_into(spec.ufunc, work[recv.lo:recv.hi], body)
-        if recv.final and spec.finalize is not None and recv.hi > recv.lo:
-            spec.finalize(work[recv.lo:recv.hi])
+        apply_piece(op.spec, recv, body)
         op.applied.append((rkey, recv))
         op.to_come -= 1
         for send in recv.then:
@@ -274,48 +339,11 @@ class SmallPath:
 
     def _post(self, op: SmallOp, send: Send) -> bool:
         """Post ``send`` straight into the peer's ring, as the outbox would have sent it."""
-        spec = op.spec
-        peer = send.peer
-        lo, hi = send.lo, send.hi
-        arr = spec.source if send.from_source else spec.work
-        assert arr is not None
-        body = arr[lo:hi].data.cast("B") if hi > lo else None
-        nbytes = 0 if body is None else body.nbytes
-        ledger = self._ledger
-        flags = 0
-        if peer not in op.ready:
-            if not ledger.spend(peer, nbytes):
-                return False
-            flags = FLAG_CREDITED
-        tell = peer not in op.told and peer in spec.schedule.sources
-        if tell:
-            flags |= FLAG_READY
-        key0, key1 = op.key0, op.key1
-        credit = ledger.take_owed(peer)
-        header = pack_header(Kind.DATA, spec.dtype, flags, send.step, key0, key1, spec.sig,
-                             send.piece, nbytes, spec.count, credit, spec.recipe,
-                             spec.epoch)
-        if not self._transport.post_now(peer, header, body):
-            if flags & FLAG_CREDITED:
-                ledger.grant(peer, charge_of(nbytes))
-            ledger.restore_owed(peer, credit)
+        if not post_data(self._ledger, self._transport, op.spec, send, op.ready, op.told,
+                         op.spec.schedule.sources):
             return False
-        if tell:
-            op.told.add(peer)
         op.sent.append(send)
-        op.gone.add((peer, send.step, send.piece))
-        return True
-
-    def _tell_ready(self, op: SmallOp, peer: int) -> bool:
-        spec = op.spec
-        credit = self._ledger.take_owed(peer)
-        header = Header(Kind.READY, spec.dtype, name_key=op.key0, seq=op.key1, sig=spec.sig,
-                        count=spec.count, recipe=spec.recipe, epoch=spec.epoch,
-                        credit=credit).pack()
-        if not self._transport.post_now(peer, header, None):
-            self._ledger.restore_owed(peer, credit)
-            return False
-        op.told.add(peer)
+        op.gone.add((send.peer, send.step, send.piece))
         return True
 
     def _drive(self, op: SmallOp) -> None:

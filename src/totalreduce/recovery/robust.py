@@ -239,6 +239,14 @@ class Robust:
     def barrier(self) -> Handle:
         return self._call("barrier", None, lambda s: s.barrier(), nothing=True)
 
+    def allreduce_now(self, x: Any, op: Any, name: str | None, priority: int,
+                      inplace: bool) -> None:
+        """Never: every op is logged for replay (_call)."""
+        return None
+
+    def barrier_now(self) -> bool:
+        return False
+
     # --- checkpoints --------------------------------------------------------------------
 
     def version_number(self) -> int:

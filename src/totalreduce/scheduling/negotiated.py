@@ -131,6 +131,14 @@ class Negotiated:
     def barrier(self) -> Handle:
         return self._request("barrier", None, None)
 
+    def allreduce_now(self, x: Any, op: Any, name: str | None, priority: int,
+                      inplace: bool) -> None:
+        """Never: every op is negotiated first."""
+        return None
+
+    def barrier_now(self) -> bool:
+        return False
+
     def join(self) -> int:
         """Stand in for this rank in every allreduce the others run (with the op's
         identity) until every rank has joined; return the rank that joined last."""

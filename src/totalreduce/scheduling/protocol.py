@@ -28,6 +28,13 @@ class Scheduler(Protocol):
                  out: Any = None) -> Handle: ...
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle: ...
     def barrier(self) -> Handle: ...
+    def allreduce_now(self, x: Any, op: Any, name: str | None, priority: int,
+                      inplace: bool) -> Any:
+        """A blocking allreduce's result if it ran to its end at once (a repeated small
+        one); None, nothing done, otherwise: call :meth:`allreduce` and wait."""
+    def barrier_now(self) -> bool:
+        """A barrier run to its end at once: True; False, nothing done: call
+        :meth:`barrier` and wait."""
     def join(self) -> int:
         """Stand in for this rank in the others' allreduces until every rank has joined;
         the rank that joined last."""

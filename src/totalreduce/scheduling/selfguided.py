@@ -308,6 +308,47 @@ class SelfGuided:
         future = self._engine.submit(spec) if ran is False else ran
         return FutureHandle([future], lambda: result, spec.label)
 
+    def allreduce_now(self, x: Any, op: Any, name: str | None, priority: int,
+                      inplace: bool) -> np.ndarray | None:
+        """A blocking allreduce like one made before, small enough for the engine to run to
+        its end on this thread: its result.  None, with nothing done, where it is not one:
+        call :meth:`allreduce` and wait.  Skips the handle and the hand-off through
+        :meth:`caller_waits`, each a share of a small op's cost."""
+        if (type(x) is not np.ndarray or x.nbytes > self._direct_bytes
+                or type(op) is not ReduceOp or self._direct_bytes <= 0
+                or (inplace and not (x.flags.c_contiguous and x.flags.writeable))):
+            return None
+        with self._lock:
+            plan = self._small.get((x.dtype, x.shape, op, name))
+        if plan is None:
+            return None
+        ident = self._ident("allreduce", name)
+        work = x.reshape(-1) if inplace else x.reshape(-1).copy()
+        result = x if inplace else work.reshape(x.shape)
+        self._run_blocking(plan.spec(ident, work, priority, self._members))
+        return result
+
+    def barrier_now(self) -> bool:
+        """A barrier run to its end on this thread, as :meth:`allreduce_now`: False, with
+        nothing done, where it cannot be (the first one): call :meth:`barrier`."""
+        plan = self._barrier
+        if plan is None or self._direct_bytes <= 0:
+            return False
+        ident = self._ident("barrier", None)
+        self._run_blocking(plan.spec(ident, np.zeros(1, np.uint8), 1 << 30, self._members))
+        return True
+
+    def _run_blocking(self, spec: OpSpec) -> None:
+        """Run ``spec`` to its end, on this thread from its first message if the engine
+        can (engine/express.py); raises its error."""
+        ran = self._engine.run_now(spec)
+        if ran is not True:
+            with self._caller_waits:
+                future = self._engine.submit(spec) if ran is False else ran
+                FutureHandle([future], _nothing, spec.label).wait()
+        elif ctrl_c.pending:
+            ctrl_c.raise_if_pending()
+
     def _launch(self, spec: OpSpec, finish: Callable[[], Any]) -> Handle:
         """Start ``spec``: on this thread to its end when it is small, this thread blocks
         on it and nothing else is in flight (engine/smallpath.py), else on the engine."""

@@ -135,6 +135,10 @@ class Transport(abc.ABC):
         poll() (engine/smallpath.py)."""
         return None
 
+    def peeks(self, peer: int) -> bool:
+        """Whether :meth:`peek` can show ``peer``'s messages (it comes through a ring)."""
+        return False
+
     def take(self, peer: int, header: Header) -> None:
         """The message from :meth:`peek` (``header``) has been handled: free it."""
         raise NotImplementedError

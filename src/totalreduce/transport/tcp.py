@@ -104,6 +104,9 @@ class TcpTransport(Transport):
         link = self._links.get(peer)
         return link.peek() if type(link) is RingLink else None
 
+    def peeks(self, peer: int) -> bool:
+        return type(self._links.get(peer)) is RingLink
+
     def take(self, peer: int, header: Header) -> None:
         link = self._links[peer]
         assert type(link) is RingLink

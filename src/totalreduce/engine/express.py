@@ -1,0 +1,198 @@
+"""The express lane: a small op whose schedule is a chain, run straight down it.
+
+In a chain each step has one receive, and each receive unlocks only later steps' sends:
+recursive doubling, the small allreduce's algorithm (barrier is a one-byte one), at any
+rank count.  The small path (smallpath.py) runs any schedule, and pays for it on every
+message: sets of what was sent, seen and applied, lists kept for a possible hand-over, a
+lookup of each arriving piece.  For a chain, all of that is one position: how many steps
+are done.  So this lane keeps only the position, looks for the next step's message in the
+one ring it must come through, and on anything else (a message that is not that one, a full
+ring, no credit, a peer slow to answer) builds the small path's record of the op from the
+position and lets the small path go on from there: the same messages, none sent twice.
+
+The messages are the small path's, header for header, so peers may run the same op on
+either lane.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from ..interrupts import deferred as ctrl_c
+from ..lru import LRU
+from ..transport.base import Transport
+from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header
+from .ledger import CreditLedger, charge_of
+from .optable import OpTable
+from .payload import OpFuture, OpSpec
+from .schedule import Recv, Schedule, Send
+from .serving import JoinServer
+from .smallpath import SmallOp, SmallPath, apply_piece, fits, post_data, tell_ready
+
+# How long the lane waits for a step's message before the small path takes over (which
+# also turns the loop: sockets, other peers, housekeeping).
+_SPIN = 200e-6
+
+# Chains by the schedule they came from (kept, so its id is not reused while the entry
+# lives): a job's small ops use a few schedules.
+_CHAINS = 256
+
+
+class Chain:
+    """A schedule as one line: ``first`` sends, then per step the message to wait for
+    (peer, step, piece, receive), whose receive's ``then`` sends follow it."""
+
+    __slots__ = ("first", "steps", "sources", "sends")
+
+    def __init__(self, schedule: Schedule, steps: list[tuple[int, int, int, Recv]]) -> None:
+        self.first = schedule.first
+        self.steps = tuple(steps)
+        self.sources = tuple(sorted(schedule.sources))
+        # Every send, in the order the lane posts them.
+        self.sends: tuple[Send, ...] = (*schedule.first,
+                                        *(s for *_k, recv in steps for s in recv.then))
+
+
+def chain_of(schedule: Schedule) -> Chain | None:
+    """``schedule`` as a :class:`Chain`, or None if it is not one: one receive per step,
+    each of whose sends is of a later step, and whose ``after`` sends have all been posted
+    before it (so a body is never held back)."""
+    if schedule.waits or schedule.local_final:
+        return None
+    steps = sorted(((src, step, piece, recv) for (src, step, piece), recv
+                    in schedule.recvs.items()), key=lambda item: item[1])
+    if len({item[1] for item in steps}) != len(steps):
+        return None
+    posted = {(s.peer, s.step, s.piece) for s in schedule.first}
+    for _src, step, _piece, recv in steps:
+        if not posted.issuperset(recv.after) or any(s.step <= step for s in recv.then):
+            return None
+        posted.update((s.peer, s.step, s.piece) for s in recv.then)
+    if any(s.from_source for s in (*schedule.first, *(s for *_k, r in steps for s in r.then))):
+        return None
+    return Chain(schedule, steps)
+
+
+class Express:
+    def __init__(self, small: SmallPath, ops: OpTable, ledger: CreditLedger,
+                 serving: JoinServer, transport: Transport,
+                 unpark: Callable[[int], None]) -> None:
+        """``unpark(peer)``: the outbox's, told when a peer returns credit."""
+        self._small = small
+        self._unpark = unpark
+        self._ops = ops
+        self._ledger = ledger
+        self._serving = serving
+        self._transport = transport
+        self._chains: LRU[int, tuple[Schedule, Chain | None]] = LRU(_CHAINS)
+        self.ran = 0  # ops that ran to their end on this lane
+
+    def chain(self, schedule: Schedule) -> Chain | None:
+        """The chain ``schedule`` is, if this lane can run it here: every peer it involves
+        reached through a ring this process reads in place (Transport.peek)."""
+        hit = self._chains.get(id(schedule))
+        if hit is not None and hit[0] is schedule:
+            return hit[1]
+        chain = chain_of(schedule)
+        if chain is not None:
+            transport = self._transport
+            peers = set(chain.sources) | {s.peer for s in chain.sends}
+            if transport.spin_for() <= 0 or not all(map(transport.peeks, peers)):
+                chain = None
+        self._chains.put(id(schedule), (schedule, chain))
+        return chain
+
+    def run(self, spec: OpSpec, chain: Chain) -> OpFuture | bool:
+        """Run ``spec`` (eligible for the small path, none of its bodies floating here) to
+        its end: as :meth:`.SmallPath.run`."""
+        ledger = self._ledger
+        transport = self._transport
+        key = spec.key
+        key0, key1 = key
+        ready = ledger.pop_early(key)
+        if spec.epoch < 0:
+            spec.epoch = self._serving.epoch
+        told: set[int] = set()
+        sources = chain.sources
+        sends = chain.sends
+        posted = 0
+        for send in chain.first:
+            if not post_data(ledger, transport, spec, send, ready, told, sources):
+                if not posted:  # as it was: the general path starts it
+                    for peer in ready:
+                        ledger.early_ready(key, peer)
+                    return False
+                return self._hand_over(spec, chain, ready, told, 0, posted, True)
+            posted += 1
+        self._serving.forget(key)
+        for peer in sources:
+            if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
+                return self._hand_over(spec, chain, ready, told, 0, posted, True)
+        peek = transport.peek
+        sig, dtype, count = spec.sig, spec.dtype, spec.count
+        itemsize = spec.work.itemsize
+        for i, (peer, step, piece, recv) in enumerate(chain.steps):
+            record = peek(peer) or self._wait(peer)
+            if record is None:
+                return self._hand_over(spec, chain, ready, told, i, posted, False)
+            header, body = record
+            if (body is None or header.name_key != key0 or header.seq != key1
+                    or header.step != step or header.piece != piece
+                    or not fits(header, sig, dtype, count, (recv.hi - recv.lo) * itemsize)):
+                # Not the message this step waits for: the small path looks at it again.
+                return self._hand_over(spec, chain, ready, told, i, posted, False)
+            if header.credit:
+                ledger.grant(peer, header.credit)
+                self._unpark(peer)
+            if header.flags & FLAG_CREDITED:
+                ledger.owe(peer, charge_of(header.nbytes))
+            if header.flags & FLAG_READY:
+                ready.add(peer)
+            apply_piece(spec, recv, body)
+            transport.take(peer, header)
+            for send in recv.then:
+                if not post_data(ledger, transport, spec, send, ready, told, sources):
+                    return self._hand_over(spec, chain, ready, told, i + 1, posted, True)
+                posted += 1
+        assert posted == len(sends)
+        self.ran += 1
+        self._ops.ran(key)
+        # READYs that came meanwhile were kept as early ones: nothing will take them now.
+        ledger.pop_early(key)
+        self._serving.forget(key)
+        return True
+
+    def _wait(self, peer: int) -> tuple[Header, memoryview | None] | None:
+        """The next record from ``peer``, or None if none came within the spin."""
+        peek = self._transport.peek
+        relax = os.sched_yield if self._transport.crowded() else None
+        now = time.perf_counter
+        deadline = now() + _SPIN
+        while not ctrl_c.pending:
+            if relax is not None:
+                relax()
+            record = peek(peer)
+            if record is not None:
+                return record
+            if now() >= deadline:
+                break
+        return None
+
+    def _hand_over(self, spec: OpSpec, chain: Chain, ready: set[int], told: set[int],
+                   done: int, posted: int, stuck: bool) -> OpFuture | bool:
+        """The small path goes on with the op: ``done`` steps applied, ``posted`` sends
+        gone; ``stuck``: the next send could not go (the general path sends it)."""
+        op = SmallOp(spec, ready)
+        op.told = told
+        applied = chain.steps[:done]
+        unlocked = len(chain.first) + sum(len(recv.then) for *_k, recv in applied)
+        op.sent = list(chain.sends[:posted])
+        op.gone = {(s.peer, s.step, s.piece) for s in op.sent}
+        op.unsent = list(chain.sends[posted:unlocked])
+        op.applied = [((p, s, j), recv) for p, s, j, recv in applied]
+        op.seen = {rkey for rkey, _recv in op.applied}
+        op.to_come = len(chain.steps) - done
+        return self._small.go_on(op, stuck)
+
