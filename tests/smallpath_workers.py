@@ -163,7 +163,8 @@ def repeated_calls(arg: dict) -> None:
     stats = current().engine.stats()
     report(direct=stats["direct_ops"], caught_up=stats["direct_caught_up"],
            handed_over=stats["direct_handed_over"], floating=stats["floating_bytes"],
-           plans=current().collectives.stats()["small_plans"])
+           plans=current().collectives.stats()["small_plans"],
+           express=stats["express_ops"])
     tr.shutdown()
 
 
@@ -180,6 +181,27 @@ def late_peer(arg: dict) -> None:
         assert np.array_equal(got, want), (i, got, want)
     stats = current().engine.stats()
     report(direct=stats["direct_ops"], handed_over=stats["direct_handed_over"])
+    tr.shutdown()
+
+
+def express_hand_over(arg: dict) -> None:
+    """Rank ``late`` comes to each small allreduce ``delay`` seconds late: a peer's express
+    lane waits past its spin at whatever step it has reached (at 4 ranks rank 1 meets
+    rank 3 only at the second), and the small path goes on from there."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    calls = [(np.float32, tr.Sum, np.sum), (np.int64, tr.Max, np.max),
+             (np.float16, tr.Average, np.mean), (np.uint8, tr.Min, np.min)]
+    for i in range(arg["steps"]):
+        dtype, op, ref = calls[i % len(calls)]
+        inputs = _inputs(i, n, 5, dtype)
+        want = ref(np.stack(inputs).astype(np.float64), axis=0).astype(dtype)
+        if rank == arg["late"]:
+            time.sleep(arg["delay"])
+        got = tr.allreduce(inputs[rank], op=op, name="late")
+        _close(got, want, f"step {i}: {op} {np.dtype(dtype)}")
+    stats = current().engine.stats()
+    report(express=stats["express_ops"], handed=stats["express_handed_over"])
     tr.shutdown()
 
 

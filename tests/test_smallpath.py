@@ -26,6 +26,8 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
     for r in range(n):
         got = result.report(r)
         assert got["floating"] == 0 and got["plans"] > 0, got
+        # Repeats took the express lane (at 4 ranks, with a READY ahead of the data).
+        assert got["express"] > 0, got
     if n == 4:  # 4 ranks on 2 cores: some rank always runs ahead of another
         assert any(result.report(r)["caught_up"] > 0 for r in range(n)), result.explain()
 
@@ -42,6 +44,16 @@ def test_a_late_peer_hands_the_op_to_the_general_path() -> None:
     # 0.6 s is past the small path's patience (smallpath.PROMOTE_AFTER, 0.25 s).
     result = run_ok(2, "smallpath_workers:late_peer", {"delay": 0.6}, timeout=120)
     assert result.report(0)["handed_over"] >= 1, result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_express_lane_hands_a_late_peers_op_to_the_small_path(n: int) -> None:
+    # 3 ms is past the express lane's spin (express._SPIN) and within the small path's
+    # patience: the small path finishes what the lane began.  Sums checked in the worker.
+    result = run_ok(n, "smallpath_workers:express_hand_over",
+                    {"steps": 24, "late": n - 1, "delay": 0.003}, timeout=120)
+    waiting = 1 if n == 4 else 0  # at 4 ranks: after its first step, with rank 0
+    assert result.report(waiting)["handed"] >= 1, result.explain()
 
 
 def test_a_lent_body_meets_the_small_path() -> None:

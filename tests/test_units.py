@@ -325,3 +325,17 @@ def test_add_select_matches_its_three_passes(n: int, dtype: type, alias: bool) -
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, np.flatnonzero(np.abs(want_acc) >= threshold))
     assert not out.any()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_reductions_overflow_to_inf_whatever_the_callers_error_mode(dtype: type) -> None:
+    # The small path reduces on the caller's thread, where the caller's np.seterr holds.
+    from totalreduce.engine.reducer import reduce_into
+
+    big = np.finfo(dtype).max
+    dest = np.array([big, 1, -big], dtype)
+    incoming = np.array([big, 2, -big], dtype)
+    with np.errstate(all="raise"):
+        reduce_into(np.add, dest, incoming.tobytes())
+        assert np.geterr()["over"] == "raise"  # the caller's mode is back
+    np.testing.assert_array_equal(dest, np.array([np.inf, 3, -np.inf], dtype))

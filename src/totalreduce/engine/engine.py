@@ -246,6 +246,7 @@ class Engine:
                 "mismatch_records": len(self._mismatches),
                 "direct_ops": self._small.ran + self._express.ran,
                 "express_ops": self._express.ran,
+                "express_handed_over": self._express.handed_over,
                 "direct_handed_over": self._small.handed_over,
                 "direct_caught_up": self._small.caught_up}
 

@@ -6,7 +6,8 @@ rank count.  The small path (smallpath.py) runs any schedule, and pays for it on
 message: sets of what was sent, seen and applied, lists kept for a possible hand-over, a
 lookup of each arriving piece.  For a chain, all of that is one position: how many steps
 are done.  So this lane keeps only the position, looks for the next step's message in the
-one ring it must come through, and on anything else (a message that is not that one, a full
+one ring it must come through (past that peer's READY for the op, which comes first where
+we send to the peer only later), and on anything else (a message that is not that one, a full
 ring, no credit, a peer slow to answer) builds the small path's record of the op from the
 position and lets the small path go on from there: the same messages, none sent twice.
 
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
 from ..transport.base import Transport
-from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header
+from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind
 from .ledger import CreditLedger, charge_of
 from .optable import OpTable
 from .payload import OpFuture, OpSpec
@@ -88,6 +89,7 @@ class Express:
         self._transport = transport
         self._chains: LRU[int, tuple[Schedule, Chain | None]] = LRU(_CHAINS)
         self.ran = 0  # ops that ran to their end on this lane
+        self.handed_over = 0  # ops the small path went on with
 
     def chain(self, schedule: Schedule) -> Chain | None:
         """The chain ``schedule`` is, if this lane can run it here: every peer it involves
@@ -116,7 +118,6 @@ class Express:
             spec.epoch = self._serving.epoch
         told: set[int] = set()
         sources = chain.sources
-        sends = chain.sends
         posted = 0
         for send in chain.first:
             if not post_data(ledger, transport, spec, send, ready, told, sources):
@@ -135,6 +136,17 @@ class Express:
         itemsize = spec.work.itemsize
         for i, (peer, step, piece, recv) in enumerate(chain.steps):
             record = peek(peer) or self._wait(peer)
+            while (record is not None and record[1] is None and record[0].kind == Kind.READY
+                   and record[0].name_key == key0 and record[0].seq == key1):
+                # The peer's READY for this op, ahead of its data (a peer we send to only
+                # later): as the inbox takes it (Inbox._header_news, PeerEvents.ready).
+                header = record[0]
+                if header.credit:
+                    ledger.grant(peer, header.credit)
+                    self._unpark(peer)
+                ready.add(peer)
+                transport.take(peer, header)
+                record = peek(peer) or self._wait(peer)
             if record is None:
                 return self._hand_over(spec, chain, ready, told, i, posted, False)
             header, body = record
@@ -156,12 +168,10 @@ class Express:
                 if not post_data(ledger, transport, spec, send, ready, told, sources):
                     return self._hand_over(spec, chain, ready, told, i + 1, posted, True)
                 posted += 1
-        assert posted == len(sends)
         self.ran += 1
+        # The loop never turned meanwhile, so no READY of this op was kept as an early one
+        # (the small path, which turns it, forgets those here).
         self._ops.ran(key)
-        # READYs that came meanwhile were kept as early ones: nothing will take them now.
-        ledger.pop_early(key)
-        self._serving.forget(key)
         return True
 
     def _wait(self, peer: int) -> tuple[Header, memoryview | None] | None:
@@ -184,6 +194,7 @@ class Express:
                    done: int, posted: int, stuck: bool) -> OpFuture | bool:
         """The small path goes on with the op: ``done`` steps applied, ``posted`` sends
         gone; ``stuck``: the next send could not go (the general path sends it)."""
+        self.handed_over += 1
         op = SmallOp(spec, ready)
         op.told = told
         applied = chain.steps[:done]

@@ -140,7 +140,9 @@ class Transport(abc.ABC):
         return False
 
     def take(self, peer: int, header: Header) -> None:
-        """The message from :meth:`peek` (``header``) has been handled: free it."""
+        """The message from :meth:`peek` (``header``) has been handled: free it.  Besides
+        a DATA message shown with its body, that may be one with no body at all (a
+        READY), which the caller handled from its header alone."""
         raise NotImplementedError
 
     def crowded(self) -> bool:

@@ -133,13 +133,13 @@ class RingWriter:
         """Write one record and publish it; False (nothing written) while the ring is full.
         ``body`` must be at most :attr:`max_body` bytes."""
         n = 0 if body is None else body.nbytes
-        size = _align(HEADER_SIZE + n)
+        size = (HEADER_SIZE + n + _ALIGN - 1) & ~(_ALIGN - 1)  # _align, inline: every message
         cap = self.capacity
         ctl = self._ctl
         head = self._head
         start = head
         offset = start % cap
-        tail = int(ctl[_TAIL])
+        tail = ctl[_TAIL]
         if offset + size > cap:
             start += cap - offset
         if start + size - tail > cap:
