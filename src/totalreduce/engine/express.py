@@ -1,15 +1,17 @@
 """The express lane: a small op whose schedule is a chain, run straight down it.
 
-In a chain each step has one receive, and each receive unlocks only later steps' sends:
-recursive doubling, the small allreduce's algorithm (barrier is a one-byte one), at any
-rank count.  The small path (smallpath.py) runs any schedule, and pays for it on every
-message: sets of what was sent, seen and applied, lists kept for a possible hand-over, a
-lookup of each arriving piece.  For a chain, all of that is one position: how many steps
-are done.  So this lane keeps only the position, looks for the next step's message in the
-one ring it must come through (past that peer's READY for the op, which comes first where
-we send to the peer only later), and on anything else (a message that is not that one, a full
-ring, no credit, a peer slow to answer) builds the small path's record of the op from the
-position and lets the small path go on from there: the same messages, none sent twice.
+In a chain every receive unlocks only later steps' sends, so its receives can be waited
+for one after the other: recursive doubling (the small allreduce; barrier is a one-byte
+one), the ring allgather (the size phase of allgather and alltoall), a pairwise exchange
+at 2 ranks, a small broadcast.  The small path (smallpath.py) runs any schedule, and pays
+for it on every message: sets of what was sent, seen and applied, lists kept for a
+possible hand-over, a lookup of each arriving piece.  For a chain, all of that is one
+position: how many receives are done.  So this lane keeps only the position, looks for the
+next message in the one ring it must come through (past that peer's READY for the op,
+which comes first where we send to the peer only later), and on anything else (a message
+that is not that one, a full ring, no credit, a peer slow to answer) builds the small
+path's record of the op from the position and lets the small path go on from there: the
+same messages, none sent twice.
 
 The messages are the small path's, header for header, so peers may run the same op on
 either lane.
@@ -42,37 +44,38 @@ _CHAINS = 256
 
 
 class Chain:
-    """A schedule as one line: ``first`` sends, then per step the message to wait for
+    """A schedule as one line: ``first`` sends, then the messages to wait for, each as
     (peer, step, piece, receive), whose receive's ``then`` sends follow it."""
 
-    __slots__ = ("first", "steps", "sources", "sends")
+    __slots__ = ("first", "steps", "sources", "sends", "local_final")
 
     def __init__(self, schedule: Schedule, steps: list[tuple[int, int, int, Recv]]) -> None:
         self.first = schedule.first
         self.steps = tuple(steps)
         self.sources = tuple(sorted(schedule.sources))
+        self.local_final = schedule.local_final
         # Every send, in the order the lane posts them.
         self.sends: tuple[Send, ...] = (*schedule.first,
                                         *(s for *_k, recv in steps for s in recv.then))
 
 
 def chain_of(schedule: Schedule) -> Chain | None:
-    """``schedule`` as a :class:`Chain`, or None if it is not one: one receive per step,
-    each of whose sends is of a later step, and whose ``after`` sends have all been posted
-    before it (so a body is never held back)."""
-    if schedule.waits or schedule.local_final:
+    """``schedule`` as a :class:`Chain`, or None if it is not one.
+
+    The receives are waited for by step, then piece, then source.  That order cannot wait
+    on a message that waits on us, as a message of a step depends only on earlier steps'
+    (true of every algorithm here), so: each receive's sends must be of a later step, and
+    the sends it must wait for (``after``) must have been posted before it, so a body is
+    never held back.  A peer that sends in another order only costs a hand-over."""
+    if schedule.waits:
         return None
     steps = sorted(((src, step, piece, recv) for (src, step, piece), recv
-                    in schedule.recvs.items()), key=lambda item: item[1])
-    if len({item[1] for item in steps}) != len(steps):
-        return None
+                    in schedule.recvs.items()), key=lambda item: (item[1], item[2], item[0]))
     posted = {(s.peer, s.step, s.piece) for s in schedule.first}
     for _src, step, _piece, recv in steps:
         if not posted.issuperset(recv.after) or any(s.step <= step for s in recv.then):
             return None
         posted.update((s.peer, s.step, s.piece) for s in recv.then)
-    if any(s.from_source for s in (*schedule.first, *(s for *_k, r in steps for s in r.then))):
-        return None
     return Chain(schedule, steps)
 
 
@@ -128,6 +131,10 @@ class Express:
                 return self._hand_over(spec, chain, ready, told, 0, posted, True)
             posted += 1
         self._serving.forget(key)
+        if spec.finalize is not None:
+            for lo, hi in chain.local_final:
+                if hi > lo:
+                    spec.finalize(spec.work[lo:hi])
         for peer in sources:
             if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
                 return self._hand_over(spec, chain, ready, told, 0, posted, True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,19 @@ def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtyp
     if out is not None and out.shape[0] == rows:
         return out.reshape(-1)
     return np.empty(count, dtype)
+
+
+def _gathering_views(kind: str, arr: np.ndarray
+                     ) -> tuple[Callable[[], dict[str, Any]], Callable[[], dict[str, Any]]]:
+    """What ranks agree on for an allgather or alltoall (all but the rows) and what a
+    mismatch shows of this rank's call (its whole shape), made only when not cached."""
+    def view() -> dict[str, Any]:
+        return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
+
+    def shown() -> dict[str, Any]:
+        return dict(view(), shape=list(arr.shape))
+
+    return view, shown
 
 
 class _Ident:
@@ -225,11 +239,13 @@ class SelfGuided:
     def _spec(self, ident: _Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
               dtype: np.dtype, count: int, schedule: Schedule, work: np.ndarray,
               priority: int, known: tuple[Any, ...] | None = None,
-              shown: dict[str, Any] | None = None, **kw: Any) -> OpSpec:
+              shown: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+              **kw: Any) -> OpSpec:
         """``view`` (or a function making it) is what ranks must agree on; ``known``, a
-        hashable key that determines it, lets a repeated op skip building it.  ``shown``,
-        if given, is what a mismatch message shows of this rank's call instead of
-        ``view`` (an allgather's whole shape, though ranks agree only on its rows)."""
+        hashable key that determines it (and ``shown``), lets a repeated op skip building
+        them.  ``shown``, if given, is what a mismatch message shows of this rank's call
+        instead of ``view`` (an allgather's whole shape, though ranks agree only on its
+        rows)."""
         key = None if known is None else (*known, ident.name)
         if key is not None:
             with self._lock:
@@ -237,7 +253,7 @@ class SelfGuided:
         else:
             hit = None
         if hit is not None:
-            view, sig = hit
+            describe, sig = hit
         else:
             view = dict(view() if callable(view) else view, name=ident.name)
             # A training loop repeats the same few views: hashing their JSON each call was
@@ -246,14 +262,14 @@ class SelfGuided:
             with self._lock:
                 cached = self._sigs.get(frozen)
             sig = hash64(json.dumps(view, sort_keys=True)) if cached is None else cached
+            describe = view if shown is None else \
+                dict(shown() if callable(shown) else shown, name=ident.name)
             with self._lock:
                 self._sigs.put(frozen, sig)
                 if key is not None:
-                    self._known.put(key, (view, sig))
-        if shown is not None:
-            view = dict(shown, name=ident.name)
-        return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, view, schedule,
-                      work, priority=priority, ranks=self._members, **kw)
+                    self._known.put(key, (describe, sig))
+        return OpSpec(ident.key, ident.label, sig, dtype_code(dtype), count, describe,
+                      schedule, work, priority=priority, ranks=self._members, **kw)
 
     # --- allreduce ------------------------------------------------------------------
 
@@ -463,11 +479,13 @@ class SelfGuided:
             work, writeback = self._working_copy(arr, inplace)
         else:
             work, writeback = np.empty(arr.size, arr.dtype), False
-        view = {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
-                "root": int(root_rank)}
+        def view() -> dict[str, Any]:
+            return {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
+                    "root": int(root_rank)}
+
         schedule = self._algorithms.broadcast(root, work.size, arr.dtype)
         spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
-                          lend=self.rank != root)
+                          ("broadcast", arr.dtype, arr.shape, root), lend=self.rank != root)
 
         def finish() -> np.ndarray:
             if writeback:
@@ -481,19 +499,21 @@ class SelfGuided:
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         rop, arr = check_reducescatter(x, op, name)
         ident = self._ident("reducescatter", name)
-        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        row = math.prod(arr.shape[1:])
         rows = even_bounds(arr.shape[0], self.size)
         bounds = tuple(b * row for b in rows)
         source = self._fresh_source(arr, False)
         work = np.array(arr, copy=True, order="C").reshape(-1) if source is None \
             else np.empty(arr.size, arr.dtype)
-        view = {"kind": "reducescatter", "dtype": str(arr.dtype), "shape": list(arr.shape),
-                "op": rop.label}
+        def view() -> dict[str, Any]:
+            return {"kind": "reducescatter", "dtype": str(arr.dtype),
+                    "shape": list(arr.shape), "op": rop.label}
+
         schedule = self._algorithms.reducescatter(bounds, arr.dtype, source is not None)
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
-                          ufunc=UFUNCS[rop], finalize=finalize, source=source,
-                          fresh=source is not None)
+                          ("reducescatter", arr.dtype, arr.shape, rop), ufunc=UFUNCS[rop],
+                          finalize=finalize, source=source, fresh=source is not None)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))
@@ -531,15 +551,15 @@ class SelfGuided:
         target = check_out(out, arr, "allgather", name)
         sizes_id = self._ident("allgather", name)
         data_id = self._ident("allgather", name, "\x00data")
-        view = {"kind": "allgather", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
-        shown = dict(view, shape=list(arr.shape))
+        view, shown = _gathering_views("allgather", arr)
         n, rank = self.size, self.rank
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
         sched = self._algorithms.allgather(tuple(range(n + 1)))
-        first = self._spec(sizes_id, dict(view, phase="sizes"), sizes.dtype, n, sched, sizes,
-                           priority, shown=shown)
-        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        first = self._spec(sizes_id, lambda: dict(view(), phase="sizes"), sizes.dtype, n,
+                           sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
+                           shown)
+        row = math.prod(arr.shape[1:])
         state: dict[str, np.ndarray] = {}
 
         def second() -> OpSpec:
@@ -549,7 +569,7 @@ class SelfGuided:
             state["out"] = buf
             schedule = self._algorithms.allgather(bounds, arr.dtype)
             return self._spec(data_id, view, arr.dtype, bounds[-1], schedule, buf, priority,
-                              shown=shown)
+                              ("allgather", arr.dtype, arr.shape, 1), shown)
 
         def finish() -> np.ndarray:
             rows = int(sizes.sum())
@@ -580,15 +600,15 @@ class SelfGuided:
         n, rank = self.size, self.rank
         splits_id = self._ident("alltoall", name)
         data_id = self._ident("alltoall", name, "\x00data")
-        view = {"kind": "alltoall", "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
-        shown = dict(view, shape=list(arr.shape))
+        view, shown = _gathering_views("alltoall", arr)
         recv_rows = np.zeros(n, np.int64)
         recv_rows[rank] = send_rows[rank]
         unit = tuple(range(n + 1))
         sched = self._algorithms.alltoall(unit, unit)
-        first = self._spec(splits_id, dict(view, phase="splits"), recv_rows.dtype, 0, sched,
-                           recv_rows, priority, shown=shown, source=send_rows)
-        row = int(np.prod(arr.shape[1:], dtype=np.int64))
+        first = self._spec(splits_id, lambda: dict(view(), phase="splits"), recv_rows.dtype,
+                           0, sched, recv_rows, priority,
+                           ("alltoall", arr.dtype, arr.shape, 0), shown, source=send_rows)
+        row = math.prod(arr.shape[1:])
         flat = np.ascontiguousarray(arr).reshape(-1)
         state: dict[str, np.ndarray] = {}
 
@@ -599,7 +619,7 @@ class SelfGuided:
             state["out"] = buf
             schedule = self._algorithms.alltoall(sb, rb, arr.dtype)
             return self._spec(data_id, view, arr.dtype, 0, schedule, buf, priority,
-                              shown=shown, source=flat)
+                              ("alltoall", arr.dtype, arr.shape, 1), shown, source=flat)
 
         def finish() -> tuple[np.ndarray, np.ndarray]:
             rows = int(recv_rows.sum())
