@@ -144,7 +144,12 @@ class Engine:
         flight here and no other thread drives: True once it is done, False if it did not
         begin (submit it), or the future of an op that went on on the general path (wait
         for it).  Raises the op's error."""
-        return self._driver.exclusive(self._run_small, spec)
+        ran = self._driver.exclusive(self._run_small, spec)
+        if ran is True and self.transport.has_backlog():
+            # Credit it owes a peer, say: the progress thread sends it, as it would have
+            # been woken to if the caller had waited through caller_waits().
+            self._driver.nudge()
+        return ran
 
     def _run_small(self, spec: OpSpec) -> OpFuture | bool:
         loop = self.loop
