@@ -120,10 +120,12 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 (`docs/bench/latency.txt`): 3,000 calls of each back to back (no barrier between two, as
 a training loop makes them), each call timed alone; a call's time is the slowest rank's.
 `time / mpi` is the median over MPI's median for the same op in the same run. A blocking
-op with nothing else in flight runs to its end on the caller's thread
-(engine/smallpath.py), which reads its peers' messages straight out of the shared-memory
-rings; what is left is Python per call (checks, identity, the header, the reduction),
-many times MPI's C. The host switches between a fast and a slow state for seconds at a
+op with nothing else in flight runs to its end on the caller's thread, which reads its
+peers' messages straight out of the shared-memory rings; one whose schedule is a chain
+(recursive doubling: every small allreduce and barrier) takes the express lane
+(engine/express.py), which keeps only its position in that chain.  What is left is
+Python per call (checks, identity, the header, the ring, the reduction), many times MPI's
+C. The host switches between a fast and a slow state for seconds at a
 time, which moves our medians by up to 2x (the p10 column is the fast state) and MPI's
 hardly at all. At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
@@ -246,12 +248,11 @@ Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mod
 about what self-guided mode does per tensor (`-nofusion` against `totalreduce-shm`). The
 cache cuts the cost another 4x: without it, every tensor's request goes to rank 0 and
 back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
-Python, per tensor. The faster mode, negotiated with cache and fusion, takes 4.7 µs per
-op at 2 ranks, 3.5x MPI's `Iallreduce`, and 13.4 µs at 4 ranks (four processes on two
-cores), 6.1x. It varies with the host more than MPI's does (3.0 to 6.4 µs between the
-10th and 90th percentiles at 2 ranks): the whole cost is Python on the submitting thread
-and the cycle thread, and this host's speed changes from minute to minute (MPI's median
-ranged from 13.3 to 16.4 µs over the runs of this case). Per tensor, the submit takes
+Python, per tensor. The faster mode, negotiated with cache and fusion, takes 2.2 µs per
+op at 2 ranks, 3.1x MPI's `Iallreduce`, and 7.5 µs at 4 ranks (four processes on two
+cores), 5.1x (on the AMD host: 4.7 µs and 13.4 µs). It varies with the host more than
+MPI's does (1.9 to 3.2 µs between the 10th and 90th percentiles at 2 ranks): the whole
+cost is Python on the submitting thread and the cycle thread. Per tensor, the submit takes
 about 1 µs (a tensor whose dtype, op and shape were seen before skips the argument checks
 and makes one new object); the cycle's classification, the fusion copies in and out and
 the completion take about as much again.
@@ -520,25 +521,26 @@ want it on.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 28 us at 2 ranks on the Intel
-  host (MPI: 1.4 us) and 50-100 us on the AMD one (MPI: 3-5 us; the latency table
-  above), nearly all of it Python per op, even on the small path. Batch small tensors
+- Small messages: a blocking allreduce of a few bytes costs 17 us at 2 ranks on the Intel
+  host (MPI: 1.4 us; the latency table above), nearly all of it Python per op, even on
+  the express lane; over sockets or the MPI transport, 50-56 us. Batch small tensors
   (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
   see above).
-- Allreduce on the Intel host: 0.96x MPI at 1 MB, behind at 4-16 MB (0.71-0.85x), ahead
-  from 64 MB (1.61-1.63x); on the AMD host it led from 256 KB.
-- The other collectives trail MPI at 2 ranks up to 16 MB: allgather 0.36-0.70x, alltoall
-  0.21-0.71x, broadcast 0.38-0.80x, reducescatter 0.40-0.90x from 1 MB (1.10x at 16 MB).
-  Per op, Python costs 0.1-0.2 ms, as much as MPI's whole 1 MB call, and an allgather or
-  alltoall exchanges sizes before data. From 64 MB broadcast (1.18-1.22x) and
-  reducescatter (1.58-1.64x) lead; allgather and alltoall reach 0.83-0.90x (a lent body
+- Allreduce on the Intel host: 1.15x MPI at 1 MB, behind at 4-16 MB (0.78-0.85x), ahead
+  from 64 MB (1.62-1.74x); on the AMD host it led from 256 KB.
+- The other collectives trail MPI at 2 ranks up to 16 MB: allgather 0.47-0.73x, alltoall
+  0.26-0.73x, broadcast 0.44-0.80x, reducescatter 0.51-0.91x from 1 MB (1.07x at 16 MB).
+  Per op, Python costs tens of µs, about half of MPI's whole 1 MB call, an allgather or
+  alltoall exchanges sizes before data, and a body goes through the ring (two copies)
+  below the size where it is lent. From 64 MB broadcast (1.22-1.24x) and reducescatter
+  (1.60-1.74x) lead; allgather and alltoall reach 0.85-0.90x (a lent body
   is one kernel copy, slower per byte here than MPI's). Without `out=` they run at about
   0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is fresh
   memory, and the kernel faulting and zeroing it costs about as much as the copies (32 MB
   into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.3 ms (Intel) to 0.8 ms
-  (AMD), and 1-4 MB allreduces run at 0.45-0.57x MPI, 16 MB at 0.98x; 64 MB is ahead
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.15 ms (Intel; 13x MPI) to
+  0.8 ms (AMD), and 1-4 MB allreduces run at 0.45-0.57x MPI, 16 MB at 0.98x; 64 MB is ahead
   (1.87x). Every hop waits for a peer to get a core; neither the small path's threshold
   nor doubling up to 4 or 16 MB did better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
