@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
+from typing import Any
 
 import numpy as np
 import pytest
@@ -297,3 +298,94 @@ def test_ring_reads_the_source_when_its_buffer_starts_undefined(n: int, count: i
         for r in range(n):
             lo, hi = (0, count) if whole else (bounds[r], bounds[r + 1])
             assert np.array_equal(works[r][lo:hi], total[lo:hi]), (r, whole)
+
+
+def run_in_chain_order(schedules: list[Schedule], works: list[np.ndarray]) -> int:
+    """Every rank runs its schedule as the express lane does (engine/express.py): its
+    first sends, then its receives strictly in the chain's order, each taken only from the
+    head of the one pair's FIFO it comes through, posting what it unlocks (a post copies
+    the body, as a ring does).  Ranks take turns; returns how many turns a receive found
+    another message at the head (where the lane would hand the op to the small path)."""
+    from totalreduce.engine.express import chain_of
+
+    n = len(schedules)
+    chains = [chain_of(s) for s in schedules]
+    assert all(c is not None for c in chains)
+    fifo: dict[tuple[int, int], deque[tuple[int, int, np.ndarray]]] = {
+        (a, b): deque() for a in range(n) for b in range(n)}
+
+    def post(rank: int, send: Any) -> None:
+        fifo[(rank, send.peer)].append((send.step, send.piece,
+                                        works[rank][send.lo:send.hi].copy()))
+
+    for r, chain in enumerate(chains):
+        for send in chain.first:
+            post(r, send)
+    pos = [0] * n
+    strays = 0
+    moved = True
+    while moved:
+        moved = False
+        for r, chain in enumerate(chains):
+            while pos[r] < len(chain.steps):
+                peer, step, piece, recv = chain.steps[pos[r]]
+                queue = fifo[(peer, r)]
+                if not queue:
+                    break
+                if queue[0][:2] != (step, piece):
+                    strays += 1
+                    break
+                body = queue.popleft()[2]
+                if recv.mode == COPY:
+                    works[r][recv.lo:recv.hi] = body
+                else:
+                    works[r][recv.lo:recv.hi] += body
+                for send in recv.then:
+                    post(r, send)
+                pos[r] += 1
+                moved = True
+    assert pos == [len(c.steps) for c in chains], f"stuck at {pos}"
+    return strays
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("count", [0, 1, 7])
+@pytest.mark.parametrize("seg", [1, 100])
+def test_small_schedules_run_in_chain_order(n: int, count: int, seg: int) -> None:
+    # What the express lane relies on: waiting for each receive in step order never waits
+    # on a message that waits on us, and the peers send in that order, so it never has to
+    # hand over for want of order.
+    rng = np.random.default_rng(n * 10 + count)
+    inputs = [rng.integers(0, 100, count) for _ in range(n)]
+    works = [x.copy() for x in inputs]
+    assert run_in_chain_order([doubling_allreduce(r, n, count, seg) for r in range(n)],
+                              works) == 0
+    assert all(np.array_equal(w, sum(inputs)) for w in works)
+    counts = [(r * 3 + count) % 4 for r in range(n)]
+    bounds = tuple(np.concatenate([[0], np.cumsum(counts)]).tolist())
+    full = np.arange(bounds[-1])
+    works = [np.where((full >= bounds[r]) & (full < bounds[r + 1]), full, -1)
+             for r in range(n)]
+    assert run_in_chain_order([ring_allgatherv(r, n, bounds, seg) for r in range(n)],
+                              works) == 0
+    assert all(np.array_equal(w, full) for w in works)
+    root = count % n
+    works = [full.copy() if r == root else np.zeros_like(full) for r in range(n)]
+    assert run_in_chain_order([chain_broadcast(r, n, root, full.size, seg)
+                               for r in range(n)], works) == 0
+    assert all(np.array_equal(w, full) for w in works)
+
+
+def test_a_schedule_whose_receive_unlocks_an_earlier_step_is_no_chain() -> None:
+    from totalreduce.engine.express import chain_of
+    from totalreduce.engine.schedule import REDUCE, Recv, Send
+
+    # The receive of step 1 unlocks a send of step 0: waiting in step order could wait on
+    # a message that waits on us.
+    first = (Send(1, 0, 0, 0, 1),)
+    recvs = {(1, 1, 0): Recv(0, 1, REDUCE, True, (Send(1, 0, 1, 0, 1),))}
+    assert chain_of(Schedule(first, recvs, ())) is None
+    # A reduce into a region whose send of it has not been posted before it.
+    recvs = {(1, 0, 0): Recv(0, 1, REDUCE, True, (), after=((1, 2, 0),))}
+    assert chain_of(Schedule(first, recvs, ())) is None
+    assert chain_of(doubling_allreduce(0, 4, 8, 100)) is not None

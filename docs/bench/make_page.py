@@ -540,8 +540,9 @@ want it on.
   into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
 - Oversubscribed ranks (4 on 2 cores): small ops take about 0.15 ms (Intel; 13x MPI) to
-  0.8 ms (AMD), and 1-16 MB allreduces run at 0.63-0.91x MPI; 64 MB is ahead (1.87x). Every hop waits for a peer to get a core; neither the small path's threshold
-  nor doubling up to 4 or 16 MB did better.
+  0.8 ms (AMD), and 1-16 MB allreduces run at 0.63-0.91x MPI; 64 MB is ahead (1.87x).
+  Every hop waits for a peer to get a core; neither the small path's threshold nor
+  doubling up to 4 or 16 MB did better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
   big one already in the kernel's socket buffers or in MPI (TCP 14.4 ms with priorities
   against 0.06 ms alone); over shared memory it waits for about one piece (1.2 ms against

@@ -62,18 +62,20 @@ class Chain:
 def chain_of(schedule: Schedule) -> Chain | None:
     """``schedule`` as a :class:`Chain`, or None if it is not one.
 
-    The receives are waited for by step, then piece, then source.  That order cannot wait
-    on a message that waits on us, as a message of a step depends only on earlier steps'
-    (true of every algorithm here), so: each receive's sends must be of a later step, and
-    the sends it must wait for (``after``) must have been posted before it, so a body is
-    never held back.  A peer that sends in another order only costs a hand-over."""
+    The receives are waited for by step, then piece, then source.  A body must never be
+    reduced before the sends that read its region (``after``) have been posted: each of
+    them must come earlier in that order, or the schedule is no chain.  The order itself
+    is about speed only: a message of a step depends on earlier steps' (or, as a broadcast's
+    acknowledgement, on the same step's from the rank before), so a receive's sends must be
+    of its step or later; a wait on a message that cannot come yet would end in a
+    hand-over to the small path after the spin, never in a hang."""
     if schedule.waits:
         return None
     steps = sorted(((src, step, piece, recv) for (src, step, piece), recv
                     in schedule.recvs.items()), key=lambda item: (item[1], item[2], item[0]))
     posted = {(s.peer, s.step, s.piece) for s in schedule.first}
     for _src, step, _piece, recv in steps:
-        if not posted.issuperset(recv.after) or any(s.step <= step for s in recv.then):
+        if not posted.issuperset(recv.after) or any(s.step < step for s in recv.then):
             return None
         posted.update((s.peer, s.step, s.piece) for s in recv.then)
     return Chain(schedule, steps)
