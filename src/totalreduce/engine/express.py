@@ -150,9 +150,7 @@ class Express:
                 # The peer's READY for this op, ahead of its data (a peer we send to only
                 # later): as the inbox takes it (Inbox._header_news, PeerEvents.ready).
                 header = record[0]
-                if header.credit:
-                    ledger.grant(peer, header.credit)
-                    self._unpark(peer)
+                self._credit(peer, header)
                 ready.add(peer)
                 transport.take(peer, header)
                 record = peek(peer) or self._wait(peer)
@@ -164,9 +162,7 @@ class Express:
                     or not fits(header, sig, dtype, count, (recv.hi - recv.lo) * itemsize)):
                 # Not the message this step waits for: the small path looks at it again.
                 return self._hand_over(spec, chain, ready, told, i, posted, False)
-            if header.credit:
-                ledger.grant(peer, header.credit)
-                self._unpark(peer)
+            self._credit(peer, header)
             if header.flags & FLAG_CREDITED:
                 ledger.owe(peer, charge_of(header.nbytes))
             if header.flags & FLAG_READY:
@@ -182,6 +178,12 @@ class Express:
         # (the small path, which turns it, forgets those here).
         self._ops.ran(key)
         return True
+
+    def _credit(self, peer: int, header: Header) -> None:
+        """The credit ``peer`` returned on ``header``, as the inbox takes it."""
+        if header.credit:
+            self._ledger.grant(peer, header.credit)
+            self._unpark(peer)
 
     def _wait(self, peer: int) -> tuple[Header, memoryview | None] | None:
         """The next record from ``peer``, or None if none came within the spin."""

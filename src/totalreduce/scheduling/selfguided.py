@@ -275,13 +275,10 @@ class SelfGuided:
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        small = (type(x) is np.ndarray and type(op) is ReduceOp
-                 and (name is None or type(name) is str) and self._direct_bytes > 0
-                 and x.nbytes <= self._direct_bytes and self._engine.waits_here()
-                 and (not inplace or (x.flags.c_contiguous and x.flags.writeable)))
-        if small:
+        small = self._small_key(x, op, name, inplace) if self._engine.waits_here() else None
+        if small is not None:
             with self._lock:
-                plan = self._small.get((x.dtype, x.shape, op, name))
+                plan = self._small.get(small)
             if plan is not None:
                 return self._small_allreduce(plan, x, name, priority, inplace)
         rop, arr = check_allreduce(x, op, name, inplace)
@@ -304,21 +301,37 @@ class SelfGuided:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        if small:
+        if small is not None:
             with self._lock:
-                self._small.put((x.dtype, x.shape, op, name), _SmallAllreduce(spec))
+                self._small.put(small, _SmallAllreduce(spec))
         return self._launch(spec, finish)
 
-    def _small_allreduce(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
-                         priority: int, inplace: bool) -> Handle:
-        """A repeated small blocking allreduce (see :class:`_SmallAllreduce`); in place,
-        ``x`` is contiguous and writable."""
+    def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
+                   ) -> tuple[Any, ...] | None:
+        """The key of the :class:`_SmallAllreduce` a blocking call may reuse (the one a
+        call like it left), if the call is small enough for the small path and, in place,
+        contiguous and writable; None otherwise."""
+        if (type(x) is not np.ndarray or type(op) is not ReduceOp
+                or (name is not None and type(name) is not str) or self._direct_bytes <= 0
+                or x.nbytes > self._direct_bytes
+                or (inplace and not (x.flags.c_contiguous and x.flags.writeable))):
+            return None
+        return (x.dtype, x.shape, op, name)
+
+    def _small_spec(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
+                    priority: int, inplace: bool) -> tuple[OpSpec, np.ndarray]:
+        """A repeated small allreduce's spec and the array its result will be in."""
         ident = self._ident("allreduce", name)
         # Not in place, the result is an array of its own, never x.
         work = x.reshape(-1) if inplace else x.reshape(-1).copy()
-        spec = plan.spec(ident, work, priority, self._members)
-        ran = self._engine.run_now(spec)
         result = x if inplace else work.reshape(x.shape)
+        return plan.spec(ident, work, priority, self._members), result
+
+    def _small_allreduce(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
+                         priority: int, inplace: bool) -> Handle:
+        """A repeated small blocking allreduce (see :class:`_SmallAllreduce`)."""
+        spec, result = self._small_spec(plan, x, name, priority, inplace)
+        ran = self._engine.run_now(spec)
         if ran is True:
             return DoneHandle(result, spec.label)
         future = self._engine.submit(spec) if ran is False else ran
@@ -330,28 +343,23 @@ class SelfGuided:
         its end on this thread: its result.  None, with nothing done, where it is not one:
         call :meth:`allreduce` and wait.  Skips the handle and the hand-off through
         :meth:`caller_waits`, each a share of a small op's cost."""
-        if (type(x) is not np.ndarray or x.nbytes > self._direct_bytes
-                or type(op) is not ReduceOp or self._direct_bytes <= 0
-                or (inplace and not (x.flags.c_contiguous and x.flags.writeable))):
+        key = self._small_key(x, op, name, inplace)
+        if key is None:
             return None
         with self._lock:
-            plan = self._small.get((x.dtype, x.shape, op, name))
+            plan = self._small.get(key)
         if plan is None:
             return None
-        ident = self._ident("allreduce", name)
-        work = x.reshape(-1) if inplace else x.reshape(-1).copy()
-        result = x if inplace else work.reshape(x.shape)
-        self._run_blocking(plan.spec(ident, work, priority, self._members))
+        spec, result = self._small_spec(plan, x, name, priority, inplace)
+        self._run_blocking(spec)
         return result
 
     def barrier_now(self) -> bool:
         """A barrier run to its end on this thread, as :meth:`allreduce_now`: False, with
         nothing done, where it cannot be (the first one): call :meth:`barrier`."""
-        plan = self._barrier
-        if plan is None or self._direct_bytes <= 0:
+        if self._barrier is None or self._direct_bytes <= 0:
             return False
-        ident = self._ident("barrier", None)
-        self._run_blocking(plan.spec(ident, np.zeros(1, np.uint8), 1 << 30, self._members))
+        self._run_blocking(self._barrier_spec())
         return True
 
     def _run_blocking(self, spec: OpSpec) -> None:
@@ -667,13 +675,15 @@ class SelfGuided:
     # --- barrier --------------------------------------------------------------------
 
     def barrier(self) -> Handle:
+        return self._launch(self._barrier_spec(), _nothing)
+
+    def _barrier_spec(self) -> OpSpec:
         ident = self._ident("barrier", None)
         work = np.zeros(1, np.uint8)
         plan = self._barrier
-        if plan is None:
-            view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
-            spec = self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
-            self._barrier = _SmallAllreduce(spec)
-        else:  # every barrier is the same op but for its identity
-            spec = plan.spec(ident, work, 1 << 30, self._members)
-        return self._launch(spec, _nothing)
+        if plan is not None:  # every barrier is the same op but for its identity
+            return plan.spec(ident, work, 1 << 30, self._members)
+        view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
+        spec = self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
+        self._barrier = _SmallAllreduce(spec)
+        return spec
