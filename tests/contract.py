@@ -91,6 +91,9 @@ class Recorder:
     def overtaking(self, peer: int, front: Header) -> None:
         return None
 
+    def pressing(self) -> bool:
+        return False
+
     def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
         raise AssertionError("no message may overtake another here")
 

@@ -1,14 +1,20 @@
-"""Cross-memory attach on its own: reading a buffer by address, the probe, the errors."""
+"""Cross-memory attach: reading a buffer by address, the probe, the errors, and a ring
+link copying a lent body in slices."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import numpy as np
 import pytest
 
 from totalreduce.transport import cma
+from totalreduce.transport.base import Counters
 from totalreduce.transport.mesh import _probe
+from totalreduce.transport.ring_link import RingLink
+from totalreduce.transport.shmring import RingReader, RingWriter
+from totalreduce.transport.wire import FLAG_REMOTE, REMOTE_BODY, Header, Kind
 
 pytestmark = pytest.mark.skipif(not cma.cma_works(), reason="process_vm_readv not allowed")
 
@@ -38,3 +44,117 @@ def test_probe_needs_the_right_token_the_right_pid_and_a_whole_offer() -> None:
     assert not _probe({"pid": os.getpid(), "probe": addr})
     assert not _probe(dict(offer, token="zz"))
     assert not _probe(dict(offer, token=token.hex()[:8]))
+
+
+class _Owner:
+    """A RingLink's transport, recording what the link hands its handler."""
+
+    def __init__(self, urgent: frozenset[tuple[int, int]] | None, pressing: list[bool]
+                 ) -> None:
+        self.counters = Counters()
+        self.shm_counters = Counters()
+        self.handler = self
+        self.events: list[tuple[str, int, bytes]] = []
+        self.dest = bytearray(0)
+        self._urgent = urgent
+        self._pressing = pressing  # answers to pressing(), in order; then False
+
+    # the handler's side
+    def overtaking(self, peer: int, front: Header) -> frozenset[tuple[int, int]] | None:
+        return self._urgent
+
+    def pressing(self) -> bool:
+        return self._pressing.pop(0) if self._pressing else False
+
+    def body_buffer(self, peer: int, header: Header) -> memoryview:
+        self.dest = bytearray(header.nbytes)
+        return memoryview(self.dest)
+
+    def received(self, peer: int, header: Header, body: memoryview) -> None:
+        self.events.append(("whole", header.seq, bytes(body)))
+
+    def received_view(self, peer: int, header: Header, body: memoryview) -> None:
+        self.events.append(("in ring", header.seq, bytes(body)))
+
+    def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
+        self.events.append(("ahead", header.seq, bytes(body)))
+
+    def can_defer(self, peer: int, header: Header) -> bool:
+        return False
+
+    # the transport's side
+    def again(self, peer: int) -> None:
+        pass
+
+    def lost(self, link: object, reason: str, orderly: bool = False) -> None:
+        raise AssertionError(reason)
+
+
+def _lent_link(owner: _Owner, socks: tuple[socket.socket, socket.socket]
+              ) -> tuple[RingLink, RingWriter, RingReader]:
+    """A link reading what the writer returned posts, lent bodies copied out of this
+    process; the reader returned shows what the link posts back."""
+    a, _b = socks
+    out_w = RingWriter(1 << 16)
+    out_r = RingReader(out_w.name, 1 << 16)  # where the link's acknowledgements go
+    in_w = RingWriter(1 << 16)
+    in_r = RingReader(in_w.name, 1 << 16)
+    for w in (out_w, in_w):
+        w.unlink()
+    in_r.lender_pid = os.getpid()
+    link = RingLink(owner, 1, a, out_w, in_r, 1)  # type: ignore[arg-type]
+    return link, in_w, out_r
+
+
+def _lend(writer: RingWriter, body: np.ndarray, seq: int) -> None:
+    header = Header(Kind.DATA, 1, FLAG_REMOTE, 0, 7, seq, 0, 0, body.nbytes, body.nbytes)
+    assert writer.post(header.pack(), memoryview(REMOTE_BODY.pack(cma.address_of(body), 0)))
+
+
+def test_a_lent_copy_stops_between_slices_and_goes_on_where_it_stopped() -> None:
+    # A lent body is copied slice by slice; the copy stops when the handler has work
+    # waiting (pressing) or an urgent message behind it was handled, and the next read
+    # goes on from there: nothing read twice, nothing behind it read before it but the
+    # urgent message, and the acknowledgement goes out once, with the whole body.
+    body = np.random.default_rng(0).integers(0, 255, (5 << 20) + 77, np.uint8)
+    urgent_key = (7, 2)
+    owner = _Owner(frozenset({urgent_key}), [True])
+    socks = socket.socketpair()
+    link, writer, acks = _lent_link(owner, socks)
+    try:
+        _read_in_slices(link, writer, acks, owner, body)
+    finally:
+        link.close_rings()
+        writer.close()
+        acks.close()
+        for sock in socks:
+            sock.close()
+
+
+def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner: _Owner,
+                    body: np.ndarray) -> None:
+    _lend(writer, body, 1)
+    link.read_ring()  # one slice, then it stops for the pressing work
+    assert link.lent_in is not None and 0 < link.lent_in.done < body.nbytes
+    assert owner.events == [] and link.peek() is None
+    done = link.lent_in.done
+    small = np.arange(16, dtype=np.uint8)
+    assert writer.post(Header(Kind.DATA, 1, 0, 0, 7, 2, 0, 0, 16, 16).pack(),
+                       memoryview(small))
+    assert writer.post(Header(Kind.DATA, 1, 0, 0, 7, 3, 0, 0, 16, 16).pack(),
+                       memoryview(small + 1))
+    link.read_ring()  # one more slice, then the urgent message overtakes: stop again
+    assert owner.events == [("ahead", 2, small.tobytes())]
+    assert link.lent_in is not None and done < link.lent_in.done < body.nbytes
+    assert acks.next() is None  # not acknowledged while in part
+    while link.lent_in is not None:
+        link.read_ring()
+    link.read_ring()  # what was posted behind it
+    kinds = [kind for kind, *_rest in owner.events]
+    assert kinds == ["ahead", "whole", "in ring"], kinds
+    assert owner.events[1] == ("whole", 1, body.tobytes())
+    assert owner.events[2] == ("in ring", 3, (small + 1).tobytes())  # after the body
+    record = acks.next()
+    assert record is not None and record[0].kind == Kind.RING_ACK
+    acks.release()
+    assert acks.next() is None

@@ -715,7 +715,7 @@ def _raise(*args: Any) -> None:
 def test_handler_sends_each_event_to_its_part() -> None:
     op = allreduce_op()
     outbox, inbox, applier, peers = Fake(returns={"sent": op}), Fake(), Fake(), Fake()
-    handler = Handler(outbox, inbox, applier, peers)  # type: ignore[arg-type]
+    handler = Handler(outbox, inbox, applier, peers, lambda: False)  # type: ignore[arg-type]
     handler.sent(1, "token")
     assert outbox.named("sent") == [("token",)] and applier.named("send_left") == [(op,)]
     handler.peer_lost(1, "eof", True)

@@ -244,7 +244,8 @@ def test_records_read_ahead_and_taken_are_skipped_in_order() -> None:
         assert writer.post(_data(step, n), memoryview(bytes([step]) * n))
     front = reader.next()
     assert front is not None and front[0].step == 1
-    ahead = list(reader.ahead())
+    ahead = [(where, *reader.record_at(where)) for where, *_rest in
+             reader.glance(reader.behind())]
     assert [(h.step, bytes(b[:1]), b.nbytes) for _, h, b in ahead] == \
         [(2, b"\x02", 64), (3, b"\x03", 900), (4, b"\x04", 8), (5, b"\x05", 700)]
     for where, header, body in ahead:

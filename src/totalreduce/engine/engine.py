@@ -119,7 +119,7 @@ class Engine:
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox
         self._floating, self._scratch, self._mismatches = floating, scratch, mismatches
-        transport.start(Handler(outbox, inbox, applier, peer_events))
+        transport.start(Handler(outbox, inbox, applier, peer_events, loop.pressing))
         if threaded:
             self._driver.start()
 

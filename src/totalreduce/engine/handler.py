@@ -3,6 +3,8 @@ out come from the outbox, messages in go to the inbox, a link's end goes to peer
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .applier import Applier
 from .inbox import Inbox
 from .outbox import Outbox
@@ -11,10 +13,12 @@ from .peers import PeerEvents
 
 class Handler:
     __slots__ = ("next_outgoing", "body_buffer", "received", "received_view", "can_defer",
-                 "overtaking", "received_ahead", "_outbox", "_inbox", "_applier", "_peers")
+                 "overtaking", "received_ahead", "pressing", "_outbox", "_inbox", "_applier",
+                 "_peers")
 
-    def __init__(self, outbox: Outbox, inbox: Inbox, applier: Applier, peers: PeerEvents
-                 ) -> None:
+    def __init__(self, outbox: Outbox, inbox: Inbox, applier: Applier, peers: PeerEvents,
+                 pressing: Callable[[], bool]) -> None:
+        """``pressing()``: whether the loop has commands waiting (a submitted op)."""
         self._outbox = outbox
         self._inbox = inbox
         self._applier = applier
@@ -27,6 +31,7 @@ class Handler:
         self.can_defer = inbox.can_defer
         self.overtaking = inbox.overtaking
         self.received_ahead = inbox.received_ahead
+        self.pressing = pressing
 
     def sent(self, peer: int, token: object) -> None:
         op = self._outbox.sent(token)

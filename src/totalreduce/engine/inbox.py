@@ -9,17 +9,16 @@ piece is the applier's (applier.py); control messages go to peers.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ..transport.wire import FLAG_CREDITED, FLAG_READY, HEADER_SIZE, Header, Kind
 from .applier import Applier
 from .floating import Floating
 from .job import JobState
 from .ledger import CreditLedger, charged
 from .mismatch_tracker import MismatchTracker
-from .opstate import FloatingBody, LiveOp, Route
+from .opstate import FloatingBody, Route
 from .optable import OpTable
 from .outbox import Outbox
+from .payload import OpKey
 from .peers import PeerEvents
 from .reducer import ScratchPool
 from .schedule import COPY
@@ -158,7 +157,7 @@ class Inbox:
             and (self.small is None or self.small.current is None) \
             and header.op_key not in self._ops.done
 
-    def overtaking(self, peer: int, front: Header) -> Callable[[Header], bool] | None:
+    def overtaking(self, peer: int, front: Header) -> frozenset[OpKey] | None:
         # Only pieces of a small op running here, of a higher priority than front's (which
         # runs here too): a body for an op not submitted yet floats either way, between ops
         # of one priority the order of arrival stands, and a big op gains little by
@@ -166,23 +165,13 @@ class Inbox:
         # optimizer's buckets have priorities of their own: 1-2% of a training step).
         active = self._ops.active
         slow = active.get((front.name_key, front.seq))
-        if slow is None:
+        if slow is None or len(active) < 2:
             return None
         floor = slow.spec.priority
-
-        def urgent(op: LiveOp) -> bool:
-            return op.spec.priority > floor and op.spec.work.nbytes <= _URGENT_BYTES
-
-        if not any(urgent(op) for op in active.values()):
-            return None
-
-        def faster(header: Header) -> bool:
-            if header.kind != Kind.DATA:
-                return False
-            op = active.get((header.name_key, header.seq))
-            return op is not None and not op.finished and urgent(op)
-
-        return faster
+        urgent = frozenset(key for key, op in active.items()
+                           if op.spec.priority > floor and not op.finished
+                           and op.spec.work.nbytes <= _URGENT_BYTES)
+        return urgent or None
 
     def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
         # The route of a body still arriving from this peer stays for it.

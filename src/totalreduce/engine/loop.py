@@ -96,6 +96,11 @@ class Loop:
     def leaving(self) -> bool:
         return self.leave_asked or self._shutdown_deadline is not None
 
+    def pressing(self) -> bool:
+        """Whether commands wait for the next turn (the transport asks between the slices
+        of a long copy: a submitted op, say an urgent one, then starts sooner)."""
+        return bool(self.commands)
+
     def step(self, timeout: float | None, until: Awaited | None = None) -> None:
         """One turn; the caller holds the drive lock (or, unthreaded, is the only thread).
         ``timeout=None``: start what was submitted and flush, but read nothing (a submit

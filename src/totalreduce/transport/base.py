@@ -13,7 +13,6 @@ may be called without that lock.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from .wire import Header
@@ -72,10 +71,14 @@ class MessageHandler(Protocol):
         may stay there, unread, until :meth:`Transport.resume`: its op is not known here
         yet and nothing here waits on anything queued behind it."""
 
-    def overtaking(self, peer: int, front: Header) -> Callable[[Header], bool] | None:
+    def overtaking(self, peer: int, front: Header) -> frozenset[tuple[int, int]] | None:
         """Which messages from ``peer`` posted behind ``front``, a slow one (a lent body),
-        may be handled first (:meth:`received_ahead`, DATA whose body lies whole in the
-        transport's memory): a test of their headers, or None when none may."""
+        may be handled first (:meth:`received_ahead`): DATA of these ops (``op_key``s)
+        whose body lies whole in the transport's memory; None when none may."""
+
+    def pressing(self) -> bool:
+        """Whether the handler has work waiting that a long copy should stop for (the
+        transport goes on with the copy at its next poll)."""
 
     def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
         """:meth:`received_view` for a message that overtook others from ``peer``

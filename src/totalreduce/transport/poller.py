@@ -75,11 +75,12 @@ class Poller:
             self._wake_r.recv(4096)
 
     def rings_ready(self) -> bool:
-        """Whether a ring has a record for us or has freed room for a message that found
-        it full."""
+        """Whether a ring has a record for us (or a lent body copied in part) or has freed
+        room for a message that found it full."""
         for link in self.rings:  # a plain loop: this runs on every spin turn
             ring = link.ring_in
-            if ring is not None and not link.deferred and ring.ready():
+            if ring is not None and ((not link.deferred and ring.ready())
+                                     or link.lent_in is not None):
                 return True
             if link.blocked is not None and link.room_freed():
                 return True

@@ -34,6 +34,7 @@ import mmap
 import os
 import platform
 import secrets
+import struct
 import threading
 from collections.abc import Iterator
 
@@ -58,6 +59,10 @@ _ALIGN = 64
 _TAIL, _WAITING, _HEAD, _SLEEPING = 0, 8, 16, 24
 SLEEPERS = 2  # the driving thread and the progress thread may each sleep on the ring
 _WRAP = Header(Kind.RING_WRAP).pack()
+# What a look ahead reads of each header (magic, kind, flags, name_key, seq, nbytes):
+# a quarter of unpacking it whole, for every record behind a big body on every look.
+_GLANCE = struct.Struct("<HBxB3xQQ16xQ")
+_MAGIC = 0x5452
 _fence_lock = threading.Lock()
 
 
@@ -225,15 +230,46 @@ class RingReader:
         self._pos, header, self._size, body = self._record(self._pos, head)
         return header, body
 
-    def ahead(self) -> Iterator[tuple[int, Header, memoryview]]:
-        """The records posted after the one :meth:`next` returned, oldest first, as (where,
-        header, body), without taking them; bodies as :meth:`next` gives them."""
+    def behind(self) -> int:
+        """Where the records posted after the one :meth:`next` returned begin."""
+        return self._pos + self._size
+
+    def glance(self, pos: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """The records from ``pos`` (one :meth:`behind` gave, or a later one this gave) to
+        the newest, oldest first, without taking them or unpacking them whole: (where,
+        kind, flags, name_key, seq, where the next begins).  :meth:`record_at` gives one
+        whole (its body as :meth:`next` gives it).
+
+        Raises:
+            WireError: what is there is not a record.
+        """
         head = int(self._ctl[_HEAD])
-        pos = self._pos + self._size
+        cap = self.capacity
+        view = self._m.view
+        unpack = _GLANCE.unpack_from
         while pos < head:
-            pos, header, size, body = self._record(pos, head)
-            yield pos, header, body
+            offset = pos % cap
+            magic, kind, flags, name_key, seq, nbytes = unpack(view, offset)
+            if kind == Kind.RING_WRAP:
+                pos += cap - offset
+                offset = 0
+                magic, kind, flags, name_key, seq, nbytes = unpack(view, 0)
+            if magic != _MAGIC:
+                raise WireError(f"bad magic 0x{magic:04x} in message header")
+            if flags & FLAG_CHUNKED:
+                size = HEADER_SIZE
+            else:
+                size = _align(HEADER_SIZE + (REMOTE_BODY.size if flags & FLAG_REMOTE
+                                             else nbytes))
+            if pos + size > head:
+                raise WireError(f"ring record of {nbytes} bytes at {offset} overruns")
+            yield pos, kind, flags, name_key, seq, pos + size
             pos += size
+
+    def record_at(self, where: int) -> tuple[Header, memoryview]:
+        """The record :meth:`glance` found at ``where``: its header and body."""
+        _pos, header, _size, body = self._record(where, int(self._ctl[_HEAD]))
+        return header, body
 
     def _record(self, pos: int, head: int) -> tuple[int, Header, int, memoryview]:
         """The record at ``pos`` (past a wrap marker there): (its position, header, size
@@ -259,7 +295,7 @@ class RingReader:
         return pos, header, size, view[start:start + (0 if chunked else body)]
 
     def mark_taken(self, where: int, header: Header) -> None:
-        """A record from :meth:`ahead` (a whole-bodied one) has been handled: :meth:`next`
+        """A record from :meth:`glance` (a whole-bodied one) has been handled: :meth:`next`
         will show it as RING_TAKEN, to be released unread."""
         offset = where % self.capacity
         self._m.view[offset:offset + HEADER_SIZE] = \
