@@ -219,15 +219,29 @@ ranks) + MPI's flat allreduce time in the same run.
 {table("preempt-2")[1]}
 
 Over the shared-memory rings the big op's pieces are lent (the receiver copies each 2 MiB
-piece out of the sender's memory and reduces it, about 0.5 ms), and the reader takes ring
-records in order, so a message posted behind a dozen of them waited for all (8-9 ms, as
-"priority off" still does). With priorities, before each big body the reader handles the
-DATA records posted behind it whose op runs here at a higher priority and is small (up to
-256 KiB: a bucket passing a bucket gains little and the looking costs), and while such an
-op runs it copies lent bodies in 256 KiB slices with a look between two. What is left is
-the piece each rank holds when the urgent op is submitted: the sender posts the urgent
-message only once its loop finishes that piece. Over TCP and the MPI transport the urgent
-message waits behind every byte queued ahead of it in the kernel or in MPI.
+piece out of the sender's memory and reduces it), and the reader takes ring records in
+order, so a message posted behind a dozen of them waits for all ("priority off"). With
+priorities:
+
+- Before each big body, and between the slices of its copy, the reader handles the DATA
+  records posted behind it whose op runs here at a higher priority and is small (up to
+  256 KiB: a bucket passing a bucket gains little and the looking costs). A look reads
+  only the records posted since the last one: reading the 25-30 waiting records whole on
+  every slice cost 45-75 us a look and made a 2 MiB copy take 0.6-0.8 ms.
+- A lent copy goes in 1 MiB slices (256 KiB while an urgent op runs) and stops between
+  two when an op was submitted on this rank, so that op starts at once, or when an urgent
+  message was handled, so its waiting caller returns; it goes on at the next turn.
+- Between two slices the copying thread gives up its core for a moment: two ranks of two
+  threads each share the two cores, and the application thread woken to submit the
+  urgent op otherwise waited for the scheduler, 4 ms in one try of ten.
+
+What is left, about 0.3 ms against 0.02 ms alone, is Python on both ranks: the general
+path's work per op (the urgent op cannot take the small path while the big one runs) and
+the hand-overs of the interpreter lock and of the loop between the application's thread
+and the progress thread, each tens of microseconds while the other thread runs. The
+reduction of the piece in hand (up to 2 MiB) is not sliced. Over TCP and the MPI
+transport the urgent message waits behind every byte queued ahead of it in the kernel or
+in MPI.
 
 ## Coordination: self-guided against negotiated
 
@@ -544,9 +558,9 @@ want it on.
   Every hop waits for a peer to get a core; neither the small path's threshold nor
   doubling up to 4 or 16 MB did better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
-  big one already in the kernel's socket buffers or in MPI (TCP 14.4 ms with priorities
-  against 0.06 ms alone); over shared memory it waits for about one piece (1.2 ms against
-  0.03 ms alone; the preemption section).
+  big one already in the kernel's socket buffers or in MPI (TCP about 11 ms with
+  priorities against 0.07-0.11 ms alone); over shared memory it takes about 0.4 ms
+  against 0.02 ms alone (the preemption section).
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.

@@ -92,6 +92,9 @@ class RingLink(Link):
         # record is read (only records that overtake it are handled first).
         self.lent_in: _LentCopy | None = None
         self._scan: _Scan | None = None  # the last look behind a big body (_overtake)
+        # Give the core away between the slices of a lent copy (set by the transport where
+        # every local rank has a core of its own; see _copy_on).
+        self.yields = False
         self.deferred = False  # the ring's next record waits for the handler (resume())
 
     def pending_output(self) -> bool:
@@ -447,11 +450,14 @@ class RingLink(Link):
                 cma.read_into(pid, dest[at:end], address + at)
                 lent.done = end
                 if end < n:
-                    # A thread woken meanwhile (the application's, about to submit an
-                    # urgent op) gets this core now, not when the scheduler next looks:
-                    # without this an urgent op during a 64 MB one waited 4 ms in 1 of
-                    # 10 tries at 2 ranks on 2 cores.
-                    os.sched_yield()
+                    if self.yields:
+                        # A thread of ours woken meanwhile (the application's, about to
+                        # submit an urgent op) gets this core now, not when the scheduler
+                        # next looks: without this an urgent op during a 64 MB one
+                        # waited 4 ms in 1 of 10 tries at 2 ranks on 2 cores.  Where
+                        # ranks outnumber cores the core would go to another rank's copy
+                        # instead (64 MB ops at 4 ranks on 2 cores ran ~10 % slower).
+                        os.sched_yield()
                     if pressing() or (urgent is not None and self._overtake(urgent)):
                         return True
         except OSError as exc:

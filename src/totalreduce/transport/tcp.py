@@ -58,6 +58,8 @@ class TcpTransport(Transport):
         self._acceptor = acceptor
         self._poller = Poller(self._ring_links,
                              rings_only=len(self._ring_links) == len(self._links))
+        for ring_link in self._ring_links:
+            ring_link.yields = self._poller.own_core
         self._pending: set[int] = set()
         self.handler: MessageHandler
         for link in self._links.values():
