@@ -235,7 +235,7 @@ priorities:
   threads each share the two cores, and the application thread woken to submit the
   urgent op otherwise waited for the scheduler, 4 ms in one try of ten.
 
-What is left, about 0.3 ms against 0.02 ms alone, is Python on both ranks: the general
+What is left, 0.3-0.4 ms against 0.02 ms alone, is Python on both ranks: the general
 path's work per op (the urgent op cannot take the small path while the big one runs) and
 the hand-overs of the interpreter lock and of the loop between the application's thread
 and the progress thread, each tens of microseconds while the other thread runs. The
@@ -558,9 +558,9 @@ want it on.
   Every hop waits for a peer to get a core; neither the small path's threshold nor
   doubling up to 4 or 16 MB did better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
-  big one already in the kernel's socket buffers or in MPI (TCP about 11 ms with
-  priorities against 0.07-0.11 ms alone); over shared memory it takes about 0.4 ms
-  against 0.02 ms alone (the preemption section).
+  big one already in the kernel's socket buffers or in MPI (TCP 10.1 ms with priorities
+  against 0.13 ms alone); over shared memory it takes 0.42 ms against 0.02 ms alone (the
+  preemption section).
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.
