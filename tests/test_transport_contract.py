@@ -4,6 +4,7 @@ ranks as threads of this process, mpi with real ranks under mpiexec."""
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 from collections.abc import Callable
 
@@ -14,8 +15,9 @@ from harness import mpiexec, run_ok
 from totalreduce.transport.base import Transport
 from totalreduce.transport.cma import cma_works
 from totalreduce.transport.inproc import InprocWorld
-from totalreduce.transport.mesh import connect_mesh
+from totalreduce.transport.mesh import _LOCAL_SNDBUF, connect_mesh
 from totalreduce.transport.shmring import shm_available
+from totalreduce.transport.tcp import TcpTransport
 
 
 def _in_threads(n: int, make: Callable[[int], Transport]) -> list[dict[str, int]]:
@@ -41,7 +43,8 @@ def _in_threads(n: int, make: Callable[[int], Transport]) -> list[dict[str, int]
     return [res for res in results if isinstance(res, dict)]
 
 
-def _socket_mesh(n: int, ring_bytes: int, lend_bytes: int) -> Callable[[int], Transport]:
+def _socket_mesh(n: int, ring_bytes: int, lend_bytes: int,
+                 hosts: tuple[str, ...] | None = None) -> Callable[[int], TcpTransport]:
     secret = secrets.token_bytes(32)
     addrs: dict[int, str] = {}
     cond = threading.Condition()
@@ -59,7 +62,8 @@ def _socket_mesh(n: int, ring_bytes: int, lend_bytes: int) -> Callable[[int], Tr
             return addrs[peer]
 
     return lambda r: connect_mesh(r, n, secret, "contract", "127.0.0.1", "127.0.0.1",
-                                  publish_for(r), lookup, 30.0, ring_bytes, lend_bytes)
+                                  publish_for(r), lookup, 30.0, ring_bytes, lend_bytes,
+                                  host=hosts[r] if hosts else "")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -77,6 +81,37 @@ def test_inproc_seeded(n: int) -> None:
 @pytest.mark.parametrize("n", [2, 3])
 def test_tcp(n: int) -> None:
     _in_threads(n, _socket_mesh(n, 0, 0))
+
+
+def test_sockets_between_ranks_of_one_host_keep_a_short_send_queue() -> None:
+    # Ranks 0 and 1 on host "a", rank 2 on "b": a socket between ranks of one host gets a
+    # small send buffer (its queue is all latency), one to another host the kernel's own.
+    make = _socket_mesh(3, 0, 0, ("a", "a", "b"))
+    transports: list[TcpTransport | None] = [None] * 3
+
+    def build(r: int) -> None:
+        transports[r] = make(r)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LOCAL_SNDBUF)
+    local = probe.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)  # as the kernel keeps it
+    probe.close()
+    try:
+        assert all(t is not None for t in transports), "a rank did not connect"
+        sizes = {(r, peer): link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                 for r, t in enumerate(transports) if t is not None
+                 for peer, link in t._links.items()}
+        assert sizes[(0, 1)] == sizes[(1, 0)] == local, sizes
+        assert all(sizes[pair] != local for pair in [(0, 2), (2, 0), (1, 2), (2, 1)]), sizes
+    finally:
+        for t in transports:
+            if t is not None:
+                t.abort()
 
 
 @pytest.mark.skipif(not shm_available(), reason="no /dev/shm here")

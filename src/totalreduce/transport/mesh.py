@@ -45,6 +45,16 @@ class WorldMoved(OSError):
 Cancelled = Callable[[], bool]
 
 
+# The send buffer of a socket to a rank on this host.  The kernel sizes a socket's buffer
+# by the network it must keep busy (up to 4 MiB here); between two processes of one host
+# there is no network, only a queue that everything sent later waits behind: an urgent
+# small op during a 64 MB allreduce over loopback took 12.6 ms with the kernel's size and
+# 2.1 ms with this one (bench preempt -n 2, tcp), and the 16-64 MB allreduces ran faster
+# too (64 MB: 45 -> 29 ms).  Between hosts the kernel's sizing stays: at 256 KiB a 64 MB
+# allreduce across two simulated hosts behind a 10 Gbit/s link ran 3x slower.
+_LOCAL_SNDBUF = 256 << 10
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -348,8 +358,11 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
             sock.settimeout(max(1.0, deadline - time.monotonic()))
         mine = host or host_identity()
         rings, peer_hosts = _share_rings(rank, socks, ring_bytes, lend_bytes > 0, mine)
-        for sock in socks.values():
+        for peer, sock in socks.items():
             sock.settimeout(None)
+            if peer_hosts.get(peer) == mine:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LOCAL_SNDBUF)
     except BaseException:
         acceptor.stop()
         raise
