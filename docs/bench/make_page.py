@@ -235,7 +235,7 @@ priorities:
   threads each share the two cores, and the application thread woken to submit the
   urgent op otherwise waited for the scheduler, 4 ms in one try of ten.
 
-What is left, 0.3-0.4 ms against 0.02 ms alone, is Python on both ranks: the general
+What is left, 0.3-0.5 ms against 0.02-0.04 ms alone, is Python on both ranks: the general
 path's work per op (the urgent op cannot take the small path while the big one runs) and
 the hand-overs of the interpreter lock and of the loop between the application's thread
 and the progress thread, each tens of microseconds while the other thread runs. The
@@ -246,7 +246,8 @@ socket between two ranks of one host keeps a 256 KiB send buffer for that reason
 kernel's own sizing, up to 4 MiB here, the urgent op took 12.6 ms, and 16-64 MB ops were
 slower too); a socket to another host keeps the kernel's sizing, which a real link needs
 (at 256 KiB a 64 MB allreduce between two simulated hosts behind a 10 Gbit/s link ran 3x
-slower). Over the MPI transport it waits behind what MPI has queued.
+slower). Over the MPI transport it waits behind what MPI has queued to that peer, which
+is kept to 8 MiB of bodies for that reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
 
 ## Coordination: self-guided against negotiated
 
@@ -564,8 +565,8 @@ want it on.
   doubling up to 4 or 16 MB did better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
   big one already in the kernel's socket buffers or in MPI (TCP between ranks of one host
-  2.0 ms with priorities against 0.07 ms alone, the MPI transport 4.3 ms); over shared
-  memory it takes 0.40 ms against 0.02 ms alone (the preemption section).
+  2.3 ms with priorities against 0.09 ms alone, the MPI transport 1.9 ms); over shared
+  memory it takes 0.5 ms against 0.04 ms alone (the preemption section).
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.
