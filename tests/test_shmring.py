@@ -3,6 +3,7 @@ doorbell flags, hygiene."""
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import stat
@@ -290,3 +291,17 @@ def test_a_ring_is_mapped_whole_at_set_up_not_page_by_page_on_its_first_lap() ->
     pages = 2 * cap // 4096  # one mapping at each end
     assert mapped - before >= pages // 2, (mapped - before, pages)  # faulted in up front
     assert used < pages // 8, (used, pages)  # and not again while in use
+
+
+def test_a_ring_that_does_not_fit_in_dev_shm_is_refused_at_set_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Memory the ring cannot have must fail its creation (the pair then keeps to its
+    # socket), not a write into it later (SIGBUS); nothing is left in /dev/shm.
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    before = set(os.listdir("/dev/shm"))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space left"):
+        RingWriter(1 << 16)
+    assert set(os.listdir("/dev/shm")) - before == set()

@@ -3,6 +3,9 @@ ranks as threads of this process, mpi with real ranks under mpiexec."""
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import secrets
 import socket
 import threading
@@ -120,6 +123,23 @@ def test_shm(n: int) -> None:
     # Small rings: the 3 MiB body goes in chunks and fills the ring again and again.
     stats = _in_threads(n, _socket_mesh(n, 64 << 10, 0))
     assert all(s["bodies_lent"] == 0 for s in stats)
+
+
+@pytest.mark.skipif(not shm_available(), reason="no /dev/shm here")
+def test_peers_keep_to_sockets_when_dev_shm_has_no_room(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    # A ring whose memory cannot be had is refused at set-up, with a warning, and the
+    # pair talks over its socket instead.
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level(logging.WARNING, logger="totalreduce"):
+        stats = _in_threads(2, _socket_mesh(2, 64 << 10, 0))
+    assert all(s["shm_messages_received"] == 0 < s["tcp_messages_received"]
+               for s in stats), stats
+    assert "no shared-memory ring to rank" in caplog.text
 
 
 @pytest.mark.skipif(not (shm_available() and cma_works()), reason="no cross-memory attach")

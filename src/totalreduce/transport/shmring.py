@@ -122,6 +122,11 @@ class RingWriter:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, _CONTROL + capacity)
+            # The ring's memory is taken now: where /dev/shm is too small for every ring
+            # (a container's is often 64 MiB), a ring with pages missing killed the
+            # process with SIGBUS at its first write past the space; this way the pair
+            # is told at set-up (ENOSPC) and keeps to its socket, with a warning.
+            os.posix_fallocate(fd, 0, _CONTROL + capacity)
             self._m = _Mapping(fd, capacity)
         except BaseException:
             self.unlink()
