@@ -44,6 +44,7 @@ from .wire import (
     FLAG_CHUNKED,
     FLAG_REMOTE,
     HEADER_SIZE,
+    MAGIC,
     REMOTE_BODY,
     Header,
     Kind,
@@ -62,7 +63,6 @@ _WRAP = Header(Kind.RING_WRAP).pack()
 # What a look ahead reads of each header (magic, kind, flags, name_key, seq, nbytes):
 # a quarter of unpacking it whole, for every record behind a big body on every look.
 _GLANCE = struct.Struct("<HBxB3xQQ16xQ")
-_MAGIC = 0x5452
 _fence_lock = threading.Lock()
 
 
@@ -80,6 +80,15 @@ def shm_available() -> bool:
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+def _in_ring(flags: int, nbytes: int) -> tuple[int, int]:
+    """A record's body bytes in the ring and its whole size there, padding included: a
+    chunked body follows in records of its own, a lent one is a descriptor."""
+    if flags & FLAG_CHUNKED:
+        return 0, HEADER_SIZE
+    body = REMOTE_BODY.size if flags & FLAG_REMOTE else nbytes
+    return body, _align(HEADER_SIZE + body)
 
 
 def ring_capacity(nbytes: int) -> int:
@@ -264,14 +273,10 @@ class RingReader:
                 pos += cap - offset
                 offset = 0
                 magic, kind, flags, name_key, seq, nbytes = unpack(view, 0)
-            if magic != _MAGIC:
+            if magic != MAGIC:
                 raise WireError(f"bad magic 0x{magic:04x} in message header")
-            if flags & FLAG_CHUNKED:
-                size = HEADER_SIZE
-            else:
-                size = _align(HEADER_SIZE + (REMOTE_BODY.size if flags & FLAG_REMOTE
-                                             else nbytes))
-            if pos + size > head:
+            _body, size = _in_ring(flags, nbytes)
+            if offset + size > cap or pos + size > head:
                 raise WireError(f"ring record of {nbytes} bytes at {offset} overruns")
             yield pos, kind, flags, name_key, seq, pos + size
             pos += size
@@ -296,13 +301,11 @@ class RingReader:
             pos += cap - offset
             offset = 0
             header = unpack_header(view[:HEADER_SIZE])
-        chunked = header.flags & FLAG_CHUNKED
-        body = REMOTE_BODY.size if header.flags & FLAG_REMOTE else header.nbytes
-        size = HEADER_SIZE if chunked else _align(HEADER_SIZE + body)
+        body, size = _in_ring(header.flags, header.nbytes)
         if offset + size > cap or pos + size > head:
             raise WireError(f"ring record of {header.nbytes} bytes at {offset} overruns")
         start = offset + HEADER_SIZE
-        return pos, header, size, view[start:start + (0 if chunked else body)]
+        return pos, header, size, view[start:start + body]
 
     def mark_taken(self, where: int, header: Header) -> None:
         """A record from :meth:`glance` (a whole-bodied one) has been handled: :meth:`next`
