@@ -245,3 +245,29 @@ def piecewise_broadcasts(arg: dict) -> None:
     direct = current().engine.stats()["direct_ops"] - before
     tr.shutdown()
     report(calls=calls, direct=direct)
+
+
+def allreduces_by_size(arg: dict) -> None:
+    """Blocking allreduces of ``arg["sizes"]`` bytes (odd element counts, several dtypes,
+    in place and not, one rank a little late): whether each ran on the caller's thread,
+    and its sum checked against numpy."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    ran = []
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = (np.float64, np.float32, np.int32)[i % 3]
+        count = nbytes // np.dtype(dtype).itemsize
+        inputs = _inputs(i, n, count, dtype)
+        want = np.sum(np.stack(inputs), axis=0).astype(dtype)
+        if rank == i % n:
+            time.sleep(0.002)
+        before = current().engine.stats()["direct_ops"]
+        if i % 2:
+            got = tr.allreduce(inputs[rank], op=tr.Sum, name=f"ar.{i}")
+        else:
+            got = inputs[rank]
+            tr.allreduce_(got, op=tr.Sum, name=f"ar.{i}")
+        ran.append(current().engine.stats()["direct_ops"] - before)
+        _close(got, want, f"allreduce of {count} {np.dtype(dtype)}")
+    tr.shutdown()
+    report(direct=ran)

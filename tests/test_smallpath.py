@@ -72,3 +72,23 @@ def test_small_broadcasts_in_several_pieces_match_numpy(n: int) -> None:
     for r in range(n):
         got = result.report(r)
         assert got["calls"] == 6 * n and got["direct"] > 0, result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_allreduces_run_on_the_callers_thread_while_their_sends_fit_the_ring(n: int) -> None:
+    # DIRECT_BYTES auto: other ops up to 2 MiB, an allreduce while the 2 (n - 1) / n of it
+    # that it sends one peer fits in the default ring's two 2 MiB segments.
+    bound = 2 * (2 << 20) * n // (2 * (n - 1))
+    sizes = [(2 << 20) + 24, bound - 8, bound + 4096, 6 << 20]
+    result = run_ok(n, "smallpath_workers:allreduces_by_size", {"sizes": sizes},
+                    timeout=120)
+    for r in range(n):
+        assert result.report(r)["direct"] == [1, 1, 0, 0], result.explain()
+
+
+def test_a_set_direct_bytes_bounds_allreduces_too() -> None:
+    result = run_ok(2, "smallpath_workers:allreduces_by_size",
+                    {"sizes": [(2 << 20) - 8, (3 << 20) + 8]}, timeout=120,
+                    env={"TOTALREDUCE_DIRECT_BYTES": str(2 << 20)})
+    for r in range(2):
+        assert result.report(r)["direct"] == [1, 0], result.explain()

@@ -490,6 +490,17 @@ to 0.59x at 1 MB and from 0.43x to 0.58x at 2 MB; allgather gained 0.01-0.03x; b
 gained at 256 KB and 1 MB but lost at 2 MB (0.50x to 0.36x), where the general path lends
 the body and the small path copies it through the ring. Allreduce decided it.
 
+Why blocking allreduces go further on the caller's thread (DIRECT_BYTES auto: while what
+one sends a peer, 2 (n - 1) / n of it, fits in the ring's two segments; 4 MiB at 2 ranks,
+3 MiB at 3, 2.7 MiB at 4): an allreduce reads its peer's data once to reduce it, as
+cheaply out of the ring as out of a lent copy, so lending gains it nothing and the general
+path only adds hand-offs between threads. `python -m totalreduce.bench collectives -n 2
+--backends totalreduce-shm,mpi --ops allreduce --sizes 1M,3M,4M,6M,16M --rounds 1`, run
+alternately with the 2 MiB limit and with this one, twice each: 3 MB took 0.449/0.480 ms
+and then 0.199/0.195 ms, 4 MB 0.456/0.483 and then 0.262/0.274 ms (1.54-1.60x MPI); 1, 6
+and 16 MB, on the same path either way, did not move. Reducescatter, whose input is read
+in place on the general path, lost on the caller's thread at 4 and 8 MB and keeps 2 MiB.
+
 Why ops of 1 MiB and more lend their pieces (cross-memory attach, transport/cma.py): two
 runs of `python -m totalreduce.bench collectives -n 2 --sizes 4M,16M,64M --ops
 allreduce,allgather,broadcast,reducescatter --rounds 2`, one with `--set CMA_BYTES=25165824`

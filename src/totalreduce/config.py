@@ -33,9 +33,11 @@ TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's 
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
                                    doubling (fewer hops), bigger ones the ring;
                                    -1 = auto (2 MiB at 2 ranks, else 1 MiB)
-TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         2 MiB
+TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
-                                   (engine/smallpath.py; 0 = never)
+                                   (engine/smallpath.py; 0 = never); -1 = auto:
+                                   2 MiB, and allreduces while what they send one
+                                   peer fits in its shared-memory ring
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
                                    else shm); see transport/registry.py
@@ -173,7 +175,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "shutdown_timeout": (lambda v: v >= 0, "must be >= 0 (seconds)"),
     "mismatch_grace": (lambda v: v >= 0, "must be >= 0 (seconds)"),
     "small_bytes": (lambda v: v >= -1, "must be >= 0 (bytes), or -1 for auto"),
-    "direct_bytes": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = never)"),
+    "direct_bytes": (lambda v: v >= -1, "must be >= 0 (bytes; 0 = never), or -1 for auto"),
     "transport": (lambda v: v in ("auto", "shm", "tcp", "mpi", "inproc"),
                   "must be one of auto, shm, tcp, mpi, inproc"),
     "hierarchical": (lambda v: v in ("auto", "on", "off", "1", "0"),
@@ -243,6 +245,11 @@ def horovod_notices(environ: Mapping[str, str] | None = None) -> list[str]:
     return out
 
 
+# What an auto-sized shared-memory ring holds besides its two segments: room for the
+# small records (READYs, small ops) that travel between them.
+RING_SMALL_ROOM = 128 << 10
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     segment_bytes: int = 2 << 20
@@ -255,7 +262,7 @@ class Config:
     shutdown_timeout: float = 10.0
     mismatch_grace: float = 1.0
     small_bytes: int = -1
-    direct_bytes: int = 2 << 20
+    direct_bytes: int = -1
     transport: str = "auto"
     host_id: str = ""
     hierarchical: str = "auto"
@@ -287,13 +294,19 @@ class Config:
             raise ConfigError(problems)
 
     @property
+    def direct_limit(self) -> int:
+        """Bytes up to which a blocking op may run on the caller's thread (0: never);
+        allreduces may go further where DIRECT_BYTES is auto (scheduling/selfguided.py)."""
+        return 2 << 20 if self.direct_bytes < 0 else self.direct_bytes
+
+    @property
     def ring_bytes(self) -> int:
         """The shared-memory ring size per direction (0: no rings)."""
         if self.shm_bytes >= 0:
             return self.shm_bytes
         # Two segment records and room for the small ones between them: the writer can run
         # one piece ahead, and the ring's footprint (its capacity) stays in cache.
-        return 2 * self.segment_bytes + (128 << 10)
+        return 2 * self.segment_bytes + RING_SMALL_ROOM
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:

@@ -177,6 +177,11 @@ class Engine:
         self._driver.nudge()
         return future
 
+    def ring_room(self, peers: Iterable[int]) -> int:
+        """Bytes the ring to each of ``peers`` holds at once; 0 if one is not reached
+        through a ring."""
+        return min((self.transport.ring_room(p) for p in peers), default=0)
+
     def waits_here(self) -> bool:
         """Whether this thread is inside :meth:`caller_waits` (it blocks on what it
         submits, so a small op may run to its end on it)."""

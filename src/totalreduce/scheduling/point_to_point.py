@@ -48,7 +48,7 @@ class PointToPoint:
         self._engine = engine
         self.rank, self.size = engine.rank, engine.size
         self._seg_bytes = config.segment_bytes
-        self._direct_bytes = config.direct_bytes
+        self._direct_bytes = config.direct_limit
         self._lock = threading.Lock()
         self._sent: dict[tuple[int, int], int] = {}      # (dest, tag) -> messages sent
         self._received: dict[tuple[int, int], int] = {}  # (source, tag) -> claimed

@@ -142,6 +142,11 @@ class Transport(abc.ABC):
         """Whether :meth:`peek` can show ``peer``'s messages (it comes through a ring)."""
         return False
 
+    def ring_room(self, peer: int) -> int:
+        """Bytes of messages the ring to ``peer`` holds at once, headers included (0: no
+        ring to it)."""
+        return 0
+
     def take(self, peer: int, header: Header) -> None:
         """The message from :meth:`peek` (``header``) has been handled: free it.  Besides
         a DATA message shown with its body, that may be one with no body at all (a

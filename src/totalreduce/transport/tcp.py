@@ -109,6 +109,11 @@ class TcpTransport(Transport):
     def peeks(self, peer: int) -> bool:
         return type(self._links.get(peer)) is RingLink
 
+    def ring_room(self, peer: int) -> int:
+        link = self._links.get(peer)
+        ring = link.ring_out if type(link) is RingLink else None
+        return 0 if ring is None else ring.capacity
+
     def take(self, peer: int, header: Header) -> None:
         link = self._links[peer]
         assert type(link) is RingLink
