@@ -150,3 +150,29 @@ def test_oversubscribed_job_says_so_once() -> None:
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "oversubscribed" in lines[0], result.stderr
     assert lines[0].startswith(f"totalrun: {cores + 1} ranks on {cores} cores"), lines
+
+
+def test_output_read_by_a_reader_that_stops_early_ends_quietly(tmp_path) -> None:
+    # ``totalrun ... | head -2``: the reader goes after two lines; the job still runs to
+    # its end (the file it writes last proves it) and totalrun exits 0 with no traceback.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOTALREDUCE_")}
+    script = ("import sys, totalreduce as tr, numpy as np; tr.init()\n"
+              "for i in range(5000): print('line', i)\n"
+              "total = tr.allreduce(np.ones(2), op=tr.Sum, name='end')\n"
+              "if tr.rank() == 0: open(sys.argv[1], 'w').write(str(total[0]))\n"
+              "tr.shutdown()\n")
+    marker = tmp_path / "done"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "totalreduce.run", "-np", "2", sys.executable, "-c", script,
+         str(marker)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    first = [proc.stdout.readline() for _ in range(2)]
+    proc.stdout.close()
+    try:
+        _out, err = proc.communicate(timeout=JOB_ENDS * 3)
+    finally:
+        proc.kill()
+    assert all(line.startswith(b"[") for line in first), first
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert marker.read_text() == "2.0"

@@ -136,11 +136,18 @@ class Supervisor:
         if name == "stderr":
             worker.tail.append(line.decode(errors="replace").rstrip())
         with self._lock:
-            if self._bar_open:
-                out.buffer.write(b"\r\x1b[K")
-                self._bar_open = False
-            out.buffer.write(prefix + line)
-            out.flush()
+            try:
+                if self._bar_open:
+                    out.buffer.write(b"\r\x1b[K")
+                    self._bar_open = False
+                out.buffer.write(prefix + line)
+                out.flush()
+            except BrokenPipeError:
+                # Whoever read our output stopped (``totalrun ... | head``): the job goes
+                # on and its lines go nowhere, as a rank's own prints would not fail.
+                # The descriptor now points at /dev/null, so that the flush at exit does
+                # not fail either.
+                _discard(out)
         if copy is not None:
             copy.write(line)
 
@@ -356,3 +363,12 @@ class Supervisor:
             return 128 + self._signalled
         assert root is not None and root.code is not None
         return root.code if root.code > 0 else 128 - root.code
+
+
+def _discard(out: Any) -> None:
+    """Send what is still written to ``out`` (a stream whose reader is gone) nowhere."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, out.fileno())
+    finally:
+        os.close(null)
