@@ -23,7 +23,11 @@ def test_collectives_on_tensors(n: int) -> None:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_training_matches_one_process_with_the_whole_batch(n: int) -> None:
-    cases = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True}]
+    # 1 KiB buckets: gradients of 256 bytes and more are reduced in their own .grad
+    # (torch/buckets.py), the smaller ones in a bucket.
+    cases = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
+             {"bucket": 1024, "momentum": True}, {"bucket": 1024, "passes": 2},
+             {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
     result = run_ok(n, "torch_workers:equivalence", {"cases": cases}, timeout=100)
     for r in range(n):
         done = [k for k in result.report(r) if k.startswith("equivalent")]
@@ -52,7 +56,7 @@ def test_autotune_tries_bucket_sizes_and_overlap_and_every_rank_keeps_one(
     tried = [tuple(t) for t in result.report(0)["tried"]]
     mib = 1 << 20
     # The default first, then each bucket size that changes the plan (1 MiB does for a
-    # model of 4 MiB weights), each with overlap on and off.
+    # model of 4.4 MiB in small weights), each with overlap on and off.
     assert tried[:4] == [(16 * mib, True), (16 * mib, False), (mib, True), (mib, False)]
     assert sorted(tried) == sorted({(size, o) for size, _ in tried for o in (True, False)})
 

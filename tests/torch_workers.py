@@ -177,10 +177,10 @@ def _batches(steps: int, total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, lo: int,
-           hi: int, passes: int) -> None:
+           hi: int, passes: int, set_to_none: bool = True) -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     for x, y in batches:
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         xs, ys = x[lo:hi].chunk(passes), y[lo:hi].chunk(passes)
         for xp, yp in zip(xs, ys, strict=True):
             (loss_fn(model(xp), yp) / passes).backward()
@@ -208,8 +208,13 @@ def equivalence(arg: dict) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=compression,
-                                       backward_passes_per_step=passes)
-        _train(model, opt, batches, r * per_rank, (r + 1) * per_rank, passes)
+                                       backward_passes_per_step=passes,
+                                       bucket_bytes=case.get("bucket"))
+        if "bucket" in case:  # the big weights in their own .grad, the rest in a bucket
+            solo = [b.solo for b in opt._buckets]
+            assert any(solo) and not all(solo), solo
+        _train(model, opt, batches, r * per_rank, (r + 1) * per_rank, passes,
+               set_to_none=not case.get("keep_grads"))
         tol = 2e-3 if case.get("fp16") else 1e-5
         for (name, p), q in zip(model.named_parameters(), reference.parameters(),
                                 strict=True):
@@ -558,13 +563,15 @@ def autotune_agrees(arg: dict) -> None:
 
     def model() -> torch.nn.Module:
         torch.manual_seed(5)
-        # 2.1 M parameters: 1, 4 and 16 MiB buckets give different plans.
-        return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
-                                   torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
-                                   torch.nn.Linear(1024, 4))
+        # 20 weights of 225 KiB, below every size's solo threshold (buckets.py), 4.4 MiB
+        # in all: 1, 4 and 16 MiB buckets give different plans.
+        layers: list[torch.nn.Module] = []
+        for _ in range(20):
+            layers += [torch.nn.Linear(240, 240), torch.nn.Tanh()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(240, 4))
 
     g = torch.Generator().manual_seed(9)
-    batches = [(torch.randn(8 * n, 1024, generator=g), torch.randint(0, 4, (8 * n,),
+    batches = [(torch.randn(8 * n, 240, generator=g), torch.randint(0, 4, (8 * n,),
                                                                      generator=g))
                for _ in range(steps)]
     weights = []

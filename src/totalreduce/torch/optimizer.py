@@ -189,6 +189,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cap < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {cap}")
         self._names, self._params = names, params
+        # Big gradients are reduced in their own .grad (buckets.py), where the op and the
+        # compression work parameter by parameter anyway: not for Adasum, a sparse
+        # compression (whose residuals belong to buckets) or SparseAdam's gradients.
+        self._solo = (op is not Adasum and not isinstance(compression, SparseCompressor)
+                      and not isinstance(optimizer, torch.optim.SparseAdam))
         self._buckets: list[_buckets.Bucket] = []
         self._slot: dict[torch.Tensor, tuple[_buckets.Bucket, int]] = {}
         self._rebuild(cap)
@@ -266,13 +271,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """(Re)form the buckets at ``cap`` bytes; gradients already there move along."""
         self._cap = cap
         old = {p: p.grad for b in self._buckets for p in b.params}
-        self._buckets = _buckets.build(self._names, self._params, cap)
+        self._buckets = _buckets.build(self._names, self._params, cap, self._solo)
         self._slot = {}
         for b in self._buckets:
             for i, p in enumerate(b.params):
                 self._slot[p] = (b, i)
                 grad = old.get(p)
-                if grad is not None and p not in self._sparse_params:
+                if grad is not None and p not in self._sparse_params and not b.solo:
                     b.views[i].copy_(grad)
                     p.grad = b.views[i]
         self._sparse_next = 0
@@ -283,7 +288,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         sizes = [(p.numel() * p.element_size(), p.dtype, p.device) for p in self._params]
         settings = _autotune.candidates(
-            default, lambda cap: len(_buckets.plan(sizes, cap)),
+            default, lambda cap: len(_buckets.plan(sizes, cap, self._solo)),
             tune_buckets=not isinstance(self._compression, SparseCompressor))
 
         def agree(seconds: float, trial: int) -> float:
@@ -325,7 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._on_sparse_grad(p, bucket, i, grad)
                 return
             grad = grad.to_dense()
-        if not bucket.owns(i, grad):
+        if not bucket.solo and not bucket.owns(i, grad):
             # The gradient was set to None (model.zero_grad()) or replaced: move it into
             # the bucket once; from then on backward accumulates there directly.
             assert grad is not None  # the hook runs after accumulation: there is one
@@ -368,9 +373,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._launch(b)
 
     def _launch(self, bucket: _buckets.Bucket) -> None:
+        if bucket.solo:
+            p = bucket.params[0]
+            if p in self._sparse_params:  # its gradient is sparse: the bucket sends zeros
+                bucket.flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            else:
+                bucket.adopt()
         for i, p in enumerate(bucket.params):
-            if p in self._sparse_params:
-                continue  # its gradient is sparse: not the bucket's
+            if p in self._sparse_params or bucket.solo:
+                continue  # its gradient is sparse (not the bucket's), or is the bucket
             if i not in bucket.touched and not bucket.owns(i, p.grad):
                 bucket.views[i].zero_()
                 p.grad = bucket.views[i]
@@ -530,8 +541,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "gradients are still being reduced")
         self._passes = 0
         for b in self._buckets:
-            b.flat.zero_()
             b.touched.clear()
+            if b.solo:
+                # Backward then makes a fresh gradient: no buffer to zero, nothing to add.
+                p = b.params[0]
+                if set_to_none or p.grad is None or p in self._sparse_params:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+                continue
+            b.flat.zero_()
             for p, view in zip(b.params, b.views, strict=True):
                 # A dense view would make the next sparse gradient accumulate densely.
                 p.grad = None if p in self._sparse_params else view
