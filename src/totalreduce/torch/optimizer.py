@@ -189,11 +189,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cap < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {cap}")
         self._names, self._params = names, params
-        # Big gradients are reduced in their own .grad (buckets.py), where the op and the
-        # compression work parameter by parameter anyway: not for Adasum, a sparse
-        # compression (whose residuals belong to buckets) or SparseAdam's gradients.
-        self._solo = (op is not Adasum and not isinstance(compression, SparseCompressor)
-                      and not isinstance(optimizer, torch.optim.SparseAdam))
+        # Big gradients are reduced in their own .grad (buckets.py); not for Adasum, which
+        # combines a bucket's parameters one by one, or SparseAdam's sparse gradients.  A
+        # sparse compression keeps its residuals per bucket, solo ones included.
+        self._solo = op is not Adasum and not isinstance(optimizer, torch.optim.SparseAdam)
         self._buckets: list[_buckets.Bucket] = []
         self._slot: dict[torch.Tensor, tuple[_buckets.Bucket, int]] = {}
         self._rebuild(cap)
