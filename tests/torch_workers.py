@@ -510,6 +510,19 @@ def sparse_optimizer(arg: dict) -> None:
     assert before.keys() == after.keys() and all(
         np.array_equal(before[k]["residual"], after[k]["residual"]) for k in before)
     assert any(np.any(before[k]["residual"]) for k in before)  # there was something to keep
+    # Buckets of other parameters (another bucket size): the residuals are dropped, with
+    # a warning, rather than added to the wrong gradients.
+    other = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.2),
+        named_parameters=model.named_parameters(), bucket_bytes=1024,
+        compression=getattr(hvd.Compression, arg["alg"])(density=0.05))
+    assert other._layout() != fresh._layout()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(saved)
+    assert any("residuals were saved with other gradient buckets" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    assert other.state_dict()["totalreduce_sparse"] == {}
     report(sparse_ok=True, first=losses[0], last=losses[-1])
 
 

@@ -563,15 +563,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(self._compression, SparseCompressor):
             # The residuals are part of the model's progress: a resumed run that dropped
             # them would lose every gradient not sent yet.
-            state = dict(state, totalreduce_sparse=self._compression.algorithm.state_dict())
+            state = dict(state, totalreduce_sparse=self._compression.algorithm.state_dict(),
+                         totalreduce_sparse_buckets=self._layout())
         return state
+
+    def _layout(self) -> list[list[str]]:
+        """Which parameters each bucket holds: what a bucket's residual belongs to."""
+        return [list(b.names) for b in self._buckets]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sparse = state_dict.get("totalreduce_sparse")
-        if sparse is not None:
-            state_dict = {k: v for k, v in state_dict.items() if k != "totalreduce_sparse"}
-            if isinstance(self._compression, SparseCompressor):
+        layout = state_dict.get("totalreduce_sparse_buckets")
+        state_dict = {k: v for k, v in state_dict.items()
+                      if k not in ("totalreduce_sparse", "totalreduce_sparse_buckets")}
+        if sparse is not None and isinstance(self._compression, SparseCompressor):
+            # A residual is a bucket's: loaded into buckets of other parameters it would
+            # add one parameter's held-back gradient to another's.
+            if layout is not None and [list(b) for b in layout] == self._layout():
                 self._compression.algorithm.load_state_dict(sparse)
+            else:
+                warnings.warn(
+                    "DistributedOptimizer.load_state_dict: the sparse residuals were saved "
+                    "with other gradient buckets (another bucket_bytes, other parameters, "
+                    "or an earlier totalreduce) and are dropped: the gradients they held "
+                    "back are lost, and training goes on from the loaded weights",
+                    stacklevel=2)
         self._optimizer.load_state_dict(state_dict)
         self.state = self._optimizer.state
         self.param_groups = self._optimizer.param_groups
