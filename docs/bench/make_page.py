@@ -157,8 +157,11 @@ thread per rank) under totalreduce's DistributedOptimizer (16 MiB buckets, reduc
 backward runs, or with `overlap=False` at `step()`), the same optimizer with each sparse
 compression at density 1 %, DDP over gloo (its default 25 MB buckets), and the same DDP
 with `totalreduce.torch.ddp_comm_hook`. A repetition is 5 steps; its time is the slowest
-rank's. Every mode runs 3 steps before it is timed, and a sparse mode its dense warm-up
-calls too (Ok-Topk's first 10), so its rows show sparse steps only.
+rank's. A job builds all its modes first and times them in turns, a repetition of each per
+round in an order that alternates, so that the host's drift from minute to minute falls on
+every mode alike. Every mode runs 3 steps before it is timed, a sparse mode its dense
+warm-up calls too (Ok-Topk's first 10), so its rows show sparse steps only, and `compute
+only` 12 (a fresh process's first ten steps run 1.3-1.5x slower).
 
 - `compute only` is the same step with no communication at all, every rank computing at
   once: no mode can beat it.

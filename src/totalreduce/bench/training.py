@@ -10,7 +10,10 @@ its gradients.
 
 Every rank runs the same fixed random batch: the step time is compute plus whatever
 communication the step could not hide.  A repetition is ``steps`` steps; its time is the
-slowest rank's.
+slowest rank's.  A job builds all its modes first and times them in turns, one repetition
+of each per round, in an order that alternates: this host's speed drifts by tens of
+percent from one minute to the next, and modes timed one after the other drew that drift
+into their ratios.
 
 Every job also times the model's step with no communication at all (``compute only``:
 every rank computing at once, as in the other modes), and each mode's communication with
@@ -81,6 +84,30 @@ def _ddp_bucket_sizes(model: Any) -> list[int]:
             sizes.append(current)
             current, cap = 0, 25 << 20
     return sizes + ([current] if current else [])
+
+
+# Steps the plain model runs before it is timed: the first ~10 steps of a fresh process
+# run 1.3-1.5x slower (the allocator and the page tables settle: 53-63 ms against 40 for
+# the MLP), and a bound measured during them would be one the other modes beat.
+_COMPUTE_WARMUP = 12
+
+
+def _interleaved(steps_of: list[Any], barrier: Any, steps: int, reps: int,
+                 warmups: list[int]) -> list[list[float]]:
+    """Seconds per step of each of ``steps_of``, repetition by repetition in turns."""
+    for step, warmup in zip(steps_of, warmups, strict=True):
+        for _ in range(warmup):
+            step()
+    times: list[list[float]] = [[] for _ in steps_of]
+    order = list(range(len(steps_of)))
+    for rep in range(reps):
+        for i in (order if rep % 2 == 0 else order[::-1]):
+            barrier()
+            t = time.perf_counter()
+            for _ in range(steps):
+                steps_of[i]()
+            times[i].append((time.perf_counter() - t) / steps)
+    return times
 
 
 def _time_steps(step: Any, barrier: Any, steps: int, reps: int, warmup: int) -> list[float]:
@@ -157,27 +184,24 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
         setups = [("DDP + totalreduce hook" if backend == "ddp-hook" else "DDP", make_ddp, 3)]
     x, y = _batch(cfg["model"], batch)
 
-    def compute_only() -> list[float]:
-        model = _model(cfg["model"])
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-
+    def stepper(model: Any, opt: Any) -> Callable[[], None]:
         def step() -> None:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-        return _time_steps(step, barrier, cfg["steps"], cfg["reps"], warmup=2)
+        return step
 
-    out.append({"model": cfg["model"], "mode": "compute only", "batch": batch,
-                "times": compute_only()})
+    base = _model(cfg["model"])
+    built = [("compute only", base, torch.optim.SGD(base.parameters(), lr=1e-4),
+              _COMPUTE_WARMUP)]
     for mode, build, warmup in setups:
         model, opt = build()
-
-        def step(model: Any = model, opt: Any = opt) -> None:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-
-        times = _time_steps(step, barrier, cfg["steps"], cfg["reps"], warmup=warmup)
+        built.append((mode, model, opt, warmup))
+    times = _interleaved([stepper(m, o) for _, m, o, _ in built], barrier, cfg["steps"],
+                         cfg["reps"], [w for *_, w in built])
+    out.append({"model": cfg["model"], "mode": "compute only", "batch": batch,
+                "times": times[0]})
+    for (mode, model, opt, _), mode_times in zip(built[1:], times[1:], strict=True):
         if hasattr(opt, "synchronize"):
             # The buckets reduced with backward over: what overlap has to hide.
             alone = _time_steps(lambda opt=opt: opt.synchronize(force=True), barrier,
@@ -186,12 +210,12 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
             flats = [torch.zeros(n) for n in _ddp_bucket_sizes(model)]
             alone = _time_steps(lambda flats=flats: [dist.all_reduce(f) for f in flats],
                                 barrier, cfg["steps"], cfg["reps"], warmup=1)
-        row = {"model": cfg["model"], "mode": mode, "batch": batch, "times": times,
+        row = {"model": cfg["model"], "mode": mode, "batch": batch, "times": mode_times,
                "alone": alone}
         if backend.startswith("totalreduce") and not mode.startswith("optimizer "):
             row["versus"] = f"optimizer {default_mb:g}MB"  # the dense run it compares with
         out.append(row)
-        del model, opt
+    del built
     if backend.startswith("totalreduce"):
         hvd.shutdown()
     else:
