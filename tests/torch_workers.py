@@ -885,6 +885,16 @@ def capabilities(r: int, n: int) -> None:
     close(got.to_dense(), dense_sum, "sparse_allreduce Sum")
     got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sp_avg"))
     close(got.to_dense(), dense_sum / n, "sparse_allreduce Average")
+    # Tensors of different sizes: a MismatchError on every rank, naming each rank's shape
+    # (rank 0's entry lies within every rank's size, the others' only within their own).
+    odd = torch.sparse_coo_tensor(torch.tensor([[3 * r]]), torch.tensor([1.0]), (4 + 3 * r,))
+    try:
+        hvd.synchronize(hvd.sparse_allreduce_async(odd, name="sp_odd"))
+    except hvd.MismatchError as exc:
+        assert "shapes differ" in str(exc) and "rank 0: (4,)" in str(exc) \
+            and f"rank {n - 1}: ({4 + 3 * (n - 1)},)" in str(exc), str(exc)
+    else:
+        raise AssertionError("sparse_allreduce of different shapes did not fail")
     # start_timeline / stop_timeline: a trace of what ran in between, which loads.
     folder = tempfile.mkdtemp(prefix="trtest-timeline-")
     path = os.path.join(folder, "sub", "t.json")

@@ -676,23 +676,42 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     if rop not in (Average, Sum):
         raise ValueError(f"{what}: op must be Average or Sum, got {rop.label}")
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    # Entries along dimension 0 for the allgather: indices as (nnz, sparse_dim) rows.
-    indices = t.indices().t().contiguous()
+    # Entries along dimension 0 for the allgather: indices as (nnz, sparse_dim) rows,
+    # after a first row that gives this rank's sparse sizes as -(size + 1), which no index
+    # can be: every rank learns every rank's shape from the same op.
+    marked = t.sparse_dim() > 0
+    sizes = torch.tensor([[-(s + 1) for s in t.shape[:t.sparse_dim()]]] if marked else [],
+                         dtype=t.indices().dtype, device=t.device).reshape(-1, t.sparse_dim())
+    indices = torch.cat([sizes, t.indices().t()]).contiguous()
     values = t.values().contiguous()
     handles = [allgather_async(indices, _part_name(name, 0), process_set),
                allgather_async(values, _part_name(name, 1), process_set)]
 
     def finish(parts: list[torch.Tensor]) -> torch.Tensor:
         every_index, every_value = parts
+        shape_rows = (every_index < 0).all(dim=1) if marked else \
+            torch.zeros(len(every_index), dtype=torch.bool, device=every_index.device)
+        shapes = [tuple((-row - 1).tolist()) for row in every_index[shape_rows]]
+        if len(set(shapes)) > 1:
+            ranks = process_set.ranks or list(range(_tr.size()))
+            shown = "; ".join(f"rank {ranks[i]}: {s + tuple(tensor.shape[len(s):])}"
+                              for i, s in enumerate(shapes))
+            raise _tr.MismatchError(name or "", f"rank {_tr.rank()}: {what}: the tensors' "
+                                    f"shapes differ between ranks: {shown}")
+        every_index = every_index[~shape_rows]
+        # Checked all the same: an entry out of the shape would make a tensor that
+        # crashes the process when used, rather than an error here.
         out = torch.sparse_coo_tensor(every_index.t(), every_value, tensor.shape,
-                                      dtype=tensor.dtype, device=tensor.device).coalesce()
+                                      dtype=tensor.dtype, device=tensor.device,
+                                      check_invariants=True).coalesce()
         if rop != Average:
             return out
         # Divided after the entries at one index are summed, as a dense Average would.
         v = out.values()
         n = process_set.size()
         v = v / n if v.is_floating_point() else torch.div(v, n, rounding_mode="trunc")
-        return torch.sparse_coo_tensor(out.indices(), v, out.shape, is_coalesced=True)
+        return torch.sparse_coo_tensor(out.indices(), v, out.shape, is_coalesced=True,
+                                       check_invariants=False)  # out's own, checked
 
     return TorchHandle(_Together(handles, what), finish)  # type: ignore[arg-type]
 
