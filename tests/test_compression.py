@@ -262,3 +262,10 @@ def test_sparse_state_round_trip_keeps_the_velocity() -> None:
     assert back.stats == {"global_selected": 3}
     old = {k: v for k, v in state.as_dict().items() if k not in ("velocity", "stats")}
     assert State.from_dict(old).velocity is None  # a checkpoint from before momentum
+
+
+def test_a_sparse_compression_reduces_small_buckets_whole() -> None:
+    pytest.importorskip("torch")
+    result = run_ok(2, "torch_workers:sparse_small_buckets_whole", {}, timeout=120)
+    for r in range(2):
+        assert result.report(r).get("small_whole"), result.explain()

@@ -6,6 +6,7 @@ compares its own distributed result with it.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import warnings
@@ -1491,3 +1492,38 @@ def averaging(arg: dict) -> None:
         agree.append(bool((rows == rows[0]).all()))
     report(agree=agree, steps=averager.step, ok=True)
     hvd.shutdown()
+
+
+def sparse_small_buckets_whole(arg: dict) -> None:
+    """With a sparse compression, a bucket far smaller than the model (the output layer,
+    3 KB of 261 KB) is reduced whole, exactly, while the big weight's bucket stays
+    sparse."""
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 2))
+    plain = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        named_parameters=model.named_parameters(), bucket_bytes=64 << 10,
+        compression=hvd.Compression.oktopk(density=0.05, warmup=0))
+    whole = {name for b in opt._buckets if b.dense for name in b.names}
+    assert whole == {"0.bias", "2.weight", "2.bias"}, \
+        [(b.names, b.dense, b.solo) for b in opt._buckets]
+    g = torch.Generator().manual_seed(100 + r)
+    x, y = torch.randn(16, 256, generator=g), torch.randint(0, 2, (16,), generator=g)
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    for name, p in plain.named_parameters():
+        every = hvd.allgather(p.grad.reshape(1, -1))
+        mean = every.mean(dim=0).reshape(p.shape)
+        got = dict(model.named_parameters())[name].grad
+        if name in whole:
+            close(got, mean, f"{name}, reduced whole", 1e-6)
+        else:
+            nonzero = int((got != 0).sum())
+            assert 0 < nonzero < p.numel() // 5, f"{name}: {nonzero} of {p.numel()} nonzero"
+    report(small_whole=True)

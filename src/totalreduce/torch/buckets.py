@@ -37,6 +37,13 @@ class Bucket:
     launch_time: float = 0.0
     done_time: float = 0.0
     solo: bool = False  # one parameter, reduced in its own .grad (``flat`` is set then)
+    dense: bool = False  # reduced whole although the optimizer's compression is sparse
+
+    @property
+    def grad_bytes(self) -> int:
+        """The bytes of its parameters' gradients (a solo bucket's ``flat`` is set only
+        once the gradient is)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
 
     @property
     def nbytes(self) -> int:

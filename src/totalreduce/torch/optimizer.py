@@ -52,6 +52,12 @@ from .tensors import stage
 
 _instances = itertools.count()
 
+# With a sparse compression, a bucket under this size and under 1/64 of the model's
+# gradients is reduced whole: a sparse round is several latency-bound exchanges whatever
+# its size, and a bucket that small (the MLP's biases, 28 KB of 50 MB) costs nothing
+# measurable whole, as deep gradient compression leaves its small layers uncompressed.
+_SPARSE_MIN_BYTES = 256 << 10
+
 
 @dataclass(frozen=True)
 class StepTimings:
@@ -164,6 +170,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
 
         self._compression = compression
+        # What a bucket reduced whole is compressed with.
+        self._whole: type[Compressor] = \
+            Compression.none if isinstance(compression, SparseCompressor) else compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
         self._predivide = float(gradient_predivide_factor)
@@ -271,6 +280,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._cap = cap
         old = {p: p.grad for b in self._buckets for p in b.params}
         self._buckets = _buckets.build(self._names, self._params, cap, self._solo)
+        if isinstance(self._compression, SparseCompressor):
+            small = min(_SPARSE_MIN_BYTES,
+                        sum(p.numel() * p.element_size() for p in self._params) // 64)
+            for b in self._buckets:
+                b.dense = b.grad_bytes < small
         self._slot = {}
         for b in self._buckets:
             for i, p in enumerate(b.params):
@@ -385,14 +399,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket.views[i].zero_()
                 p.grad = bucket.views[i]
         flat = bucket.flat
-        if isinstance(self._compression, SparseCompressor):
+        if self._sparse_bucket(bucket):
             bucket.launch_time = time.monotonic()
             bucket.pending = (None, None, None, None)
             self._start_sparse()
             return
         if self._predivide != 1.0:
             flat.div_(self._predivide)
-        wire, ctx = self._compression.compress(flat)
+        wire, ctx = self._whole.compress(flat)
         staged = stage(wire, "DistributedOptimizer")
         bucket.launch_time = time.monotonic()
         if self._op is Adasum:
@@ -414,6 +428,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         handle.add_done_callback(finished)
         bucket.pending = (handle, staged, wire, ctx)
 
+    def _sparse_bucket(self, bucket: _buckets.Bucket) -> bool:
+        """Whether ``bucket`` goes through the sparse compression."""
+        return isinstance(self._compression, SparseCompressor) and not bucket.dense
+
     def _start_sparse(self) -> None:
         """Hand launched buckets to the sparse worker, in index order: a bucket launched
         early waits for the buckets before it."""
@@ -421,6 +439,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         assert isinstance(sparse, SparseCompressor) and worker is not None
         while self._sparse_next < len(self._buckets):
             bucket = self._buckets[self._sparse_next]
+            if bucket.dense:  # reduced whole, on the engine: not the worker's
+                self._sparse_next += 1
+                continue
             if bucket.pending is None:
                 return
             job = worker.submit(functools.partial(self._sparse_reduce, bucket, sparse))
@@ -430,7 +451,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _complete(self, bucket: _buckets.Bucket) -> None:
         handle, staged, wire, ctx = bucket.pending
         bucket.pending = None
-        if isinstance(self._compression, SparseCompressor):
+        if self._sparse_bucket(bucket):
             handle.result()
             return
         gathered = handle.wait()
@@ -440,7 +461,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 gathered, list(itertools.pairwise(edges)), staged.array.dtype)
         staged.write_back()
         if wire is not bucket.flat:
-            bucket.flat.copy_(self._compression.decompress(wire, ctx))
+            bucket.flat.copy_(self._whole.decompress(wire, ctx))
         if self._predivide != 1.0:
             bucket.flat.mul_(self._predivide)
 
