@@ -200,8 +200,9 @@ The convnet's communication is a few percent of its step, less than the run-to-r
 of the step itself, so its `comm hidden` column is noise.
 
 Whole training runs: `examples/torch_synthetic_benchmark.py` (a ResNet-18-shaped network,
-batch 16 of 64x64 images per worker, one thread each) gives about 67 img/s at 1 worker,
-120 in total at 2 and 103 at 4, bound by the 2 cores; `examples/train_digits.py` reaches
+batch 16 of 64x64 images per worker, one thread each; `totalrun -np N python
+examples/torch_synthetic_benchmark.py`) gives 81.5 img/s at 1 worker, 132.8 in total at 2
+and 126.6 at 4 on the AMD host, bound by the 2 cores; `examples/train_digits.py` reaches
 97-98% test accuracy in 20 epochs at 1, 2 and 4 ranks.
 
 ## Skew: ranks ready at random times, each in its own order (ResNet-50, 2 ranks)
