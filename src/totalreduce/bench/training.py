@@ -11,9 +11,9 @@ its gradients.
 Every rank runs the same fixed random batch: the step time is compute plus whatever
 communication the step could not hide.  A repetition is ``steps`` steps; its time is the
 slowest rank's.  A job builds all its modes first and times them in turns, one repetition
-of each per round, in an order that alternates: this host's speed drifts by tens of
-percent from one minute to the next, and modes timed one after the other drew that drift
-into their ratios.
+of each per round, in an order that alternates: a shared machine's speed can drift by
+tens of percent from one minute to the next, and modes timed one after the other would
+carry that drift into their ratios.
 
 Every job also times the model's step with no communication at all (``compute only``:
 every rank computing at once, as in the other modes), and each mode's communication with
