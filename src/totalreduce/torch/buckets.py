@@ -45,10 +45,6 @@ class Bucket:
         once the gradient is)."""
         return sum(p.numel() * p.element_size() for p in self.params)
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
-
     def owns(self, i: int, grad: torch.Tensor | None) -> bool:
         """Whether ``grad`` is parameter ``i``'s view into this bucket."""
         view = self.views[i]

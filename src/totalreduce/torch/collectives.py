@@ -679,17 +679,19 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     # Entries along dimension 0 for the allgather: indices as (nnz, sparse_dim) rows,
     # after a first row that gives this rank's sparse sizes as -(size + 1), which no index
     # can be: every rank learns every rank's shape from the same op.
-    marked = t.sparse_dim() > 0
-    sizes = torch.tensor([[-(s + 1) for s in t.shape[:t.sparse_dim()]]] if marked else [],
-                         dtype=t.indices().dtype, device=t.device).reshape(-1, t.sparse_dim())
-    indices = torch.cat([sizes, t.indices().t()]).contiguous()
+    sparse_dim = t.sparse_dim()
+    rows = [t.indices().t()]
+    if sparse_dim:  # (a tensor with no sparse dimension has no sizes to send)
+        rows.insert(0, torch.tensor([[-(s + 1) for s in t.shape[:sparse_dim]]],
+                                    dtype=rows[0].dtype, device=t.device))
+    indices = torch.cat(rows).contiguous()
     values = t.values().contiguous()
     handles = [allgather_async(indices, _part_name(name, 0), process_set),
                allgather_async(values, _part_name(name, 1), process_set)]
 
     def finish(parts: list[torch.Tensor]) -> torch.Tensor:
         every_index, every_value = parts
-        shape_rows = (every_index < 0).all(dim=1) if marked else \
+        shape_rows = (every_index < 0).all(dim=1) if sparse_dim else \
             torch.zeros(len(every_index), dtype=torch.bool, device=every_index.device)
         shapes = [tuple((-row - 1).tolist()) for row in every_index[shape_rows]]
         if len(set(shapes)) > 1:
