@@ -78,15 +78,32 @@ def test_lent_bodies_match_numpy(n: int) -> None:
 
 def test_a_broadcast_root_copies_through_the_ring_and_other_ops_lend() -> None:
     # The root's core has nothing else to do: a memcpy on each side beats one kernel copy
-    # on the receiver's (OpSpec.lend).
+    # on the receiver's (OpSpec.lend), while the ring copies as fast as it can here (the
+    # slow-ring rule is off: it would lend wherever this host's rings were slow).
     result = run_ok(2, "workers:broadcast_root_copies", {},
-                    env={"TOTALREDUCE_CMA_BYTES": "1",
+                    env={"TOTALREDUCE_CMA_BYTES": "1", "TOTALREDUCE_SLOW_RING_GBPS": "0",
                          "TOTALREDUCE_SEGMENT_BYTES": str(128 << 10)}, timeout=90)
     for r in range(2):
         got = result.report(r)
         assert got["broadcast"] == 0, result.explain()
         if cma_works():  # an alltoall's header names no op size: its bodies' count
             assert got["allgather"] > 0 and got["alltoall"] > 0, result.explain()
+
+
+@pytest.mark.parametrize(("n", "gbps"), [(2, "1e6"), (3, "1e6"), (2, "0")])
+def test_a_slow_ring_lends_what_it_would_copy(n: int, gbps: str) -> None:
+    # Every ring copies slower than 1e6 GB/s: once three big copies have been timed,
+    # bodies of ops under CMA_BYTES are lent too, and blocking broadcasts leave the
+    # caller's thread for the loop, which lends; at 0 the rule is off, such ops never
+    # lend and the broadcasts run on the caller's thread.  Results against numpy.
+    result = run_ok(n, "workers:slow_ring", {}, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps},
+                    timeout=120)
+    for r in range(n):
+        got = result.report(r)
+        if gbps == "0":
+            assert got["lent"] == 0 and got["direct"] == 3, result.explain()
+        elif cma_works():
+            assert got["lent"] > 0 and got["direct"] < 3, result.explain()
 
 
 @pytest.mark.parametrize("segment", [256 << 10, 1 << 20])

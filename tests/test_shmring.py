@@ -11,6 +11,7 @@ import stat
 import numpy as np
 import pytest
 
+from totalreduce.transport.copy_pace import PACE_MIN, PROBE_EVERY, CopyPace
 from totalreduce.transport.shmring import RingReader, RingWriter, shm_available
 from totalreduce.transport.wire import (
     FLAG_CHUNKED,
@@ -305,3 +306,33 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_refused_at_set_up(
     with pytest.raises(OSError, match="No space left"):
         RingWriter(1 << 16)
     assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_copy_pace_lends_while_the_median_recent_copy_is_slow() -> None:
+    now = [0.0]
+    pace = CopyPace(10e9, clock=lambda: now[0])
+    for _ in range(2):
+        pace.timed(1 << 20, 1e-3)  # 1 GB/s, but too few copies to judge
+    assert not pace.far and not pace.lend(PACE_MIN)
+    pace.timed(1 << 20, 1e-3)
+    assert pace.far and pace.lend(PACE_MIN) and pace.lend(64 << 10)
+    pace.timed(1 << 20, 1e-5)  # one fast copy among slow ones: the median stays slow
+    assert pace.far
+    now[0] += PROBE_EVERY  # nothing timed for a while: the next big body is copied, to
+    assert not pace.lend(PACE_MIN) and pace.lend(64 << 10)  # time it; small ones are lent
+    pace.timed(1 << 20, 1e-5)
+    assert not pace.far and not pace.lend(64 << 10)
+    off = CopyPace(0.0)  # TOTALREDUCE_SLOW_RING_GBPS=0
+    for _ in range(3):
+        off.timed(1 << 20, 1.0)
+    assert not off.far and not off.lend(PACE_MIN)
+
+
+def test_a_writer_times_its_big_copies_only() -> None:
+    writer, reader = _pair(4 << 20)
+    writer.pace.far_rate = 1e18  # any copy is slower than that
+    for size in (PACE_MIN - 64, PACE_MIN):
+        for step in range(3):
+            assert writer.post(_data(step, size), memoryview(bytes(size)))
+            assert [s for s, _, _ in _drain(reader)] == [step]
+        assert writer.pace.far is (size >= PACE_MIN)

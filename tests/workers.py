@@ -264,6 +264,53 @@ def lent_bodies(arg: dict) -> None:
     report(lent=lent)
 
 
+def slow_ring(arg: dict) -> None:
+    """Blocking ops of 0.8-1 MiB (under CMA_BYTES: lent only while a ring is slow),
+    every kind, odd sizes, several dtypes, rotating roots and a rank a little late, each
+    against numpy; reports how many bodies this rank lent and how many of its 3
+    broadcasts ran on its own thread."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    stats = current().engine.stats
+    direct = 0
+    for i in range(15):
+        dtype = (np.float32, np.float64, np.int32)[i % 3]
+        count = ((800 << 10) + (37 << 10) * (i % 5)) // np.dtype(dtype).itemsize + 2 * i + 1
+        rows = count // n * n  # alltoall and reducescatter: rows split evenly
+        ins = [data(i, r, (count,), dtype) for r in range(n)]
+        if rank == i % n:
+            time.sleep(0.002)
+        kind = i % 5
+        what = f"op {i} ({kind}) of {count} {np.dtype(dtype)}"
+        if kind == 0:
+            before = stats()["direct_ops"]
+            assert_same(tr.broadcast(ins[rank], root_rank=i % n, name=f"b{i}"), ins[i % n],
+                        what)
+            direct += stats()["direct_ops"] - before
+        elif kind == 1:
+            part = count // n
+            assert_same(tr.allgather(ins[rank][:part - rank], name=f"g{i}"),
+                        np.concatenate([a[:part - r] for r, a in enumerate(ins)]), what)
+        elif kind == 2:
+            got, _ = tr.alltoall(ins[rank][:rows], name=f"a{i}")
+            b = rows // n
+            assert_same(got, np.concatenate([a[rank * b:(rank + 1) * b] for a in ins]), what)
+        elif kind == 3:
+            b = rows // n
+            assert_same(tr.reducescatter(ins[rank][:rows], op=tr.Sum, name=f"r{i}"),
+                        reference_reduce([a[:rows] for a in ins], "Sum")[rank * b:(rank + 1) * b],
+                        what)
+        else:
+            assert_same(tr.allreduce(ins[rank], op=tr.Sum, name=f"s{i}"),
+                        reference_reduce(ins, "Sum"), what)
+    tr.barrier()
+    lent = tr.transport_stats()["bodies_lent"]
+    tr.shutdown()
+    report(lent=lent, direct=direct)
+
+
 def broadcast_root_copies(arg: dict) -> None:
     """A 2-rank broadcast whose root sends through the ring (not lent), then an allgather
     and an alltoall that lend; reports what each rank lent during each."""

@@ -57,6 +57,11 @@ TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two 
 TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      1 MiB
                                    ring peers: the receiver's kernel copies them
                                    out of the sender's memory (0 = never)
+TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       10
+                                   slower than this lately (GB/s) lends every
+                                   body of 64 KiB or more instead, and blocking
+                                   broadcasts leave the caller's thread to have
+                                   theirs lent (transport/copy_pace.py; 0 = never)
 TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB
                                    the least recently used sizes are freed
 TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers     65536
@@ -183,6 +188,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "shm_bytes": (lambda v: v >= -1,
                   "must be >= 0 (bytes; 0 = no shared memory), or -1 for auto"),
     "cma_bytes": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = never lend)"),
+    "slow_ring_gbps": (lambda v: v >= 0, "must be >= 0 (GB/s; 0 = never lend for it)"),
     "scratch_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
     "name_capacity": (lambda v: v >= 1, "must be >= 1 (names)"),
     "bucket_bytes": (lambda v: v >= 1, "must be >= 1 (bytes)"),
@@ -268,6 +274,7 @@ class Config:
     hierarchical: str = "auto"
     shm_bytes: int = -1
     cma_bytes: int = 1 << 20
+    slow_ring_gbps: float = 10.0
     scratch_bytes: int = 32 << 20
     name_capacity: int = 1 << 16
     bucket_bytes: int = 16 << 20

@@ -182,6 +182,12 @@ class Engine:
         through a ring."""
         return min((self.transport.ring_room(p) for p in peers), default=0)
 
+    def lends(self, peers: Iterable[int]) -> bool:
+        """Whether a big body to one of ``peers`` would be lent now, for a ring that has
+        been slow lately (transport/copy_pace.py): only the loop lends."""
+        transport = self.transport
+        return any(transport.lends(p) for p in peers)
+
     def waits_here(self) -> bool:
         """Whether this thread is inside :meth:`caller_waits` (it blocks on what it
         submits, so a small op may run to its end on it)."""

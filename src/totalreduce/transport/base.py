@@ -147,6 +147,12 @@ class Transport(abc.ABC):
         ring to it)."""
         return 0
 
+    def lends(self, peer: int) -> bool:
+        """Whether a big body to ``peer`` would be lent now rather than copied through a
+        ring that has been slow lately (copy_pace.py): the caller's thread, which cannot
+        lend, should leave such a message to the loop."""
+        return False
+
     def take(self, peer: int, header: Header) -> None:
         """The message from :meth:`peek` (``header``) has been handled: free it.  Besides
         a DATA message shown with its body, that may be one with no body at all (a

@@ -321,14 +321,17 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
                  advertise_host: str, publish: Callable[[str], None],
                  lookup: Callable[[int, float], str], timeout: float,
                  ring_bytes: int = 0, lend_bytes: int = 0, world: int | str = 0,
-                 cancelled: Cancelled | None = None, host: str = "") -> TcpTransport:
+                 cancelled: Cancelled | None = None, host: str = "",
+                 slow_ring_rate: float = 0.0) -> TcpTransport:
     """Connect this rank to every other rank and return the transport.
 
     ``publish(address)`` announces our listening address; ``lookup(rank, timeout)``
     returns another rank's (both come from the rendezvous store).  Peers on this host get
     shared-memory rings of ``ring_bytes`` per direction (0: sockets only), and the pieces
     of ops of ``lend_bytes`` or more are lent to them rather than copied through a ring,
-    where the kernel allows it (:mod:`.cma`; 0: never).  ``world`` counts the earlier
+    where the kernel allows it (:mod:`.cma`; 0: never), as is every body of 64 KiB or
+    more while a ring's big copies run slower than ``slow_ring_rate`` bytes per second
+    (:mod:`.copy_pace`; 0: never).  ``world`` counts the earlier
     ``init()`` calls of this job's processes (or names the restart generation it meets
     in, with recovery on); peers of another world are refused.  ``cancelled()`` is asked
     while waiting for peers: True raises :class:`WorldMoved`.  ``host`` overrides this
@@ -368,7 +371,7 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
         raise
     peer_hosts[rank] = mine
     return TcpTransport(rank, size, socks, acceptor, rings, lend_bytes,
-                        number_hosts([peer_hosts[r] for r in range(size)]))
+                        number_hosts([peer_hosts[r] for r in range(size)]), slow_ring_rate)
 
 
 def number_hosts(identities: list[str]) -> tuple[int, ...]:

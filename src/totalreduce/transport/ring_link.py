@@ -17,6 +17,7 @@ from collections import deque
 
 from . import cma
 from .base import Outgoing
+from .copy_pace import PACE_MIN
 from .shmring import RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
 from .wire import (
@@ -78,12 +79,14 @@ class _LendFailed(Exception):
 
 class RingLink(Link):
     def __init__(self, owner: LinkOwner, peer: int, sock: socket.socket,
-                 ring_out: RingWriter, ring_in: RingReader, lend_bytes: int) -> None:
+                 ring_out: RingWriter, ring_in: RingReader, lend_bytes: int,
+                 slow_ring_rate: float = 0.0) -> None:
         super().__init__(owner, peer, sock)
         self.counters = owner.shm_counters
         self.ring_out: RingWriter | None = ring_out
         self.ring_in: RingReader | None = ring_in
         self._lend_bytes = lend_bytes if ring_out.lend else 0
+        ring_out.pace.far_rate = slow_ring_rate if self._lend_bytes else 0.0
         self.blocked: Outgoing | None = None  # waiting for room in ring_out
         self._chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
         self._lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
@@ -120,6 +123,11 @@ class RingLink(Link):
         ring = self.ring_in
         return ring is not None and (self.lent_in is not None
                                      or (not self.deferred and ring.ready()))
+
+    def lends_big(self) -> bool:
+        """Whether the next big body would be lent because this ring is slow."""
+        ring = self.ring_out
+        return self._lend_bytes > 0 and ring is not None and ring.pace.lend(PACE_MIN)
 
     def room_freed(self) -> bool:
         """Whether the ring our blocked message did not fit in has room now."""
@@ -168,9 +176,11 @@ class RingLink(Link):
             body = msg.body
             n = 0 if body is None else body.nbytes
             # An op's size decides (a big op's small tail pieces are lent too), or the
-            # body's where the header carries none (an alltoall's count is 0).
-            if self._lend_bytes and msg.lend and n >= _LEND_MIN and \
-                    max(op_nbytes(msg.header), n) >= self._lend_bytes:
+            # body's where the header carries none (an alltoall's count is 0); and any
+            # body while copies through this ring are slow (copy_pace.py).
+            if self._lend_bytes and n >= _LEND_MIN and (
+                    (msg.lend and max(op_nbytes(msg.header), n) >= self._lend_bytes)
+                    or ring.pace.lend(n)):
                 assert body is not None
                 lend = self._next_lend
                 desc = REMOTE_BODY.pack(cma.address_of(body), lend)

@@ -36,10 +36,12 @@ import platform
 import secrets
 import struct
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
 
+from .copy_pace import PACE_MIN, CopyPace
 from .wire import (
     FLAG_CHUNKED,
     FLAG_REMOTE,
@@ -146,6 +148,7 @@ class RingWriter:
         self._head = 0  # total bytes written, padding included
         self._stuck_at = -1  # the reader's tail when a post last found the ring full
         self.lend = False  # the reader can copy bodies out of our memory (see .cma)
+        self.pace = CopyPace()  # how fast big bodies went in lately (copy_pace.py)
         # Records are at most half the ring, so one always fits once the reader catches up.
         self.max_body = capacity // 2 - HEADER_SIZE
 
@@ -177,11 +180,16 @@ class RingWriter:
         # the same memcpy for a big one.
         view[at:at + HEADER_SIZE] = header
         if body is not None and n:
+            timed = n >= PACE_MIN
+            if timed:
+                t0 = time.perf_counter()
             try:
                 view[at + HEADER_SIZE:at + HEADER_SIZE + n] = body
             except (TypeError, ValueError):  # not a flat byte view: numpy copies anything
                 np.copyto(self._m.data[at + HEADER_SIZE:at + HEADER_SIZE + n],
                           np.frombuffer(body, dtype=np.uint8))
+            if timed:
+                self.pace.timed(n, time.perf_counter() - t0)
         self._head = start + size
         ctl[_HEAD] = self._head
         return True

@@ -35,7 +35,8 @@ class TcpTransport(Transport):
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  acceptor: _Stoppable | None,
                  rings: dict[int, tuple[RingWriter | None, RingReader | None]] | None = None,
-                 lend_bytes: int = 0, hosts: tuple[int, ...] | None = None) -> None:
+                 lend_bytes: int = 0, hosts: tuple[int, ...] | None = None,
+                 slow_ring_rate: float = 0.0) -> None:
         self.rank = rank
         self.size = size
         self.hosts = hosts
@@ -47,7 +48,8 @@ class TcpTransport(Transport):
             sock.setblocking(False)
             ring_out, ring_in = rings.get(peer, (None, None))
             if ring_out is not None and ring_in is not None:
-                self._links[peer] = RingLink(self, peer, sock, ring_out, ring_in, lend_bytes)
+                self._links[peer] = RingLink(self, peer, sock, ring_out, ring_in, lend_bytes,
+                                             slow_ring_rate)
             else:  # one direction only: the socket carries both (see _share_rings)
                 for ring in (ring_out, ring_in):
                     if ring is not None:
@@ -113,6 +115,10 @@ class TcpTransport(Transport):
         link = self._links.get(peer)
         ring = link.ring_out if type(link) is RingLink else None
         return 0 if ring is None else ring.capacity
+
+    def lends(self, peer: int) -> bool:
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.lends_big()
 
     def take(self, peer: int, header: Header) -> None:
         link = self._links[peer]

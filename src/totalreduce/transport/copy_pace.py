@@ -1,0 +1,63 @@
+"""Whether copying bodies through a shared-memory ring costs more, right now, than lending
+them (cma.py).
+
+A ring copy is cheap while the writer's and the reader's cores share a cache: the reader
+finds the lines the writer just wrote.  Where they do not (cores of another CCX or
+socket, or a VM whose vCPUs the host has moved apart), every line of the ring crosses
+between the caches twice, and the writer's copy also waits for the reader's stale copies
+to be invalidated.  On a 2-vCPU VM, a 512 KiB body took 14 us to copy into the ring and
+15 us out in one placement, and 100-135 us in and 52 us out in the other, for minutes at a
+time; the kernel's copy of the same body lent took 48 us in both.  MPICH lends such bodies
+(it uses ``process_vm_readv`` too), so it did not slow down when the ring did.
+
+So the writer times its big copies into the ring, and while they are slow its link lends
+bodies it would otherwise copy.  Lending leaves nothing to time: now and then one body
+goes through the ring anyway, to see whether the placement has changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+# Copies into the ring at least this big are timed: smaller ones are too short to tell a
+# shared cache from a distant one through the timer's and the interpreter's noise.
+PACE_MIN = 256 << 10
+# The verdict is the median of this many recent copies, so a copy the scheduler cut in
+# two does not flip it.
+_WINDOW = 3
+# While lending because the ring was slow, one body in this many seconds still goes
+# through the ring to time it.
+PROBE_EVERY = 0.25
+
+
+class CopyPace:
+    """The recent speed of one ring's big copies, and what to do with the next body."""
+
+    __slots__ = ("_rates", "_clock", "_last", "far", "far_rate")
+
+    def __init__(self, far_rate: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._rates: deque[float] = deque(maxlen=_WINDOW)
+        self._clock = clock
+        self._last = 0.0  # when the last copy was timed
+        self.far = False  # the median recent copy was slower than far_rate
+        # Bytes per second (TOTALREDUCE_SLOW_RING_GBPS; 0: never far).  The placements
+        # above gave 37 and 4-5 GB/s, and a copy into private memory 22-35 GB/s; a lent
+        # body is read at about 11 GB/s, so below 10 GB/s the ring's two copies cost
+        # more than the kernel's one.
+        self.far_rate = far_rate
+
+    def timed(self, nbytes: int, seconds: float) -> None:
+        """One copy of ``nbytes`` into the ring took ``seconds``."""
+        rates = self._rates
+        rates.append(nbytes / max(seconds, 1e-9))
+        self._last = self._clock()
+        if len(rates) == _WINDOW:
+            self.far = sorted(rates)[_WINDOW // 2] < self.far_rate
+
+    def lend(self, nbytes: int) -> bool:
+        """Whether a body of ``nbytes`` should be lent rather than copied: the ring is
+        slow, and this body is too small to time or no copy is due to time it again."""
+        return self.far and (nbytes < PACE_MIN or self._clock() - self._last < PROBE_EVERY)
