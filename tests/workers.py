@@ -267,8 +267,8 @@ def lent_bodies(arg: dict) -> None:
 def slow_ring(arg: dict) -> None:
     """Blocking ops of 0.8-1 MiB (under CMA_BYTES: lent only while a ring is slow),
     every kind, odd sizes, several dtypes, rotating roots and a rank a little late, each
-    against numpy; reports how many bodies this rank lent and how many of its 3
-    broadcasts ran on its own thread."""
+    against numpy; reports how many bodies this rank lent and how many ops of its 3
+    broadcasts and 3 alltoalls (sizes, then data) ran on its own thread."""
     from totalreduce.runtime import current
 
     tr.init()
@@ -294,7 +294,9 @@ def slow_ring(arg: dict) -> None:
             assert_same(tr.allgather(ins[rank][:part - rank], name=f"g{i}"),
                         np.concatenate([a[:part - r] for r, a in enumerate(ins)]), what)
         elif kind == 2:
+            before = stats()["direct_ops"]
             got, _ = tr.alltoall(ins[rank][:rows], name=f"a{i}")
+            direct += stats()["direct_ops"] - before
             b = rows // n
             assert_same(got, np.concatenate([a[rank * b:(rank + 1) * b] for a in ins]), what)
         elif kind == 3:

@@ -89,13 +89,14 @@ def _direct_allreduce_bytes(direct: int, ring_room: int, size: int) -> int:
     return max(direct, room * size // (2 * (size - 1)))
 
 
-# A blocking broadcast at least this big leaves the caller's thread while the rings copy
-# slowly (transport/copy_pace.py), for the loop to lend its pieces: in that state 1 MiB
-# broadcasts took 0.19-0.27 ms against 0.29-0.30 ms through the ring, 4 MiB ones 0.38-0.49
-# against 1.7-1.8 ms.  The other ops stay: on the general path 1 MiB allgathers and
-# reducescatters took 0.42-0.46 ms against 0.19-0.28 ms on the caller's thread, and
+# A blocking broadcast or alltoall at least this big leaves the caller's thread while
+# the rings copy slowly (transport/copy_pace.py), for the loop to lend its pieces: in that
+# state 1 MiB broadcasts took 0.19-0.27 ms against 0.29-0.30 ms through the ring, 4 MiB
+# ones 0.38-0.49 against 1.7-1.8 ms, 1 MiB alltoalls 0.20-0.21 against 0.30-0.32 ms.  The
+# other ops stay: on the general path 1 MiB allgathers took 0.42-0.46 ms against
+# 0.25-0.31 ms on the caller's thread, reducescatters 0.42 against 0.19-0.25 ms, and
 # allreduces 0.78-2.7 ms against 0.47-1.8 ms at 1-4 MiB.
-_LENT_BROADCAST = 512 << 10
+_LENT_WHEN_SLOW = 512 << 10
 
 
 def _bounds(counts: Sequence[int] | np.ndarray, scale: int) -> tuple[int, ...]:
@@ -408,15 +409,15 @@ class SelfGuided:
             ctrl_c.raise_if_pending()
 
     def _launch(self, spec: OpSpec, finish: Callable[[], Any],
-                direct: int | None = None, broadcast: bool = False) -> Handle:
+                direct: int | None = None, lent_when_slow: bool = False) -> Handle:
         """Start ``spec``: on this thread to its end when it is small (``direct`` bytes at
         most; DIRECT_BYTES by default), this thread blocks on it and nothing else is in
-        flight (engine/smallpath.py), else on the engine (a ``broadcast`` of
-        _LENT_BROADCAST bytes or more also while the rings copy slowly)."""
+        flight (engine/smallpath.py), else on the engine (an op ``lent_when_slow`` of
+        _LENT_WHEN_SLOW bytes or more also while the rings copy slowly)."""
         direct = self._direct_bytes if direct is None else direct
         nbytes = spec.work.nbytes
         if direct and nbytes <= direct and self._engine.waits_here() and not (
-                broadcast and nbytes >= _LENT_BROADCAST and self._engine.lends(self._peers)):
+                lent_when_slow and nbytes >= _LENT_WHEN_SLOW and self._engine.lends(self._peers)):
             ran = self._engine.run_now(spec)
             if ran is True:
                 return DoneHandle(finish(), spec.label)
@@ -541,7 +542,7 @@ class SelfGuided:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return self._launch(spec, finish, broadcast=True)
+        return self._launch(spec, finish, lent_when_slow=True)
 
     # --- reducescatter --------------------------------------------------------------
 
@@ -628,16 +629,18 @@ class SelfGuided:
         return self._phases(first, second, finish, sizes_id.label)
 
     def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
-                finish: Callable[[], Any], label: str) -> Handle:
+                finish: Callable[[], Any], label: str, lent_when_slow: bool = False
+                ) -> Handle:
         """An op whose second part is built from its first's result (sizes, then data).
         A thread that blocks on it runs the two one after the other (each may take the
-        small path); otherwise the second starts when the first ends."""
+        small path; see _launch for ``lent_when_slow``); otherwise the second starts
+        when the first ends."""
         if self._engine.waits_here():
             try:
                 self._launch(first, lambda: None).wait()
             except Exception as exc:  # the op's failure: the handle's wait() raises it
                 return DoneHandle(None, label, exc)
-            return self._launch(second(), finish)
+            return self._launch(second(), finish, lent_when_slow=lent_when_slow)
         future = self._two_phase(self._engine.submit(first),
                                  lambda: self._engine.submit(second()))
         return FutureHandle([future], finish, label)
@@ -676,7 +679,7 @@ class SelfGuided:
             got = state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
             return got, recv_rows.copy()
 
-        return self._phases(first, second, finish, splits_id.label)
+        return self._phases(first, second, finish, splits_id.label, lent_when_slow=True)
 
     # --- join -----------------------------------------------------------------------
 
