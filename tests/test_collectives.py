@@ -96,12 +96,13 @@ def test_a_slow_ring_lends_what_it_would_copy(n: int, gbps: str) -> None:
     # bodies of ops under CMA_BYTES are lent too, and the data of blocking broadcasts and
     # alltoalls leaves the caller's thread for the loop, which lends; at 0 the rule is
     # off, such ops never lend, and the 3 broadcasts and both phases of the 3 alltoalls
-    # run on the caller's thread.  Results against numpy.
+    # run on the caller's thread; so too where ranks outnumber cores (the copies' times
+    # say more about the scheduler there).  Results against numpy.
     result = run_ok(n, "workers:slow_ring", {}, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps},
                     timeout=120)
     for r in range(n):
         got = result.report(r)
-        if gbps == "0":
+        if gbps == "0" or len(os.sched_getaffinity(0)) < n:
             assert got["lent"] == 0 and got["direct"] == 9, result.explain()
         elif cma_works():
             assert got["lent"] > 0 and got["direct"] < 9, result.explain()
