@@ -316,12 +316,14 @@ def test_copy_pace_lends_while_the_median_recent_copy_is_slow() -> None:
     assert not pace.far and not pace.lend(PACE_MIN)
     pace.timed(1 << 20, 1e-3)
     assert pace.far and pace.lend(PACE_MIN) and pace.lend(64 << 10)
-    pace.timed(1 << 20, 1e-5)  # one fast copy among slow ones: the median stays slow
-    assert pace.far
     now[0] += PROBE_EVERY  # nothing timed for a while: the next big body is copied, to
     assert not pace.lend(PACE_MIN) and pace.lend(64 << 10)  # time it; small ones are lent
-    pace.timed(1 << 20, 1e-5)
+    pace.timed(1 << 20, 1e-5)  # one fast copy (100 GB/s): fast again at once
     assert not pace.far and not pace.lend(64 << 10)
+    pace.timed(1 << 20, 1e-3)  # one slow copy after it: not yet
+    assert not pace.far
+    pace.timed(1 << 20, 1e-3)
+    assert pace.far
     off = CopyPace(0.0)  # TOTALREDUCE_SLOW_RING_GBPS=0
     for _ in range(3):
         off.timed(1 << 20, 1.0)

@@ -74,13 +74,22 @@ bench printed:
 
     {env.removeprefix("environment: ")}
 
-The host has slow periods lasting seconds, in which memory copies take several times
-longer; a table's p10-p90 column shows how much a run was hit.
+The AMD host switches, for seconds to minutes at a time, between two states that look
+like two placements of its two virtual cores: one where they share a cache and one where
+they do not. Two processes passing 512 KiB through a shared-memory buffer (no
+totalreduce code) take 14 us to copy it in and 15 us to copy it out in the first state,
+100-210 us and 50-55 us in the second; the kernel's copy of the same bytes from one
+process to the other (`process_vm_readv`) takes 48 us in both. MPICH's large messages
+take that kernel copy, so its broadcast and alltoall do not change between the states,
+while its allreduce and allgather slow down as ours do. totalreduce's rings time their
+copies and lend what they would copy while the copies are slow
+(`TOTALREDUCE_SLOW_RING_GBPS`, see "Why the defaults are what they are"). A table's
+p10-p90 column shows how much a run was split between the states.
 
 ## Method
 
 - Backends run one after another in the same invocation, interleaved round by round
-  (`--rounds`), so a slow period hits all of them: `totalreduce-shm` (TCP plus
+  (`--rounds`), so a change of the host's state hits all of them: `totalreduce-shm` (TCP plus
   shared-memory rings, the default), `totalreduce-tcp` (sockets only),
   `totalreduce-mpi` (totalreduce's MPI transport under `mpiexec`), `mpi` (mpi4py's own
   collectives under MPICH's `mpiexec`), `gloo` (torch.distributed).
@@ -522,10 +531,28 @@ the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead 
 in 512 KiB pieces, so that the receiver copies one out while the root copies the next in
 (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 
+Why a ring whose copies run slower than 10 GB/s lends every body of 64 KiB or more
+(`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times its copies of
+256 KiB or more into the ring, and the median of the last three decides. On the AMD host
+(see Environment) those copies run at about 37 GB/s while the two cores share a cache and
+at 2.5-5 GB/s while they do not; a private copy runs at 22-35 GB/s and the kernel's copy
+of a lent body at about 11 GB/s in either state, so below 10 GB/s the ring's two copies
+cost more than the kernel's one. While lending for this reason, one body in 0.25 s still
+goes through the ring, to notice when the state changes. Blocking broadcasts and
+alltoalls of 512 KiB or more then leave the caller's thread, which cannot lend, for the
+loop: `python -m totalreduce.bench collectives -n 2 --sizes 1M,2M,4M,16M`, with and
+without the rule, alternated, in the slow state: broadcast 1/4/16 MB 0.31/1.72/6.87 ->
+0.19/0.39/1.54 ms (MPI 0.09/0.24/1.1), alltoall 1/2 MB 0.32/0.58 -> 0.20/0.25 ms; in the
+fast state every cell stayed within noise. Allgathers, reducescatters and allreduces stay
+on the caller's thread: on the general path 1 MiB allgathers took 0.42-0.46 ms against
+0.25-0.31 ms, reducescatters 0.42 against 0.19-0.25 ms. Where ranks outnumber cores the
+rule is off: a copy preempted halfway looks slow whatever the caches do, and at 4 ranks
+on 2 cores it made 1 MiB broadcasts, alltoalls and allreduces 1.3-3x slower.
+
 Why the ring holds two segments (plus 128 KiB for the small records between them): a ring's
 footprint is its size, and in one process pair alternating ring policies op by op (order
 rotated, 2 ranks) two segments beat the old 8 MiB ring, which restarted at offset 0 when
-the reader caught up, at 1-8 MB in a slow period of the host (8 MB: 0.76-0.87x MPI
+the reader caught up, at 1-8 MB in the host's slow state (8 MB: 0.76-0.87x MPI
 against 0.58-0.66x). It also beat a plain 8 MiB ring in a moderate period (8 MB: 1.40x
 against 1.30x), but not in a slow one (0.76-0.87x against 1.18-1.26x).  One record in
 flight was faster still in a fast period (8 MB 1.76-1.86x against 1.61-1.63x), so no

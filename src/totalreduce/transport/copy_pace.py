@@ -24,12 +24,15 @@ from collections.abc import Callable
 # Copies into the ring at least this big are timed: smaller ones are too short to tell a
 # shared cache from a distant one through the timer's and the interpreter's noise.
 PACE_MIN = 256 << 10
-# The verdict is the median of this many recent copies, so a copy the scheduler cut in
-# two does not flip it.
+# The ring is taken for slow when the median of this many recent copies is: one copy the
+# scheduler cut in two, or one of a fresh ring's first (cold) copies, must not make it
+# so.  One fast copy makes it fast again at once: cores that share no cache cannot copy
+# fast, and a sticky verdict would keep lending for a whole probe period after the cores
+# came back together (a fresh ring's first two copies ran at 9 GB/s, then 15-30).
 _WINDOW = 3
 # While lending because the ring was slow, one body in this many seconds still goes
-# through the ring to time it.
-PROBE_EVERY = 0.25
+# through the ring to time it: in the slow state a 2 MiB probe costs about 1 ms.
+PROBE_EVERY = 0.1
 
 
 class CopyPace:
@@ -52,7 +55,11 @@ class CopyPace:
     def timed(self, nbytes: int, seconds: float) -> None:
         """One copy of ``nbytes`` into the ring took ``seconds``."""
         rates = self._rates
-        rates.append(nbytes / max(seconds, 1e-9))
+        rate = nbytes / max(seconds, 1e-9)
+        if self.far and rate >= self.far_rate:
+            rates.clear()
+            self.far = False
+        rates.append(rate)
         self._last = self._clock()
         if len(rates) == _WINDOW:
             self.far = sorted(rates)[_WINDOW // 2] < self.far_rate
