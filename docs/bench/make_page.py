@@ -106,8 +106,11 @@ p10-p90 column shows how much a run was split between the states.
 
 ## Collectives, 2 ranks
 
-`python -m totalreduce.bench collectives -n 2 --rounds 2 --plot collectives-2.png`
-(`docs/bench/collectives-2.txt`, `collectives-2.png`):
+`python -m totalreduce.bench collectives -n 2 --rounds 6 --reps-scale 0.5 --plot
+collectives-2.png` (`docs/bench/collectives-2.txt`, `collectives-2.png`). Six short
+rounds rather than two long ones: the host's state (see Environment) changes within a
+round, and with two rounds one backend could run a size wholly in one state and another
+wholly in the other.
 
 ![bus bandwidth per op, 2 ranks](bench/collectives-2.png)
 
@@ -533,15 +536,16 @@ in 512 KiB pieces, so that the receiver copies one out while the root copies the
 
 Why a ring whose copies run slower than 10 GB/s lends every body of 64 KiB or more
 (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times its copies of
-256 KiB or more into the ring, and the median of the last three decides. On the AMD host
-(see Environment) those copies run at about 37 GB/s while the two cores share a cache and
-at 2.5-5 GB/s while they do not; a private copy runs at 22-35 GB/s and the kernel's copy
-of a lent body at about 11 GB/s in either state, so below 10 GB/s the ring's two copies
-cost more than the kernel's one. While lending for this reason, one body in 0.25 s still
-goes through the ring, to notice when the state changes. Blocking broadcasts and
-alltoalls of 512 KiB or more then leave the caller's thread, which cannot lend, for the
-loop: `python -m totalreduce.bench collectives -n 2 --sizes 1M,2M,4M,16M`, with and
-without the rule, alternated, in the slow state: broadcast 1/4/16 MB 0.31/1.72/6.87 ->
+256 KiB or more into the ring; the median of the last three says slow, and any one copy
+faster than 10 GB/s says fast again. On the AMD host (see Environment) these copies ran at
+12-37 GB/s while the two cores shared a cache (a fresh ring's first two at 9 GB/s) and at
+2.3-6.3 GB/s while they did not; the kernel's copy of a lent body runs at about 11 GB/s in
+either state, so below 10 GB/s the ring's two copies cost more than the kernel's one.
+While lending for this reason, one body in 0.1 s still goes through the ring, to notice
+when the state changes. Blocking broadcasts and alltoalls of 512 KiB or more then leave
+the caller's thread, which cannot lend, for the loop: `python -m totalreduce.bench
+collectives -n 2 --sizes 1M,2M,4M,16M`, with and without the rule, alternated, in the
+slow state: broadcast 1/4/16 MB 0.31/1.72/6.87 ->
 0.19/0.39/1.54 ms (MPI 0.09/0.24/1.1), alltoall 1/2 MB 0.32/0.58 -> 0.20/0.25 ms; in the
 fast state every cell stayed within noise. Allgathers, reducescatters and allreduces stay
 on the caller's thread: on the general path 1 MiB allgathers took 0.42-0.46 ms against
@@ -583,28 +587,31 @@ want it on.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 17 us at 2 ranks on the Intel
-  host (MPI: 1.4 us; the latency table above), nearly all of it Python per op, even on
-  the express lane; over sockets or the MPI transport, 50-56 us. Batch small tensors
+- Small messages: a blocking allreduce of a few bytes costs 15.6 us at 2 ranks (MPI:
+  2.4 us; the latency table above), nearly all of it Python per op, even on the express
+  lane; over sockets or the MPI transport, 43-55 us. Batch small tensors
   (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
   see above).
-- Allreduce on the Intel host: 1.15x MPI at 1 MB, behind at 4-16 MB (0.78-0.85x), ahead
-  from 64 MB (1.62-1.74x); on the AMD host it led from 256 KB.
-- The other collectives trail MPI at 2 ranks up to 16 MB: allgather 0.47-0.73x, alltoall
-  0.26-0.73x, broadcast 0.44-0.80x, reducescatter 0.51-0.91x from 1 MB (1.07x at 16 MB).
-  Per op, Python costs tens of µs, about half of MPI's whole 1 MB call, an allgather or
-  alltoall exchanges sizes before data, and a body goes through the ring (two copies)
-  below the size where it is lent. From 64 MB broadcast (1.22-1.24x) and reducescatter
-  (1.60-1.74x) lead; allgather and alltoall reach 0.85-0.90x (a lent body
-  is one kernel copy, slower per byte here than MPI's). Without `out=` they run at about
-  0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is fresh
-  memory, and the kernel faulting and zeroing it costs about as much as the copies (32 MB
-  into fresh pages: 8 ms; into reused ones: 4.6 ms).
+- Allreduce at 2 ranks: 1.98x MPI at 1 MB and 1.53x at 4 MB in the table, but 0.88x at
+  16 MB; 2.4-2.5x from 64 MB, where MPICH's allreduce slows down. Up to 4 MiB it runs on
+  the caller's thread, which cannot lend: in the host's slow state its ring copies slow
+  it down as much as MPICH's own copies slow MPICH (the p90 column).
+- The other collectives at 2 ranks, from 1 MB: allgather 1.45x and 1.98x MPI at 1 and
+  4 MB, 0.74-0.81x from 16 MB; alltoall 0.31x at 1 MB rising to 0.89x at 256 MB;
+  broadcast 0.60-0.95x; reducescatter 0.48x at 1 MB, 0.97x at 4 MB, 1.22-3.09x from
+  16 MB. Per op, Python costs tens of µs, about half of MPI's whole 1 MB call; an
+  allgather or alltoall exchanges sizes before data; and a lent body is one kernel copy,
+  slower per byte than two memcpys through a ring while the cores share a cache, which
+  is where MPICH's (also lent) large messages lose to the ring. Without `out=` allgather
+  and alltoall run at about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every
+  call's new result is fresh memory, and the kernel faulting and zeroing it costs about
+  as much as the copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.15 ms (Intel; 13x MPI) to
-  0.8 ms (AMD), and 1-16 MB allreduces run at 0.63-0.91x MPI; 64 MB is ahead (1.87x).
-  Every hop waits for a peer to get a core; neither the small path's threshold nor
-  doubling up to 4 or 16 MB did better.
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.23 ms (7.6x MPI's
+  8-byte allreduce in the latency table, 0.11-0.15x in the 4-rank table), and 1-16 MB
+  allreduces run at 0.57-0.96x MPI; 64 MB is ahead (2.67x). Every hop waits for a peer
+  to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
+  better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
   big one already in the kernel's socket buffers or in MPI (TCP between ranks of one host
   2.3 ms with priorities against 0.09 ms alone, the MPI transport 1.9 ms); over shared
