@@ -271,3 +271,30 @@ def allreduces_by_size(arg: dict) -> None:
         _close(got, want, f"allreduce of {count} {np.dtype(dtype)}")
     tr.shutdown()
     report(direct=ran)
+
+
+def allgathers_by_size(arg: dict) -> None:
+    """Blocking allgathers of about ``arg["sizes"]`` bytes in all (each rank's rows a little
+    different, several dtypes, one rank a little late), after ``arg["warm"]`` of 1 MiB:
+    how many of each one's two ops (sizes, then data) ran on the caller's thread, and the
+    result checked against numpy."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    for i in range(arg["warm"]):
+        part = np.full((1 << 20) // 8 // n, rank, np.float64)
+        got = tr.allgather(part, name=f"warm.{i}")
+        _close(got, np.repeat(np.arange(n, dtype=np.float64), part.size), "warm-up")
+    ran = []
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = (np.float64, np.float32, np.int32)[i % 3]
+        rows = nbytes // np.dtype(dtype).itemsize // n
+        inputs = _inputs(i, n, rows + 1, dtype)
+        parts = [a[: rows + 1 - (r % 2)] for r, a in enumerate(inputs)]
+        if rank == i % n:
+            time.sleep(0.002)
+        before = current().engine.stats()["direct_ops"]
+        got = tr.allgather(parts[rank], name=f"ag.{i}")
+        ran.append(current().engine.stats()["direct_ops"] - before)
+        _close(got, np.concatenate(parts), f"allgather of {got.nbytes} bytes")
+    tr.shutdown()
+    report(direct=ran)

@@ -2,6 +2,8 @@
 message for message the same as the general path, so ranks may take either path for the
 same op and the two interleave."""
 
+import os
+
 import pytest
 
 from harness import run_ok
@@ -87,6 +89,23 @@ def test_allreduces_run_on_the_callers_thread_while_their_sends_fit_the_ring(n: 
                     timeout=120)
     for r in range(n):
         assert result.report(r)["direct"] == [1, 1, 0, 0], result.explain()
+
+
+@pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
+def test_allgathers_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
+        n: int, gbps: str) -> None:
+    # Past DIRECT_BYTES' 2 MiB an allgather's data goes on the caller's thread while what
+    # it sends one peer fits in the ring (as an allreduce's), but not while the ring
+    # copies slowly (every ring at 1e6 GB/s, once the warm-up's copies were timed): the
+    # loop lends its bodies then.  Its sizes phase is small and always runs there.
+    bound = 2 * (2 << 20) * n // (2 * (n - 1))
+    sizes = [(2 << 20) + 24 * n, bound - 64 * n, bound + 4096 * n, 6 << 20]
+    result = run_ok(n, "smallpath_workers:allgathers_by_size", {"sizes": sizes, "warm": 3},
+                    timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
+    fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
+    for r in range(n):
+        want = [2, 2, 1, 1] if fast else [1, 1, 1, 1]
+        assert result.report(r)["direct"] == want, result.explain()
 
 
 def test_a_set_direct_bytes_bounds_allreduces_too() -> None:

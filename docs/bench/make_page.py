@@ -516,6 +516,11 @@ alternately with the 2 MiB limit and with this one, twice each: 3 MB took 0.449/
 and then 0.199/0.195 ms, 4 MB 0.456/0.483 and then 0.262/0.274 ms (1.54-1.60x MPI); 1, 6
 and 16 MB, on the same path either way, did not move. Reducescatter, whose input is read
 in place on the general path, lost on the caller's thread at 4 and 8 MB and keeps 2 MiB.
+Allgathers, which send one peer (n - 1) / n of their result, take the same bound while
+the rings copy fast (below): at 2 ranks 3 MB took 0.217 ms against 0.322 ms lent, 4 MB
+0.327 against 0.376 ms (`--ops allgather --sizes 1M,3M,4M,6M`, old and new tree
+alternated); while the rings copy slowly they keep 2 MiB, and then lend. Alltoalls keep
+2 MiB: on the caller's thread 3-4 MB ones took 0.51-0.80 ms against 0.36-0.47 ms lent.
 
 Why ops of 1 MiB and more lend their pieces (cross-memory attach, transport/cma.py): two
 runs of `python -m totalreduce.bench collectives -n 2 --sizes 4M,16M,64M --ops

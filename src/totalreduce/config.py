@@ -36,8 +36,10 @@ TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive     
 TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never); -1 = auto:
-                                   2 MiB, and allreduces while what they send one
-                                   peer fits in its shared-memory ring
+                                   2 MiB, and allreduces and allgathers while
+                                   what they send one peer fits in its
+                                   shared-memory ring (allgathers only while the
+                                   ring copies fast)
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
                                    else shm); see transport/registry.py

@@ -71,8 +71,8 @@ def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _direct_allreduce_bytes(direct: int, ring_room: int, size: int) -> int:
-    """The largest blocking allreduce the caller's thread runs itself where
+def _direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
+    """The largest blocking allreduce or allgather the caller's thread runs itself where
     DIRECT_BYTES is auto (``direct`` for the other ops).
 
     Past DIRECT_BYTES the general path wins for ops that only move data: it lends their
@@ -82,7 +82,10 @@ def _direct_allreduce_bytes(direct: int, ring_room: int, size: int) -> int:
     fits in the ring beside the room kept for small records (past that it would wait on
     the reader for room).  At 2 ranks on the shared-memory rings, 3-4 MiB allreduces took
     0.21-0.38 ms this way against 0.46-0.84 ms on the general path; 6-8 MiB ones, past
-    the ring, were no faster."""
+    the ring, were no faster.  An allgather sends one peer (size - 1) / size of it, which
+    fits too: at 2 ranks 3 MiB allgathers took 0.23-0.24 ms this way against 0.32-0.40
+    ms lent (4 MiB ones 0.31-0.33 against 0.34-0.35).  Alltoalls keep ``direct``: at 3-4
+    MiB they took 0.51-0.80 ms this way against 0.36-0.47 ms lent."""
     room = ring_room - RING_SMALL_ROOM
     if direct <= 0 or room <= 0 or size < 2:
         return direct
@@ -93,7 +96,8 @@ def _direct_allreduce_bytes(direct: int, ring_room: int, size: int) -> int:
 # the rings copy slowly (transport/copy_pace.py), for the loop to lend its pieces: in that
 # state 1 MiB broadcasts took 0.19-0.27 ms against 0.29-0.30 ms through the ring, 4 MiB
 # ones 0.38-0.49 against 1.7-1.8 ms, 1 MiB alltoalls 0.20-0.21 against 0.30-0.32 ms.  The
-# other ops stay: on the general path 1 MiB allgathers took 0.42-0.46 ms against
+# other ops stay (but allgathers past DIRECT_BYTES, which only the ring's bound lets the
+# caller's thread run): on the general path 1 MiB allgathers took 0.42-0.46 ms against
 # 0.25-0.31 ms on the caller's thread, reducescatters 0.42 against 0.19-0.25 ms, and
 # allreduces 0.78-2.7 ms against 0.47-1.8 ms at 1-4 MiB.
 _LENT_WHEN_SLOW = 512 << 10
@@ -186,12 +190,12 @@ class SelfGuided:
         self._tag = f"\x00set{set_id}" if set_id else ""
         self._caller_waits = engine.caller_waits()
         self._direct_bytes = config.direct_limit
-        self._direct_allreduce = self._direct_bytes
+        self._direct_ring = self._direct_bytes
         peers = [r for r in (range(engine.size) if members is None else members)
                  if r != engine.rank]
         self._peers = peers
         if config.direct_bytes < 0:  # auto
-            self._direct_allreduce = _direct_allreduce_bytes(
+            self._direct_ring = _direct_ring_bytes(
                 self._direct_bytes, engine.ring_room(peers), self.size)
         hosts = engine.hosts
         if members is not None and hosts is not None:
@@ -318,7 +322,7 @@ class SelfGuided:
                 return self._small_allreduce(plan, x, name, priority, inplace)
         rop, arr = check_allreduce(x, op, name, inplace)
         ident = self._ident("allreduce", name)
-        source = self._fresh_source(arr, inplace, self._direct_allreduce)
+        source = self._fresh_source(arr, inplace, self._direct_ring)
         if source is not None:
             work, writeback = np.empty(arr.size, arr.dtype), False
         else:
@@ -339,7 +343,7 @@ class SelfGuided:
         if small is not None:
             with self._lock:
                 self._small.put(small, _SmallAllreduce(spec))
-        return self._launch(spec, finish, self._direct_allreduce)
+        return self._launch(spec, finish, self._direct_ring)
 
     def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
                    ) -> tuple[Any, ...] | None:
@@ -348,7 +352,7 @@ class SelfGuided:
         contiguous and writable; None otherwise."""
         if (type(x) is not np.ndarray or type(op) is not ReduceOp
                 or (name is not None and type(name) is not str) or self._direct_bytes <= 0
-                or x.nbytes > self._direct_allreduce
+                or x.nbytes > self._direct_ring
                 or (inplace and not (x.flags.c_contiguous and x.flags.writeable))):
             return None
         return (x.dtype, x.shape, op, name)
@@ -409,15 +413,16 @@ class SelfGuided:
             ctrl_c.raise_if_pending()
 
     def _launch(self, spec: OpSpec, finish: Callable[[], Any],
-                direct: int | None = None, lent_when_slow: bool = False) -> Handle:
+                direct: int | None = None, slow_from: int | None = None) -> Handle:
         """Start ``spec``: on this thread to its end when it is small (``direct`` bytes at
         most; DIRECT_BYTES by default), this thread blocks on it and nothing else is in
-        flight (engine/smallpath.py), else on the engine (an op ``lent_when_slow`` of
-        _LENT_WHEN_SLOW bytes or more also while the rings copy slowly)."""
+        flight (engine/smallpath.py), else on the engine; so too one of ``slow_from``
+        bytes or more while the rings copy slowly (its bodies are then lent)."""
         direct = self._direct_bytes if direct is None else direct
         nbytes = spec.work.nbytes
         if direct and nbytes <= direct and self._engine.waits_here() and not (
-                lent_when_slow and nbytes >= _LENT_WHEN_SLOW and self._engine.lends(self._peers)):
+                slow_from is not None and nbytes >= slow_from
+                and self._engine.lends(self._peers)):
             ran = self._engine.run_now(spec)
             if ran is True:
                 return DoneHandle(finish(), spec.label)
@@ -542,7 +547,7 @@ class SelfGuided:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return self._launch(spec, finish, lent_when_slow=True)
+        return self._launch(spec, finish, slow_from=_LENT_WHEN_SLOW)
 
     # --- reducescatter --------------------------------------------------------------
 
@@ -626,21 +631,23 @@ class SelfGuided:
             check_out_rows(target, rows, rank, "allgather", name)
             return state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
 
-        return self._phases(first, second, finish, sizes_id.label)
+        # Past DIRECT_BYTES (and up to the ring's bound) only while the rings copy fast.
+        return self._phases(first, second, finish, sizes_id.label, self._direct_ring,
+                            self._direct_bytes + 1)
 
     def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
-                finish: Callable[[], Any], label: str, lent_when_slow: bool = False
-                ) -> Handle:
+                finish: Callable[[], Any], label: str, direct: int | None = None,
+                slow_from: int | None = None) -> Handle:
         """An op whose second part is built from its first's result (sizes, then data).
         A thread that blocks on it runs the two one after the other (each may take the
-        small path; see _launch for ``lent_when_slow``); otherwise the second starts
+        small path; see _launch for ``direct`` and ``slow_from``); otherwise the second starts
         when the first ends."""
         if self._engine.waits_here():
             try:
                 self._launch(first, lambda: None).wait()
             except Exception as exc:  # the op's failure: the handle's wait() raises it
                 return DoneHandle(None, label, exc)
-            return self._launch(second(), finish, lent_when_slow=lent_when_slow)
+            return self._launch(second(), finish, direct, slow_from)
         future = self._two_phase(self._engine.submit(first),
                                  lambda: self._engine.submit(second()))
         return FutureHandle([future], finish, label)
@@ -679,7 +686,8 @@ class SelfGuided:
             got = state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
             return got, recv_rows.copy()
 
-        return self._phases(first, second, finish, splits_id.label, lent_when_slow=True)
+        return self._phases(first, second, finish, splits_id.label,
+                            slow_from=_LENT_WHEN_SLOW)
 
     # --- join -----------------------------------------------------------------------
 
