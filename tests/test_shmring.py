@@ -310,16 +310,22 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_refused_at_set_up(
 
 def test_copy_pace_lends_while_the_median_recent_copy_is_slow() -> None:
     now = [0.0]
-    pace = CopyPace(10e9, clock=lambda: now[0])
+    pace = CopyPace(10e9, lap=2 << 20, clock=lambda: now[0])
     for _ in range(2):
-        pace.timed(1 << 20, 1e-3)  # 1 GB/s, but too few copies to judge
-    assert not pace.far and not pace.lend(PACE_MIN)
+        pace.timed(1 << 20, 1e-3)  # 1 GB/s, but a cold ring's first lap: not judged
+    assert pace.cold == 0 and not pace.far
+    for _ in range(2):
+        pace.timed(1 << 20, 1e-3)  # too few copies to judge
+    assert not pace.far and not pace.lend()
     pace.timed(1 << 20, 1e-3)
-    assert pace.far and pace.lend(PACE_MIN) and pace.lend(64 << 10)
-    now[0] += PROBE_EVERY  # nothing timed for a while: the next big body is copied, to
-    assert not pace.lend(PACE_MIN) and pace.lend(64 << 10)  # time it; small ones are lent
+    assert pace.far and pace.lend()
+    now[0] += PROBE_EVERY  # lent for a while: the ring is tried again, a lap unjudged
+    assert not pace.lend() and not pace.far and pace.cold == 2 << 20
+    for _ in range(5):
+        pace.timed(1 << 20, 1e-3)
+    assert pace.far  # still slow after the lap
     pace.timed(1 << 20, 1e-5)  # one fast copy (100 GB/s): fast again at once
-    assert not pace.far and not pace.lend(64 << 10)
+    assert not pace.far and not pace.lend()
     pace.timed(1 << 20, 1e-3)  # one slow copy after it: not yet
     assert not pace.far
     pace.timed(1 << 20, 1e-3)
@@ -327,12 +333,13 @@ def test_copy_pace_lends_while_the_median_recent_copy_is_slow() -> None:
     off = CopyPace(0.0)  # TOTALREDUCE_SLOW_RING_GBPS=0
     for _ in range(3):
         off.timed(1 << 20, 1.0)
-    assert not off.far and not off.lend(PACE_MIN)
+    assert not off.far and not off.lend()
 
 
 def test_a_writer_times_its_big_copies_only() -> None:
     writer, reader = _pair(4 << 20)
-    writer.pace.far_rate = 1e18  # any copy is slower than that
+    assert writer.pace.cold == 4 << 20  # a lap of a new ring is not judged
+    writer.pace = CopyPace(1e18)  # no lap to wait for; any copy is slower than that
     for size in (PACE_MIN - 64, PACE_MIN):
         for step in range(3):
             assert writer.post(_data(step, size), memoryview(bytes(size)))

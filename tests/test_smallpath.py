@@ -96,11 +96,12 @@ def test_allgathers_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
         n: int, gbps: str) -> None:
     # Past DIRECT_BYTES' 2 MiB an allgather's data goes on the caller's thread while what
     # it sends one peer fits in the ring (as an allreduce's), but not while the ring
-    # copies slowly (every ring at 1e6 GB/s, once the warm-up's copies were timed): the
-    # loop lends its bodies then.  Its sizes phase is small and always runs there.
+    # copies slowly (every ring at 1e6 GB/s, once the warm-up has copied a lap of the
+    # ring and three more): the loop lends its bodies then.  Its sizes phase is small
+    # and always runs there.
     bound = 2 * (2 << 20) * n // (2 * (n - 1))
     sizes = [(2 << 20) + 24 * n, bound - 64 * n, bound + 4096 * n, 6 << 20]
-    result = run_ok(n, "smallpath_workers:allgathers_by_size", {"sizes": sizes, "warm": 3},
+    result = run_ok(n, "smallpath_workers:allgathers_by_size", {"sizes": sizes, "warm": 12},
                     timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
     fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
     for r in range(n):

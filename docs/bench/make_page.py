@@ -540,23 +540,26 @@ in 512 KiB pieces, so that the receiver copies one out while the root copies the
 (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 
 Why a ring whose copies run slower than 10 GB/s lends every body of 64 KiB or more
-(`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times its copies of
-256 KiB or more into the ring; the median of the last three says slow, and any one copy
-faster than 10 GB/s says fast again. On the AMD host (see Environment) these copies ran at
-12-37 GB/s while the two cores shared a cache (a fresh ring's first two at 9 GB/s) and at
-2.3-6.3 GB/s while they did not; the kernel's copy of a lent body runs at about 11 GB/s in
-either state, so below 10 GB/s the ring's two copies cost more than the kernel's one.
-While lending for this reason, one body in 0.1 s still goes through the ring, to notice
-when the state changes. Blocking broadcasts and alltoalls of 512 KiB or more then leave
-the caller's thread, which cannot lend, for the loop: `python -m totalreduce.bench
-collectives -n 2 --sizes 1M,2M,4M,16M`, with and without the rule, alternated, in the
-slow state: broadcast 1/4/16 MB 0.31/1.72/6.87 ->
+(`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times its copies of 256
+KiB or more into the ring; the median of the last three says slow, and any one copy faster
+than 10 GB/s says fast again. On the AMD host (see Environment) these copies ran at 12-37
+GB/s while the two cores shared a cache and at 2.3-6.3 GB/s while they did not; the
+kernel's copy of a lent body runs at about 11 GB/s in either state, so below 10 GB/s the
+ring's two copies cost more than the kernel's one. Copies into lines no cache holds run at
+memory's speed (7-10 GB/s here) in either state, so a ring's first lap is not judged,
+neither is the first lap after lending: every 0.25 s of lending the ring is tried again,
+and judged from its second lap on. (Judged from their first copies, 1 MiB alltoalls lent
+in the fast state and never came back: 216-233 against 123-163 us.) Blocking broadcasts
+and alltoalls of 512 KiB or more then leave the caller's thread, which cannot lend, for
+the loop: `python -m totalreduce.bench collectives -n 2 --sizes 1M,2M,4M,16M`, with and
+without the rule, alternated, in the slow state: broadcast 1/4/16 MB 0.31/1.72/6.87 ->
 0.19/0.39/1.54 ms (MPI 0.09/0.24/1.1), alltoall 1/2 MB 0.32/0.58 -> 0.20/0.25 ms; in the
-fast state every cell stayed within noise. Allgathers, reducescatters and allreduces stay
-on the caller's thread: on the general path 1 MiB allgathers took 0.42-0.46 ms against
-0.25-0.31 ms, reducescatters 0.42 against 0.19-0.25 ms. Where ranks outnumber cores the
-rule is off: a copy preempted halfway looks slow whatever the caches do, and at 4 ranks
-on 2 cores it made 1 MiB broadcasts, alltoalls and allreduces 1.3-3x slower.
+fast state every cell stayed within noise. Allgathers up to 2 MiB, reducescatters and
+allreduces stay on the caller's thread: on the general path 1 MiB allgathers took
+0.42-0.46 ms against 0.25-0.31 ms, reducescatters 0.42 against 0.19-0.25 ms. Where ranks
+outnumber cores the rule is off: a copy preempted halfway looks slow whatever the caches
+do, and at 4 ranks on 2 cores it made 1 MiB broadcasts, alltoalls and allreduces 1.3-3x
+slower.
 
 Why the ring holds two segments (plus 128 KiB for the small records between them): a ring's
 footprint is its size, and in one process pair alternating ring policies op by op (order

@@ -62,9 +62,9 @@ TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to   
 TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       10
                                    slower than this lately (GB/s) lends every
                                    body of 64 KiB or more instead, and blocking
-                                   broadcasts and alltoalls leave the caller's
-                                   thread to have theirs lent
-                                   (transport/copy_pace.py; 0 = never)
+                                   broadcasts, alltoalls and allgathers past 2
+                                   MiB leave the caller's thread to have theirs
+                                   lent (transport/copy_pace.py; 0 = never)
 TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB
                                    the least recently used sizes are freed
 TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers     65536
@@ -306,7 +306,8 @@ class Config:
     @property
     def direct_limit(self) -> int:
         """Bytes up to which a blocking op may run on the caller's thread (0: never);
-        allreduces may go further where DIRECT_BYTES is auto (scheduling/selfguided.py)."""
+        allreduces and allgathers may go further where DIRECT_BYTES is auto
+        (scheduling/selfguided.py)."""
         return 2 << 20 if self.direct_bytes < 0 else self.direct_bytes
 
     @property

@@ -191,12 +191,11 @@ class SelfGuided:
         self._caller_waits = engine.caller_waits()
         self._direct_bytes = config.direct_limit
         self._direct_ring = self._direct_bytes
-        peers = [r for r in (range(engine.size) if members is None else members)
-                 if r != engine.rank]
-        self._peers = peers
+        self._peers = [r for r in (range(engine.size) if members is None else members)
+                       if r != engine.rank]
         if config.direct_bytes < 0:  # auto
             self._direct_ring = _direct_ring_bytes(
-                self._direct_bytes, engine.ring_room(peers), self.size)
+                self._direct_bytes, engine.ring_room(self._peers), self.size)
         hosts = engine.hosts
         if members is not None and hosts is not None:
             hosts = tuple(hosts[m] for m in members)

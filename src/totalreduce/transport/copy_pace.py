@@ -6,13 +6,13 @@ finds the lines the writer just wrote.  Where they do not (cores of another CCX 
 socket, or a VM whose vCPUs the host has moved apart), every line of the ring crosses
 between the caches twice, and the writer's copy also waits for the reader's stale copies
 to be invalidated.  On a 2-vCPU VM, a 512 KiB body took 14 us to copy into the ring and
-15 us out in one placement, and 100-135 us in and 52 us out in the other, for minutes at a
+15 us out in one placement, and 100-210 us in and 50-55 us out in the other, for minutes at a
 time; the kernel's copy of the same body lent took 48 us in both.  MPICH lends such bodies
 (it uses ``process_vm_readv`` too), so it did not slow down when the ring did.
 
 So the writer times its big copies into the ring, and while they are slow its link lends
-bodies it would otherwise copy.  Lending leaves nothing to time: now and then one body
-goes through the ring anyway, to see whether the placement has changed.
+bodies it would otherwise copy.  Lending leaves nothing to time: now and then the ring is
+tried again, for a lap and the copies after it.
 """
 
 from __future__ import annotations
@@ -25,26 +25,32 @@ from collections.abc import Callable
 # shared cache from a distant one through the timer's and the interpreter's noise.
 PACE_MIN = 256 << 10
 # The ring is taken for slow when the median of this many recent copies is: one copy the
-# scheduler cut in two, or one of a fresh ring's first (cold) copies, must not make it
-# so.  One fast copy makes it fast again at once: cores that share no cache cannot copy
-# fast, and a sticky verdict would keep lending for a whole probe period after the cores
-# came back together (a fresh ring's first two copies ran at 9 GB/s, then 15-30).
+# scheduler cut in two must not make it so.  One fast copy makes it fast again at once:
+# cores that share no cache cannot copy fast.
 _WINDOW = 3
-# While lending because the ring was slow, one body in this many seconds still goes
-# through the ring to time it: in the slow state a 2 MiB probe costs about 1 ms.
-PROBE_EVERY = 0.1
+# While lending because the ring was slow, the ring is tried again this often.  A try
+# copies a lap of the ring before its copies are judged (see CopyPace.cold): in the slow
+# state that costs about 2 ms.
+PROBE_EVERY = 0.25
 
 
 class CopyPace:
     """The recent speed of one ring's big copies, and what to do with the next body."""
 
-    __slots__ = ("_rates", "_clock", "_last", "far", "far_rate")
+    __slots__ = ("_rates", "_clock", "_last", "_lap", "cold", "far", "far_rate")
 
-    def __init__(self, far_rate: float = 0.0,
+    def __init__(self, far_rate: float = 0.0, lap: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._rates: deque[float] = deque(maxlen=_WINDOW)
         self._clock = clock
         self._last = 0.0  # when the last copy was timed
+        # Bytes still to copy before copies are judged: a lap of the ring (``lap``) at
+        # first and whenever the ring is tried again after lending.  Lines no cache holds
+        # copy at memory's speed whatever the placement (7-10 GB/s here, against 15-37
+        # once the ring is warm and the cores share a cache), so a verdict drawn from
+        # them would lend on and on where the ring is fast.
+        self._lap = lap
+        self.cold = lap
         self.far = False  # the median recent copy was slower than far_rate
         # Bytes per second (TOTALREDUCE_SLOW_RING_GBPS; 0: never far).  The placements
         # above gave 37 and 4-5 GB/s, and a copy into private memory 22-35 GB/s; a lent
@@ -54,17 +60,27 @@ class CopyPace:
 
     def timed(self, nbytes: int, seconds: float) -> None:
         """One copy of ``nbytes`` into the ring took ``seconds``."""
+        self._last = self._clock()
+        if self.cold > 0:
+            self.cold -= nbytes
+            return
         rates = self._rates
         rate = nbytes / max(seconds, 1e-9)
         if self.far and rate >= self.far_rate:
             rates.clear()
             self.far = False
         rates.append(rate)
-        self._last = self._clock()
         if len(rates) == _WINDOW:
             self.far = sorted(rates)[_WINDOW // 2] < self.far_rate
 
-    def lend(self, nbytes: int) -> bool:
-        """Whether a body of ``nbytes`` should be lent rather than copied: the ring is
-        slow, and this body is too small to time or no copy is due to time it again."""
-        return self.far and (nbytes < PACE_MIN or self._clock() - self._last < PROBE_EVERY)
+    def lend(self) -> bool:
+        """Whether bodies should be lent rather than copied: the ring is slow, and not
+        due to be tried again (then it is taken for fast until its copies say)."""
+        if not self.far:
+            return False
+        if self._clock() - self._last < PROBE_EVERY:
+            return True
+        self.far = False
+        self._rates.clear()
+        self.cold = self._lap
+        return False

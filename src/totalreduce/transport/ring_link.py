@@ -17,7 +17,6 @@ from collections import deque
 
 from . import cma
 from .base import Outgoing
-from .copy_pace import PACE_MIN
 from .shmring import RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
 from .wire import (
@@ -127,7 +126,7 @@ class RingLink(Link):
     def lends_big(self) -> bool:
         """Whether the next big body would be lent because this ring is slow."""
         ring = self.ring_out
-        return self._lend_bytes > 0 and ring is not None and ring.pace.lend(PACE_MIN)
+        return ring is not None and ring.pace.lend()
 
     def room_freed(self) -> bool:
         """Whether the ring our blocked message did not fit in has room now."""
@@ -180,7 +179,7 @@ class RingLink(Link):
             # body while copies through this ring are slow (copy_pace.py).
             if self._lend_bytes and n >= _LEND_MIN and (
                     (msg.lend and max(op_nbytes(msg.header), n) >= self._lend_bytes)
-                    or ring.pace.lend(n)):
+                    or ring.pace.lend()):
                 assert body is not None
                 lend = self._next_lend
                 desc = REMOTE_BODY.pack(cma.address_of(body), lend)

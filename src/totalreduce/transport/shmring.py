@@ -148,7 +148,7 @@ class RingWriter:
         self._head = 0  # total bytes written, padding included
         self._stuck_at = -1  # the reader's tail when a post last found the ring full
         self.lend = False  # the reader can copy bodies out of our memory (see .cma)
-        self.pace = CopyPace()  # how fast big bodies went in lately (copy_pace.py)
+        self.pace = CopyPace(lap=capacity)  # how fast big bodies went in lately
         # Records are at most half the ring, so one always fits once the reader catches up.
         self.max_body = capacity // 2 - HEADER_SIZE
 
