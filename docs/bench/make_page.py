@@ -595,31 +595,30 @@ want it on.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 15.0 us at 2 ranks (MPI:
-  2.7 us; the latency table above), nearly all of it Python per op, even on the express
-  lane; over sockets or the MPI transport, 46-56 us. Batch small tensors
+- Small messages: a blocking allreduce of a few bytes costs 14.7 us at 2 ranks (MPI:
+  2.4 us; the latency table above), nearly all of it Python per op, even on the express
+  lane; over sockets or the MPI transport, 43-55 us. Batch small tensors
   (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
   see above).
 - The 2-rank table's medians mix the host's two states (see Environment), each backend
-  in its own proportion: there allreduce leads MPI 3.6-4.2x at 1-4 MB because more of
-  MPI's repetitions fell in the slow state. Its p10 column is the fast state: allreduce
-  1.8x MPI at 1 MB, 1.5x at 4 MB, 1.1x at 16 MB, and 2.5-2.8x from 64 MB in the medians.
-  Up to 4 MiB it runs on the caller's thread, which cannot lend: in the slow state its
-  ring copies slow it down as MPICH's own copies slow MPICH.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.47x and 2.19x MPI
-  at 1 and 4 MB, 1.06x at 16 MB, 0.83-0.85x from 64 MB; alltoall 0.29x at 1 MB rising to
-  0.70x at 256 MB; broadcast 0.61-0.82x; reducescatter 0.82-0.92x at 1-4 MB, 1.17-3.17x
-  from 16 MB. Per op, Python costs tens of µs, about half of MPI's whole 1 MB call; an
-  allgather or alltoall exchanges sizes before data; and a lent body is one kernel copy,
-  slower per byte than two memcpys through a ring while the cores share a cache, which
-  is where MPICH's (also lent) large messages lose to the ring. Without `out=` allgather
-  and alltoall run at about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every
-  call's new result is fresh memory, and the kernel faulting and zeroing it costs about
-  as much as the copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
+  in its own proportion; its p10 column is the fast state. Allreduce: 1.76x MPI at 1 MB,
+  1.84x at 4 MB, 0.93x at 16 MB (p10: 2.2 against 2.5 ms), 3.2-3.3x from 64 MB. Up to
+  4 MiB it runs on the caller's thread, which cannot lend: in the slow state its ring
+  copies slow it down as MPICH's own copies slow MPICH.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.72-0.92x; alltoall
+  0.39x at 1 MB rising to 0.86x at 256 MB; broadcast 0.81-0.92x; reducescatter 0.96-1.04x
+  at 1-4 MB, 1.27-3.64x from 16 MB. Per op, Python costs tens of µs, about half of MPI's
+  whole 1 MB call; an allgather or alltoall exchanges sizes before data; and a lent body
+  is one kernel copy, slower per byte than two memcpys through a ring while the cores
+  share a cache, which is where MPICH's (also lent) large messages lose to the ring.
+  Without `out=` allgather and alltoall run at about 0.5x from 64 MB: above glibc's mmap
+  threshold (32 MB) every call's new result is fresh memory, and the kernel faulting and
+  zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
+  reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.17-0.25 ms (8.3x MPI's
-  8-byte allreduce in the latency table, 0.10-0.16x in the 4-rank table), and 1-16 MB
-  allreduces run at 0.57-1.13x MPI; 64 MB is ahead (2.63x). Every hop waits for a peer
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8.1x MPI's
+  8-byte allreduce in the latency table, 0.06-0.10x in the 4-rank table), and 1-16 MB
+  allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer
   to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
   better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
