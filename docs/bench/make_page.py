@@ -602,7 +602,7 @@ want it on.
   see above).
 - The 2-rank table's medians mix the host's two states (see Environment), each backend
   in its own proportion; its p10 column is the fast state. Allreduce: 1.76x MPI at 1 MB,
-  1.84x at 4 MB, 0.93x at 16 MB (p10: 2.2 against 2.5 ms), 3.2-3.3x from 64 MB. Up to
+  1.84x at 4 MB, 0.93x at 16 MB (p10: 2.2 against 2.8 ms), 3.2-3.3x from 64 MB. Up to
   4 MiB it runs on the caller's thread, which cannot lend: in the slow state its ring
   copies slow it down as MPICH's own copies slow MPICH.
 - The other collectives at 2 ranks, from 1 MB (medians): allgather 0.72-0.92x; alltoall
