@@ -58,6 +58,8 @@ class _Owner:
         self.dest = bytearray(0)
         self._urgent = urgent
         self._pressing = pressing  # answers to pressing(), in order; then False
+        self.parts: list[tuple[int, int]] = []  # body_part() calls for the body arriving
+        self.body = b""  # what the lent body holds
 
     # the handler's side
     def overtaking(self, peer: int, front: Header) -> frozenset[tuple[int, int]] | None:
@@ -68,7 +70,13 @@ class _Owner:
 
     def body_buffer(self, peer: int, header: Header) -> memoryview:
         self.dest = bytearray(header.nbytes)
+        self.parts = []
         return memoryview(self.dest)
+
+    def body_part(self, peer: int, header: Header, lo: int, hi: int) -> None:
+        # What landed must be there when it is handed on.
+        assert bytes(self.dest[lo:hi]) == self.body[lo:hi]
+        self.parts.append((lo, hi))
 
     def received(self, peer: int, header: Header, body: memoryview) -> None:
         self.events.append(("whole", header.seq, bytes(body)))
@@ -133,22 +141,28 @@ def test_a_lent_copy_stops_between_slices_and_goes_on_where_it_stopped() -> None
 
 def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner: _Owner,
                     body: np.ndarray) -> None:
+    owner.body = body.tobytes()
     _lend(writer, body, 1)
     link.read_ring()  # one slice, then it stops for the pressing work
     assert link.lent_in is not None and 0 < link.lent_in.done < body.nbytes
     assert owner.events == [] and link.peek() is None
+    assert owner.parts == []  # a slice is handed on on the way to the next
     done = link.lent_in.done
     small = np.arange(16, dtype=np.uint8)
     assert writer.post(Header(Kind.DATA, 1, 0, 0, 7, 2, 0, 0, 16, 16).pack(),
                        memoryview(small))
     assert writer.post(Header(Kind.DATA, 1, 0, 0, 7, 3, 0, 0, 16, 16).pack(),
                        memoryview(small + 1))
-    link.read_ring()  # one more slice, then the urgent message overtakes: stop again
+    link.read_ring()  # the urgent message overtakes before any more is copied
     assert owner.events == [("ahead", 2, small.tobytes())]
-    assert link.lent_in is not None and done < link.lent_in.done < body.nbytes
+    assert link.lent_in is not None and link.lent_in.done == done
     assert acks.next() is None  # not acknowledged while in part
     while link.lent_in is not None:
         link.read_ring()
+    # Every slice but the last was handed on, in order; received() has the whole.
+    ends = [hi for _lo, hi in owner.parts]
+    assert [lo for lo, _hi in owner.parts] == [0, *ends[:-1]]
+    assert 0 < ends[-1] < body.nbytes
     link.read_ring()  # what was posted behind it
     kinds = [kind for kind, *_rest in owner.events]
     assert kinds == ["ahead", "whole", "in ring"], kinds

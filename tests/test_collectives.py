@@ -121,6 +121,16 @@ def test_urgent_ops_overtake_the_lent_pieces_of_a_big_one(segment: int) -> None:
         assert sum(result.report(r)["overtaken"] for r in range(2)) > 0, result.explain()
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_lent_pieces_are_reduced_slice_by_slice_as_they_land(n: int) -> None:
+    # Every body of 1 byte or more is lent; 2 MiB pieces are copied in 1 MiB slices, each
+    # reduced into place as it lands (Inbox.body_part), the last once the body is whole.
+    result = run_ok(n, "workers:lent_pieces_in_slices", {},
+                    env={"TOTALREDUCE_CMA_BYTES": "1"}, timeout=150)
+    if cma_works():
+        assert all(result.report(r)["lent"] > 0 for r in range(n)), result.explain()
+
+
 @pytest.mark.parametrize("mode", ["selfguided", "negotiated"])
 def test_gathering_ops_write_into_out(mode: str) -> None:
     result = run_ok(3, "workers:results_into_out", {}, timeout=120,

@@ -60,9 +60,10 @@ class _Scan:
 
 
 class _LentCopy:
-    """A body the peer lent us, partly copied (``done`` bytes) into ``dest``."""
+    """A body the peer lent us, partly copied (``done`` bytes) into ``dest``, ``handed``
+    of them handed on."""
 
-    __slots__ = ("header", "address", "lend", "dest", "done")
+    __slots__ = ("header", "address", "lend", "dest", "done", "handed")
 
     def __init__(self, header: Header, address: int, lend: int, dest: memoryview) -> None:
         self.header = header
@@ -70,6 +71,7 @@ class _LentCopy:
         self.lend = lend
         self.dest = dest
         self.done = 0
+        self.handed = 0  # bytes handed on (MessageHandler.body_part)
 
 
 class _LendFailed(Exception):
@@ -438,13 +440,15 @@ class RingLink(Link):
 
     def _copy_on(self, lent: _LentCopy, may_stop: bool,
                  urgent: frozenset[tuple[int, int]] | None) -> bool:
-        """Copy on a body the peer lent us, out of its memory; once whole, acknowledge it
-        and hand it on.  Between two slices the copy stops (``may_stop``: not while the
-        ring is being drained whole) when an op was submitted here, whose turn should not
-        wait for the rest, or when more urgent messages behind it were handled
-        (:meth:`_overtake`), whose driver may be waiting for the op they finished.
-        ``urgent``: the ops whose messages may overtake it (MessageHandler.overtaking).
-        Returns whether the copy stopped."""
+        """Copy on a body the peer lent us, out of its memory, handing each slice but the
+        last on as it lands (MessageHandler.body_part: a piece to reduce is reduced slice
+        by slice); once whole, acknowledge it and hand it on.  The copy stops
+        (``may_stop``: not while the ring is being drained whole) after a slice or its
+        hand-over when an op was submitted here, whose turn should not wait for the rest,
+        or when more urgent messages behind it were handled (:meth:`_overtake`, also
+        looked for before the first slice of a turn), whose driver may be waiting for the
+        op they finished.  ``urgent``: the ops whose messages may overtake it
+        (MessageHandler.overtaking).  Returns whether the copy stopped."""
         handler = self.owner.handler
         pid = self.ring_in.lender_pid if self.ring_in is not None else None
         if pid is None:
@@ -453,8 +457,17 @@ class RingLink(Link):
         n = dest.nbytes
         size = _SLICE if urgent is None else _URGENT_SLICE
         pressing = handler.pressing
+        if may_stop and urgent is not None and self._overtake(urgent):
+            return True
         try:
             while lent.done < n:
+                if lent.handed < lent.done:
+                    # Reduced while still in cache, and never a whole body's reduction
+                    # between two looks at what is pressing.
+                    handler.body_part(self.peer, header, lent.handed, lent.done)
+                    lent.handed = lent.done
+                    if pressing() or (urgent is not None and self._overtake(urgent)):
+                        return True
                 at = lent.done
                 end = n if not may_stop else min(n, at + size)
                 cma.read_into(pid, dest[at:end], address + at)
@@ -473,8 +486,8 @@ class RingLink(Link):
         except OSError as exc:
             raise _LendFailed(f"cannot copy a body out of rank {self.peer}: {exc}") from None
         self.lent_in = None
-        # Acknowledge before handing it on: the handler may reduce it (hundreds of us)
-        # while the sender waits for this to finish its op.
+        # Acknowledge before handing on the rest: the handler may reduce it (tens to
+        # hundreds of us) while the sender waits for this to finish its op.
         ring = self.ring_out
         if not self._acks and ring is not None and ring.post(
                 Header(Kind.RING_ACK, seq=lent.lend).pack()):
