@@ -109,6 +109,21 @@ def test_allgathers_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
         assert result.report(r)["direct"] == want, result.explain()
 
 
+@pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
+def test_alltoalls_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
+        n: int, gbps: str) -> None:
+    # As allgathers: an alltoall sends each peer 1 / size of it, so the same bound fits;
+    # while the ring copies slowly its data leaves the caller's thread from 512 KiB.
+    bound = 2 * (2 << 20) * n // (2 * (n - 1))
+    sizes = [(2 << 20) + 24 * n, bound - 4096 * n, bound + 4096 * n, 6 << 20]
+    result = run_ok(n, "smallpath_workers:alltoalls_by_size", {"sizes": sizes, "warm": 12},
+                    timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
+    fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
+    for r in range(n):
+        want = [2, 2, 1, 1] if fast else [1, 1, 1, 1]
+        assert result.report(r)["direct"] == want, result.explain()
+
+
 def test_a_set_direct_bytes_bounds_allreduces_too() -> None:
     result = run_ok(2, "smallpath_workers:allreduces_by_size",
                     {"sizes": [(2 << 20) - 8, (3 << 20) + 8]}, timeout=120,

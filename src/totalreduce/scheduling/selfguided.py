@@ -72,8 +72,8 @@ def hash64(text: str) -> int:
 
 
 def _direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
-    """The largest blocking allreduce or allgather the caller's thread runs itself where
-    DIRECT_BYTES is auto (``direct`` for the other ops).
+    """The largest blocking allreduce, allgather or alltoall the caller's thread runs
+    itself where DIRECT_BYTES is auto (``direct`` for the other ops).
 
     Past DIRECT_BYTES the general path wins for ops that only move data: it lends their
     bodies, one kernel copy instead of two through a ring.  An allreduce reads each
@@ -84,8 +84,9 @@ def _direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
     0.21-0.38 ms this way against 0.46-0.84 ms on the general path; 6-8 MiB ones, past
     the ring, were no faster.  An allgather sends one peer (size - 1) / size of it, which
     fits too: at 2 ranks 3 MiB allgathers took 0.23-0.24 ms this way against 0.32-0.40
-    ms lent (4 MiB ones 0.31-0.33 against 0.34-0.35).  Alltoalls keep ``direct``: at 3-4
-    MiB they took 0.51-0.80 ms this way against 0.36-0.47 ms lent."""
+    ms lent (4 MiB ones 0.31-0.33 against 0.34-0.35).  An alltoall sends each peer
+    1 / size of it: at 2 ranks 3 MiB alltoalls took 0.24 ms this way against 0.34-0.35 ms
+    lent.  The last two stay only while the rings copy fast (see _LENT_WHEN_SLOW)."""
     room = ring_room - RING_SMALL_ROOM
     if direct <= 0 or room <= 0 or size < 2:
         return direct
@@ -685,8 +686,8 @@ class SelfGuided:
             got = state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
             return got, recv_rows.copy()
 
-        return self._phases(first, second, finish, splits_id.label,
-                            slow_from=_LENT_WHEN_SLOW)
+        return self._phases(first, second, finish, splits_id.label, self._direct_ring,
+                            _LENT_WHEN_SLOW)
 
     # --- join -----------------------------------------------------------------------
 
