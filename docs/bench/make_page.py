@@ -250,12 +250,18 @@ priorities:
 - Between two slices the copying thread gives up its core for a moment: two ranks of two
   threads each share the two cores, and the application thread woken to submit the
   urgent op otherwise waited for the scheduler, 4 ms in one try of ten.
+- Each slice of a lent piece is reduced into place as it lands, so the loop also looks
+  between the slices of a piece's reduction (a whole 2 MiB reduction took 90-250 us).
 
-What is left, 0.3-0.5 ms against 0.02-0.04 ms alone, is Python on both ranks: the general
-path's work per op (the urgent op cannot take the small path while the big one runs) and
-the hand-overs of the interpreter lock and of the loop between the application's thread
-and the progress thread, each tens of microseconds while the other thread runs. The
-reduction of the piece in hand (up to 2 MiB) is not sliced.
+What is left, 0.3-0.5 ms against 0.02 ms alone, is Python on both ranks. With
+timestamps on the application's thread of each rank: about 80 us from the call to the
+wait (building and submitting the op), 30-120 us for the progress thread to end its
+slice and hand over the loop, 20 us to start the op, 40 us to post its message and poll,
+30-60 us to find the peer's message behind the big op's 30 lent records, and 40-50 us to
+apply it and return. Each step costs two to three times what it does alone: the
+ranks' four threads share the two cores, and the big op's copies keep the caches cold.
+Smaller slices (256 or 512 KiB) did not make the urgent op faster and cost 16 MB
+allreduces 10-30 %.
 
 Over TCP the urgent message waits behind the bytes queued ahead of it in the kernel. A
 socket between two ranks of one host keeps a 256 KiB send buffer for that reason (with the
@@ -519,8 +525,11 @@ in place on the general path, lost on the caller's thread at 4 and 8 MB and keep
 Allgathers, which send one peer (n - 1) / n of their result, take the same bound while
 the rings copy fast (below): at 2 ranks 3 MB took 0.217 ms against 0.322 ms lent, 4 MB
 0.327 against 0.376 ms (`--ops allgather --sizes 1M,3M,4M,6M`, old and new tree
-alternated); while the rings copy slowly they keep 2 MiB, and then lend. Alltoalls keep
-2 MiB: on the caller's thread 3-4 MB ones took 0.51-0.80 ms against 0.36-0.47 ms lent.
+alternated); while the rings copy slowly they keep 2 MiB, and then lend. Alltoalls, which
+send each peer 1 / n of theirs, take it too while the rings copy fast: at 2 ranks 3 MB took
+0.24 ms against 0.34-0.35 ms lent (`--ops alltoall --sizes 1M,2M,3M,4M,8M`, old and new
+tree alternated three times), 4 MB 0.33-0.36 ms against 0.35-0.40 ms; while the rings
+copy slowly their data leaves the caller's thread from 512 KiB (below).
 
 Why ops of 1 MiB and more lend their pieces (cross-memory attach, transport/cma.py): two
 runs of `python -m totalreduce.bench collectives -n 2 --sizes 4M,16M,64M --ops
@@ -623,8 +632,8 @@ want it on.
   better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
   big one already in the kernel's socket buffers or in MPI (TCP between ranks of one host
-  2.3 ms with priorities against 0.09 ms alone, the MPI transport 1.9 ms); over shared
-  memory it takes 0.5 ms against 0.04 ms alone (the preemption section).
+  2.7 ms with priorities against 0.09 ms alone, the MPI transport 1.8 ms); over shared
+  memory it takes 0.37 ms against 0.02 ms alone (the preemption section).
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.
