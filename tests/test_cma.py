@@ -139,6 +139,30 @@ def test_a_lent_copy_stops_between_slices_and_goes_on_where_it_stopped() -> None
             sock.close()
 
 
+def test_a_lent_copy_drained_whole_does_not_stop_after_a_handed_slice() -> None:
+    # Reading the ring whole (budget None: the peer is gone) finishes a copy begun in
+    # slices, handing on the slice copied before, however pressing the handler's work.
+    body = np.random.default_rng(1).integers(0, 255, (3 << 20) + 5, np.uint8)
+    owner = _Owner(None, [True] * 8)
+    owner.body = body.tobytes()
+    socks = socket.socketpair()
+    link, writer, acks = _lent_link(owner, socks)
+    try:
+        _lend(writer, body, 1)
+        link.read_ring()  # one slice, then it stops for the pressing work
+        assert link.lent_in is not None and owner.parts == []
+        link.read_ring(None)
+        assert link.lent_in is None
+        assert owner.parts == [(0, 1 << 20)]
+        assert owner.events == [("whole", 1, body.tobytes())]
+    finally:
+        link.close_rings()
+        writer.close()
+        acks.close()
+        for sock in socks:
+            sock.close()
+
+
 def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner: _Owner,
                     body: np.ndarray) -> None:
     owner.body = body.tobytes()

@@ -462,11 +462,12 @@ class RingLink(Link):
         try:
             while lent.done < n:
                 if lent.handed < lent.done:
-                    # Reduced while still in cache, and never a whole body's reduction
+                    # Handed on now, so that no more than a slice's reduction runs
                     # between two looks at what is pressing.
                     handler.body_part(self.peer, header, lent.handed, lent.done)
                     lent.handed = lent.done
-                    if pressing() or (urgent is not None and self._overtake(urgent)):
+                    if may_stop and (pressing()
+                                     or (urgent is not None and self._overtake(urgent))):
                         return True
                 at = lent.done
                 end = n if not may_stop else min(n, at + size)
