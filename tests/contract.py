@@ -94,9 +94,6 @@ class Recorder:
     def pressing(self) -> bool:
         return False
 
-    def body_part(self, peer: int, header: Header, lo: int, hi: int) -> None:
-        pass  # received() gets the whole body
-
     def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
         raise AssertionError("no message may overtake another here")
 

@@ -58,8 +58,6 @@ class _Owner:
         self.dest = bytearray(0)
         self._urgent = urgent
         self._pressing = pressing  # answers to pressing(), in order; then False
-        self.parts: list[tuple[int, int]] = []  # body_part() calls for the body arriving
-        self.body = b""  # what the lent body holds
 
     # the handler's side
     def overtaking(self, peer: int, front: Header) -> frozenset[tuple[int, int]] | None:
@@ -70,13 +68,7 @@ class _Owner:
 
     def body_buffer(self, peer: int, header: Header) -> memoryview:
         self.dest = bytearray(header.nbytes)
-        self.parts = []
         return memoryview(self.dest)
-
-    def body_part(self, peer: int, header: Header, lo: int, hi: int) -> None:
-        # What landed must be there when it is handed on.
-        assert bytes(self.dest[lo:hi]) == self.body[lo:hi]
-        self.parts.append((lo, hi))
 
     def received(self, peer: int, header: Header, body: memoryview) -> None:
         self.events.append(("whole", header.seq, bytes(body)))
@@ -139,38 +131,12 @@ def test_a_lent_copy_stops_between_slices_and_goes_on_where_it_stopped() -> None
             sock.close()
 
 
-def test_a_lent_copy_drained_whole_does_not_stop_after_a_handed_slice() -> None:
-    # Reading the ring whole (budget None: the peer is gone) finishes a copy begun in
-    # slices, handing on the slice copied before, however pressing the handler's work.
-    body = np.random.default_rng(1).integers(0, 255, (3 << 20) + 5, np.uint8)
-    owner = _Owner(None, [True] * 8)
-    owner.body = body.tobytes()
-    socks = socket.socketpair()
-    link, writer, acks = _lent_link(owner, socks)
-    try:
-        _lend(writer, body, 1)
-        link.read_ring()  # one slice, then it stops for the pressing work
-        assert link.lent_in is not None and owner.parts == []
-        link.read_ring(None)
-        assert link.lent_in is None
-        assert owner.parts == [(0, 1 << 20)]
-        assert owner.events == [("whole", 1, body.tobytes())]
-    finally:
-        link.close_rings()
-        writer.close()
-        acks.close()
-        for sock in socks:
-            sock.close()
-
-
 def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner: _Owner,
                     body: np.ndarray) -> None:
-    owner.body = body.tobytes()
     _lend(writer, body, 1)
     link.read_ring()  # one slice, then it stops for the pressing work
     assert link.lent_in is not None and 0 < link.lent_in.done < body.nbytes
     assert owner.events == [] and link.peek() is None
-    assert owner.parts == []  # a slice is handed on on the way to the next
     done = link.lent_in.done
     small = np.arange(16, dtype=np.uint8)
     assert writer.post(Header(Kind.DATA, 1, 0, 0, 7, 2, 0, 0, 16, 16).pack(),
@@ -183,10 +149,6 @@ def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner:
     assert acks.next() is None  # not acknowledged while in part
     while link.lent_in is not None:
         link.read_ring()
-    # Every slice but the last was handed on, in order; received() has the whole.
-    ends = [hi for _lo, hi in owner.parts]
-    assert [lo for lo, _hi in owner.parts] == [0, *ends[:-1]]
-    assert 0 < ends[-1] < body.nbytes
     link.read_ring()  # what was posted behind it
     kinds = [kind for kind, *_rest in owner.events]
     assert kinds == ["ahead", "whole", "in ring"], kinds

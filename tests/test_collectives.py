@@ -122,9 +122,9 @@ def test_urgent_ops_overtake_the_lent_pieces_of_a_big_one(segment: int) -> None:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_lent_pieces_are_reduced_slice_by_slice_as_they_land(n: int) -> None:
-    # Every body of 1 byte or more is lent; 2 MiB pieces are copied in 1 MiB slices, each
-    # reduced into place as it lands (Inbox.body_part), the last once the body is whole.
+def test_lent_pieces_copied_in_slices_are_reduced_right(n: int) -> None:
+    # Every body of 1 byte or more is lent; 2 MiB pieces are copied in 1 MiB slices and
+    # reduced into place once whole, into a buffer that held the input or none (fresh).
     result = run_ok(n, "workers:lent_pieces_in_slices", {},
                     env={"TOTALREDUCE_CMA_BYTES": "1"}, timeout=150)
     if cma_works():

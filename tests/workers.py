@@ -319,10 +319,10 @@ def slow_ring(arg: dict) -> None:
 
 def lent_pieces_in_slices(arg: dict) -> None:
     """Allreduces and a reducescatter whose lent pieces (2 MiB) are copied in several
-    slices, each reduced as it lands: blocking ones reading the caller's array (OpSpec.fresh)
-    and async in-place ones, several dtypes and ops, odd sizes, values that differ by
-    position, ranks starting at their own times; each against numpy.  Reports how many
-    bodies this rank lent."""
+    slices: blocking ones reading the caller's array (OpSpec.fresh) and async in-place
+    ones, several dtypes and ops, odd sizes, values that differ by position, ranks
+    starting at their own times; each against numpy.  Reports how many bodies this rank
+    lent."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     count = (5 << 20) // 4 + 13

@@ -101,39 +101,6 @@ class Applier:
         reduce_into(spec.ufunc, dest, buf, left)
         self.reduced(token, None)
 
-    def reducible(self, op: LiveOp, recv: Recv) -> bool:
-        """Whether a REDUCE piece of ``op`` may be reduced in as it arrives: no send of
-        ours has yet to read its region, and no piece it waits on has yet to come."""
-        return not ((recv.after and not op.left.issuperset(recv.after))
-                    or (recv.wait and not op.done_recvs.issuperset(recv.wait)))
-
-    def reduce_part(self, op: LiveOp, recv: Recv, buf: memoryview, lo: int, hi: int
-                    ) -> int:
-        """Reduce bytes ``lo:hi`` of a REDUCE piece (:meth:`reducible`), whole elements
-        only; returns where the part reduced ends (lo: none was)."""
-        spec = op.spec
-        assert spec.ufunc is not None
-        size = spec.work.itemsize
-        hi -= hi % size
-        if hi <= lo or lo % size:
-            return lo
-        first, end = recv.lo + lo // size, recv.lo + hi // size
-        left = None
-        if spec.fresh:
-            assert spec.source is not None
-            left = spec.source[first:end]
-        reduce_into(spec.ufunc, spec.work[first:end], buf[lo:hi], left)
-        return hi
-
-    def reduce_rest(self, op: LiveOp, rkey: PieceKey, recv: Recv, buf: memoryview,
-                    done: int) -> None:
-        """The whole of a REDUCE piece arrived, its first ``done`` bytes reduced already
-        (:meth:`reduce_part`): reduce the rest and go on."""
-        op.got.add(rkey)
-        if self.reduce_part(op, recv, buf, done, buf.nbytes) != buf.nbytes:
-            raise AssertionError("a piece reduced in parts was left partly reduced")
-        self.reduced((op, rkey, recv, buf), None)
-
     def reduced(self, token: Any, error: BaseException | None) -> None:
         """A reduction finished (inline, or on the reduce thread)."""
         op, rkey, recv, pooled = token

@@ -12,8 +12,7 @@ from .peers import PeerEvents
 
 
 class Handler:
-    __slots__ = ("next_outgoing", "body_buffer", "body_part", "received", "received_view",
-                 "can_defer",
+    __slots__ = ("next_outgoing", "body_buffer", "received", "received_view", "can_defer",
                  "overtaking", "received_ahead", "pressing", "_outbox", "_inbox", "_applier",
                  "_peers")
 
@@ -27,7 +26,6 @@ class Handler:
         # The hot calls go straight to their part, with no hop through this object.
         self.next_outgoing = outbox.next_outgoing
         self.body_buffer = inbox.body_buffer
-        self.body_part = inbox.body_part
         self.received = inbox.received
         self.received_view = inbox.received_view
         self.can_defer = inbox.can_defer

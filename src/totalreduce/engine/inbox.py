@@ -92,17 +92,6 @@ class Inbox:
         self._floating.receiving(charge)
         return buf
 
-    def body_part(self, peer: int, header: Header, lo: int, hi: int) -> None:
-        route = self._routes.get(peer)
-        if route is None or route.what != "reduce" or route.reduced != lo \
-                or not self._use_in_place:  # a reduce thread takes big bodies whole
-            return
-        op, recv = route.op, route.recv
-        assert op is not None and recv is not None
-        if op.finished or (not lo and not self._applier.reducible(op, recv)):
-            return
-        route.reduced = self._applier.reduce_part(op, recv, route.buf, lo, hi)
-
     def received(self, peer: int, header: Header, body: memoryview) -> None:
         self._header_news(peer, header)
         route = self._routes.pop(peer)
@@ -117,8 +106,6 @@ class Inbox:
                     self._scratch.put(route.buf)
             elif what == "direct":
                 self._applier.applied(op, rkey, route.recv)
-            elif route.reduced:
-                self._applier.reduce_rest(op, rkey, route.recv, route.buf, route.reduced)
             else:
                 self._applier.reduce(op, rkey, route.recv, route.buf, True)
         elif what == "float":

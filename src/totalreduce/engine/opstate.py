@@ -111,7 +111,7 @@ class QueuedMsg:
 class Route:
     """Where the body of the message being received from one peer is going."""
 
-    __slots__ = ("what", "op", "recv", "buf", "charge", "reduced")
+    __slots__ = ("what", "op", "recv", "buf", "charge")
 
     def __init__(self, what: str, op: LiveOp | None = None, recv: Recv | None = None,
                  buf: Any = None, charge: int = 0) -> None:
@@ -120,7 +120,6 @@ class Route:
         self.recv = recv
         self.buf = buf
         self.charge = charge
-        self.reduced = 0  # bytes of a "reduce" body reduced already, as they landed
 
 
 class FloatingBody:

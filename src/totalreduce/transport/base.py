@@ -58,12 +58,6 @@ class MessageHandler(Protocol):
     def body_buffer(self, peer: int, header: Header) -> memoryview:
         """A writable byte buffer of exactly ``header.nbytes`` for the body to land in."""
 
-    def body_part(self, peer: int, header: Header, lo: int, hi: int) -> None:
-        """Bytes ``lo:hi`` of the body arriving into the buffer :meth:`body_buffer` gave
-        have landed, every byte before them too (they stay there); :meth:`received`
-        follows once the body is whole.  A transport that fills a body in slices may
-        say so, that the handler may use each while it is still in cache."""
-
     def received(self, peer: int, header: Header, body: memoryview) -> None:
         """A whole message arrived; ``body`` is the buffer returned by body_buffer."""
 

@@ -60,10 +60,9 @@ class _Scan:
 
 
 class _LentCopy:
-    """A body the peer lent us, partly copied (``done`` bytes) into ``dest``, ``handed``
-    of them handed on."""
+    """A body the peer lent us, partly copied (``done`` bytes) into ``dest``."""
 
-    __slots__ = ("header", "address", "lend", "dest", "done", "handed")
+    __slots__ = ("header", "address", "lend", "dest", "done")
 
     def __init__(self, header: Header, address: int, lend: int, dest: memoryview) -> None:
         self.header = header
@@ -71,7 +70,6 @@ class _LentCopy:
         self.lend = lend
         self.dest = dest
         self.done = 0
-        self.handed = 0  # bytes handed on (MessageHandler.body_part)
 
 
 class _LendFailed(Exception):
@@ -440,15 +438,14 @@ class RingLink(Link):
 
     def _copy_on(self, lent: _LentCopy, may_stop: bool,
                  urgent: frozenset[tuple[int, int]] | None) -> bool:
-        """Copy on a body the peer lent us, out of its memory, handing each slice but the
-        last on as it lands (MessageHandler.body_part: a piece to reduce is reduced slice
-        by slice); once whole, acknowledge it and hand it on.  The copy stops
-        (``may_stop``: not while the ring is being drained whole) after a slice or its
-        hand-over when an op was submitted here, whose turn should not wait for the rest,
-        or when more urgent messages behind it were handled (:meth:`_overtake`, also
-        looked for before the first slice of a turn), whose driver may be waiting for the
-        op they finished.  ``urgent``: the ops whose messages may overtake it
-        (MessageHandler.overtaking).  Returns whether the copy stopped."""
+        """Copy on a body the peer lent us, out of its memory; once whole, acknowledge it
+        and hand it on.  Between two slices the copy stops (``may_stop``: not while the
+        ring is being drained whole) when an op was submitted here, whose turn should not
+        wait for the rest, or when more urgent messages behind it were handled
+        (:meth:`_overtake`, also looked for before the first slice of a turn), whose
+        driver may be waiting for the op they finished.  ``urgent``: the ops whose
+        messages may overtake it (MessageHandler.overtaking).  Returns whether the copy
+        stopped."""
         handler = self.owner.handler
         pid = self.ring_in.lender_pid if self.ring_in is not None else None
         if pid is None:
@@ -461,14 +458,6 @@ class RingLink(Link):
             return True
         try:
             while lent.done < n:
-                if lent.handed < lent.done:
-                    # Handed on now, so that no more than a slice's reduction runs
-                    # between two looks at what is pressing.
-                    handler.body_part(self.peer, header, lent.handed, lent.done)
-                    lent.handed = lent.done
-                    if may_stop and (pressing()
-                                     or (urgent is not None and self._overtake(urgent))):
-                        return True
                 at = lent.done
                 end = n if not may_stop else min(n, at + size)
                 cma.read_into(pid, dest[at:end], address + at)
@@ -487,8 +476,8 @@ class RingLink(Link):
         except OSError as exc:
             raise _LendFailed(f"cannot copy a body out of rank {self.peer}: {exc}") from None
         self.lent_in = None
-        # Acknowledge before handing on the rest: the handler may reduce it (tens to
-        # hundreds of us) while the sender waits for this to finish its op.
+        # Acknowledge before handing it on: the handler may reduce it (hundreds of us)
+        # while the sender waits for this to finish its op.
         ring = self.ring_out
         if not self._acks and ring is not None and ring.post(
                 Header(Kind.RING_ACK, seq=lent.lend).pack()):
