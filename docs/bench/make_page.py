@@ -250,18 +250,18 @@ priorities:
 - Between two slices the copying thread gives up its core for a moment: two ranks of two
   threads each share the two cores, and the application thread woken to submit the
   urgent op otherwise waited for the scheduler, 4 ms in one try of ten.
-- Each slice of a lent piece is reduced into place as it lands, so the loop also looks
-  between the slices of a piece's reduction (a whole 2 MiB reduction took 90-250 us).
 
 What is left, 0.3-0.5 ms against 0.02 ms alone, is Python on both ranks. With
 timestamps on the application's thread of each rank: about 80 us from the call to the
-wait (building and submitting the op), 30-120 us for the progress thread to end its
-slice and hand over the loop, 20 us to start the op, 40 us to post its message and poll,
-30-60 us to find the peer's message behind the big op's 30 lent records, and 40-50 us to
-apply it and return. Each step costs two to three times what it does alone: the
-ranks' four threads share the two cores, and the big op's copies keep the caches cold.
-Smaller slices (256 or 512 KiB) did not make the urgent op faster and cost 16 MB
-allreduces 10-30 %.
+wait (building and submitting the op), 50-130 us for the progress thread to finish the
+copy or reduction in hand (a 2 MiB piece's reduction takes 90-250 us) and hand over the
+loop, 20 us to start the op, 40 us to post its message and poll, 30-60 us to find the
+peer's message behind the big op's 30 lent records, and 40-50 us to apply it and return.
+Each step costs two to three times what it does alone: the ranks' four threads share the
+two cores, and the big op's copies keep the caches cold. Neither reducing each slice as
+it landed nor smaller slices (256 or 512 KiB) made the urgent op faster: the first
+delayed each piece's acknowledgement until the slice before the last was reduced (16 MB
+allreduces ran 5-8 % slower), the second cost 16 MB allreduces 10-30 %.
 
 Over TCP the urgent message waits behind the bytes queued ahead of it in the kernel. A
 socket between two ranks of one host keeps a 256 KiB send buffer for that reason (with the
@@ -632,8 +632,8 @@ want it on.
   better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
   big one already in the kernel's socket buffers or in MPI (TCP between ranks of one host
-  2.7 ms with priorities against 0.09 ms alone, the MPI transport 1.8 ms); over shared
-  memory it takes 0.37 ms against 0.02 ms alone (the preemption section).
+  2.6 ms with priorities against 0.07 ms alone, the MPI transport 1.4 ms); over shared
+  memory it takes 0.4 ms against 0.02 ms alone (the preemption section).
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.
