@@ -610,14 +610,15 @@ want it on.
   (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
   see above).
 - The 2-rank table's medians mix the host's two states (see Environment), each backend
-  in its own proportion; its p10 column is the fast state. Allreduce: 1.76x MPI at 1 MB,
-  1.84x at 4 MB, 0.93x at 16 MB (p10: 2.2 against 2.8 ms), 3.2-3.3x from 64 MB. Up to
+  in its own proportion; its p10 column is the fast state. Allreduce: 1.98x MPI at 1 MB,
+  1.61x at 4 MB, 1.08x at 16 MB (p10: 2.1 against 2.5 ms), 2.7-2.9x from 64 MB. Up to
   4 MiB it runs on the caller's thread, which cannot lend: in the slow state its ring
   copies slow it down as MPICH's own copies slow MPICH.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.72-0.92x; alltoall
-  0.39x at 1 MB rising to 0.86x at 256 MB; broadcast 0.81-0.92x; reducescatter 0.96-1.04x
-  at 1-4 MB, 1.27-3.64x from 16 MB. Per op, Python costs tens of µs, about half of MPI's
-  whole 1 MB call; an allgather or alltoall exchanges sizes before data; and a lent body
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.71-0.91x; alltoall
+  0.28x at 1 MB rising to 0.93x at 256 MB; broadcast 0.67x at 1 MB, 0.87-1.05x from 4 MB;
+  reducescatter 0.90-1.02x at 1-4 MB, 1.37-3.09x from 16 MB. Per op, Python costs tens
+  of µs, about half of MPI's whole 1 MB call; an allgather or alltoall exchanges sizes
+  before data (15 us of a 1 MB alltoall's 120 in the fast state); and a lent body
   is one kernel copy, slower per byte than two memcpys through a ring while the cores
   share a cache, which is where MPICH's (also lent) large messages lose to the ring.
   Without `out=` allgather and alltoall run at about 0.5x from 64 MB: above glibc's mmap
