@@ -36,10 +36,10 @@ TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive     
 TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never); -1 = auto:
-                                   2 MiB, and allreduces and allgathers while
-                                   what they send one peer fits in its
-                                   shared-memory ring (allgathers only while the
-                                   ring copies fast)
+                                   2 MiB, and allreduces, allgathers and
+                                   alltoalls while what they send one peer fits
+                                   in its shared-memory ring (the last two only
+                                   while the ring copies fast)
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
                                    else shm); see transport/registry.py
@@ -306,7 +306,7 @@ class Config:
     @property
     def direct_limit(self) -> int:
         """Bytes up to which a blocking op may run on the caller's thread (0: never);
-        allreduces and allgathers may go further where DIRECT_BYTES is auto
+        allreduces, allgathers and alltoalls may go further where DIRECT_BYTES is auto
         (scheduling/selfguided.py)."""
         return 2 << 20 if self.direct_bytes < 0 else self.direct_bytes
 
