@@ -91,32 +91,19 @@ def test_allreduces_run_on_the_callers_thread_while_their_sends_fit_the_ring(n: 
         assert result.report(r)["direct"] == [1, 1, 0, 0], result.explain()
 
 
+@pytest.mark.parametrize("kind", ["allgathers", "alltoalls"])
 @pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
-def test_allgathers_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
-        n: int, gbps: str) -> None:
-    # Past DIRECT_BYTES' 2 MiB an allgather's data goes on the caller's thread while what
-    # it sends one peer fits in the ring (as an allreduce's), but not while the ring
-    # copies slowly (every ring at 1e6 GB/s, once the warm-up has copied a lap of the
-    # ring and three more): the loop lends its bodies then.  Its sizes phase is small
-    # and always runs there.
+def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
+        kind: str, n: int, gbps: str) -> None:
+    # Past DIRECT_BYTES' 2 MiB an allgather's or alltoall's data goes on the caller's
+    # thread while what it sends one peer fits in the ring (as an allreduce's: an
+    # allgather sends it (n - 1) / n of its result, an alltoall 1 / n), but not while
+    # the ring copies slowly (every ring at 1e6 GB/s, once the warm-up has copied a lap
+    # of the ring and three more): the loop lends its bodies then.  The sizes phase is
+    # small and always runs there.
     bound = 2 * (2 << 20) * n // (2 * (n - 1))
     sizes = [(2 << 20) + 24 * n, bound - 64 * n, bound + 4096 * n, 6 << 20]
-    result = run_ok(n, "smallpath_workers:allgathers_by_size", {"sizes": sizes, "warm": 12},
-                    timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
-    fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
-    for r in range(n):
-        want = [2, 2, 1, 1] if fast else [1, 1, 1, 1]
-        assert result.report(r)["direct"] == want, result.explain()
-
-
-@pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
-def test_alltoalls_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
-        n: int, gbps: str) -> None:
-    # As allgathers: an alltoall sends each peer 1 / size of it, so the same bound fits;
-    # while the ring copies slowly its data leaves the caller's thread from 512 KiB.
-    bound = 2 * (2 << 20) * n // (2 * (n - 1))
-    sizes = [(2 << 20) + 24 * n, bound - 4096 * n, bound + 4096 * n, 6 << 20]
-    result = run_ok(n, "smallpath_workers:alltoalls_by_size", {"sizes": sizes, "warm": 12},
+    result = run_ok(n, f"smallpath_workers:{kind}_by_size", {"sizes": sizes, "warm": 12},
                     timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
     fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
     for r in range(n):
