@@ -78,14 +78,12 @@ class _LendFailed(Exception):
 
 class RingLink(Link):
     def __init__(self, owner: LinkOwner, peer: int, sock: socket.socket,
-                 ring_out: RingWriter, ring_in: RingReader, lend_bytes: int,
-                 slow_ring_rate: float = 0.0) -> None:
+                 ring_out: RingWriter, ring_in: RingReader, lend_bytes: int) -> None:
         super().__init__(owner, peer, sock)
         self.counters = owner.shm_counters
         self.ring_out: RingWriter | None = ring_out
         self.ring_in: RingReader | None = ring_in
         self._lend_bytes = lend_bytes if ring_out.lend else 0
-        ring_out.pace.far_rate = slow_ring_rate if self._lend_bytes else 0.0
         self.blocked: Outgoing | None = None  # waiting for room in ring_out
         self._chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
         self._lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
@@ -122,6 +120,12 @@ class RingLink(Link):
         ring = self.ring_in
         return ring is not None and (self.lent_in is not None
                                      or (not self.deferred and ring.ready()))
+
+    def watch_copies(self, slow_rate: float) -> None:
+        """Lend every big body while this ring's big copies run slower than ``slow_rate``
+        bytes per second (copy_pace.py; 0: never), where bodies can be lent at all."""
+        if self.ring_out is not None:
+            self.ring_out.pace.far_rate = slow_rate if self._lend_bytes else 0.0
 
     def lends_big(self) -> bool:
         """Whether the next big body would be lent because this ring is slow."""

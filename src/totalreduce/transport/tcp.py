@@ -48,8 +48,7 @@ class TcpTransport(Transport):
             sock.setblocking(False)
             ring_out, ring_in = rings.get(peer, (None, None))
             if ring_out is not None and ring_in is not None:
-                self._links[peer] = RingLink(self, peer, sock, ring_out, ring_in, lend_bytes,
-                                             slow_ring_rate)
+                self._links[peer] = RingLink(self, peer, sock, ring_out, ring_in, lend_bytes)
             else:  # one direction only: the socket carries both (see _share_rings)
                 for ring in (ring_out, ring_in):
                     if ring is not None:
@@ -62,11 +61,10 @@ class TcpTransport(Transport):
                              rings_only=len(self._ring_links) == len(self._links))
         for ring_link in self._ring_links:
             ring_link.yields = self._poller.own_core
-            if self._poller.crowded and ring_link.ring_out is not None:
-                # Where ranks take turns on cores, a copy's time says more about the
-                # scheduler than about caches: at 4 ranks on 2 cores the slow-ring rule
-                # made 1 MiB broadcasts, alltoalls and allreduces 1.3-3x slower.
-                ring_link.ring_out.pace.far_rate = 0.0
+            # Where ranks take turns on cores, a copy's time says more about the scheduler
+            # than about caches: at 4 ranks on 2 cores the slow-ring rule made 1 MiB
+            # broadcasts, alltoalls and allreduces 1.3-3x slower.
+            ring_link.watch_copies(0.0 if self._poller.crowded else slow_ring_rate)
         self._pending: set[int] = set()
         self.handler: MessageHandler
         for link in self._links.values():
