@@ -58,6 +58,7 @@ from .reducer import ReduceThread, ScratchPool
 from .serving import JoinServer, Server
 from .smallpath import SmallPath
 from .starter import Starter
+from .urgent import Adopt, UrgentLane
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class Engine:
                                         self.wait, outbox.unpark)
         inbox.small = small
         self._express = Express(small, ops, ledger, serving, transport, outbox.unpark)
+        self._urgent = UrgentLane(job, ops, floating, mismatches, departures, serving,
+                                  transport, self._adopt, loop.ran_elsewhere)
+        inbox.urgent = self._urgent.running
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox
         self._floating, self._scratch, self._mismatches = floating, scratch, mismatches
@@ -144,12 +148,30 @@ class Engine:
         flight here and no other thread drives: True once it is done, False if it did not
         begin (submit it), or the future of an op that went on on the general path (wait
         for it).  Raises the op's error."""
+        if spec.priority > 0:
+            # Past whatever the loop is busy with (urgent.py).
+            chain = self._urgent.chain(spec)
+            if chain is not None:
+                ran = self._urgent.run(spec, chain)
+                if ran is not False:
+                    return ran
         ran = self._driver.exclusive(self._run_small, spec)
         if ran is True and self.transport.has_backlog():
             # Credit it owes a peer, say: the progress thread sends it, as it would have
             # been woken to if the caller had waited through caller_waits().
             self._driver.nudge()
         return ran
+
+    def _adopt(self, state: Adopt) -> OpFuture:
+        """The loop goes on with an op the urgent lane began (Starter.adopt)."""
+        future = OpFuture(self.wait)
+        if self.job.closing or self._closed.is_set():
+            future.resolve(ShutdownError(f"{state[0].label}: cannot go on after shutdown()"))
+            return future
+        self._commands.append(("adopt", state, future))
+        self._driver.kick(future)
+        self._driver.nudge()
+        return future
 
     def _run_small(self, spec: OpSpec) -> OpFuture | bool:
         loop = self.loop
@@ -264,7 +286,9 @@ class Engine:
                 "express_ops": self._express.ran,
                 "express_handed_over": self._express.handed_over,
                 "direct_handed_over": self._small.handed_over,
-                "direct_caught_up": self._small.caught_up}
+                "direct_caught_up": self._small.caught_up,
+                "urgent_ops": self._urgent.ran,
+                "urgent_handed_over": self._urgent.handed_over}
 
     def _command(self, what: str, arg: Any) -> None:
         self._commands.append((what, arg, None))

@@ -13,8 +13,8 @@ from .peers import PeerEvents
 
 class Handler:
     __slots__ = ("next_outgoing", "body_buffer", "received", "received_view", "can_defer",
-                 "overtaking", "received_ahead", "pressing", "_outbox", "_inbox", "_applier",
-                 "_peers")
+                 "lane_claims", "overtaking", "received_ahead", "pressing", "_outbox",
+                 "_inbox", "_applier", "_peers")
 
     def __init__(self, outbox: Outbox, inbox: Inbox, applier: Applier, peers: PeerEvents,
                  pressing: Callable[[], bool]) -> None:
@@ -29,6 +29,7 @@ class Handler:
         self.received = inbox.received
         self.received_view = inbox.received_view
         self.can_defer = inbox.can_defer
+        self.lane_claims = inbox.lane_claims
         self.overtaking = inbox.overtaking
         self.received_ahead = inbox.received_ahead
         self.pressing = pressing

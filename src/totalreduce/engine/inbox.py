@@ -50,6 +50,9 @@ class Inbox:
         self._routes: dict[int, Route] = {}
         self._discard = bytearray(1 << 16)
         self.small: SmallPath | None = None  # set by the engine (it is built after us)
+        # The urgent lane's ops running now (UrgentLane.running, set by the engine): a
+        # message of one that comes through a ring means the peer runs it on the loop.
+        self.urgent: dict[OpKey, bool] = {}
 
     # --- the transport's side (MessageHandler) -------------------------------------------
 
@@ -155,7 +158,18 @@ class Inbox:
         # resumes reading.
         return not self._ops.active and self._job.usable() and not self._floating.watched() \
             and (self.small is None or self.small.current is None) \
-            and header.op_key not in self._ops.done
+            and header.op_key not in self._ops.done and not self.urgent
+
+    def lane_claims(self, peer: int, header: Header) -> bool:
+        # Else it is an urgent op's that this rank has not called yet: the caller's
+        # thread that does will take it from the lane (urgent.py).
+        key = header.op_key
+        ops = self._ops
+        small = self.small
+        return (key in ops.active or key in ops.done or not self._job.usable()
+                or (small is not None and small.current is not None
+                    and key == (small.current.key0, small.current.key1))
+                or self._starter.serves(header))
 
     def overtaking(self, peer: int, front: Header) -> frozenset[OpKey] | None:
         # Only pieces of a small op running here, of a higher priority than front's (which
@@ -195,6 +209,9 @@ class Inbox:
             self._outbox.unpark(peer)
         if header.flags & FLAG_READY:
             self._peers.ready(peer, header)
+        urgent = self.urgent
+        if urgent and header.op_key in urgent:
+            urgent[header.op_key] = True  # the caller's thread hands it to us
 
     def _discard_view(self, n: int) -> memoryview:
         if len(self._discard) < n:

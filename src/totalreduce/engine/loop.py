@@ -1,8 +1,8 @@
 """One turn of the engine's loop, and the way out of it.
 
-A turn runs the commands other threads queued (submit, join, forget, abort, shutdown),
-takes the reduce thread's results, lets the transport do its I/O (which calls the
-outbox, the inbox and peers.py), and every ``HOUSEKEEPING`` seconds fails the ops that
+A turn runs the commands other threads queued (submit, adopt, join, forget, abort,
+shutdown), takes the reduce thread's results, lets the transport do its I/O (which calls
+the outbox, the inbox and peers.py), and every ``HOUSEKEEPING`` seconds fails the ops that
 are mismatched or overdue.  Whoever drives (driving.py) calls :meth:`Loop.step`.
 
 Shutting down: fail what is pending (as Horovod does), tell every peer GOODBYE, wait
@@ -64,6 +64,9 @@ class Loop:
         self._serving = serving
         self._floating = floating
         self.commands: deque[tuple[str, Any, Any]] = deque()
+        # Ops that ran to their end on the urgent lane (urgent.py), to be counted ended:
+        # kept apart from the commands, which a long copy stops for.
+        self.ran_elsewhere: deque[Any] = deque()
         self.completions = completions
         self.closed = threading.Event()
         self.ended = False  # closed is set (a plain attribute: read on every turn)
@@ -111,6 +114,8 @@ class Loop:
         try:
             while self.commands:
                 self._run(*self.commands.popleft())
+            while self.ran_elsewhere:
+                self._starter.ran_elsewhere(self.ran_elsewhere.popleft())
             while self.completions:
                 self._applier.reduced(*self.completions.popleft())
             if self._shutdown_deadline is not None and \
@@ -142,6 +147,10 @@ class Loop:
     def _run(self, cmd: str, arg: Any, future: Any) -> None:
         if cmd == "submit":
             self._starter.start(arg, future)
+        elif cmd == "adopt":
+            spec, ready, told, sent, unsent, got, needs = arg
+            self._transport.resume()  # a message of it may wait unread in a ring
+            self._starter.adopt(spec, future, ready, told, sent, unsent, got, needs)
         elif cmd == "watch":
             self._transport.resume()  # it may have stopped reading with nothing in flight
             if self._job.broken is not None:

@@ -21,7 +21,7 @@ from .mismatch_tracker import MismatchTracker
 from .opstate import LiveOp
 from .optable import OpTable
 from .outbox import Outbox
-from .payload import OpFuture, OpSpec
+from .payload import OpFuture, OpKey, OpSpec
 from .reducer import ScratchPool
 from .schedule import Recv, Send
 from .serving import JoinServer, Server
@@ -81,6 +81,13 @@ class Starter:
             return op
         self._ops.complete(op)
         return op
+
+    def ran_elsewhere(self, key: OpKey) -> None:
+        """Op ``key`` ran to its end off the loop (the urgent lane): count it ended, and
+        drop what was kept for it (a READY that came early)."""
+        self._ops.ran(key)
+        self._ledger.pop_early(key)
+        self._serving.forget(key)
 
     def _open(self, spec: OpSpec, future: OpFuture, ready: set[int],
               needs: set[int] | None = None) -> LiveOp | None:
@@ -160,6 +167,10 @@ class Starter:
         for header in waiting:
             if not self._ops.known(header.op_key):
                 self.try_serve(header)
+
+    def serves(self, header: Header) -> bool:
+        """Whether the op of ``header``, not submitted here, is this rank's to serve."""
+        return self._serving.serves(header)
 
     def try_serve(self, header: Header) -> bool:
         """If the op of ``header`` (not submitted here) is this rank's to serve, start its

@@ -13,6 +13,7 @@ may be called without that lock.
 from __future__ import annotations
 
 import abc
+import threading
 from typing import NamedTuple, Protocol
 
 from .wire import Header
@@ -75,6 +76,12 @@ class MessageHandler(Protocol):
         """Which messages from ``peer`` posted behind ``front``, a slow one (a lent body),
         may be handled first (:meth:`received_ahead`): DATA of these ops (``op_key``s)
         whose body lies whole in the transport's memory; None when none may."""
+
+    def lane_claims(self, peer: int, header: Header) -> bool:
+        """Whether a DATA message in ``peer``'s lane is the loop's to handle now
+        (:meth:`received_view`): its op runs on the loop, or no caller's thread could be
+        waiting for it.  One that is not stays, with what is behind it, for the thread
+        that runs its op (engine/urgent.py)."""
 
     def pressing(self) -> bool:
         """Whether the handler has work waiting that a long copy should stop for (the
@@ -157,6 +164,33 @@ class Transport(abc.ABC):
         """The message from :meth:`peek` (``header``) has been handled: free it.  Besides
         a DATA message shown with its body, that may be one with no body at all (a
         READY), which the caller handled from its header alone."""
+        raise NotImplementedError
+
+    # The lanes: a small second ring each way to a peer on this host, which a caller's
+    # thread reads and writes itself while another thread drives the loop
+    # (engine/urgent.py).  Only such a thread uses them; the loop reads the messages in
+    # this rank's lanes that the handler claims (MessageHandler.lane_claims).
+
+    def lane_room(self, peer: int) -> int:
+        """The biggest body :meth:`lane_post` takes for ``peer``; 0: no lane to it."""
+        return 0
+
+    def lane_post(self, peer: int, header: bytes, body: memoryview | None) -> bool:
+        """Post one DATA message into ``peer``'s lane (any thread); False, nothing sent,
+        when it cannot go now."""
+        return False
+
+    def lane_lock(self, peer: int) -> threading.Lock:
+        """The lock a thread holds while it reads ``peer``'s lane (:meth:`lane_peek`)."""
+        raise NotImplementedError
+
+    def lane_peek(self, peer: int) -> tuple[Header, memoryview] | None:
+        """The oldest message in ``peer``'s lane, with its body (valid until
+        :meth:`lane_take` or the lock is let go), or None."""
+        return None
+
+    def lane_take(self, peer: int, header: Header) -> None:
+        """The message :meth:`lane_peek` showed (``header``) has been handled: free it."""
         raise NotImplementedError
 
     def crowded(self) -> bool:

@@ -30,7 +30,7 @@ from ..rendezvous.auth import client_handshake, recv_exact, server_handshake
 from ..threads import start_daemon
 from ..version import __version__
 from . import cma
-from .shmring import RingReader, RingWriter, ring_capacity, shm_available
+from .shmring import LANE_BYTES, RingReader, RingWriter, ring_capacity, shm_available
 from .tcp import TcpTransport
 from .wire import PROTOCOL_VERSION
 
@@ -266,7 +266,7 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
     try:
         for peer in local:
             try:
-                writers[peer] = RingWriter(want)
+                writers[peer] = RingWriter(want, LANE_BYTES)
             except OSError as exc:
                 logger.warning("rank %d: no shared-memory ring to rank %d: %s", rank, peer, exc)
             _send_json(socks[peer], {"ring": writers[peer].name if peer in writers else "",
@@ -276,7 +276,7 @@ def _share_rings(rank: int, socks: dict[int, socket.socket], ring_bytes: int,
             name = msg.get("ring")
             if name:
                 try:
-                    readers[peer] = RingReader(str(name), want)
+                    readers[peer] = RingReader(str(name), want, LANE_BYTES)
                 except (OSError, ValueError) as exc:
                     logger.warning("rank %d: cannot open rank %d's shared-memory ring: %s",
                                    rank, peer, exc)

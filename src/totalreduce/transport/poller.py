@@ -82,6 +82,9 @@ class Poller:
             if ring is not None and ((not link.deferred and ring.ready())
                                      or link.lent_in is not None):
                 return True
+            lane = link.lane_in
+            if lane is not None and lane.head() != link.lane_seen:
+                return True  # news in the lane (RingLink.read_lane)
             if link.blocked is not None and link.room_freed():
                 return True
         return False

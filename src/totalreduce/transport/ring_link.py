@@ -11,8 +11,10 @@ writer's memory, one copy where the ring costs two.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 from collections import deque
 
 from . import cma
@@ -97,6 +99,20 @@ class RingLink(Link):
         # every local rank has a core of its own; see _copy_on).
         self.yields = False
         self.deferred = False  # the ring's next record waits for the handler (resume())
+        # The lanes (shmring.RingWriter.lane), used from any thread: a caller's thread
+        # runs an urgent op through them while the loop's thread runs the rings.  Each end
+        # has its lock; the loop only tries the reading end's (read_lane).
+        self.lane_out = ring_out.lane
+        self.lane_in = ring_in.lane
+        self.lane_lock = threading.Lock()  # reading lane_in
+        self._lane_writing = threading.Lock()
+        # Messages and bytes through the lanes, counted under their locks (Counters are
+        # the loop's alone).
+        self.lane_counts = {"messages_sent": 0, "bytes_sent": 0, "messages_received": 0,
+                            "bytes_received": 0}
+        # The lane's head when the loop last looked: records past it are news to the loop
+        # (the poller's rings_ready), older ones were left for a caller's thread.
+        self.lane_seen = 0
 
     def pending_output(self) -> bool:
         return bool(self.out or self.blocked or self._acks)
@@ -110,6 +126,11 @@ class RingLink(Link):
 
     def close_rings(self) -> None:
         self.blocked = None
+        with self._lane_writing, self.lane_lock:
+            for lane in (self.lane_out, self.lane_in):
+                if lane is not None:
+                    lane.close()
+            self.lane_out = self.lane_in = None
         for ring in (self.ring_out, self.ring_in):
             if ring is not None:
                 ring.close()
@@ -118,8 +139,10 @@ class RingLink(Link):
     def ready(self) -> bool:
         """Whether the peer's ring has a record for us (not one left for later)."""
         ring = self.ring_in
+        lane = self.lane_in
         return ring is not None and (self.lent_in is not None
-                                     or (not self.deferred and ring.ready()))
+                                     or (not self.deferred and ring.ready())
+                                     or (lane is not None and lane.head() != self.lane_seen))
 
     def watch_copies(self, slow_rate: float) -> None:
         """Lend every big body while this ring's big copies run slower than ``slow_rate``
@@ -263,6 +286,87 @@ class RingLink(Link):
         except OSError as exc:
             self.owner.lost(self, f"send failed: {explain(exc)}")
 
+    # --- the lanes (any thread) -------------------------------------------------------
+
+    def lane_post(self, header: bytes, body: memoryview | None) -> bool:
+        """Post one message into the peer's lane; False, nothing written, when it cannot
+        go now (no room, or the link is ending)."""
+        with self._lane_writing:
+            lane = self.lane_out
+            if (lane is None or self.write_closed or self.closed
+                    or (body is not None and body.nbytes > lane.max_body)
+                    or not lane.post(header, body)):
+                return False
+            counts = self.lane_counts
+            counts["messages_sent"] += 1
+            counts["bytes_sent"] += HEADER_SIZE + (0 if body is None else body.nbytes)
+        ring = self.ring_out
+        if ring is not None and ring.reader_sleeping():
+            # Errors are the loop's to see and report: this may be any thread.
+            with contextlib.suppress(OSError):
+                self.sock.send(_DOORBELL)
+        return True
+
+    def lane_peek(self) -> tuple[Header, memoryview] | None:
+        """The oldest message in our lane, with its body, or None (hold
+        :attr:`lane_lock`; the body is valid until :meth:`lane_take` or the lock goes)."""
+        lane = self.lane_in
+        if lane is None:
+            return None
+        try:
+            return lane.next()
+        except WireError:
+            return None  # the loop's read_lane reports it
+
+    def lane_take(self, header: Header) -> None:
+        """The message :meth:`lane_peek` showed (``header``) has been handled (hold
+        :attr:`lane_lock`)."""
+        lane = self.lane_in
+        assert lane is not None
+        lane.release()  # lane writers never wait for room, so no doorbell is owed
+        self._lane_received(header)
+        if lane.ready():
+            self.lane_seen = -1  # the loop may claim what is behind it
+            self.owner.wake()
+
+    def read_lane(self, all_of_it: bool) -> None:
+        """Hand the handler the lane's messages it claims (MessageHandler.lane_claims),
+        oldest first, up to the first it does not (a caller's thread will take that one);
+        ``all_of_it``: every message, at the peer's end.  Skipped while a caller's thread
+        reads the lane.
+
+        Raises:
+            WireError: the lane holds something that is not a whole DATA message.
+        """
+        lane = self.lane_in
+        if lane is None:
+            return
+        self.lane_seen = lane.head()
+        if not lane.ready() or not self.lane_lock.acquire(blocking=False):
+            return  # a caller that leaves records behind its own says so (lane_take)
+        try:
+            handler = self.owner.handler
+            peer = self.peer
+            while self.lane_in is not None:
+                record = lane.next()
+                if record is None:
+                    break
+                header, body = record
+                if header.kind != Kind.DATA or header.flags & (FLAG_CHUNKED | FLAG_REMOTE):
+                    raise WireError(f"a {header.kind!r} message in a lane")
+                if not all_of_it and not handler.lane_claims(peer, header):
+                    break
+                handler.received_view(peer, header, body)
+                lane.release()
+                self._lane_received(header)
+        finally:
+            self.lane_lock.release()
+
+    def _lane_received(self, header: Header) -> None:
+        counts = self.lane_counts
+        counts["messages_received"] += 1
+        counts["bytes_received"] += HEADER_SIZE + header.nbytes
+
     # --- reading -------------------------------------------------------------------
 
     def read(self) -> None:
@@ -315,6 +419,12 @@ class RingLink(Link):
         """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
         worth per poll, None: all of them)."""
         ring = self.ring_in
+        if self.lane_in is not None:
+            try:
+                self.read_lane(budget is None)
+            except WireError as exc:
+                self.owner.lost(self, f"corrupt shared-memory lane: {exc}")
+                return
         if ring is None or (self.deferred and budget is not None):
             return
         handler = self.owner.handler

@@ -66,6 +66,9 @@ _WRAP = Header(Kind.RING_WRAP).pack()
 # a quarter of unpacking it whole, for every record behind a big body on every look.
 _GLANCE = struct.Struct("<HBxB3xQQ16xQ")
 _fence_lock = threading.Lock()
+# Each direction's lane (RingWriter.lane): room for a small op's few messages, whose
+# bodies are at most half of it.
+LANE_BYTES = 64 << 10
 
 
 def fence() -> None:
@@ -99,23 +102,37 @@ def ring_capacity(nbytes: int) -> int:
     return max(4096, nbytes & ~(_ALIGN - 1))
 
 
+def _file_size(capacity: int, lane: int) -> int:
+    """A ring's file: its control page and records, then its lane's (``lane`` bytes of
+    records; 0: no lane)."""
+    return _CONTROL + capacity + (_CONTROL + lane if lane else 0)
+
+
+def _map_file(fd: int, size: int) -> mmap.mmap:
+    # Every page mapped now, not on its first touch: the first lap of a ring otherwise
+    # faults in its pages one by one (tmpfs allocates and zeroes them on the writer's
+    # side), which made a job's first three 1 MiB allreduces take 1 ms each instead of
+    # 0.1-0.2 ms.
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
 class _Mapping:
-    def __init__(self, fd: int, capacity: int) -> None:
+    """One ring's part of a mapped file: its control page at ``offset``, then
+    ``capacity`` bytes of records."""
+
+    def __init__(self, mm: mmap.mmap, offset: int, capacity: int) -> None:
         self.capacity = capacity
-        # Every page mapped now, not on its first touch: the first lap of a ring otherwise
-        # faults in its pages one by one (tmpfs allocates and zeroes them on the writer's
-        # side), which made a job's first three 1 MiB allreduces take 1 ms each instead
-        # of 0.1-0.2 ms.
-        self.map = mmap.mmap(fd, _CONTROL + capacity,
-                             flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.map = mm
+        start = offset + _CONTROL
         # A memoryview reads a counter in a third of the time a numpy array takes, and
         # every small message reads and writes several.
-        self.ctl = memoryview(self.map)[:_CONTROL].cast("Q")
-        self.data = np.frombuffer(self.map, dtype=np.uint8, offset=_CONTROL)
-        self.view = memoryview(self.map)[_CONTROL:]
+        self.ctl = memoryview(mm)[offset:start].cast("Q")
+        self.data = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=start)
+        self.view = memoryview(mm)[start:start + capacity]
 
     def close(self) -> None:
-        # Views pin the buffer; drop them first or mmap.close() raises BufferError.
+        # Views pin the buffer; drop them first or mmap.close() raises BufferError (as it
+        # does while the file's other ring, main or lane, still has its own).
         self.data = None  # type: ignore[assignment]
         self.ctl.release()
         self.view.release()
@@ -126,25 +143,39 @@ class _Mapping:
 class RingWriter:
     """The producer's end."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int, lane: int = 0) -> None:
+        """``lane``: the bytes of a second, small ring in the same file (:attr:`lane`)."""
         self.name = "totalreduce-" + secrets.token_hex(16)
         self.path = os.path.join(_SHM_DIR, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        size = _file_size(capacity, lane)
         try:
-            os.ftruncate(fd, _CONTROL + capacity)
+            os.ftruncate(fd, size)
             # The ring's memory is taken now: where /dev/shm is too small for every ring
             # (a container's is often 64 MiB), a ring with pages missing killed the
             # process with SIGBUS at its first write past the space; this way the pair
             # is told at set-up (ENOSPC) and keeps to its socket, with a warning.
-            os.posix_fallocate(fd, 0, _CONTROL + capacity)
-            self._m = _Mapping(fd, capacity)
+            os.posix_fallocate(fd, 0, size)
+            mm = _map_file(fd, size)
         except BaseException:
             self.unlink()
             raise
         finally:
             os.close(fd)
-        self._ctl = self._m.ctl
+        self._attach(_Mapping(mm, 0, capacity))
+        # The lane: a ring of its own in the same file, for messages that must not wait
+        # behind this one's (engine/urgent.py).
+        self.lane: RingWriter | None = None
+        if lane:
+            self.lane = RingWriter.__new__(RingWriter)
+            self.lane.name = self.lane.path = ""
+            self.lane.lane = None
+            self.lane._attach(_Mapping(mm, _CONTROL + capacity, lane))
+
+    def _attach(self, mapping: _Mapping) -> None:
+        self._m = mapping
+        self.capacity = capacity = mapping.capacity
+        self._ctl = mapping.ctl
         self._head = 0  # total bytes written, padding included
         self._stuck_at = -1  # the reader's tail when a post last found the ring full
         self.lend = False  # the reader can copy bodies out of our memory (see .cma)
@@ -153,8 +184,9 @@ class RingWriter:
         self.max_body = capacity // 2 - HEADER_SIZE
 
     def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def post(self, header: bytes, body: memoryview | None = None) -> bool:
         """Write one record and publish it; False (nothing written) while the ring is full.
@@ -221,23 +253,38 @@ class RingWriter:
 
 
 class RingReader:
-    """The consumer's end: records come out in the order they were posted."""
+    """The consumer's end."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, lane: int = 0) -> None:
+        """``lane``: as the writer's (:attr:`lane`)."""
         if not name.startswith("totalreduce-") or "/" in name:
             raise ValueError(f"not a totalreduce ring name: {name!r}")
         fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
         try:
-            if os.fstat(fd).st_size != _CONTROL + capacity:
+            size = _file_size(capacity, lane)
+            if os.fstat(fd).st_size != size:
                 raise ValueError("ring file has the wrong size")
-            self._m = _Mapping(fd, capacity)
+            mm = _map_file(fd, size)
         finally:
             os.close(fd)
-        self._ctl = self._m.ctl
-        self.capacity = capacity
+        self._attach(_Mapping(mm, 0, capacity))
+        self.lane: RingReader | None = None
+        if lane:
+            self.lane = RingReader.__new__(RingReader)
+            self.lane.lane = None
+            self.lane._attach(_Mapping(mm, _CONTROL + capacity, lane))
+
+    def _attach(self, mapping: _Mapping) -> None:
+        self._m = mapping
+        self._ctl = mapping.ctl
+        self.capacity = mapping.capacity
         self._pos = 0
         self._size = 0  # of the record handed out by next(), until release()
         self.lender_pid: int | None = None  # set when we can read the writer's memory
+
+    def head(self) -> int:
+        """Where the writer will post next (safe to ask from any thread)."""
+        return int(self._ctl[_HEAD])
 
     def ready(self) -> bool:
         """Whether a record is waiting (safe to ask from any thread)."""

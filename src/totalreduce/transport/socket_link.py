@@ -52,6 +52,9 @@ class LinkOwner(Protocol):
     def lost(self, link: Link, reason: str, orderly: bool = False) -> None:
         """The link ended."""
 
+    def wake(self) -> None:
+        """Make a blocked poll() return soon (any thread)."""
+
 
 class Link:
     """A connection to one peer over a socket."""

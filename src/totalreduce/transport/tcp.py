@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import selectors
 import socket
+import threading
 from typing import Protocol
 
 from .base import Counters, MessageHandler, Transport
@@ -92,6 +93,9 @@ class TcpTransport(Transport):
         """The totals, then the same counts for each kind of link: ``tcp_*`` for peers
         reached over sockets, ``shm_*`` for those on this host's shared-memory rings."""
         tcp, shm = self.counters.as_dict(), self.shm_counters.as_dict()
+        for link in self._ring_links:
+            for name, value in link.lane_counts.items():
+                shm[name] += value
         out = {name: tcp[name] + shm[name] for name in tcp}
         out.update({f"tcp_{name}": value for name, value in tcp.items()})
         out.update({f"shm_{name}": value for name, value in shm.items()})
@@ -127,6 +131,31 @@ class TcpTransport(Transport):
         link = self._links[peer]
         assert type(link) is RingLink
         link.take(header)
+
+    def lane_room(self, peer: int) -> int:
+        link = self._links.get(peer)
+        if type(link) is not RingLink or link.lane_in is None:
+            return 0
+        lane = link.lane_out
+        return 0 if lane is None else lane.max_body
+
+    def lane_post(self, peer: int, header: bytes, body: memoryview | None) -> bool:
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.lane_post(header, body)
+
+    def lane_lock(self, peer: int) -> threading.Lock:
+        link = self._links[peer]
+        assert type(link) is RingLink
+        return link.lane_lock
+
+    def lane_peek(self, peer: int) -> tuple[Header, memoryview] | None:
+        link = self._links.get(peer)
+        return link.lane_peek() if type(link) is RingLink else None
+
+    def lane_take(self, peer: int, header: Header) -> None:
+        link = self._links[peer]
+        assert type(link) is RingLink
+        link.lane_take(header)
 
     def spin_for(self) -> float:
         return self._poller.spin if self._ring_links else 0.0
