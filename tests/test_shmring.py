@@ -75,6 +75,39 @@ def test_ring_file_is_private_and_gone_after_unlink() -> None:
         writer.close()
 
 
+@pytest.mark.parametrize("close_lane_first", [True, False])
+def test_a_lane_is_a_ring_of_its_own_in_the_same_file(close_lane_first: bool) -> None:
+    writer = RingWriter(1 << 12, lane=1 << 12)
+    try:
+        with pytest.raises(ValueError, match="wrong size"):
+            RingReader(writer.name, 1 << 12)  # a reader that expects no lane
+        reader = RingReader(writer.name, 1 << 12, lane=1 << 12)
+        writer.unlink()
+        assert writer.lane is not None and reader.lane is not None
+        # A full ring does not hold the lane up, nor the other way round.
+        while writer.post(_data(1, 1000), memoryview(b"r" * 1000)):
+            pass
+        assert writer.lane.post(_data(2, 3), memoryview(b"abc"))
+        assert reader.lane.ready() and reader.lane.head() > 0
+        header, body = reader.lane.next()
+        assert header.step == 2 and bytes(body) == b"abc"
+        body.release()
+        reader.lane.release()
+        assert reader.lane.next() is None
+        assert _drain(reader)[0][:2] == (1, b"r")  # the ring's records, untouched
+        for end in (writer, reader):
+            lane = end.lane
+            assert lane is not None
+            if close_lane_first:
+                lane.close()
+                end.close()
+            else:
+                end.close()
+                lane.close()
+    finally:
+        writer.unlink()
+
+
 def test_reader_refuses_foreign_names() -> None:
     for name in ("../etc/passwd", "other-file", "totalreduce-x/../y"):
         with pytest.raises(ValueError):

@@ -1,0 +1,52 @@
+"""The urgent lane (engine/urgent.py): small blocking ops of raised priority run on the
+caller's thread through the lanes, past whatever the loop is busy with, message for
+message as the loop would run them, so a peer may run the same op any other way."""
+
+import pytest
+
+from harness import PROMPTLY, run_ok
+
+pytestmark = pytest.mark.multiprocess
+
+BIG = 1 << 20  # float32: a 4 MB op, lent or copied in many pieces meanwhile
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int) -> None:
+    steps = 40
+    result = run_ok(n, "urgent_workers:urgent_calls", {"steps": steps, "big": BIG},
+                    timeout=150)
+    for r in range(n):
+        got = result.report(r)
+        assert got["checked"] == steps, result.explain()
+        assert got["active"] == 0 and got["floating"] == 0, got
+        # The lane ran them (an allgather or alltoall is two ops: sizes, then data);
+        # a rank late by more than its peers' patience makes them hand over.
+        assert got["urgent"] >= steps // 2, got
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_peers_may_run_an_urgent_op_any_other_way(n: int) -> None:
+    steps = 48
+    result = run_ok(n, "urgent_workers:mixed_ways", {"steps": steps, "big": BIG},
+                    timeout=200)
+    for r in range(n):
+        got = result.report(r)
+        assert got["checked"] == steps, result.explain()
+        assert got["active"] == 0 and got["floating"] == 0, got
+    # Rank 0 ran ops to their end on the lane, and handed others to the loop: peers that
+    # ran them through a handle, with no priority, or too late.
+    assert result.report(0)["urgent"] > 0 and result.report(0)["handed"] > 0, \
+        result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_urgent_op_that_differs_fails_on_every_rank(n: int) -> None:
+    result = run_ok(n, "urgent_workers:urgent_mismatch", {"big": BIG}, timeout=120)
+    for r in range(n):
+        got = result.report(r)
+        msg = got["error"]
+        assert "'odd'" in msg and "shape" in msg, result.explain()
+        assert "(5,)" in msg and "(6,)" in msg and "rank 0:" in msg, msg
+        assert got["took"] < PROMPTLY, got
+        assert got["after"] == [n, n, n], got  # the job went on
