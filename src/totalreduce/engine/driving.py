@@ -122,6 +122,12 @@ class Driver:
         and drives the loop meanwhile (see :meth:`kick`)."""
         return self._caller_waits
 
+    def aside(self) -> Aside:
+        """``with driver.aside():`` this thread, though inside :meth:`caller_waits`, does
+        not drive for a while (it runs an op past the loop, engine/urgent.py): the
+        progress thread drives what is in flight meanwhile."""
+        return Aside(self)
+
     def wait(self, future: OpFuture, timeout: float | None) -> bool:
         """Wait for ``future`` (any future resolved by the loop) by driving the loop on this
         thread whenever nobody else does.  Returns False on timeout."""
@@ -246,6 +252,30 @@ class Waiting:
         with driver._idle_lock:
             driver._drivers -= 1
         driver.nudge()
+
+
+class Aside:
+    """See :meth:`Driver.aside`."""
+
+    __slots__ = ("_driver", "_counted")
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+        self._counted = False
+
+    def __enter__(self) -> None:
+        driver = self._driver
+        self._counted = getattr(driver._local, "waits", 0) > 0
+        if self._counted:
+            with driver._idle_lock:
+                driver._drivers -= 1
+            driver.nudge()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._counted:
+            driver = self._driver
+            with driver._idle_lock:
+                driver._drivers += 1
 
 
 class CallerWaits(Waiting):

@@ -152,7 +152,8 @@ class Engine:
             # Past whatever the loop is busy with (urgent.py).
             chain = self._urgent.chain(spec)
             if chain is not None:
-                ran = self._urgent.run(spec, chain)
+                with self._driver.aside():
+                    ran = self._urgent.run(spec, chain)
                 if ran is not False:
                     return ran
         ran = self._driver.exclusive(self._run_small, spec)

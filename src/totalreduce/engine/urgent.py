@@ -43,10 +43,14 @@ from .schedule import Recv, Schedule, Send
 from .serving import JoinServer
 from .smallpath import SmallOp, apply_piece, fits, needs
 
-# How long a step waits for the peer's message before the loop takes the op over: a peer
-# that takes longer has not called the op yet, and the loop, which blocks instead of
-# spinning, is the place to wait for it.
+# How long a step busy-polls the lane for the peer's message: it holds this process's
+# GIL meanwhile, which the thread that drives the loop (the big op's copies) may want.
+_SPIN = 200e-6
+# ... then looks between naps, which let that thread run, until this long has passed;
+# then the loop takes the op over: a peer that takes longer has not called the op yet, and
+# the loop, which blocks instead of polling, is the place to wait for it.
 _WAIT = 2e-3
+_NAP = 50e-6
 
 # Chains by the schedule they came from, as the express lane keeps them.
 _CHAINS = 256
@@ -180,7 +184,8 @@ class UrgentLane:
         job = self._job
         relax = os.sched_yield if transport.crowded() else None
         now = time.perf_counter
-        deadline = now() + _WAIT
+        start = now()
+        nap_from, deadline = start + _SPIN, start + _WAIT
         while True:
             with lock:
                 record = peek(peer)
@@ -199,9 +204,14 @@ class UrgentLane:
                     # Another op's (another thread's, or one the loop will claim once it
                     # runs it): ours is behind it.
             if (running[key] or ctrl_c.pending or job.broken is not None or job.closing
-                    or self._departures.any() or key in self._floating or now() > deadline):
+                    or self._departures.any() or key in self._floating):
                 return False
-            if relax is not None:
+            t = now()
+            if t >= nap_from:
+                if t >= deadline:
+                    return False
+                time.sleep(_NAP)
+            elif relax is not None:
                 relax()
 
     def _hand_over(self, spec: OpSpec, chain: Chain, ready: set[int], told: set[int],

@@ -82,6 +82,7 @@ class TcpTransport(Transport):
     def resume(self) -> None:
         for link in self._ring_links:
             link.deferred = False
+            link.lane_seen = -1  # what was left there may be the loop's now
 
     def wake(self) -> None:
         self._poller.wake()
