@@ -383,7 +383,8 @@ def broadcast_root_copies(arg: dict) -> None:
 def urgent_overtakes(arg: dict) -> None:
     """A big allreduce in many lent pieces, then at once a more urgent small op of each
     kind whose pieces the peer posts behind them; every result against numpy; reports how
-    many messages were read ahead of slower ones."""
+    many messages were read ahead of slower ones.  The urgent ops are async, so the loop
+    runs them (a blocking one would take the urgent lane, engine/urgent.py)."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     count = (8 << 20) // 4 + 3
@@ -394,10 +395,11 @@ def urgent_overtakes(arg: dict) -> None:
         small = (np.arange(1000 + rep, dtype=np.int64) % 7 + rank).astype(dtype)
         want = sum((np.arange(1000 + rep, dtype=np.int64) % 7 + r).astype(dtype)
                    for r in range(n))
-        got = tr.allreduce(small, op=tr.Sum, name=f"urgent.{rep}", priority=5)
+        got = tr.allreduce_async(small, op=tr.Sum, name=f"urgent.{rep}",
+                                 priority=5).wait()
         assert_same(got, want.astype(dtype), f"urgent {rep}")
-        rows = tr.allgather(np.full((rep + 1, 2), rank, np.int32), name=f"rows.{rep}",
-                            priority=5)
+        rows = tr.allgather_async(np.full((rep + 1, 2), rank, np.int32),
+                                  name=f"rows.{rep}", priority=5).wait()
         assert_same(rows, np.concatenate([np.full((rep + 1, 2), r, np.int32)
                                           for r in range(n)]), f"rows {rep}")
         h.wait(timeout=120)

@@ -18,6 +18,10 @@ ahead.  A body too big for one record follows its header in CHUNK records.  A FL
 record carries only a descriptor of a body the reader copies out of the writer's memory
 itself (:mod:`.cma`).
 
+A ring's file may hold a second, small ring after it, its *lane* (:attr:`RingWriter.lane`):
+the same records, for the few messages that must not wait behind the ring's
+(engine/urgent.py).
+
 Sleeping needs a doorbell: a consumer about to block on its socket raises one of its
 ``sleeping`` flags and looks at ``head`` once more; a producer that published looks at the
 flags and, if one is up, sends one byte over the socket.  A producer that found the ring
