@@ -234,10 +234,23 @@ ranks) + MPI's flat allreduce time in the same run.
 
 {table("preempt-2")[1]}
 
-Over the shared-memory rings the big op's pieces are lent (the receiver copies each 2 MiB
-piece out of the sender's memory and reduces it), and the reader takes ring records in
-order, so a message posted behind a dozen of them waits for all ("priority off"). With
-priorities:
+The urgent op here is blocking. Over the shared-memory rings it runs on its own lane
+(DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
+second, small ring to the peer and reads the peer's out of its own, without waiting for
+the thread that drives the big op and without the big op's records ahead of it in the
+ring, which is read in order: 0.16-0.17 ms in four runs of this table's command. What is
+left is the caller's Python running five to ten times slower than alone while the big
+op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
+from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
+waiting for the peer's (whose own start comes as late) and 4 us after; the slow tail
+(p90 0.2-0.6 ms) is a peer whose thread got its core late. A nap of the loop's thread while an urgent op runs (so that it
+stops taking turns at the GIL and the cores) did not measurably help, and stalls the big
+op whenever a peer is late, so the loop goes on.
+
+Big ops' pieces are lent (the receiver copies each 2 MiB piece out of the sender's memory
+and reduces it), and the reader takes ring records in order, so a message posted behind a
+dozen of them waits for all ("priority off"). An urgent op the loop runs (an async one,
+or over TCP or MPI) is helped by priorities as follows:
 
 - Before each big body, and between the slices of its copy, the reader handles the DATA
   records posted behind it whose op runs here at a higher priority and is small (up to
@@ -251,17 +264,14 @@ priorities:
   threads each share the two cores, and the application thread woken to submit the
   urgent op otherwise waited for the scheduler, 4 ms in one try of ten.
 
-What is left, 0.3-0.5 ms against 0.02 ms alone, is Python on both ranks. With
-timestamps on the application's thread of each rank: about 80 us from the call to the
-wait (building and submitting the op), 50-130 us for the progress thread to finish the
-copy or reduction in hand (a 2 MiB piece's reduction takes 90-250 us) and hand over the
-loop, 20 us to start the op, 40 us to post its message and poll, 30-60 us to find the
-peer's message behind the big op's 30 lent records, and 40-50 us to apply it and return.
-Each step costs two to three times what it does alone: the ranks' four threads share the
-two cores, and the big op's copies keep the caches cold. Neither reducing each slice as
-it landed nor smaller slices (256 or 512 KiB) made the urgent op faster: the first
-delayed each piece's acknowledgement until the slice before the last was reduced (16 MB
-allreduces ran 5-8 % slower), the second cost 16 MB allreduces 10-30 %.
+That way an urgent op takes 0.3-0.5 ms against 0.02 ms alone: about 80 us from the call
+to the wait, 50-130 us for the progress thread to finish the copy or reduction in hand
+and hand over the loop, 20 us to start the op, 40 us to post its message and poll, 30-60
+us to find the peer's message behind the big op's 30 lent records, and 40-50 us to apply
+it and return. Neither reducing each slice as it landed nor smaller slices (256 or 512
+KiB) made it faster: the first delayed each piece's acknowledgement until the slice
+before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost 16 MB
+allreduces 10-30 %.
 
 Over TCP the urgent message waits behind the bytes queued ahead of it in the kernel. A
 socket between two ranks of one host keeps a 256 KiB send buffer for that reason (with the
@@ -633,8 +643,9 @@ want it on.
   better.
 - Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
   big one already in the kernel's socket buffers or in MPI (TCP between ranks of one host
-  2.6 ms with priorities against 0.07 ms alone, the MPI transport 1.4 ms); over shared
-  memory it takes 0.4 ms against 0.02 ms alone (the preemption section).
+  2.3 ms with priorities against 0.12 ms alone, the MPI transport 2.4 ms); over shared
+  memory a blocking one takes 0.16 ms against 0.04 ms alone (its own lane, the
+  preemption section), an async one 0.3-0.5 ms.
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.
