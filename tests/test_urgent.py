@@ -1,6 +1,7 @@
 """The urgent lane (engine/urgent.py): small blocking ops of raised priority run on the
-caller's thread through the lanes, past whatever the loop is busy with, message for
-message as the loop would run them, so a peer may run the same op any other way."""
+caller's thread through the lanes (a second shared-memory ring, or a second connection,
+to each peer), past whatever the loop is busy with, message for message as the loop would
+run them, so a peer may run the same op any other way."""
 
 import pytest
 
@@ -11,11 +12,12 @@ pytestmark = pytest.mark.multiprocess
 BIG = 1 << 20  # float32: a 4 MB op, lent or copied in many pieces meanwhile
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int) -> None:
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (4, "shm"),
+                                              (2, "tcp"), (3, "tcp")])
+def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int, transport: str) -> None:
     steps = 40
     result = run_ok(n, "urgent_workers:urgent_calls", {"steps": steps, "big": BIG},
-                    timeout=150)
+                    timeout=150, transport=transport)
     for r in range(n):
         got = result.report(r)
         assert got["checked"] == steps, result.explain()
@@ -25,11 +27,11 @@ def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int) -> None:
         assert got["urgent"] >= steps // 2, got
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_peers_may_run_an_urgent_op_any_other_way(n: int) -> None:
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+def test_peers_may_run_an_urgent_op_any_other_way(n: int, transport: str) -> None:
     steps = 48
     result = run_ok(n, "urgent_workers:mixed_ways", {"steps": steps, "big": BIG},
-                    timeout=200)
+                    timeout=200, transport=transport)
     for r in range(n):
         got = result.report(r)
         assert got["checked"] == steps, result.explain()
@@ -40,9 +42,10 @@ def test_peers_may_run_an_urgent_op_any_other_way(n: int) -> None:
         result.explain()
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_an_urgent_op_that_differs_fails_on_every_rank(n: int) -> None:
-    result = run_ok(n, "urgent_workers:urgent_mismatch", {"big": BIG}, timeout=120)
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+def test_an_urgent_op_that_differs_fails_on_every_rank(n: int, transport: str) -> None:
+    result = run_ok(n, "urgent_workers:urgent_mismatch", {"big": BIG}, timeout=120,
+                    transport=transport)
     for r in range(n):
         got = result.report(r)
         msg = got["error"]

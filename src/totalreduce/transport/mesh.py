@@ -6,8 +6,9 @@ the job secret is logged and dropped while the job carries on.  The hello names 
 world (how many times this job's processes have called ``init()`` before): a process
 that shuts down and initializes again is a new world, and a connection left over from
 an older one is refused without a warning, as a matter of course.  Peers on the same host
-then agree on a shared-memory ring per direction over their fresh sockets.  The result is
-a :class:`.tcp.TcpTransport`.
+then agree on a shared-memory ring per direction over their fresh sockets; a pair left
+with no rings dials a second connection, a *lane* for urgent messages (socket_lane.py;
+ringed pairs have theirs in shared memory).  The result is a :class:`.tcp.TcpTransport`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class _Acceptor:
         self._hello = hello
         self._timeout = timeout
         self._cond = threading.Condition()
-        self._accepted: dict[int, socket.socket] = {}
+        # By (rank, lane): a lane is a second connection (socket_lane.py).
+        self._accepted: dict[tuple[int, bool], socket.socket] = {}
         self._stopped = False
         self._thread = start_daemon(self._run, "totalreduce-accept")
 
@@ -108,12 +110,13 @@ class _Acceptor:
             if problem is None and not (isinstance(prank, int) and self._rank < prank
                                         < self._size):
                 problem = f"rank {prank!r} is not one that dials rank {self._rank}"
+            key = (prank if isinstance(prank, int) else -1, peer.get("lane") is True)
             with self._cond:
-                if problem is None and (prank in self._accepted or self._stopped):
+                if problem is None and (key in self._accepted or self._stopped):
                     problem = f"rank {prank} is already connected"
                 if problem is None and isinstance(prank, int):
                     sock.settimeout(None)
-                    self._accepted[prank] = sock
+                    self._accepted[key] = sock
                     self._cond.notify_all()
                     return
             raise AuthenticationError(problem)
@@ -122,19 +125,21 @@ class _Acceptor:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def wait_for(self, ranks: set[int], deadline: float, cancelled: Cancelled | None = None
-                 ) -> dict[int, socket.socket]:
+    def wait_for(self, ranks: set[int], deadline: float, cancelled: Cancelled | None = None,
+                 lane: bool = False) -> dict[int, socket.socket]:
+        """The connections (``lane``: the lanes) of ``ranks``, once each has come."""
+        want = {(r, lane) for r in ranks}
         with self._cond:
-            while not ranks <= set(self._accepted):
+            while not want <= set(self._accepted):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = sorted(ranks - set(self._accepted))
+                    missing = sorted(r for r, _lane in want - set(self._accepted))
                     raise TimeoutError(f"rank {self._rank}: ranks {missing} did not connect "
                                        "in time")
                 self._cond.wait(min(left, 0.5))
                 if cancelled is not None and cancelled():
                     raise WorldMoved(f"rank {self._rank}: the job moved to a newer world")
-            return {r: self._accepted[r] for r in ranks}
+            return {r: self._accepted[r, lane] for r in ranks}
 
     def stop(self) -> None:
         with self._cond:
@@ -350,8 +355,9 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
     try:
         publish(f"{advertise_host}:{listener.getsockname()[1]}")
         socks: dict[int, socket.socket] = {}
+        addresses: dict[int, str] = {}
         for peer in range(rank):
-            address = lookup(peer, max(0.0, deadline - time.monotonic()))
+            addresses[peer] = address = lookup(peer, max(0.0, deadline - time.monotonic()))
             socks[peer] = _dial(address, secret, hello, peer, deadline, cancelled)
         accepted = acceptor.wait_for(set(range(rank + 1, size)), deadline, cancelled)
         for peer, sock in accepted.items():
@@ -366,12 +372,23 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
             if peer_hosts.get(peer) == mine:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LOCAL_SNDBUF)
+        # Peers with no rings each way (both ends agree which) get a lane of their own.
+        unringed = {p for p in socks
+                    if rings.get(p, (None, None))[0] is None or rings[p][1] is None}
+        lanes: dict[int, socket.socket] = {}
+        lane_hello = dict(hello, lane=True)
+        for peer in sorted(p for p in unringed if p < rank):
+            lanes[peer] = _dial(addresses[peer], secret, lane_hello, peer, deadline,
+                                cancelled)
+        lanes.update(acceptor.wait_for({p for p in unringed if p > rank}, deadline,
+                                       cancelled, lane=True))
     except BaseException:
         acceptor.stop()
         raise
     peer_hosts[rank] = mine
     return TcpTransport(rank, size, socks, acceptor, rings, lend_bytes,
-                        number_hosts([peer_hosts[r] for r in range(size)]), slow_ring_rate)
+                        number_hosts([peer_hosts[r] for r in range(size)]), slow_ring_rate,
+                        lanes)
 
 
 def number_hosts(identities: list[str]) -> tuple[int, ...]:

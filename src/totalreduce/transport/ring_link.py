@@ -288,6 +288,11 @@ class RingLink(Link):
 
     # --- the lanes (any thread) -------------------------------------------------------
 
+    def lane_room(self) -> int:
+        """The biggest body :meth:`lane_post` takes; 0: no lane."""
+        lane = self.lane_out
+        return 0 if lane is None or self.lane_in is None else lane.max_body
+
     def lane_post(self, header: bytes, body: memoryview | None) -> bool:
         """Post one message into the peer's lane; False, nothing written, when it cannot
         go now (no room, or the link is ending)."""

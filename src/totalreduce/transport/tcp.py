@@ -20,6 +20,7 @@ from .base import Counters, MessageHandler, Transport
 from .poller import WAIT_SLOT, Poller
 from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
+from .socket_lane import SocketLane
 from .socket_link import BATCH_BYTES, WRITE_BUDGET, Link
 from .wire import Header
 
@@ -37,7 +38,10 @@ class TcpTransport(Transport):
                  acceptor: _Stoppable | None,
                  rings: dict[int, tuple[RingWriter | None, RingReader | None]] | None = None,
                  lend_bytes: int = 0, hosts: tuple[int, ...] | None = None,
-                 slow_ring_rate: float = 0.0) -> None:
+                 slow_ring_rate: float = 0.0,
+                 lanes: dict[int, socket.socket] | None = None) -> None:
+        """``lanes``: a second connection to each peer reached over a socket, for the
+        urgent lane (socket_lane.py); peers on rings have theirs in shared memory."""
         self.rank = rank
         self.size = size
         self.hosts = hosts
@@ -70,6 +74,17 @@ class TcpTransport(Transport):
         self.handler: MessageHandler
         for link in self._links.values():
             self._poller.selector.register(link.sock, selectors.EVENT_READ, link)
+        self._lane_ends: dict[int, RingLink | SocketLane] = {
+            link.peer: link for link in self._ring_links if link.lane_in is not None}
+        self._socket_lanes: list[SocketLane] = []
+        for peer, sock in (lanes or {}).items():
+            if type(self._links.get(peer)) is Link:
+                lane = SocketLane(self, peer, sock)
+                self._lane_ends[peer] = lane
+                self._socket_lanes.append(lane)
+                self._poller.selector.register(sock, selectors.EVENT_READ, lane)
+            else:
+                sock.close()
 
     # --- interface -----------------------------------------------------------------
 
@@ -83,6 +98,8 @@ class TcpTransport(Transport):
         for link in self._ring_links:
             link.deferred = False
             link.lane_seen = -1  # what was left there may be the loop's now
+        for lane in self._socket_lanes:
+            lane.recheck = True
 
     def wake(self) -> None:
         self._poller.wake()
@@ -97,6 +114,9 @@ class TcpTransport(Transport):
         for link in self._ring_links:
             for name, value in link.lane_counts.items():
                 shm[name] += value
+        for lane in self._socket_lanes:
+            for name, value in lane.lane_counts.items():
+                tcp[name] += value
         out = {name: tcp[name] + shm[name] for name in tcp}
         out.update({f"tcp_{name}": value for name, value in tcp.items()})
         out.update({f"shm_{name}": value for name, value in shm.items()})
@@ -134,29 +154,29 @@ class TcpTransport(Transport):
         link.take(header)
 
     def lane_room(self, peer: int) -> int:
-        link = self._links.get(peer)
-        if type(link) is not RingLink or link.lane_in is None:
-            return 0
-        lane = link.lane_out
-        return 0 if lane is None else lane.max_body
+        end = self._lane_ends.get(peer)
+        return 0 if end is None else end.lane_room()
 
     def lane_post(self, peer: int, header: bytes, body: memoryview | None) -> bool:
-        link = self._links.get(peer)
-        return type(link) is RingLink and link.lane_post(header, body)
+        end = self._lane_ends.get(peer)
+        return end is not None and end.lane_post(header, body)
 
     def lane_lock(self, peer: int) -> threading.Lock:
-        link = self._links[peer]
-        assert type(link) is RingLink
-        return link.lane_lock
+        return self._lane_ends[peer].lane_lock
 
     def lane_peek(self, peer: int) -> tuple[Header, memoryview] | None:
-        link = self._links.get(peer)
-        return link.lane_peek() if type(link) is RingLink else None
+        end = self._lane_ends.get(peer)
+        return None if end is None else end.lane_peek()
 
     def lane_take(self, peer: int, header: Header) -> None:
-        link = self._links[peer]
-        assert type(link) is RingLink
-        link.lane_take(header)
+        self._lane_ends[peer].lane_take(header)
+
+    def lane_ended(self, lane: SocketLane) -> None:
+        if lane in self._socket_lanes:
+            self._socket_lanes.remove(lane)
+            with contextlib.suppress(Exception):
+                self._poller.selector.unregister(lane.sock)
+        lane.close()
 
     def spin_for(self) -> float:
         return self._poller.spin if self._ring_links else 0.0
@@ -194,6 +214,11 @@ class TcpTransport(Transport):
             timeout = 0
         elif blocked and self._ring_blocked():
             timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
+        lanes = [lane for lane in self._socket_lanes if lane.recheck]
+        if lanes:
+            timeout = 0
+            for lane in lanes:
+                lane.read()
         for key, mask in self._poller.select(timeout, pending=self._pending):
             link = key.data
             if link is None:
@@ -233,6 +258,9 @@ class TcpTransport(Transport):
         for ring_link in self._ring_links:
             ring_link.close_rings()
         self._ring_links.clear()
+        for lane in self._socket_lanes:
+            lane.close()
+        self._socket_lanes.clear()
 
     # --- what links ask of us (socket_link.LinkOwner) --------------------------------
 
