@@ -273,13 +273,15 @@ KiB) made it faster: the first delayed each piece's acknowledgement until the sl
 before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost 16 MB
 allreduces 10-30 %.
 
-Over TCP the urgent message waits behind the bytes queued ahead of it in the kernel. A
-socket between two ranks of one host keeps a 256 KiB send buffer for that reason (with the
-kernel's own sizing, up to 4 MiB here, the urgent op took 12.6 ms, and 16-64 MB ops were
-slower too); a socket to another host keeps the kernel's sizing, which a real link needs
-(at 256 KiB a 64 MB allreduce between two simulated hosts behind a 10 Gbit/s link ran 3x
-slower). Over the MPI transport it waits behind what MPI has queued to that peer, which
-is kept to 8 MiB of bodies for that reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
+Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
+it does not wait behind the big op's bytes in the kernel's buffers. An urgent op the loop
+runs does, which is why a socket between two ranks of one host keeps a 256 KiB send buffer
+(with the kernel's own sizing, up to 4 MiB here, the urgent op took 12.6 ms, and 16-64 MB
+ops were slower too); a socket to another host keeps the kernel's sizing, which a real
+link needs (at 256 KiB a 64 MB allreduce between two simulated hosts behind a 10 Gbit/s
+link ran 3x slower). The MPI transport has no lanes: the urgent op waits behind what MPI
+has queued to that peer, which is kept to 8 MiB of bodies for that reason (sixteen 2 MiB
+pieces took it 3.9-5.3 ms).
 
 ## Coordination: self-guided against negotiated
 

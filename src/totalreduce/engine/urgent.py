@@ -210,7 +210,7 @@ class UrgentLane:
             if t >= nap_from:
                 if t >= deadline:
                     return False
-                time.sleep(_NAP)
+                transport.lane_wait(peer, _NAP)
             elif relax is not None:
                 relax()
 

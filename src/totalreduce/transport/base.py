@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from typing import NamedTuple, Protocol
 
 from .wire import Header
@@ -192,6 +193,11 @@ class Transport(abc.ABC):
     def lane_take(self, peer: int, header: Header) -> None:
         """The message :meth:`lane_peek` showed (``header``) has been handled: free it."""
         raise NotImplementedError
+
+    def lane_wait(self, peer: int, timeout: float) -> None:
+        """Block, without the lane's lock, until something may have come into ``peer``'s
+        lane or ``timeout`` passes (a spurious return is harmless)."""
+        time.sleep(timeout)
 
     def crowded(self) -> bool:
         """Whether this host's ranks outnumber its cores: a thread waiting for a peer then

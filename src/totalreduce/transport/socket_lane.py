@@ -98,6 +98,13 @@ class SocketLane:
         self._fill()
         return self._front()
 
+    def lane_wait(self, timeout: float) -> None:
+        """Block until the socket has bytes (perhaps already taken by the loop's read) or
+        ``timeout`` passes: a thread waiting on the kernel is woken when they come, where
+        one that naps may find its core taken."""
+        with contextlib.suppress(OSError, ValueError):
+            select.select([self.sock], [], [], timeout)
+
     def lane_take(self, header: Header) -> None:
         """The message :meth:`lane_peek` showed (``header``) has been handled (hold
         :attr:`lane_lock`)."""

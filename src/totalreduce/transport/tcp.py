@@ -14,6 +14,7 @@ import contextlib
 import selectors
 import socket
 import threading
+import time
 from typing import Protocol
 
 from .base import Counters, MessageHandler, Transport
@@ -170,6 +171,13 @@ class TcpTransport(Transport):
 
     def lane_take(self, peer: int, header: Header) -> None:
         self._lane_ends[peer].lane_take(header)
+
+    def lane_wait(self, peer: int, timeout: float) -> None:
+        end = self._lane_ends.get(peer)
+        if type(end) is SocketLane:
+            end.lane_wait(timeout)
+        else:
+            time.sleep(timeout)  # a ring has no descriptor to wait on
 
     def lane_ended(self, lane: SocketLane) -> None:
         if lane in self._socket_lanes:
