@@ -238,7 +238,7 @@ The urgent op here is blocking. Over the shared-memory rings it runs on its own 
 (DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
 second, small ring to the peer and reads the peer's out of its own, without waiting for
 the thread that drives the big op and without the big op's records ahead of it in the
-ring, which is read in order: 0.16-0.17 ms in four runs of this table's command. What is
+ring, which is read in order: 0.16-0.23 ms in seven runs of this table's command. What is
 left is the caller's Python running five to ten times slower than alone while the big
 op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
 from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
@@ -274,8 +274,12 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers. An urgent op the loop
-runs does, which is why a socket between two ranks of one host keeps a 256 KiB send buffer
+it does not wait behind the big op's bytes in the kernel's buffers: 0.27-0.52 ms against
+0.08-0.15 ms alone in ten runs. Its slow tail (p90 1.5-3 ms) is the two ranks' calls
+starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
+rank's thread waits that long for its core and the GIL, which the progress thread's
+socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
+urgent op the loop runs waits behind those bytes, which is why a socket between two ranks of one host keeps a 256 KiB send buffer
 (with the kernel's own sizing, up to 4 MiB here, the urgent op took 12.6 ms, and 16-64 MB
 ops were slower too); a socket to another host keeps the kernel's sizing, which a real
 link needs (at 256 KiB a 64 MB allreduce between two simulated hosts behind a 10 Gbit/s
@@ -643,11 +647,12 @@ want it on.
   allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer
   to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
   better.
-- Preemption over TCP and the MPI transport: the urgent op waits behind the bytes of the
-  big one already in the kernel's socket buffers or in MPI (TCP between ranks of one host
-  2.3 ms with priorities against 0.12 ms alone, the MPI transport 2.4 ms); over shared
-  memory a blocking one takes 0.16 ms against 0.04 ms alone (its own lane, the
-  preemption section), an async one 0.3-0.5 ms.
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.16-0.23 ms over
+  shared memory against 0.02-0.04 ms alone, and 0.27-0.52 ms over TCP against 0.08-0.15
+  ms alone (each on its own lane, the preemption section): the caller's Python runs
+  slowly while the big op's copies take the two cores. Over the MPI transport, which
+  has no lanes, the urgent op waits behind what MPI has queued (1.2-2.4 ms); an async
+  urgent op, which the loop runs, takes 0.3-0.5 ms over shared memory.
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.
