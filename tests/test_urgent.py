@@ -53,3 +53,14 @@ def test_an_urgent_op_that_differs_fails_on_every_rank(n: int, transport: str) -
         assert "(5,)" in msg and "(6,)" in msg and "rank 0:" in msg, msg
         assert got["took"] < PROMPTLY, got
         assert got["after"] == [n, n, n], got  # the job went on
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_joined_rank_serves_urgent_ops(transport: str) -> None:
+    n = 3
+    result = run_ok(n, "urgent_workers:urgent_with_a_joined_rank", {"steps": 6},
+                    timeout=120, transport=transport)
+    for r in range(n - 1):
+        # Ranks 0 and 1 contribute 1 and 2; the joined rank 2 serves zeros.
+        assert result.report(r)["sums"] == [3.0] * 6, result.explain()
+    assert result.report(n - 1)["sums"] == [], result.explain()

@@ -143,3 +143,18 @@ def urgent_mismatch(arg: dict) -> None:
     after = tr.allreduce(np.ones(3, np.float32), op=tr.Sum, name="after", priority=URGENT)
     report(error=error, took=took, after=after.tolist())
     tr.shutdown()
+
+
+def urgent_with_a_joined_rank(arg: dict) -> None:
+    """Rank 0 makes urgent calls while the last rank has called join(): that rank's loop
+    serves them from the lane, with zeros (Horovod's join)."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    sums = []
+    if rank != n - 1:
+        for i in range(arg["steps"]):
+            x = np.full(9, rank + 1.0, np.float32)
+            sums.append(float(tr.allreduce(x, op=tr.Sum, name=f"j.{i}", priority=URGENT)[0]))
+    last = tr.join()
+    report(sums=sums, last=last)
+    tr.shutdown()
