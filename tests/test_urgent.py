@@ -1,20 +1,26 @@
 """The urgent lane (engine/urgent.py): small blocking ops of raised priority run on the
-caller's thread through the lanes (a second shared-memory ring, or a second connection,
-to each peer), past whatever the loop is busy with, message for message as the loop would
-run them, so a peer may run the same op any other way."""
+caller's thread through the lanes (a second shared-memory ring, a second connection, or
+an MPI tag of their own, to each peer), past whatever the loop is busy with, message for
+message as the loop would run them, so a peer may run the same op any other way."""
 
 import pytest
 
-from harness import PROMPTLY, run_ok
+from harness import PROMPTLY, mpiexec, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
 BIG = 1 << 20  # float32: a 4 MB op, lent or copied in many pieces meanwhile
 
 
+def _needs(transport: str) -> None:
+    if transport == "mpi" and mpiexec() is None:
+        pytest.skip("mpi transport: mpi4py/mpiexec not installed (pip install '.[mpi]')")
+
+
 @pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (4, "shm"),
-                                              (2, "tcp"), (3, "tcp")])
+                                              (2, "tcp"), (3, "tcp"), (2, "mpi")])
 def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int, transport: str) -> None:
+    _needs(transport)
     steps = 40
     result = run_ok(n, "urgent_workers:urgent_calls", {"steps": steps, "big": BIG},
                     timeout=150, transport=transport)
@@ -27,8 +33,10 @@ def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int, transport: str
         assert got["urgent"] >= steps // 2, got
 
 
-@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp"),
+                                              (2, "mpi")])
 def test_peers_may_run_an_urgent_op_any_other_way(n: int, transport: str) -> None:
+    _needs(transport)
     steps = 48
     result = run_ok(n, "urgent_workers:mixed_ways", {"steps": steps, "big": BIG},
                     timeout=200, transport=transport)

@@ -243,9 +243,9 @@ left is the caller's Python running five to ten times slower than alone while th
 op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
 from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
 waiting for the peer's (whose own start comes as late) and 4 us after; the slow tail
-(p90 0.2-0.6 ms) is a peer whose thread got its core late. A nap of the loop's thread while an urgent op runs (so that it
-stops taking turns at the GIL and the cores) did not measurably help, and stalls the big
-op whenever a peer is late, so the loop goes on.
+(p90 0.2-0.6 ms) is a peer whose thread got its core late. A nap of the loop's thread
+while an urgent op runs (so that it stops taking turns at the GIL and the cores) did not
+measurably help, and stalls the big op whenever a peer is late, so the loop goes on.
 
 Big ops' pieces are lent (the receiver copies each 2 MiB piece out of the sender's memory
 and reduces it), and the reader takes ring records in order, so a message posted behind a
@@ -279,13 +279,16 @@ it does not wait behind the big op's bytes in the kernel's buffers: 0.27-0.52 ms
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
-urgent op the loop runs waits behind those bytes, which is why a socket between two ranks of one host keeps a 256 KiB send buffer
-(with the kernel's own sizing, up to 4 MiB here, the urgent op took 12.6 ms, and 16-64 MB
-ops were slower too); a socket to another host keeps the kernel's sizing, which a real
-link needs (at 256 KiB a 64 MB allreduce between two simulated hosts behind a 10 Gbit/s
-link ran 3x slower). The MPI transport has no lanes: the urgent op waits behind what MPI
-has queued to that peer, which is kept to 8 MiB of bodies for that reason (sixteen 2 MiB
-pieces took it 3.9-5.3 ms).
+urgent op the loop runs waits behind those bytes, which is why a socket between two ranks
+of one host keeps a 256 KiB send buffer (with the kernel's own sizing, up to 4 MiB here,
+the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to another host
+keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
+two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
+lane is an MPI tag of its own, but MPICH lets one thread into the library at a time, and
+the progress thread's calls there move the big op's bytes: the urgent op took 1.2-2.9 ms
+in three runs (p10 0.15 ms). An urgent op the loop runs waits behind what MPI has queued
+to that peer, which is kept to 8 MiB of bodies for that reason (sixteen 2 MiB pieces took
+it 3.9-5.3 ms).
 
 ## Coordination: self-guided against negotiated
 

@@ -24,10 +24,12 @@ import time
 from typing import Any
 
 from .base import Counters, MessageHandler, Transport
-from .wire import HEADER_SIZE, unpack_header
+from .socket_lane import LANE_BODY
+from .wire import HEADER_SIZE, Header, Kind, unpack_header
 
 _HEADER_TAG = 1
 _BODY_TAG = 2
+_LANE_TAG = 3  # the urgent lane's messages (engine/urgent.py), header and body in one
 _INLINE = 16 << 10
 _MAX_SENDS_PER_PEER = 16  # messages in flight to one peer before we stop pulling
 # ... or body bytes: what MPI holds to a peer is a queue that a more urgent message waits
@@ -81,6 +83,107 @@ class _Send:
         self.nbytes = nbytes  # of the body
 
 
+class _Lane:
+    """The urgent lane to one peer: its own tag, which no big op's bytes queue on.  Read
+    and written from any thread (MPI_THREAD_MULTIPLE): a caller's thread runs an urgent
+    op through it while another drives the loop, which reads the messages its ops need
+    (MessageHandler.lane_claims).  A message read is held here until one of them takes
+    it."""
+
+    def __init__(self, transport: MpiTransport, peer: int) -> None:
+        self._transport = transport
+        self.peer = peer
+        self.lane_lock = threading.Lock()  # reading
+        self._writing = threading.Lock()
+        self._sends: list[tuple[Any, bytes]] = []  # sends in flight, with their buffers
+        self._buf = bytearray(HEADER_SIZE + LANE_BODY)
+        self._front: tuple[Header, memoryview] | None = None
+        self.recheck = False  # a message held here may be the loop's now
+        self.lane_counts = {"messages_sent": 0, "bytes_sent": 0, "messages_received": 0,
+                            "bytes_received": 0}
+
+    def lane_room(self) -> int:
+        return 0 if self._transport.closed else LANE_BODY
+
+    def holds(self) -> bool:
+        """Whether a message read from MPI waits here for a thread to take it."""
+        return self._front is not None
+
+    def lane_post(self, header: bytes, body: memoryview | None) -> bool:
+        n = 0 if body is None else body.nbytes
+        if n > LANE_BODY:
+            return False
+        data = header + (bytes(body) if body is not None and n else b"")
+        transport = self._transport
+        with self._writing:
+            if transport.closed:
+                return False
+            self._sends = [(req, buf) for req, buf in self._sends if not req.Test()]
+            if len(self._sends) >= _MAX_SENDS_PER_PEER:
+                return False  # the peer is not reading its lane: the loop sends it
+            try:
+                req = transport.comm.Isend([data, transport.mpi.BYTE], self.peer, _LANE_TAG)
+            except transport.mpi.Exception:
+                return False
+            self._sends.append((req, data))
+            counts = self.lane_counts
+            counts["messages_sent"] += 1
+            counts["bytes_sent"] += len(data)
+        return True
+
+    def lane_peek(self) -> tuple[Header, memoryview] | None:
+        """(Hold :attr:`lane_lock`.)"""
+        if self._front is not None:
+            return self._front
+        transport = self._transport
+        if transport.closed:
+            return None
+        mpi = transport.mpi
+        status = mpi.Status()
+        try:
+            if not transport.comm.Iprobe(source=self.peer, tag=_LANE_TAG, status=status):
+                return None
+            n = status.Get_count(mpi.BYTE)
+            if not HEADER_SIZE <= n <= len(self._buf):
+                return None  # not a lane message: left for nobody, as MPI holds it
+            transport.comm.Recv([self._buf, n, mpi.BYTE], source=self.peer, tag=_LANE_TAG)
+        except mpi.Exception:
+            return None
+        header = unpack_header(memoryview(self._buf)[:HEADER_SIZE])
+        if header.kind != Kind.DATA or HEADER_SIZE + header.nbytes != n:
+            return None
+        self._front = (header, memoryview(self._buf)[HEADER_SIZE:n])
+        return self._front
+
+    def lane_take(self, header: Header) -> None:
+        """(Hold :attr:`lane_lock`.)"""
+        self._front = None
+        counts = self.lane_counts
+        counts["messages_received"] += 1
+        counts["bytes_received"] += HEADER_SIZE + header.nbytes
+        self.recheck = True  # more may have come behind it
+        self._transport.wake()
+
+    def read(self, handler: MessageHandler) -> None:
+        """The loop's look: hand over the messages the handler claims, oldest first, up
+        to the first it does not (a caller's thread will take that one)."""
+        if not self.lane_lock.acquire(blocking=False):
+            return
+        try:
+            self.recheck = False
+            while (record := self.lane_peek()) is not None:
+                header, body = record
+                if not handler.lane_claims(self.peer, header):
+                    break
+                handler.received_view(self.peer, header, body)
+                self._front = None
+                counts = self.lane_counts
+                counts["messages_received"] += 1
+                counts["bytes_received"] += HEADER_SIZE + header.nbytes
+        finally:
+            self.lane_lock.release()
+
+
 class MpiTransport(Transport):
     def __init__(self, comm: Any, hosts: tuple[int, ...] | None = None) -> None:
         self._mpi = import_mpi()
@@ -99,6 +202,10 @@ class MpiTransport(Transport):
         self._hdr_bufs: dict[int, bytearray] = {}
         self._closed = False
         self._sends_open = 0
+        # Lanes need threads other than the loop's to call MPI at once.
+        self._lanes: dict[int, _Lane] = {}
+        if self._mpi.Query_thread() >= self._mpi.THREAD_MULTIPLE:
+            self._lanes = {p: _Lane(self, p) for p in range(self.size) if p != self.rank}
 
     def start(self, handler: MessageHandler) -> None:
         self._handler = handler
@@ -109,6 +216,48 @@ class MpiTransport(Transport):
 
     def want_send(self, peer: int) -> None:
         self._pending.add(peer)
+
+    # The lanes, read by the lanes (any thread).
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def comm(self) -> Any:
+        return self._comm
+
+    @property
+    def mpi(self) -> Any:
+        return self._mpi
+
+    def lane_room(self, peer: int) -> int:
+        lane = self._lanes.get(peer)
+        return 0 if lane is None else lane.lane_room()
+
+    def lane_post(self, peer: int, header: bytes, body: memoryview | None) -> bool:
+        lane = self._lanes.get(peer)
+        return lane is not None and lane.lane_post(header, body)
+
+    def lane_lock(self, peer: int) -> threading.Lock:
+        return self._lanes[peer].lane_lock
+
+    def lane_peek(self, peer: int) -> tuple[Header, memoryview] | None:
+        lane = self._lanes.get(peer)
+        return None if lane is None else lane.lane_peek()
+
+    def lane_take(self, peer: int, header: Header) -> None:
+        self._lanes[peer].lane_take(header)
+
+    def resume(self) -> None:
+        for lane in self._lanes.values():
+            lane.recheck = True
+
+    def stats(self) -> dict[str, int]:
+        out = self.counters.as_dict()
+        for lane in self._lanes.values():
+            for name, value in lane.lane_counts.items():
+                out[name] += value
+        return out
 
     def wake(self) -> None:
         self._event.set()
@@ -164,6 +313,8 @@ class MpiTransport(Transport):
 
     def _progress(self) -> bool:
         did = self._pull_sends()
+        if self._lanes:
+            did |= self._read_lanes()
         if not self._reqs:
             return did
         try:
@@ -188,6 +339,31 @@ class MpiTransport(Transport):
                 self._handler.received(peer, header, body)
                 self._post_header(peer)
         return True
+
+    def _read_lanes(self) -> bool:
+        """Look at the lanes that have news: one a message came into (one probe for all
+        of them), or one whose held message may be the loop's now.  Returns whether any
+        message was handed over."""
+        assert self._handler is not None
+        status = self._mpi.Status()
+        lanes = [lane for lane in self._lanes.values() if lane.recheck]
+        if any(lane.holds() for lane in self._lanes.values()):
+            # A lane's next message, still in MPI behind one held for a caller's thread,
+            # would match the probe below every time, hiding the other lanes' news.
+            lanes = list(self._lanes.values())
+        else:
+            try:
+                if self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_LANE_TAG,
+                                     status=status):
+                    lane = self._lanes.get(status.Get_source())
+                    if lane is not None and lane not in lanes:
+                        lanes.append(lane)
+            except self._mpi.Exception:
+                return False
+        before = sum(lane.lane_counts["messages_received"] for lane in lanes)
+        for lane in lanes:
+            lane.read(self._handler)
+        return sum(lane.lane_counts["messages_received"] for lane in lanes) > before
 
     def _pull_sends(self) -> bool:
         assert self._handler is not None
