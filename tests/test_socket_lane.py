@@ -19,9 +19,11 @@ class _Owner:
         self.got: list[tuple[int, bytes]] = []
         self.woken = 0
         self.ended: list[SocketLane] = []
+        self.behind: list[bool] = []
         self.handler: Any = self
 
-    def lane_claims(self, peer: int, header: Header) -> bool:
+    def lane_claims(self, peer: int, header: Header, behind: bool) -> bool:
+        self.behind.append(behind)
         return header.step in self.claim
 
     def received_view(self, peer: int, header: Header, body: memoryview) -> None:
@@ -93,8 +95,8 @@ def test_the_loop_takes_what_it_claims_and_all_at_the_end(pair: Any) -> None:
     raw.sendall(_msg(1, b"a") + _msg(2, b"b") + _msg(1, b"c"))
     lane.read()
     # The first is claimed; the second is not (a caller's thread will take it), and the
-    # third waits behind it.
-    assert owner.got == [(1, b"a")]
+    # third waits behind it.  The handler is told whether others wait behind each.
+    assert owner.got == [(1, b"a")] and owner.behind == [True, True]
     with lane.lane_lock:
         header, _body = lane.lane_peek()
         assert header.step == 2
@@ -102,6 +104,7 @@ def test_the_loop_takes_what_it_claims_and_all_at_the_end(pair: Any) -> None:
     assert lane.recheck and owner.woken == 1  # the loop must look again
     lane.read()
     assert owner.got == [(1, b"a"), (1, b"c")] and not lane.recheck
+    assert owner.behind[-1] is False
     raw.sendall(_msg(7, b"d") + _msg(8, b"e" * 100)[:80])  # then the peer's end, mid-message
     raw.close()
     lane.read()

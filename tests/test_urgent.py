@@ -72,3 +72,13 @@ def test_a_joined_rank_serves_urgent_ops(transport: str) -> None:
         # Ranks 0 and 1 contribute 1 and 2; the joined rank 2 serves zeros.
         assert result.report(r)["sums"] == [3.0] * 6, result.explain()
     assert result.report(n - 1)["sums"] == [], result.explain()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_urgent_ops_called_in_another_order_on_a_peer_finish(transport: str) -> None:
+    result = run_ok(2, "urgent_workers:urgent_in_another_order", {"reps": 10},
+                    timeout=120, transport=transport)
+    for r in range(2):
+        got = result.report(r)
+        assert len(got["results"]) == 20, result.explain()
+        assert set(got["results"].values()) == {got["want"]}, got

@@ -158,3 +158,33 @@ def urgent_with_a_joined_rank(arg: dict) -> None:
     last = tr.join()
     report(sums=sums, last=last)
     tr.shutdown()
+
+
+def urgent_in_another_order(arg: dict) -> None:
+    """Rank 1 runs urgent allreduces "a" and "b" at once on two threads; rank 0 calls "b",
+    then "a", on one: "a"'s message comes first in rank 0's lane, and "b" must get past it
+    (it floats) rather than wait for a call that comes only after "b" ends."""
+    import threading
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    results: dict[str, float] = {}
+
+    def call(name: str) -> None:
+        x = np.full(3, rank + 1.0, np.float32)
+        results[name] = float(tr.allreduce(x, op=tr.Sum, name=name, priority=URGENT)[0])
+
+    for rep in range(arg["reps"]):
+        a, b = f"a.{rep}", f"b.{rep}"
+        if rank == 0:
+            call(b)
+            call(a)
+        else:
+            threads = [threading.Thread(target=call, args=(name,)) for name in (a, b)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        tr.barrier()
+    report(results=results, want=float(n * (n + 1) // 2))
+    tr.shutdown()

@@ -120,9 +120,6 @@ class Engine:
         self._urgent = UrgentLane(job, ops, floating, mismatches, departures, serving,
                                   transport, self._adopt, loop.ran_elsewhere)
         inbox.urgent = self._urgent.running
-        # Whether some peer is reached without a ring: small ops to it take the lane.
-        self._unringed = any(not transport.peeks(p) and transport.lane_room(p)
-                             for p in peers)
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox
         self._floating, self._scratch, self._mismatches = floating, scratch, mismatches
@@ -151,9 +148,8 @@ class Engine:
         flight here and no other thread drives: True once it is done, False if it did not
         begin (submit it), or the future of an op that went on on the general path (wait
         for it).  Raises the op's error."""
-        # Past whatever the loop is busy with, where urgent or where the peers are not on
-        # rings (urgent.py).
-        chain = self._urgent.chain(spec) if spec.priority > 0 or self._unringed else None
+        # Past whatever the loop is busy with (urgent.py).
+        chain = self._urgent.chain(spec) if spec.priority > 0 else None
         if chain is not None:
             with self._driver.aside():
                 ran = self._urgent.run(spec, chain)

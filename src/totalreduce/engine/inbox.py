@@ -160,16 +160,23 @@ class Inbox:
             and (self.small is None or self.small.current is None) \
             and header.op_key not in self._ops.done and not self.urgent
 
-    def lane_claims(self, peer: int, header: Header) -> bool:
-        # Else it is an urgent op's that this rank has not called yet: the caller's
-        # thread that does will take it from the lane (urgent.py).
+    def lane_claims(self, peer: int, header: Header, behind: bool) -> bool:
+        # Not one a thread here runs on the lane now: it takes it.  Else the loop takes an
+        # op's it runs, has ended or serves.  One of an op not called here yet is left for
+        # the thread that will call it (urgent.py), unless others wait behind it, which
+        # another op may need: then it floats (a lane holds few: UrgentLane.chain), as it
+        # does while a receive from any source waits (Floating.watch), which learns its
+        # op from the bodies that float.  Its thread then finds it floating and hands the
+        # op to the loop.
         key = header.op_key
+        if key in self.urgent:
+            return False
         ops = self._ops
         small = self.small
-        return (key in ops.active or key in ops.done or not self._job.usable()
+        return (behind or key in ops.active or key in ops.done or not self._job.usable()
                 or (small is not None and small.current is not None
                     and key == (small.current.key0, small.current.key1))
-                or self._starter.serves(header))
+                or self._starter.serves(header) or self._floating.watched())
 
     def overtaking(self, peer: int, front: Header) -> frozenset[OpKey] | None:
         # Only pieces of a small op running here, of a higher priority than front's (which

@@ -75,7 +75,7 @@ class UrgentLane:
         self._serving = serving
         self._transport = transport
         self._adopt = adopt
-        self._chains: LRU[int, tuple[Schedule, Chain | None, int, bool]] = LRU(_CHAINS)
+        self._chains: LRU[int, tuple[Schedule, Chain | None, int]] = LRU(_CHAINS)
         # The ops running here now, each with whether a message of it came through a ring
         # (set by the inbox, on the loop's thread): then the peer runs it on the loop.
         self.running: dict[OpKey, bool] = {}
@@ -84,25 +84,25 @@ class UrgentLane:
         self.handed_over = 0
 
     def chain(self, spec: OpSpec) -> Chain | None:
-        """The chain ``spec``'s schedule is, if this lane should run it now: it is urgent
-        (priority > 0), or a peer it involves is not on a ring, so the express lane cannot
-        run it and the loop would (a blocking barrier over TCP took 55 us that way, 24 us
-        on the lane; over MPI 42 and 17 us); every peer has a lane that takes its bodies;
-        and nothing here calls for the loop (a broken or closing job, a peer gone, a
-        mismatch being reported, a timeline, bodies of the op that came before it)."""
+        """The chain ``spec``'s schedule is, if this lane can run it now: it receives (so
+        a peer's thread has at most one op's first messages in a lane before it waits for
+        ours, which bounds what a lane holds or the loop floats from it without credit);
+        every peer it involves has a lane that takes its bodies; and nothing here calls
+        for the loop (a broken or closing job, a peer gone, a mismatch being reported, a
+        timeline, bodies of the op that came before it)."""
         schedule = spec.schedule
         hit = self._chains.get(id(schedule))
         if hit is None or hit[0] is not schedule:
             chain = None if spec.fresh else chain_of(schedule)
-            longest, ringed = 0, True
+            if chain is not None and not chain.steps:
+                chain = None
+            longest = 0
             if chain is not None:
                 longest = max((s.hi - s.lo for s in chain.sends), default=0)
-                peers = {*chain.sources, *(s.peer for s in chain.sends)}
-                ringed = all(map(self._transport.peeks, peers))
-            hit = (schedule, chain, longest, ringed)
+            hit = (schedule, chain, longest)
             self._chains.put(id(schedule), hit)
-        _schedule, chain, longest, ringed = hit
-        if chain is None or (ringed and spec.priority <= 0):
+        _schedule, chain, longest = hit
+        if chain is None:
             return None
         job = self._job
         if (job.broken is not None or job.closing or self._ops.tracing()
@@ -148,7 +148,7 @@ class UrgentLane:
                         return self._hand_over(spec, chain, ready, told, i + 1, posted)
                     posted += 1
         finally:
-            del running[key]
+            running.pop(key, None)
         self.ran += 1
         self._finished.append(key)
         return True
@@ -222,6 +222,9 @@ class UrgentLane:
                    done: int, posted: int) -> OpFuture:
         """The loop goes on with the op: ``done`` steps applied, ``posted`` sends gone."""
         self.handed_over += 1
+        # No longer this thread's: the loop must take its messages from the lane (the
+        # thread may drive the loop itself next, inside Engine._adopt).
+        self.running.pop(spec.key, None)
         op = SmallOp(spec, ready)
         op.told = told
         applied = chain.steps[:done]

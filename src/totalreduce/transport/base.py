@@ -78,11 +78,11 @@ class MessageHandler(Protocol):
         may be handled first (:meth:`received_ahead`): DATA of these ops (``op_key``s)
         whose body lies whole in the transport's memory; None when none may."""
 
-    def lane_claims(self, peer: int, header: Header) -> bool:
+    def lane_claims(self, peer: int, header: Header, behind: bool) -> bool:
         """Whether a DATA message in ``peer``'s lane is the loop's to handle now
-        (:meth:`received_view`): its op runs on the loop, or no caller's thread could be
-        waiting for it.  One that is not stays, with what is behind it, for the thread
-        that runs its op (engine/urgent.py)."""
+        (:meth:`received_view`); ``behind``: other messages wait behind it.  One that is
+        not stays, with what is behind it, for the thread that runs its op
+        (engine/urgent.py)."""
 
     def pressing(self) -> bool:
         """Whether the handler has work waiting that a long copy should stop for (the

@@ -171,9 +171,14 @@ class _Lane:
             return
         try:
             self.recheck = False
+            transport = self._transport
             while (record := self.lane_peek()) is not None:
                 header, body = record
-                if not handler.lane_claims(self.peer, header):
+                try:
+                    behind = transport.comm.Iprobe(source=self.peer, tag=_LANE_TAG)
+                except transport.mpi.Exception:
+                    behind = False
+                if not handler.lane_claims(self.peer, header, bool(behind)):
                     break
                 handler.received_view(self.peer, header, body)
                 self._front = None

@@ -359,7 +359,8 @@ class RingLink(Link):
                 header, body = record
                 if header.kind != Kind.DATA or header.flags & (FLAG_CHUNKED | FLAG_REMOTE):
                     raise WireError(f"a {header.kind!r} message in a lane")
-                if not all_of_it and not handler.lane_claims(peer, header):
+                if not all_of_it and not handler.lane_claims(peer, header,
+                                                              lane.behind() != lane.head()):
                     break
                 handler.received_view(peer, header, body)
                 lane.release()

@@ -129,7 +129,8 @@ class SocketLane:
             handler = self.owner.handler
             while (record := self._front()) is not None:
                 header, body = record
-                if not self._eof and not handler.lane_claims(self.peer, header):
+                behind = self._end - self._start > HEADER_SIZE + header.nbytes
+                if not self._eof and not handler.lane_claims(self.peer, header, behind):
                     break
                 handler.received_view(self.peer, header, body)
                 self._took(header)
