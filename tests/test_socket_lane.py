@@ -26,7 +26,7 @@ class _Owner:
         self.behind.append(behind)
         return header.step in self.claim
 
-    def received_view(self, peer: int, header: Header, body: memoryview) -> None:
+    def received_ahead(self, peer: int, header: Header, body: memoryview) -> None:
         self.got.append((header.step, bytes(body)))
 
     def wake(self) -> None:

@@ -80,7 +80,8 @@ class MessageHandler(Protocol):
 
     def lane_claims(self, peer: int, header: Header, behind: bool) -> bool:
         """Whether a DATA message in ``peer``'s lane is the loop's to handle now
-        (:meth:`received_view`); ``behind``: other messages wait behind it.  One that is
+        (:meth:`received_ahead`: a body from ``peer`` may be arriving the usual way
+        meanwhile); ``behind``: other messages wait behind it.  One that is
         not stays, with what is behind it, for the thread that runs its op
         (engine/urgent.py)."""
 

@@ -180,7 +180,8 @@ class _Lane:
                     behind = False
                 if not handler.lane_claims(self.peer, header, bool(behind)):
                     break
-                handler.received_view(self.peer, header, body)
+                # A body on the body tag may be arriving meanwhile: its route stays.
+                handler.received_ahead(self.peer, header, body)
                 self._front = None
                 counts = self.lane_counts
                 counts["messages_received"] += 1

@@ -362,7 +362,9 @@ class RingLink(Link):
                 if not all_of_it and not handler.lane_claims(peer, header,
                                                               lane.behind() != lane.head()):
                     break
-                handler.received_view(peer, header, body)
+                # A body of the ring's may be arriving meanwhile (lent, or in chunks):
+                # its route stays for it.
+                handler.received_ahead(peer, header, body)
                 lane.release()
                 self._lane_received(header)
         finally:

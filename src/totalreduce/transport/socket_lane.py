@@ -132,7 +132,9 @@ class SocketLane:
                 behind = self._end - self._start > HEADER_SIZE + header.nbytes
                 if not self._eof and not handler.lane_claims(self.peer, header, behind):
                     break
-                handler.received_view(self.peer, header, body)
+                # A body from the first connection may be arriving meanwhile: its
+                # route stays for it.
+                handler.received_ahead(self.peer, header, body)
                 self._took(header)
             if self._eof:
                 self.closed = True  # a message cut short by the end is dropped
