@@ -238,7 +238,7 @@ The urgent op here is blocking. Over the shared-memory rings it runs on its own 
 (DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
 second, small ring to the peer and reads the peer's out of its own, without waiting for
 the thread that drives the big op and without the big op's records ahead of it in the
-ring, which is read in order: 0.16-0.23 ms in seven runs of this table's command. What is
+ring, which is read in order: 0.16-0.23 ms in eight runs of this table's command. What is
 left is the caller's Python running five to ten times slower than alone while the big
 op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
 from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
@@ -275,7 +275,7 @@ allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
 it does not wait behind the big op's bytes in the kernel's buffers: 0.27-0.52 ms against
-0.08-0.15 ms alone in ten runs. Its slow tail (p90 1.5-3 ms) is the two ranks' calls
+0.08-0.15 ms alone in eleven runs. Its slow tail (p90 1.5-3 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -285,10 +285,11 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane is an MPI tag of its own, but MPICH lets one thread into the library at a time, and
-the progress thread's calls there move the big op's bytes: the urgent op took 1.2-2.9 ms
-in three runs (p10 0.15 ms). An urgent op the loop runs waits behind what MPI has queued
-to that peer, which is kept to 8 MiB of bodies for that reason (sixteen 2 MiB pieces took
-it 3.9-5.3 ms).
+the progress thread's calls there move the big op's bytes: the urgent op took 1.1-2.9 ms
+in four runs (p10 0.15 ms). Where a host's ranks outnumber its cores the MPI transport has
+no lanes (a 4-rank barrier on 2 cores took 0.97 ms with them, 0.67 without). An urgent op
+the loop runs waits behind what MPI has queued to that peer, which is kept to 8 MiB of
+bodies for that reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
 
 ## Coordination: self-guided against negotiated
 
@@ -653,9 +654,10 @@ want it on.
 - Preemption: a blocking urgent op during a 64 MB allreduce takes 0.16-0.23 ms over
   shared memory against 0.02-0.04 ms alone, and 0.27-0.52 ms over TCP against 0.08-0.15
   ms alone (each on its own lane, the preemption section): the caller's Python runs
-  slowly while the big op's copies take the two cores. Over the MPI transport, which
-  has no lanes, the urgent op waits behind what MPI has queued (1.2-2.4 ms); an async
-  urgent op, which the loop runs, takes 0.3-0.5 ms over shared memory.
+  slowly while the big op's copies take the two cores. Over the MPI transport it takes
+  1.1-2.9 ms: MPICH lets one thread in at a time, and the progress thread's calls there
+  move the big op's bytes. An async urgent op, which the loop runs, takes 0.3-0.5 ms over
+  shared memory.
 - The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
   from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
   16 MB.
