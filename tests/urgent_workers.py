@@ -18,6 +18,14 @@ from totalreduce.runtime import current
 URGENT = 5
 
 
+def _report_and_leave(checked: int) -> None:
+    """Report the calls checked and how the lane ran them, then shut down."""
+    stats = current().engine.stats()
+    report(checked=checked, urgent=stats["urgent_ops"], handed=stats["urgent_handed_over"],
+           active=stats["active_ops"], floating=stats["floating_bytes"])
+    tr.shutdown()
+
+
 def _call(kind: str, i: int, inputs: list[np.ndarray], common: random.Random,
           way: str) -> tuple[np.ndarray, np.ndarray]:
     """One op of ``kind`` on this rank's input, run ``way`` ("lane": blocking and
@@ -84,10 +92,7 @@ def urgent_calls(arg: dict) -> None:
         if busy is not None:
             assert np.array_equal(busy.wait(), big * (n * (n + 1) // 2)), f"step {i}: big"
         checked += 1
-    stats = current().engine.stats()
-    report(checked=checked, urgent=stats["urgent_ops"], handed=stats["urgent_handed_over"],
-           active=stats["active_ops"], floating=stats["floating_bytes"])
-    tr.shutdown()
+    _report_and_leave(checked)
 
 
 def mixed_ways(arg: dict) -> None:
@@ -118,10 +123,7 @@ def mixed_ways(arg: dict) -> None:
         if busy is not None:
             assert np.array_equal(busy.wait(), np.full(big.size, n, np.float32))
         checked += 1
-    stats = current().engine.stats()
-    report(checked=checked, urgent=stats["urgent_ops"], handed=stats["urgent_handed_over"],
-           active=stats["active_ops"], floating=stats["floating_bytes"])
-    tr.shutdown()
+    _report_and_leave(checked)
 
 
 def urgent_mismatch(arg: dict) -> None:
