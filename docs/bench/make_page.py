@@ -624,9 +624,11 @@ want it on.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 14.7 us at 2 ranks (MPI:
-  2.4 us; the latency table above), nearly all of it Python per op, even on the express
-  lane; over sockets or the MPI transport, 43-55 us. Batch small tensors
+- Small messages: a blocking allreduce of a few bytes costs 14.7-15.3 us at 2 ranks in
+  the host's fast state (the latency table's p10; its median caught the slow state; MPI:
+  2.4-3.0 us), nearly all of it Python per op, even on the express lane; over sockets or
+  the MPI transport, 45-61 us, which have no express lane. A barrier, which runs at top
+  priority on the urgent lane, takes 18-25 us there. Batch small tensors
   (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
   see above).
 - The 2-rank table's medians mix the host's two states (see Environment), each backend
@@ -646,7 +648,7 @@ want it on.
   zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
   reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8.1x MPI's
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8-11x MPI's
   8-byte allreduce in the latency table, 0.06-0.10x in the 4-rank table), and 1-16 MB
   allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer
   to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
