@@ -206,15 +206,22 @@ class Express:
         """The small path goes on with the op: ``done`` steps applied, ``posted`` sends
         gone; ``stuck``: the next send could not go (the general path sends it)."""
         self.handed_over += 1
-        op = SmallOp(spec, ready)
-        op.told = told
-        applied = chain.steps[:done]
-        unlocked = len(chain.first) + sum(len(recv.then) for *_k, recv in applied)
-        op.sent = list(chain.sends[:posted])
-        op.gone = {(s.peer, s.step, s.piece) for s in op.sent}
-        op.unsent = list(chain.sends[posted:unlocked])
-        op.applied = [((p, s, j), recv) for p, s, j, recv in applied]
-        op.seen = {rkey for rkey, _recv in op.applied}
-        op.to_come = len(chain.steps) - done
-        return self._small.go_on(op, stuck)
+        return self._small.go_on(progress(spec, chain, ready, told, done, posted), stuck)
+
+
+def progress(spec: OpSpec, chain: Chain, ready: set[int], told: set[int], done: int,
+             posted: int) -> SmallOp:
+    """The small path's record of a chain run this far: ``done`` steps applied, ``posted``
+    sends gone, ``told`` peers told READY, ``ready`` peers that said it."""
+    op = SmallOp(spec, ready)
+    op.told = told
+    applied = chain.steps[:done]
+    unlocked = len(chain.first) + sum(len(recv.then) for *_k, recv in applied)
+    op.sent = list(chain.sends[:posted])
+    op.gone = {(s.peer, s.step, s.piece) for s in op.sent}
+    op.unsent = list(chain.sends[posted:unlocked])
+    op.applied = [((p, s, j), recv) for p, s, j, recv in applied]
+    op.seen = {rkey for rkey, _recv in op.applied}
+    op.to_come = len(chain.steps) - done
+    return op
 

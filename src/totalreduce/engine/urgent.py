@@ -33,7 +33,7 @@ from ..lru import LRU
 from ..transport.base import Transport
 from ..transport.wire import FLAG_READY, Kind, pack_header
 from .departures import Departures
-from .express import Chain, chain_of
+from .express import Chain, chain_of, progress
 from .floating import Floating
 from .job import JobState
 from .mismatch_tracker import MismatchTracker
@@ -41,7 +41,7 @@ from .optable import OpTable
 from .payload import OpFuture, OpKey, OpSpec
 from .schedule import Recv, Schedule, Send
 from .serving import JoinServer
-from .smallpath import SmallOp, apply_piece, fits, needs
+from .smallpath import apply_piece, fits, needs
 
 # How long a step busy-polls the lane for the peer's message: it holds this process's
 # GIL meanwhile, which the thread that drives the loop (the big op's copies) may want.
@@ -225,12 +225,5 @@ class UrgentLane:
         # No longer this thread's: the loop must take its messages from the lane (the
         # thread may drive the loop itself next, inside Engine._adopt).
         self.running.pop(spec.key, None)
-        op = SmallOp(spec, ready)
-        op.told = told
-        applied = chain.steps[:done]
-        unlocked = len(chain.first) + sum(len(recv.then) for *_k, recv in applied)
-        op.sent = list(chain.sends[:posted])
-        op.unsent = list(chain.sends[posted:unlocked])
-        op.applied = [((p, s, j), recv) for p, s, j, recv in applied]
-        op.seen = {rkey for rkey, _recv in op.applied}
+        op = progress(spec, chain, ready, told, done, posted)
         return self._adopt((spec, ready, told, op.sent, op.unsent, op.applied, needs(op)))
