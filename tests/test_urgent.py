@@ -44,10 +44,12 @@ def test_peers_may_run_an_urgent_op_any_other_way(n: int, transport: str) -> Non
         got = result.report(r)
         assert got["checked"] == steps, result.explain()
         assert got["active"] == 0 and got["floating"] == 0, got
-    # Rank 0 ran ops to their end on the lane, and handed others to the loop: peers that
-    # ran them through a handle, with no priority, or too late.
-    assert result.report(0)["urgent"] > 0 and result.report(0)["handed"] > 0, \
-        result.explain()
+    # Rank 0 handed ops to the loop: peers that ran them through a handle, with no
+    # priority, or too late.  It runs one to its end on the lane only where every peer
+    # takes the lane at that step, which the rotation of ways gives at 2 ranks only.
+    assert result.report(0)["handed"] > 0, result.explain()
+    if n == 2:
+        assert result.report(0)["urgent"] > 0, result.explain()
 
 
 @pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
