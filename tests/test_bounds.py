@@ -11,6 +11,7 @@ from totalreduce import runtime as tr_runtime
 from totalreduce.engine.algorithms import (
     chain_broadcast,
     doubling_allreduce,
+    halving_allreduce,
     pairwise_alltoallv,
     ring_allgatherv,
     ring_allreduce,
@@ -87,8 +88,8 @@ def test_done_set_forgets_names() -> None:
 
 
 def test_schedule_caches_are_bounded() -> None:
-    for fn in (chain_broadcast, doubling_allreduce, pairwise_alltoallv, ring_allgatherv,
-               ring_allreduce, ring_reducescatter):
+    for fn in (chain_broadcast, doubling_allreduce, halving_allreduce, pairwise_alltoallv,
+               ring_allgatherv, ring_allreduce, ring_reducescatter):
         assert fn.cache_info().maxsize == 256, fn
     for count in range(1000):
         ring_allreduce(0, 2, count, 64)

@@ -42,6 +42,16 @@ def test_every_collective_matches_numpy(n: int, transport: str) -> None:
     assert _shm_files() <= before, "shared-memory files were left in /dev/shm"
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_halving_allreduce_matches_numpy(n: int) -> None:
+    # Every allreduce takes recursive halving then doubling, in 4 KiB pieces; at 3 ranks
+    # ranks 0 and 1 fold into one first.
+    result = run_ok(n, "workers:check_collectives", {},
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096", "TOTALREDUCE_SMALL_BYTES": "0",
+                         "TOTALREDUCE_HALVING_BYTES": str(1 << 30)}, timeout=150)
+    _check(result, n, "shm")
+
+
 def test_reduce_thread_matches_numpy() -> None:
     # Every reduction goes through the reduce thread (and so never out of a ring slot).
     result = run_ok(3, "workers:check_collectives", {},

@@ -13,6 +13,7 @@ import pytest
 from totalreduce.engine.algorithms import (
     chain_broadcast,
     doubling_allreduce,
+    halving_allreduce,
     pairwise_alltoallv,
     ring_allgatherv,
     ring_allreduce,
@@ -149,6 +150,37 @@ def test_doubling_takes_log_n_steps() -> None:
     s = doubling_allreduce(5, 8, 10, 100)
     assert len(s.first) == 1 and sorted(k[1] for k in s.recvs) == [1, 2, 3]
     assert sorted(k[1] for k in doubling_allreduce(0, 6, 10, 100).recvs) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8, 11])
+@pytest.mark.parametrize("count", [0, 1, 7, 100])
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seg", [1, 3, 100])
+def test_halving_allreduce(n: int, count: int, seed: int, seg: int) -> None:
+    # The final receives negate their region (as an average divides it): once each, after
+    # every contribution is in.
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(0, 100, count) for _ in range(n)]
+    works = [x.copy() for x in inputs]
+    simulate([halving_allreduce(r, n, count, seg) for r in range(n)], works, seed=seed,
+             finalize=n > 1)
+    for w in works:
+        assert np.array_equal(w, sum(inputs) * (-1 if n > 1 else 1))
+
+
+def test_halving_takes_2_log_n_steps_and_sends_the_rings_bytes() -> None:
+    # 16 ranks, 16 blocks of 100: 4 halving steps (800, 400, 200, 100 elements sent, one
+    # message each), then 4 doubling steps passing 1, 2, 4, 8 finished blocks.
+    s = halving_allreduce(5, 16, 1600, 1000)
+    sends = [*s.first, *(t for r in s.recvs.values() for t in r.then)]
+    assert sorted({t.step for t in sends}) == list(range(1, 9))
+    assert [sum(t.hi - t.lo for t in sends if t.step == k) for k in range(1, 9)] == \
+        [800, 400, 200, 100, 100, 200, 400, 800]
+    assert [sum(1 for t in sends if t.step == k) for k in range(1, 5)] == [1, 1, 1, 1]
+    assert sum(t.hi - t.lo for t in sends) == 2 * 1600 * 15 // 16
+    # 6 ranks: the folded pairs add a step before and one after.
+    assert sorted({k[1] for k in halving_allreduce(0, 6, 10, 100).recvs}) == [0, 1, 2, 3, 4]
+    assert sorted({k[1] for k in halving_allreduce(1, 6, 10, 100).recvs}) == [5]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -31,8 +31,13 @@ TOTALREDUCE_SHUTDOWN_TIMEOUT       longest shutdown() waits for its last message
 TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's    1.0
                                    view of a mismatched op before raising
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
-                                   doubling (fewer hops), bigger ones the ring;
-                                   -1 = auto (2 MiB at 2 ranks, else 1 MiB)
+                                   doubling (fewer hops), bigger ones recursive
+                                   halving (below) or the ring; -1 = auto (2 MiB
+                                   at 2 ranks, else 1 MiB)
+TOTALREDUCE_HALVING_BYTES          allreduces above SMALL_BYTES and up to this     -1
+                                   size use recursive halving then doubling
+                                   (2 log2 n hops, the ring's bytes), bigger ones
+                                   the ring; -1 = auto (see algorithms/select.py)
 TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never); -1 = auto:
@@ -183,6 +188,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "shutdown_timeout": (lambda v: v >= 0, "must be >= 0 (seconds)"),
     "mismatch_grace": (lambda v: v >= 0, "must be >= 0 (seconds)"),
     "small_bytes": (lambda v: v >= -1, "must be >= 0 (bytes), or -1 for auto"),
+    "halving_bytes": (lambda v: v >= -1, "must be >= 0 (bytes), or -1 for auto"),
     "direct_bytes": (lambda v: v >= -1, "must be >= 0 (bytes; 0 = never), or -1 for auto"),
     "transport": (lambda v: v in ("auto", "shm", "tcp", "mpi", "inproc"),
                   "must be one of auto, shm, tcp, mpi, inproc"),
@@ -271,6 +277,7 @@ class Config:
     shutdown_timeout: float = 10.0
     mismatch_grace: float = 1.0
     small_bytes: int = -1
+    halving_bytes: int = -1
     direct_bytes: int = -1
     transport: str = "auto"
     host_id: str = ""

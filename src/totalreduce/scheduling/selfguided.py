@@ -201,7 +201,8 @@ class SelfGuided:
         if members is not None and hosts is not None:
             hosts = tuple(hosts[m] for m in members)
         self._algorithms = Algorithms(self.rank, self.size, config.segment_bytes,
-                                      config.small_bytes, hosts, config.hierarchical, members)
+                                      config.small_bytes, hosts, config.hierarchical, members,
+                                      config.halving_bytes)
         self._lock = threading.Lock()
         # name (+ phase) -> [hash, calls so far, generation]; a name forgotten here is
         # forgotten by the engine too, so its next call starts afresh at 0 (config.py:

@@ -5,11 +5,12 @@ Schedules depend only on (rank, size, block sizes, segment size), so they are ca
 
 from .chain import chain_broadcast
 from .doubling import doubling_allreduce
+from .halving import halving_allreduce
 from .hierarchical import hierarchical_allreduce
 from .pairwise import pairwise_alltoallv
 from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
 from .select import Algorithms, AllreducePlan
 
 __all__ = ["AllreducePlan", "Algorithms", "chain_broadcast", "doubling_allreduce",
-           "hierarchical_allreduce", "pairwise_alltoallv", "ring_allgatherv",
+           "halving_allreduce", "hierarchical_allreduce", "pairwise_alltoallv", "ring_allgatherv",
            "ring_allreduce", "ring_reducescatter"]

@@ -27,12 +27,14 @@ import numpy as np
 from ...lru import LRU
 from ...transport.wire import (
     RECIPE_DOUBLING_ALLREDUCE,
+    RECIPE_HALVING_ALLREDUCE,
     RECIPE_HIERARCHICAL_ALLREDUCE,
     RECIPE_RING_ALLREDUCE,
 )
 from ..schedule import Schedule, remap
 from .chain import chain_broadcast
 from .doubling import doubling_allreduce
+from .halving import halving_allreduce
 from .hierarchical import hierarchical_allreduce, host_groups
 from .pairwise import pairwise_alltoallv
 from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
@@ -47,9 +49,14 @@ logger = logging.getLogger("totalreduce")
 _SMALL_BROADCAST_PIECE = 512 << 10
 
 
+def auto_halving_bytes(size: int) -> int:
+    """TOTALREDUCE_HALVING_BYTES=-1: where recursive halving takes over from the ring."""
+    return 0 if size < 4 else 64 << 20
+
+
 class AllreducePlan(NamedTuple):
     schedule: Schedule
-    algorithm: str  # "ring", "doubling" or "hierarchical"
+    algorithm: str  # "ring", "doubling", "halving" or "hierarchical"
     recipe: int  # wire.Header.recipe without the op: how a joined rank rebuilds it
     fresh: bool = False  # built for an op whose buffer starts undefined (OpSpec.fresh)
 
@@ -59,7 +66,7 @@ class Algorithms:
 
     def __init__(self, rank: int, size: int, segment_bytes: int, small_bytes: int,
                  hosts: tuple[int, ...] | None = None, hierarchical: str = "auto",
-                 members: tuple[int, ...] | None = None) -> None:
+                 members: tuple[int, ...] | None = None, halving_bytes: int = -1) -> None:
         """``hosts``: each rank's host (Transport.hosts); ``hierarchical``: auto, on (1)
         or off (0), as TOTALREDUCE_HIERARCHICAL.  ``members``: the job's ranks of a
         process set, which this instance's ``rank`` and ``size`` then count within
@@ -74,6 +81,9 @@ class Algorithms:
         if small_bytes < 0:
             small_bytes = 2 << 20 if size == 2 else 1 << 20
         self._small_bytes = small_bytes
+        if halving_bytes < 0:
+            halving_bytes = auto_halving_bytes(size)
+        self._halving_bytes = halving_bytes
         mode = {"1": "on", "0": "off"}.get(hierarchical, hierarchical)
         layout = host_groups(hosts) if hosts is not None and mode != "off" else None
         if mode == "on" and layout is None and rank == 0:
@@ -113,6 +123,9 @@ class Algorithms:
         if nbytes <= self._small_bytes:
             return AllreducePlan(self._job(doubling_allreduce(self.rank, self.size, count, seg)),
                                  "doubling", RECIPE_DOUBLING_ALLREDUCE)
+        if nbytes <= self._halving_bytes:
+            return AllreducePlan(self._job(halving_allreduce(self.rank, self.size, count, seg)),
+                                 "halving", RECIPE_HALVING_ALLREDUCE)
         return AllreducePlan(self._job(ring_allreduce(self.rank, self.size, count, seg,
                                                       fresh)),
                              "ring", RECIPE_RING_ALLREDUCE, fresh)
@@ -125,6 +138,9 @@ class Algorithms:
         if recipe == RECIPE_DOUBLING_ALLREDUCE:
             return self._job(doubling_allreduce(self.rank, self.size, count,
                                                 self.segment(dtype)))
+        if recipe == RECIPE_HALVING_ALLREDUCE:
+            return self._job(halving_allreduce(self.rank, self.size, count,
+                                               self.segment(dtype)))
         if recipe == RECIPE_HIERARCHICAL_ALLREDUCE and self._hosts is not None:
             return self._job(hierarchical_allreduce(self.rank, self._hosts, count,
                                                     self.segment(dtype)))
