@@ -37,7 +37,8 @@ TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive     
 TOTALREDUCE_HALVING_BYTES          allreduces above SMALL_BYTES and up to this     -1
                                    size use recursive halving then doubling
                                    (2 log2 n hops, the ring's bytes), bigger ones
-                                   the ring; -1 = auto (see algorithms/select.py)
+                                   the ring; -1 = auto (never below 8 ranks, n MiB
+                                   at 8-15 ranks, no limit from 16)
 TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never); -1 = auto:

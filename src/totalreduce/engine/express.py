@@ -47,7 +47,7 @@ class Chain:
     """A schedule as one line: ``first`` sends, then the messages to wait for, each as
     (peer, step, piece, receive), whose receive's ``then`` sends follow it."""
 
-    __slots__ = ("first", "steps", "sources", "sends", "local_final")
+    __slots__ = ("first", "steps", "sources", "sends", "local_final", "tell_first")
 
     def __init__(self, schedule: Schedule, steps: list[tuple[int, int, int, Recv]]) -> None:
         self.first = schedule.first
@@ -57,6 +57,17 @@ class Chain:
         # Every send, in the order the lane posts them.
         self.sends: tuple[Send, ...] = (*schedule.first,
                                         *(s for *_k, recv in steps for s in recv.then))
+        # The sources told READY before the first wait: those waited for before any data
+        # of ours goes to them.  The others learn it from our first data (FLAG_READY),
+        # which leaves before we wait for theirs, so a READY of its own would only cost a
+        # message each way (three per op at 16 ranks for recursive doubling).
+        posted = {s.peer for s in schedule.first}
+        tell: list[int] = []
+        for peer, *_k, recv in steps:
+            if peer not in posted and peer not in tell:
+                tell.append(peer)
+            posted.update(s.peer for s in recv.then)
+        self.tell_first = tuple(tell)
 
 
 def chain_of(schedule: Schedule) -> Chain | None:
@@ -137,7 +148,7 @@ class Express:
             for lo, hi in chain.local_final:
                 if hi > lo:
                     spec.finalize(spec.work[lo:hi])
-        for peer in sources:
+        for peer in chain.tell_first:
             if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
                 return self._hand_over(spec, chain, ready, told, 0, posted, True)
         peek = transport.peek

@@ -6,8 +6,9 @@ would take run hierarchically instead: auto does so where every host has the sam
 of ranks, two or more, since each host then sends the buffer across the network once
 instead of once per rank pair that straddles hosts; on also takes the small ones.
 
-Allreduce picks recursive doubling (fewest hops) or the ring by size
-(``TOTALREDUCE_SMALL_BYTES``; auto: doubling up to 1 MiB, the ring above).  At 2 ranks
+Allreduce picks recursive doubling (fewest hops), recursive halving then doubling (at 8+
+ranks, see :func:`auto_halving_bytes`) or the ring by size (``TOTALREDUCE_SMALL_BYTES``;
+auto: doubling up to 1 MiB, halving or the ring above).  At 2 ranks
 doubling moves the same bytes as the ring, but each rank reduces the whole buffer and a
 piece that arrives before our own send of it has left must be copied aside; the ring
 reduces half and never waits on itself.  Up to 2 MiB at 2 ranks the ring's second hop
@@ -50,8 +51,14 @@ _SMALL_BROADCAST_PIECE = 512 << 10
 
 
 def auto_halving_bytes(size: int) -> int:
-    """TOTALREDUCE_HALVING_BYTES=-1: where recursive halving takes over from the ring."""
-    return 0 if size < 4 else 64 << 20
+    """TOTALREDUCE_HALVING_BYTES=-1: up to where recursive halving runs instead of the
+    ring.  On 16 cores, one rank per core: at 4 ranks it never won (a tie at 4 MB, the ring
+    15% faster at 16 MB); at 8 and 12 ranks it ran 4 MB 2-3x faster than the ring and
+    16 MB at par, 64 MB 5-10% slower; at 16 ranks it was faster from 4 MB (6x) to 64 MB
+    (15%).  Below SMALL_BYTES recursive doubling beat it at every rank count."""
+    if size < 8:
+        return 0
+    return size << 20 if size < 16 else 1 << 62
 
 
 class AllreducePlan(NamedTuple):
