@@ -10,12 +10,15 @@ import totalreduce as tr
 from totalreduce import runtime as tr_runtime
 from totalreduce.engine.algorithms import (
     chain_broadcast,
+    doubling_allgatherv,
     doubling_allreduce,
     halving_allreduce,
+    halving_reducescatter,
     pairwise_alltoallv,
     ring_allgatherv,
     ring_allreduce,
     ring_reducescatter,
+    scatter_allgather_broadcast,
 )
 from totalreduce.engine.optable import DoneSet
 from totalreduce.engine.reducer import ScratchPool, size_class
@@ -88,8 +91,9 @@ def test_done_set_forgets_names() -> None:
 
 
 def test_schedule_caches_are_bounded() -> None:
-    for fn in (chain_broadcast, doubling_allreduce, halving_allreduce, pairwise_alltoallv,
-               ring_allgatherv, ring_allreduce, ring_reducescatter):
+    for fn in (chain_broadcast, doubling_allgatherv, doubling_allreduce, halving_allreduce,
+               halving_reducescatter, pairwise_alltoallv, ring_allgatherv, ring_allreduce,
+               ring_reducescatter, scatter_allgather_broadcast):
         assert fn.cache_info().maxsize == 256, fn
     for count in range(1000):
         ring_allreduce(0, 2, count, 64)

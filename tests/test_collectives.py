@@ -45,7 +45,8 @@ def test_every_collective_matches_numpy(n: int, transport: str) -> None:
 @pytest.mark.parametrize("n", [3, 4])
 def test_halving_allreduce_matches_numpy(n: int) -> None:
     # Every allreduce takes recursive halving then doubling, in 4 KiB pieces; at 3 ranks
-    # ranks 0 and 1 fold into one first.
+    # ranks 0 and 1 fold into one first.  At 4 ranks reducescatter takes recursive halving
+    # and allgather (both phases) recursive doubling too.
     result = run_ok(n, "workers:check_collectives", {},
                     env={"TOTALREDUCE_SEGMENT_BYTES": "4096", "TOTALREDUCE_SMALL_BYTES": "0",
                          "TOTALREDUCE_HALVING_BYTES": str(1 << 30)}, timeout=150)

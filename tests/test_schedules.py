@@ -12,12 +12,15 @@ import pytest
 
 from totalreduce.engine.algorithms import (
     chain_broadcast,
+    doubling_allgatherv,
     doubling_allreduce,
     halving_allreduce,
+    halving_reducescatter,
     pairwise_alltoallv,
     ring_allgatherv,
     ring_allreduce,
     ring_reducescatter,
+    scatter_allgather_broadcast,
 )
 from totalreduce.engine.algorithms.hierarchical import hierarchical_allreduce, host_groups
 from totalreduce.engine.schedule import COPY, Schedule, even_bounds
@@ -181,6 +184,59 @@ def test_halving_takes_2_log_n_steps_and_sends_the_rings_bytes() -> None:
     # 6 ranks: the folded pairs add a step before and one after.
     assert sorted({k[1] for k in halving_allreduce(0, 6, 10, 100).recvs}) == [0, 1, 2, 3, 4]
     assert sorted({k[1] for k in halving_allreduce(1, 6, 10, 100).recvs}) == [5]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seg", [1, 3, 100])
+def test_halving_reducescatter_and_doubling_allgatherv(n: int, seed: int, seg: int) -> None:
+    # Blocks of uneven sizes, empty ones included; the reduce-scatter's final receives
+    # negate their block once, after every contribution.
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 9, n) if seed else np.zeros(n, int)
+    bounds = tuple(np.concatenate([[0], np.cumsum(counts)]).tolist())
+    inputs = [rng.integers(0, 100, bounds[-1]) for _ in range(n)]
+    works = [x.copy() for x in inputs]
+    simulate([halving_reducescatter(r, n, bounds, seg) for r in range(n)], works,
+             seed=seed, finalize=n > 1)
+    total = sum(inputs) * (-1 if n > 1 else 1)
+    for r in range(n):
+        assert np.array_equal(works[r][bounds[r]:bounds[r + 1]], total[bounds[r]:bounds[r + 1]])
+    full = np.arange(bounds[-1])
+    works = [np.where((full >= bounds[r]) & (full < bounds[r + 1]), full, -1)
+             for r in range(n)]
+    simulate([doubling_allgatherv(r, n, bounds, seg) for r in range(n)], works, seed=seed)
+    assert all(np.array_equal(w, full) for w in works)
+    if n > 1:  # log2 n steps, in the order the express lane waits for them
+        works = [np.where((full >= bounds[r]) & (full < bounds[r + 1]), full, -1)
+                 for r in range(n)]
+        scheds = [doubling_allgatherv(r, n, bounds, seg) for r in range(n)]
+        assert {k[1] for k in scheds[0].recvs} == set(range(n.bit_length() - 1))
+        assert run_in_chain_order(scheds, works) == 0
+        assert all(np.array_equal(w, full) for w in works)
+    with pytest.raises(ValueError, match="power-of-two"):
+        halving_reducescatter(0, 3, (0, 1, 2, 3), 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("count", [0, 1, 7, 100])
+@pytest.mark.parametrize("seg", [1, 3, 100])
+def test_scatter_allgather_broadcast(n: int, count: int, seg: int) -> None:
+    # From every root; then as the express lane runs it, each receive waited for in order.
+    full = np.arange(count) + 1
+    for root in range(n):
+        works = [full.copy() if r == root else np.zeros(count, int) for r in range(n)]
+        scheds = [scatter_allgather_broadcast(r, n, root, count, seg) for r in range(n)]
+        simulate(scheds, works, seed=root)
+        assert all(np.array_equal(w, full) for w in works)
+        if n > 1:
+            works = [full.copy() if r == root else np.zeros(count, int) for r in range(n)]
+            assert run_in_chain_order(scheds, works) == 0
+            assert all(np.array_equal(w, full) for w in works)
+    if n == 8:  # 3 + 3 steps; a rank other than the root receives the buffer once
+        s = scatter_allgather_broadcast(3, 8, 0, 8000, 10**6)
+        assert sorted({k[1] for k in s.recvs}) == [2, 3, 4, 5]
+        assert sum(r.hi - r.lo for r in s.recvs.values()) == 8000
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -535,13 +535,15 @@ class SelfGuided:
             work, writeback = self._working_copy(arr, inplace)
         else:
             work, writeback = np.empty(arr.size, arr.dtype), False
+        schedule, algorithm = self._algorithms.broadcast(root, work.size, arr.dtype)
+
         def view() -> dict[str, Any]:
             return {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
-                    "root": int(root_rank)}
+                    "root": int(root_rank), "algorithm": algorithm}
 
-        schedule = self._algorithms.broadcast(root, work.size, arr.dtype)
         spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
-                          ("broadcast", arr.dtype, arr.shape, root), lend=self.rank != root)
+                          ("broadcast", arr.dtype, arr.shape, root, algorithm),
+                          lend=self.rank != root)
 
         def finish() -> np.ndarray:
             if writeback:
@@ -565,11 +567,22 @@ class SelfGuided:
             return {"kind": "reducescatter", "dtype": str(arr.dtype),
                     "shape": list(arr.shape), "op": rop.label}
 
-        schedule = self._algorithms.reducescatter(bounds, arr.dtype, source is not None)
+        schedule, algorithm, fresh = self._algorithms.reducescatter(bounds, arr.dtype,
+                                                                   source is not None)
+        if source is not None and not fresh:
+            np.copyto(work, source)
+            source = None
+        if algorithm != "ring":
+            base = view
+
+            def view() -> dict[str, Any]:
+                return dict(base(), algorithm=algorithm)
+
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
         spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
-                          ("reducescatter", arr.dtype, arr.shape, rop), ufunc=UFUNCS[rop],
-                          finalize=finalize, source=source, fresh=source is not None)
+                          ("reducescatter", arr.dtype, arr.shape, rop, algorithm),
+                          ufunc=UFUNCS[rop], finalize=finalize, source=source,
+                          fresh=source is not None)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))
@@ -611,8 +624,9 @@ class SelfGuided:
         n, rank = self.size, self.rank
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
-        sched = self._algorithms.allgather(tuple(range(n + 1)))
-        first = self._spec(sizes_id, lambda: dict(view(), phase="sizes"), sizes.dtype, n,
+        sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
+        first = self._spec(sizes_id, lambda: dict(view(), phase="sizes",
+                                                  algorithm=sizes_algorithm), sizes.dtype, n,
                            sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
                            shown)
         row = math.prod(arr.shape[1:])
@@ -623,9 +637,13 @@ class SelfGuided:
             buf = _result_buffer(target, int(sizes.sum()), bounds[-1], arr.dtype)
             buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
             state["out"] = buf
-            schedule = self._algorithms.allgather(bounds, arr.dtype)
-            return self._spec(data_id, view, arr.dtype, bounds[-1], schedule, buf, priority,
-                              ("allgather", arr.dtype, arr.shape, 1), shown)
+            schedule, algorithm = self._algorithms.allgather(bounds, arr.dtype)
+            if algorithm == "ring":
+                return self._spec(data_id, view, arr.dtype, bounds[-1], schedule, buf,
+                                  priority, ("allgather", arr.dtype, arr.shape, 1), shown)
+            return self._spec(data_id, lambda: dict(view(), algorithm=algorithm), arr.dtype,
+                              bounds[-1], schedule, buf, priority,
+                              ("allgather", arr.dtype, arr.shape, 1, algorithm), shown)
 
         def finish() -> np.ndarray:
             rows = int(sizes.sum())

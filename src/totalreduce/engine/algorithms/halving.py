@@ -37,6 +37,35 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+def _units(blocks: list[int] | tuple[int, ...], seg_elems: int
+           ) -> tuple[int, list[int], int]:
+    """The cut of ``len(blocks) - 1`` blocks (bounds) into ``m`` units each (a power of
+    two, a unit at most a segment): (m, unit bounds, units per message at most).  Unit
+    ``u = b * m + q`` is piece ``q`` of block ``b``, elements ``ub[u]:ub[u + 1]``."""
+    p = len(blocks) - 1
+    m = _pow2_at_least(piece_count(max(blocks[b + 1] - blocks[b] for b in range(p)),
+                                   seg_elems))
+    ub = [blocks[0]]
+    for b in range(p):
+        ub.extend(hi for _lo, hi in pieces(blocks[b], blocks[b + 1], m))
+    unit = max(1, max(ub[u + 1] - ub[u] for u in range(p * m)))
+    # A power of two, so that messages nest across steps.
+    group = 1 << max(0, (max(1, seg_elems // unit)).bit_length() - 1)
+    return m, ub, group
+
+
+def chunks(u0: int, u1: int, g: int) -> list[tuple[int, int]]:
+    """Unit runs of ``g`` (the last one shorter) covering ``u0:u1``."""
+    return [(u, min(u1, u + g)) for u in range(u0, u1, g)]
+
+
+def _owner(key_step: tuple[int, int, int], u0: int) -> tuple[int, int, int]:
+    """The receive of a step, given as (peer, step, units per message), whose message
+    holds the unit run at ``u0``."""
+    peer, step, g = key_step
+    return (peer, step, (u0 // g) * g)
+
+
 @lru_cache(maxsize=256)
 def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Schedule:
     if size == 1:
@@ -45,22 +74,8 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
     extra = size - p
     rounds = p.bit_length() - 1
     last = 2 * rounds + 1  # the step that returns results to the folded ranks
-    blocks = even_bounds(count, p)
-    m = _pow2_at_least(piece_count(max(blocks[b + 1] - blocks[b] for b in range(p)),
-                                   seg_elems))
-    # Unit u = b * m + q is piece q of block b: ub[u]:ub[u + 1] in the buffer.
-    ub = [0]
-    for b in range(p):
-        for lo, hi in pieces(blocks[b], blocks[b + 1], m):
-            assert lo == ub[-1]
-            ub.append(hi)
-    unit = max(1, max(ub[u + 1] - ub[u] for u in range(p * m)))
-    # Units per message at most: a power of two, so that messages nest across steps.
-    group = 1 << max(0, (max(1, seg_elems // unit)).bit_length() - 1)
+    m, ub, group = _units(even_bounds(count, p), seg_elems)
     per_block = min(group, m)  # units per allgather message (never spans blocks)
-
-    def chunks(u0: int, u1: int, g: int) -> list[tuple[int, int]]:
-        return [(u, min(u1, u + g)) for u in range(u0, u1, g)]
 
     if rank < 2 * extra and rank % 2 == 1:  # folds into rank - 1 and waits
         first = tuple(Send(rank - 1, 0, u0, ub[u0], ub[u1])
@@ -78,12 +93,8 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
     def halves(k: int) -> tuple[int, tuple[int, int], tuple[int, int], int]:
         """Reduce-scatter step ``k``: the partner, the unit ranges kept and given, and the
         units per message."""
-        h = p >> k
-        base = (v // (2 * h)) * 2 * h
-        lower = (base * m, (base + h) * m)
-        upper = ((base + h) * m, (base + 2 * h) * m)
-        keep, give = (upper, lower) if v & h else (lower, upper)
-        return real(v ^ h), keep, give, min(group, h * m)
+        partner, keep, give = _halving_steps(v, p, m, k)
+        return real(partner), keep, give, min(group, (p >> k) * m)
 
     recvs: dict[tuple[int, int, int], Recv] = {}
     # The sends each receive unlocks, by the receive's key.
@@ -92,11 +103,6 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
     # The previous step's receives, as (peer, step, units per message).
     prev: tuple[int, int, int] | None = (rank + 1, 0, group) if folded else None
 
-    def owner(key_step: tuple[int, int, int], u0: int) -> tuple[int, int, int]:
-        """The receive of ``key_step``'s step whose message holds the unit run at ``u0``."""
-        peer, step, g = key_step
-        return (peer, step, (u0 // g) * g)
-
     for k in range(1, rounds + 1):
         peer, keep, give, g = halves(k)
         for u0, u1 in chunks(*give, g):
@@ -104,7 +110,7 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
             if prev is None:
                 opening.append(send)
             else:
-                unlocks[owner(prev, u0)].append(send)
+                unlocks[_owner(prev, u0)].append(send)
         prev = (peer, k, g)
     assert prev is not None
 
@@ -112,7 +118,7 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
         """The receive after which the allgather unit run at ``u0`` is here and final."""
         b = u0 // m
         if b == v:
-            return owner(prev, u0)
+            return _owner(prev, u0)
         t = (b ^ v).bit_length()  # the allgather step that brings block b
         return (real(v ^ (1 << (t - 1))), rounds + t, u0)
 
@@ -136,7 +142,7 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
         peer, keep, _give, g = halves(k)
         for u0, u1 in chunks(*keep, g):
             key = (peer, k, u0)
-            wait = (owner(before, u0),) if before is not None else ()
+            wait = (_owner(before, u0),) if before is not None else ()
             recvs[key] = Recv(ub[u0], ub[u1], REDUCE, k == rounds, tuple(unlocks[key]),
                               wait=wait)
         before = (peer, k, g)
@@ -147,4 +153,196 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
         for u0, u1 in chunks(theirs * m, (theirs + h) * m, per_block):
             key = (peer, rounds + t, u0)
             recvs[key] = Recv(ub[u0], ub[u1], COPY, False, tuple(unlocks[key]))
+    return Schedule(tuple(opening), recvs, ())
+
+
+def _halving_steps(v: int, p: int, m: int, k: int
+                   ) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """Reduce-scatter step ``k`` of virtual rank ``v`` of ``p``: the partner's virtual rank
+    and the unit ranges kept and given."""
+    h = p >> k
+    base = (v // (2 * h)) * 2 * h
+    lower = (base * m, (base + h) * m)
+    upper = ((base + h) * m, (base + 2 * h) * m)
+    keep, give = (upper, lower) if v & h else (lower, upper)
+    return v ^ h, keep, give
+
+
+@lru_cache(maxsize=256)
+def halving_reducescatter(rank: int, size: int, bounds: tuple[int, ...],
+                          seg_elems: int) -> Schedule:
+    """Recursive halving alone, ``size`` a power of two: leaves the reduced block ``rank``
+    (``bounds[rank]:bounds[rank + 1]``) on each rank in ``log2 size`` steps."""
+    if size & (size - 1):
+        raise ValueError(f"recursive halving needs a power-of-two world, not {size}")
+    if size == 1:
+        return Schedule((), {}, ((bounds[0], bounds[1]),))
+    rounds = size.bit_length() - 1
+    m, ub, group = _units(bounds, seg_elems)
+    unlocks: defaultdict[tuple[int, int, int], list[Send]] = defaultdict(list)
+    opening: list[Send] = []
+    prev: tuple[int, int, int] | None = None
+    for k in range(1, rounds + 1):
+        peer, keep, give = _halving_steps(rank, size, m, k)
+        g = min(group, (size >> k) * m)
+        for u0, u1 in chunks(*give, g):
+            send = Send(peer, k - 1, u0, ub[u0], ub[u1])
+            if prev is None:
+                opening.append(send)
+            else:
+                unlocks[_owner(prev, u0)].append(send)
+        prev = (peer, k - 1, g)
+    recvs: dict[tuple[int, int, int], Recv] = {}
+    prev = None
+    for k in range(1, rounds + 1):
+        peer, keep, _give = _halving_steps(rank, size, m, k)
+        g = min(group, (size >> k) * m)
+        for u0, u1 in chunks(*keep, g):
+            key = (peer, k - 1, u0)
+            recvs[key] = Recv(ub[u0], ub[u1], REDUCE, k == rounds, tuple(unlocks[key]),
+                              wait=(_owner(prev, u0),) if prev is not None else ())
+        prev = (peer, k - 1, g)
+    return Schedule(tuple(opening), recvs, ())
+
+
+@lru_cache(maxsize=256)
+def doubling_allgatherv(rank: int, size: int, bounds: tuple[int, ...],
+                        seg_elems: int) -> Schedule:
+    """Recursive doubling alone, ``size`` a power of two: every rank's block
+    (``bounds[r]:bounds[r + 1]``, its own already in place) everywhere in ``log2 size``
+    steps.  Each block travels as its own messages, so a rank forwards a block as soon as
+    it has it."""
+    if size & (size - 1):
+        raise ValueError(f"recursive doubling needs a power-of-two world, not {size}")
+    if size == 1:
+        return Schedule((), {}, ())
+    rounds = size.bit_length() - 1
+    m, ub, group = _units(bounds, seg_elems)
+    per_block = min(group, m)
+
+    def piece(u0: int, sender: int) -> int:
+        """A message's number: a rank gets block ``b`` after the blocks ``c`` with a
+        smaller ``c ^ rank`` and forwards blocks in that order, so numbering them so makes
+        each step's messages come in the order the express lane waits for them."""
+        b = u0 // m
+        return (b ^ sender) * m + u0 - b * m
+
+    def sends_after(u0: int, u1: int, t: int) -> tuple[Send, ...]:
+        """The unit run ``u0:u1``, here once step ``t`` is over, to the later partners."""
+        return tuple(Send(rank ^ (1 << (s - 1)), s - 1, piece(u0, rank), ub[u0], ub[u1])
+                     for s in range(t + 1, rounds + 1))
+
+    opening = tuple(send for u0, u1 in chunks(rank * m, (rank + 1) * m, per_block)
+                    for send in sends_after(u0, u1, 0))
+    recvs: dict[tuple[int, int, int], Recv] = {}
+    for t in range(1, rounds + 1):
+        h = 1 << (t - 1)
+        theirs = ((rank // h) * h) ^ h
+        peer = rank ^ h
+        for u0, u1 in chunks(theirs * m, (theirs + h) * m, per_block):
+            recvs[(peer, t - 1, piece(u0, peer))] = Recv(ub[u0], ub[u1], COPY, False,
+                                                         sends_after(u0, u1, t))
+    return Schedule(opening, recvs, ())
+
+
+@lru_cache(maxsize=256)
+def scatter_allgather_broadcast(rank: int, size: int, root: int, count: int,
+                                seg_elems: int) -> Schedule:
+    """Broadcast as a scatter by recursive halving then an allgather by recursive doubling,
+    ``size`` a power of two: ``2 log2 size`` steps, and every rank receives the buffer
+    once where the chain forwards it ``size - 1`` hops.
+
+    Ranks count from the root (``v = rank - root``); block ``b`` of ``size`` ends up with
+    ``v = b`` after the scatter, where rank ``v`` also holds the blocks up to
+    ``v + lowbit(v)`` that it passed on.  In the allgather a message for a block its
+    receiver holds already carries nothing (the root holds them all), but it still goes:
+    a rank finishes only after hearing from every other, through some chain of messages,
+    so a rank that disagrees about the op fails it everywhere (so too the root forwards
+    a block only once the message for it came, though it holds them all).
+    """
+    if size & (size - 1):
+        raise ValueError(f"scatter-allgather needs a power-of-two world, not {size}")
+    if size == 1:
+        return Schedule((), {}, ())
+    p = size
+    rounds = p.bit_length() - 1
+    v = (rank - root) % p
+    m, ub, group = _units(even_bounds(count, p), seg_elems)
+    per_block = min(group, m)
+
+    def real(w: int) -> int:
+        return (w + root) % p
+
+    def held(w: int) -> tuple[int, int]:
+        """The blocks virtual rank ``w`` holds once its scatter step is over."""
+        return (w, w + (w & -w)) if w else (0, p)
+
+    def piece(u0: int, sender: int) -> int:
+        """As in doubling_allgatherv, the order the sender forwards blocks in; within a
+        block last to first, the order its scatter brought them."""
+        b = u0 // m
+        return (b ^ sender) * m + m - 1 - (u0 - b * m)
+
+    def gather_sends(u0: int, u1: int, t: int) -> list[Send]:
+        """Allgather sends of the unit run ``u0:u1`` (within one block) after allgather
+        step ``t`` (0: from the start of the allgather)."""
+        out = []
+        b = u0 // m
+        for s in range(t + 1, rounds + 1):
+            w = v ^ (1 << (s - 1))
+            lo, hi = held(w)
+            empty = lo <= b < hi
+            out.append(Send(real(w), rounds + s - 1, piece(u0, v), ub[u0],
+                            ub[u0] if empty else ub[u1]))
+        return out
+
+    unlocks: defaultdict[tuple[int, int, int], list[Send]] = defaultdict(list)
+    opening: list[Send] = []
+    scatter_step = 0 if v == 0 else rounds - (v & -v).bit_length() + 1  # 1-based; root: 0
+    # The receive that brought a unit run here in the scatter, as (peer, step, units per
+    # message); None at the root.
+    came: tuple[int, int, int] | None = None
+    if v:
+        h = v & -v
+        came = (real(v - h), scatter_step - 1, min(group, h * m))
+
+    def scatter_key(u0: int) -> tuple[int, int, int]:
+        """The scatter receive whose message holds the unit run at ``u0``."""
+        assert came is not None
+        peer, step, piece = _owner(came, u0)
+        return (peer, step, p * m - piece)
+    for k in range(scatter_step + 1, rounds + 1):
+        h = p >> k
+        g = min(group, h * m)
+        # Last to first, so that a rank gets its own block last and forwards all it must
+        # in the scatter before anything of the allgather (each pair's messages come in
+        # order: the express lane waits for them by step).
+        for u0, u1 in reversed(chunks((v + h) * m, (v + 2 * h) * m, g)):
+            send = Send(real(v + h), k - 1, p * m - u0, ub[u0], ub[u1])
+            if came is None:
+                opening.append(send)
+            else:
+                unlocks[scatter_key(u0)].append(send)
+    for u0, u1 in reversed(chunks(v * m, (v + 1) * m, per_block)):
+        sends = gather_sends(u0, u1, 0)
+        if came is None:
+            opening.extend(sends)
+        else:
+            unlocks[scatter_key(u0)].extend(sends)
+    recvs: dict[tuple[int, int, int], Recv] = {}
+    if came is not None:
+        peer, step, g = came
+        for u0, u1 in chunks(v * m, held(v)[1] * m, g):
+            key = (peer, step, p * m - u0)
+            recvs[key] = Recv(ub[u0], ub[u1], COPY, False, tuple(unlocks[key]))
+    mine = held(v)
+    for t in range(1, rounds + 1):
+        h = 1 << (t - 1)
+        w = v ^ h
+        theirs = ((v // h) * h) ^ h
+        for u0, u1 in reversed(chunks(theirs * m, (theirs + h) * m, per_block)):
+            empty = mine[0] <= u0 // m < mine[1]
+            recvs[(real(w), rounds + t - 1, piece(u0, w))] = Recv(
+                ub[u0], ub[u0] if empty else ub[u1], COPY, False,
+                tuple(gather_sends(u0, u1, t)))
     return Schedule(tuple(opening), recvs, ())

@@ -35,7 +35,12 @@ from ...transport.wire import (
 from ..schedule import Schedule, remap
 from .chain import chain_broadcast
 from .doubling import doubling_allreduce
-from .halving import halving_allreduce
+from .halving import (
+    doubling_allgatherv,
+    halving_allreduce,
+    halving_reducescatter,
+    scatter_allgather_broadcast,
+)
 from .hierarchical import hierarchical_allreduce, host_groups
 from .pairwise import pairwise_alltoallv
 from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
@@ -153,23 +158,47 @@ class Algorithms:
                                                     self.segment(dtype)))
         return None
 
-    def broadcast(self, root: int, count: int, dtype: np.dtype) -> Schedule:
+    def broadcast(self, root: int, count: int, dtype: np.dtype) -> tuple[Schedule, str]:
+        """The schedule and its algorithm ("chain" or "scatter-allgather")."""
         seg = self.segment(dtype)
         itemsize = np.dtype(dtype).itemsize
+        if self._log_steps(count * itemsize):
+            return (self._job(scatter_allgather_broadcast(self.rank, self.size, root, count,
+                                                          seg)), "scatter-allgather")
         if count * itemsize <= self._small_bytes:
             seg = min(seg, max(1, _SMALL_BROADCAST_PIECE // itemsize))
-        return self._job(chain_broadcast(self.rank, self.size, root, count, seg))
+        return self._job(chain_broadcast(self.rank, self.size, root, count, seg)), "chain"
+
+    def _log_steps(self, nbytes: int) -> bool:
+        """Whether a reduce-scatter, allgather or broadcast of ``nbytes`` in all takes
+        recursive halving or doubling (``log2 n`` steps each way) rather than the ring or
+        the chain (``n - 1``): as for allreduce (TOTALREDUCE_HALVING_BYTES), in a
+        power-of-two world."""
+        size = self.size
+        return size >= 4 and not size & (size - 1) and nbytes <= self._halving_bytes
 
     def reducescatter(self, bounds: tuple[int, ...], dtype: np.dtype,
-                      fresh: bool = False) -> Schedule:
-        return self._job(ring_reducescatter(self.rank, self.size, bounds,
-                                            self.segment(dtype), fresh))
+                      fresh: bool = False) -> tuple[Schedule, str, bool]:
+        """The schedule, its algorithm ("ring" or "halving") and whether it took
+        ``fresh`` (recursive halving reduces into a region more than once: it cannot)."""
+        seg = self.segment(dtype)
+        if self._log_steps(bounds[-1] * dtype.itemsize):
+            return (self._job(halving_reducescatter(self.rank, self.size, bounds, seg)),
+                    "halving", False)
+        return self._job(ring_reducescatter(self.rank, self.size, bounds, seg, fresh)), \
+            "ring", fresh
 
-    def allgather(self, bounds: tuple[int, ...], dtype: np.dtype | None = None) -> Schedule:
+    def allgather(self, bounds: tuple[int, ...], dtype: np.dtype | None = None
+                  ) -> tuple[Schedule, str]:
         """Gather blocks of ``bounds``; without a dtype, one element per piece (a
-        sizes exchange)."""
+        sizes exchange, of int64).  The schedule and its algorithm ("ring" or
+        "doubling")."""
         seg = 1 if dtype is None else self.segment(dtype)
-        return self._job(ring_allgatherv(self.rank, self.size, bounds, seg))
+        itemsize = 8 if dtype is None else dtype.itemsize
+        if self._log_steps(bounds[-1] * itemsize):
+            return self._job(doubling_allgatherv(self.rank, self.size, bounds, seg)), \
+                "doubling"
+        return self._job(ring_allgatherv(self.rank, self.size, bounds, seg)), "ring"
 
     def alltoall(self, send_bounds: tuple[int, ...], recv_bounds: tuple[int, ...],
                  dtype: np.dtype | None = None) -> Schedule:
