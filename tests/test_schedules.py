@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from totalreduce.engine.algorithms import (
+    Algorithms,
     chain_broadcast,
     doubling_allgatherv,
     doubling_allreduce,
@@ -477,3 +478,26 @@ def test_a_schedule_whose_receive_unlocks_an_earlier_step_is_no_chain() -> None:
     recvs = {(1, 0, 0): Recv(0, 1, REDUCE, True, (), after=((1, 2, 0),))}
     assert chain_of(Schedule(first, recvs, ())) is None
     assert chain_of(doubling_allreduce(0, 4, 8, 100)) is not None
+
+
+def test_log_step_algorithms_are_chosen_where_they_won() -> None:
+    f32 = np.dtype(np.float32)
+
+    def picks(size: int, nbytes: int, halving: int = -1) -> tuple[str, ...]:
+        algos = Algorithms(0, size, 2 << 20, -1, halving_bytes=halving)
+        count = nbytes // 4
+        bounds = tuple(even_bounds(count, size))
+        return (algos.allreduce(count, f32).algorithm, algos.reducescatter(bounds, f32)[1],
+                algos.allgather(bounds, f32)[1], algos.broadcast(0, count, f32)[1])
+
+    assert picks(8, 64 << 10) == ("doubling", "ring", "ring", "scatter-allgather")
+    assert picks(8, 4 << 20) == ("halving", "halving", "doubling", "scatter-allgather")
+    assert picks(8, 64 << 20) == ("ring", "ring", "ring", "scatter-allgather")
+    assert picks(16, 64 << 20) == ("halving", "ring", "ring", "scatter-allgather")
+    assert picks(4, 4 << 20) == ("ring", "ring", "ring", "chain")
+    assert picks(12, 4 << 20) == ("halving", "ring", "ring", "chain")  # not a power of 2
+    # Set: every size up to it, from 4 ranks.
+    assert picks(4, 64 << 10, 1 << 30) == ("doubling", "halving", "doubling",
+                                           "scatter-allgather")
+    # The sizes exchange of an allgather (no dtype) is small: the ring, unless set.
+    assert Algorithms(0, 8, 2 << 20, -1).allgather(tuple(range(9)))[1] == "ring"

@@ -37,8 +37,13 @@ TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive     
 TOTALREDUCE_HALVING_BYTES          allreduces above SMALL_BYTES and up to this     -1
                                    size use recursive halving then doubling
                                    (2 log2 n hops, the ring's bytes), bigger ones
-                                   the ring; -1 = auto (never below 8 ranks, n MiB
-                                   at 8-15 ranks, no limit from 16)
+                                   the ring; so do reducescatters, allgathers
+                                   (recursive doubling) and broadcasts (scatter
+                                   then allgather) up to it, where the ranks are a
+                                   power of two >= 4; -1 = auto: from 8 ranks,
+                                   allreduce up to n MiB (no limit from 16),
+                                   reducescatter and allgather above SMALL_BYTES
+                                   up to n MiB, broadcast at every size
 TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never); -1 = auto:

@@ -8,7 +8,10 @@ instead of once per rank pair that straddles hosts; on also takes the small ones
 
 Allreduce picks recursive doubling (fewest hops), recursive halving then doubling (at 8+
 ranks, see :func:`auto_halving_bytes`) or the ring by size (``TOTALREDUCE_SMALL_BYTES``;
-auto: doubling up to 1 MiB, halving or the ring above).  At 2 ranks
+auto: doubling up to 1 MiB, halving or the ring above).  Reduce-scatter, allgather and
+broadcast take recursive halving, recursive doubling and a scatter then allgather in
+power-of-two worlds where those won (:meth:`Algorithms._log_steps`), else the ring and
+the chain.  At 2 ranks
 doubling moves the same bytes as the ring, but each rank reduces the whole buffer and a
 piece that arrives before our own send of it has left must be copied aside; the ring
 reduces half and never waits on itself.  Up to 2 MiB at 2 ranks the ring's second hop
@@ -56,11 +59,12 @@ _SMALL_BROADCAST_PIECE = 512 << 10
 
 
 def auto_halving_bytes(size: int) -> int:
-    """TOTALREDUCE_HALVING_BYTES=-1: up to where recursive halving runs instead of the
-    ring.  On 16 cores, one rank per core: at 4 ranks it never won (a tie at 4 MB, the ring
-    15% faster at 16 MB); at 8 and 12 ranks it ran 4 MB 2-3x faster than the ring and
-    16 MB at par, 64 MB 5-10% slower; at 16 ranks it was faster from 4 MB (6x) to 64 MB
-    (15%).  Below SMALL_BYTES recursive doubling beat it at every rank count."""
+    """TOTALREDUCE_HALVING_BYTES=-1, for allreduce: up to where recursive halving runs
+    instead of the ring.  On 16 cores, one rank per core: at 4 ranks it never won (a tie
+    at 4 MB, the ring 15% faster at 16 MB); at 8 and 12 ranks it ran 4 MB 2-3x faster
+    than the ring and 16 MB at par, 64 MB 5-10% slower; at 16 ranks it was faster from
+    4 MB (6x) to 64 MB (15%).  Below SMALL_BYTES recursive doubling beat it at every rank
+    count."""
     if size < 8:
         return 0
     return size << 20 if size < 16 else 1 << 62
@@ -93,6 +97,7 @@ class Algorithms:
         if small_bytes < 0:
             small_bytes = 2 << 20 if size == 2 else 1 << 20
         self._small_bytes = small_bytes
+        self._halving_auto = halving_bytes < 0
         if halving_bytes < 0:
             halving_bytes = auto_halving_bytes(size)
         self._halving_bytes = halving_bytes
@@ -162,20 +167,31 @@ class Algorithms:
         """The schedule and its algorithm ("chain" or "scatter-allgather")."""
         seg = self.segment(dtype)
         itemsize = np.dtype(dtype).itemsize
-        if self._log_steps(count * itemsize):
+        if self._log_steps(count * itemsize, broadcast=True):
             return (self._job(scatter_allgather_broadcast(self.rank, self.size, root, count,
                                                           seg)), "scatter-allgather")
         if count * itemsize <= self._small_bytes:
             seg = min(seg, max(1, _SMALL_BROADCAST_PIECE // itemsize))
         return self._job(chain_broadcast(self.rank, self.size, root, count, seg)), "chain"
 
-    def _log_steps(self, nbytes: int) -> bool:
+    def _log_steps(self, nbytes: int, broadcast: bool = False) -> bool:
         """Whether a reduce-scatter, allgather or broadcast of ``nbytes`` in all takes
         recursive halving or doubling (``log2 n`` steps each way) rather than the ring or
-        the chain (``n - 1``): as for allreduce (TOTALREDUCE_HALVING_BYTES), in a
-        power-of-two world."""
+        the chain (``n - 1``), in a power-of-two world: up to TOTALREDUCE_HALVING_BYTES
+        where it is set.  Auto, on 16 cores with one rank per core, measured against the
+        ring and the chain: from 8 ranks the broadcast won at every size (1 MB at 16 ranks:
+        1.3 against 7.6 ms; 64 MB at par), the allgather and the reduce-scatter from 4 MB
+        (2-4x) to 16 MB, and lost below 1 MB and at 64 MB (the reduce-scatter reduces
+        into a copy of its input, where the ring reads the input itself); at 4 ranks
+        neither side won."""
         size = self.size
-        return size >= 4 and not size & (size - 1) and nbytes <= self._halving_bytes
+        if size < 4 or size & (size - 1):
+            return False
+        if not self._halving_auto:
+            return nbytes <= self._halving_bytes
+        if size < 8:
+            return False
+        return broadcast or self._small_bytes < nbytes <= size << 20
 
     def reducescatter(self, bounds: tuple[int, ...], dtype: np.dtype,
                       fresh: bool = False) -> tuple[Schedule, str, bool]:
