@@ -26,6 +26,17 @@ CMD_PS = "python -m totalreduce.bench ps --rounds 3 --plot ps.png"
 CMD_SKEW_NEG = f"python -m totalreduce.bench skew -n 2,4 --backends {NEG} --rounds 2 --reps 10"
 CMD_REPLAY_NEG = (f"python -m totalreduce.bench replay -n 2,4 --models resnet50 --backends {NEG} "
                   "--buckets-mb 16 --rounds 2 --reps 10")
+CMD_16_ALLREDUCE = ("python -m totalreduce.bench collectives -n 4,8,16 --ops allreduce "
+                    "--sizes 1M,4M,16M,64M --rounds 2 --reps-scale 0.5 "
+                    "--backends totalreduce-shm,mpi,gloo")
+CMD_16_OTHERS = ("python -m totalreduce.bench collectives -n 8,16 "
+                 "--ops allgather,alltoall,broadcast,reducescatter --sizes 1M,4M,16M,64M "
+                 "--rounds 2 --reps-scale 0.5 --backends totalreduce-shm,mpi")
+CMD_16_LATENCY = ("python -m totalreduce.bench latency -n 2,4,8,16 "
+                  "--backends totalreduce-shm,mpi --rounds 2 --reps 1000")
+CMD_16_LOGSTEPS = ("python -m totalreduce.bench collectives -n 4,8,16 "
+                   "--ops allgather,reducescatter,broadcast --sizes 64K,1M,4M,16M,64M "
+                   "--rounds 2 --reps-scale 0.5")
 CMD_REPLAY = ("python -m totalreduce.bench replay -n 2 --models resnet50 "
               "--backends totalreduce-shm,mpi --buckets-mb 4,8,16,25 --rounds 2 --reps 15")
 
@@ -38,6 +49,27 @@ def table(name: str, keep: Callable[[list[str]], bool] | None = None) -> tuple[s
     if keep is not None:
         rows = rows[:2] + [ln for ln in rows[2:] if keep(ln.split())]
     return env, "```\n" + "\n".join(rows) + "\n```" + _measured(env)
+
+
+def log_steps_table() -> str:
+    """Median ms of the ring or chain (HALVING_BYTES=0) against the log-step algorithms
+    (HALVING_BYTES=1G), from the two runs in docs/bench/cores16-logsteps-*.txt."""
+    ms: dict[tuple[str, str, str, str], str] = {}
+    for name, tag in (("cores16-logsteps-off", "off"), ("cores16-logsteps-on", "on")):
+        for line in (HERE / f"{name}.txt").read_text().splitlines():
+            c = line.split()
+            if len(c) > 4 and c[0] in ("allgather", "reducescatter", "broadcast"):
+                ms[(c[0], c[1], c[2], "mpi" if c[3] == "mpi" else tag)] = c[4]
+    sizes = ("64K", "1M", "4M", "16M", "64M")
+    rows = ["op             n  " + "  ".join(f"{s:>17}" for s in sizes),
+            "                   " + "  ".join(f"{'off / on / mpi':>17}" for _ in sizes)]
+    for op in ("allgather", "reducescatter", "broadcast"):
+        for n in ("4", "8", "16"):
+            cells = ["/".join(ms.get((op, n, s, k), "-") for k in ("off", "on", "mpi"))
+                     for s in sizes]
+            rows.append(f"{op:<13} {n:>2}  " + "  ".join(f"{c:>17}" for c in cells))
+    return "```\n" + "\n".join(rows) + "\n```" + _measured(
+        table("cores16-logsteps-off")[0])
 
 
 def _measured(env: str) -> str:
@@ -125,6 +157,58 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 ![allreduce bus bandwidth, 4 ranks](bench/collectives-4.png)
 
 {table("collectives-4")[1]}
+
+## 16 cores: 4 to 16 ranks
+
+A virtual machine with 16 Intel Xeon cores and one rank per core; MPI is Open MPI 4.1.6
+(its `mpiexec`, mpi4py 4.1.2), gloo is torch 2.11's. The tables come from runs on two
+such machines at two commits (under each table); the machines differed by up to 1.4x in
+our small-op latency, so again compare within a table. Shared-memory rings carry all of
+totalreduce's traffic.
+
+Allreduce:
+
+`{CMD_16_ALLREDUCE}`
+(`docs/bench/cores16-allreduce.txt`). Up to 1 MiB it is recursive doubling; above, from
+8 ranks, recursive halving then doubling (up to 8 MiB at 8 ranks, every size at 16),
+else the ring.
+
+4 ranks:
+
+{table("cores16-allreduce", lambda c: c[1] == "4")[1]}
+
+8 ranks:
+
+{table("cores16-allreduce", lambda c: c[1] == "8")[1]}
+
+16 ranks:
+
+{table("cores16-allreduce", lambda c: c[1] == "16")[1]}
+
+The other collectives:
+
+`{CMD_16_OTHERS}`
+(`docs/bench/cores16-others.txt`). From 8 ranks broadcast is a scatter then an
+allgather at every size; allgather and reducescatter take recursive doubling and halving
+above 1 MiB up to n MiB, else the ring; alltoall is a pairwise exchange.
+
+8 ranks:
+
+{table("cores16-others", lambda c: c[1] == "8")[1]}
+
+16 ranks:
+
+{table("cores16-others", lambda c: c[1] == "16")[1]}
+
+Blocking 8-byte allreduce and barrier:
+
+`{CMD_16_LATENCY}`
+(`docs/bench/cores16-latency.txt`, timed as in the latency section below). Recursive
+doubling takes `log2 n` steps, each costing a rank tens of microseconds of Python; with
+every core busy the same Python also runs slower (the time from the call to the first
+message posted was 14 us at 2 ranks and 27 us at 16 in a timestamped run).
+
+{table("cores16-latency")[1]}
 
 ## Latency: blocking 8-byte allreduce and barrier
 
@@ -622,6 +706,20 @@ allreduce ran at 1.30-1.60 GB/s bus bandwidth with inline reductions and 1.02-1.
 two ranks' four busy threads oversubscribe the two cores).  Hosts with spare cores may
 want it on.
 
+Why recursive halving and doubling where they are (`TOTALREDUCE_HALVING_BYTES`, 16 cores,
+one rank per core): `{CMD_16_LOGSTEPS}` with `--backends totalreduce-shm,mpi --set
+HALVING_BYTES=0` (off: the ring, the chain) and then `--backends totalreduce-shm --set
+HALVING_BYTES=1073741824` (on: `log2 n` steps each way), medians in ms
+(`docs/bench/cores16-logsteps-off.txt`, `-on.txt`). From 8 ranks the scatter-allgather
+broadcast won at every size; allgather and reducescatter won from 4 to 16 MB and lost
+below 1 MB and at 64 MB (where the halving reduce-scatter reduces into a copy of its input,
+and the ring reads the input itself); at 4 ranks neither side won. Allreduce by the same
+bound (`auto_halving_bytes` in algorithms/select.py): at 8 and 12 ranks halving ran 4 MB
+2-3x faster than the ring, 16 MB at par and 64 MB 5-10% slower; at 16 ranks it was ahead
+from 4 to 64 MB.
+
+{log_steps_table()}
+
 ## Known weak spots
 
 - Small messages: a blocking allreduce of a few bytes costs 14.7-15.3 us at 2 ranks in
@@ -648,6 +746,12 @@ want it on.
   zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
   reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
+- 8 to 16 ranks (16 cores): 1-4 MB ops run at 0.3-0.8x MPI (allreduce 0.39-0.70x at 1 MB,
+  allgather and alltoall 0.26-0.64x), and a blocking 8-byte allreduce takes 4.4x its
+  2-rank time at 16 ranks, 22x MPI's: every message costs a rank tens of microseconds of
+  Python. The ring at 16 ranks runs 4 MB several times slower than its bytes call for
+  (allgather 9.0 ms against 3.3 with recursive doubling), which has not been explained;
+  the log-step algorithms avoid it where they are chosen.
 - Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8-11x MPI's
   8-byte allreduce in the latency table, 0.06-0.10x in the 4-rank table), and 1-16 MB
   allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer

@@ -366,6 +366,10 @@ def _machine() -> dict[str, Any]:
             info[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             info[dist] = None
+    if info["totalreduce"] is None:  # run from a source tree (PYTHONPATH)
+        from ..version import __version__
+        info["totalreduce"] = __version__
+    info["mpi"] = f"mpich {info['mpich']}" if info["mpich"] else _mpiexec_version()
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         info["commit"] = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
@@ -376,8 +380,22 @@ def _machine() -> dict[str, Any]:
     return info
 
 
+def _mpiexec_version() -> str | None:
+    """The first line ``mpiexec --version`` prints (an MPI other than the mpich wheel's,
+    such as Open MPI's "mpiexec (OpenRTE) 4.1.6"), or None."""
+    path = find_mpiexec()
+    if path is None:
+        return None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.stdout.strip().splitlines()
+    return first[0].replace(",", " ") if first else None
+
+
 def _print_machine(info: dict[str, Any]) -> None:
-    keys = ("cpu", "cpus", "kernel", "python", "numpy", "mpi4py", "mpich", "torch",
+    keys = ("cpu", "cpus", "kernel", "python", "numpy", "mpi4py", "mpi", "torch",
             "totalreduce", "commit")
     print("environment: " + ", ".join(f"{k} {info.get(k)}" for k in keys))
 
