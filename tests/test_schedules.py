@@ -499,5 +499,10 @@ def test_log_step_algorithms_are_chosen_where_they_won() -> None:
     # Set: every size up to it, from 4 ranks.
     assert picks(4, 64 << 10, 1 << 30) == ("doubling", "halving", "doubling",
                                            "scatter-allgather")
+    # Across hosts (not measured there): the ring and the chain, unless set.
+    across = Algorithms(0, 8, 2 << 20, -1, hosts=(0, 0, 0, 0, 1, 1, 1, 2))
+    count = (4 << 20) // 4
+    assert across.allreduce(count, f32).algorithm == "ring"
+    assert across.broadcast(0, count, f32)[1] == "chain"
     # The sizes exchange of an allgather (no dtype) is small: the ring, unless set.
     assert Algorithms(0, 8, 2 << 20, -1).allgather(tuple(range(9)))[1] == "ring"

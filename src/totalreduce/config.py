@@ -40,10 +40,10 @@ TOTALREDUCE_HALVING_BYTES          allreduces above SMALL_BYTES and up to this  
                                    the ring; so do reducescatters, allgathers
                                    (recursive doubling) and broadcasts (scatter
                                    then allgather) up to it, where the ranks are a
-                                   power of two >= 4; -1 = auto: from 8 ranks,
-                                   allreduce up to n MiB (no limit from 16),
-                                   reducescatter and allgather above SMALL_BYTES
-                                   up to n MiB, broadcast at every size
+                                   power of two >= 4; -1 = auto: from 8 ranks on
+                                   one host, allreduce up to n MiB (no limit from
+                                   16), reducescatter and allgather above
+                                   SMALL_BYTES up to n MiB, broadcast at every size
 TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never); -1 = auto:

@@ -99,7 +99,10 @@ class Algorithms:
         self._small_bytes = small_bytes
         self._halving_auto = halving_bytes < 0
         if halving_bytes < 0:
-            halving_bytes = auto_halving_bytes(size)
+            # Measured with every rank on one host: across hosts the log-step algorithms'
+            # partners at every distance would send each step's share over the network.
+            one_host = hosts is None or len(set(hosts)) == 1
+            halving_bytes = auto_halving_bytes(size) if one_host else 0
         self._halving_bytes = halving_bytes
         mode = {"1": "on", "0": "off"}.get(hierarchical, hierarchical)
         layout = host_groups(hosts) if hosts is not None and mode != "off" else None
@@ -189,7 +192,7 @@ class Algorithms:
             return False
         if not self._halving_auto:
             return nbytes <= self._halving_bytes
-        if size < 8:
+        if size < 8 or not self._halving_bytes:  # not measured: fewer ranks, several hosts
             return False
         return broadcast or self._small_bytes < nbytes <= size << 20
 
