@@ -41,6 +41,21 @@ def test_mismatch_raises_on_every_rank(what: str, mismatch_job: Result) -> None:
         assert got["after_ok"], got  # the job went on
 
 
+def test_ranks_that_choose_different_algorithms_fail_every_rank_saying_so() -> None:
+    # Rank 0's TOTALREDUCE_HALVING_BYTES puts it on recursive halving/doubling (and the
+    # scatter-allgather broadcast), the others on the ring and the chain.
+    result = run_ok(4, "workers:algorithm_mismatch", {}, timeout=90)
+    for what, mine in (("allreduce", "halving"), ("broadcast", "scatter-allgather"),
+                       ("allgather", "doubling"), ("reducescatter", "halving")):
+        for r in range(4):
+            got = result.report(r).get(f"case:{what}", {})
+            assert "mismatch" in got, result.explain()
+            msg = got["mismatch"]
+            assert "(differs: algorithm)" in msg and "HALVING_BYTES" in msg, msg
+            assert f"algorithm={mine}" in msg, msg
+            assert got["after_s"] < PROMPTLY and got["after_ok"], got
+
+
 def test_killed_worker_fails_every_rank_and_launcher() -> None:
     n = 3
     result = launch(n, "workers:killed_peer", {"victim": 1}, timeout=60)

@@ -527,6 +527,32 @@ def mismatch(arg: dict) -> None:
     tr.shutdown()
 
 
+def algorithm_mismatch(arg: dict) -> None:
+    """Rank 0 sets TOTALREDUCE_HALVING_BYTES so that it takes the log-step algorithms and
+    the others do not: each op must fail on every rank, saying the algorithms differ, and
+    the job must go on."""
+    if os.environ["TOTALREDUCE_RANK"] == "0":
+        os.environ["TOTALREDUCE_HALVING_BYTES"] = str(1 << 30)
+    tr.init()
+    n = tr.size()
+    x = np.ones((1 << 17, 4), np.float32)  # 2 MiB: past SMALL_BYTES, where doubling runs
+    for what, call in (("allreduce", lambda: tr.allreduce(x, op=tr.Sum, name="a")),
+                       ("broadcast", lambda: tr.broadcast(x, root_rank=1, name="b")),
+                       ("allgather", lambda: tr.allgather(x, name="g")),
+                       ("reducescatter", lambda: tr.reducescatter(x, op=tr.Sum, name="r"))):
+        start = time.monotonic()
+        try:
+            call()
+        except tr.MismatchError as exc:
+            got: dict = {"mismatch": str(exc), "after_s": time.monotonic() - start}
+        else:
+            got = {"returned_data": True}
+        y = tr.allreduce(np.full(3, 1, np.int64), op=tr.Sum, name=f"after.{what}")
+        got["after_ok"] = y.tolist() == [n] * 3
+        report(**{f"case:{what}": got})
+    tr.shutdown()
+
+
 def killed_peer(arg: dict) -> None:
     tr.init()
     rank = tr.rank()

@@ -12,7 +12,9 @@ from typing import Any
 
 from ..exceptions import MismatchError
 
-_FIELDS = ("kind", "dtype", "shape", "op", "root", "count", "splits")
+_FIELDS = ("kind", "dtype", "shape", "op", "root", "count", "splits", "algorithm")
+# Ops whose view names no algorithm run the default one (the ring).
+_DEFAULT_ALGORITHM = "ring"
 _MAX_DESC = 64 << 10
 # Kinds whose views show the whole shape while the ranks agree on all but its first
 # dimension.
@@ -39,18 +41,26 @@ class MismatchRecord:
     def error(self, rank: int, op_name: str) -> MismatchError:
         differing = [f for f in _FIELDS
                      if len({json.dumps(_compared(f, v), sort_keys=True)
-                             for v in self.views.values() if f in v}) > 1]
+                             for v in self.views.values()
+                             if f in v or f == "algorithm"}) > 1]
         ragged = any(v.get("kind") in _RAGGED for v in self.views.values())
         lines = [f"rank {rank}: ranks disagree on {self.label}"
                  + (f" (differs: {', '.join(differing)})" if differing else "") + ":"]
         for r in sorted(self.views):
             v = self.views[r]
-            shown = ", ".join(f"{f}={_fmt(v[f])}" for f in _FIELDS if f in v)
+            # The algorithm only where it differs: it follows from the rest otherwise.
+            shown = ", ".join(
+                f"{f}={_fmt(v[f] if f in v else _compared(f, v))}" for f in _FIELDS
+                if (f in v and f != "algorithm") or (f == "algorithm" and f in differing))
             suffix = " (as seen in its message header)" if v.get("partial") else ""
             lines.append(f"  rank {r}: {shown}{suffix}")
         missing = sorted(self.ranks - set(self.views))
         if missing:
             lines.append(f"  ranks {missing}: not heard from (not submitted yet?)")
+        if "algorithm" in differing:
+            lines.append("The ranks chose different algorithms for it: their "
+                         "TOTALREDUCE_SMALL_BYTES, TOTALREDUCE_HALVING_BYTES or "
+                         "TOTALREDUCE_HIERARCHICAL settings differ.")
         lines.append("Every rank must call the same collectives, with the same names, "
                      "shapes, dtypes and arguments, in a matching sequence."
                      + (" Only the first dimension may differ between ranks." if ragged
@@ -59,6 +69,8 @@ class MismatchRecord:
 
 
 def _compared(field: str, view: dict[str, Any]) -> Any:
+    if field == "algorithm":
+        return view.get(field, _DEFAULT_ALGORITHM)
     value = view.get(field)
     if field == "shape" and view.get("kind") in _RAGGED and isinstance(value, list):
         return value[1:]

@@ -628,7 +628,7 @@ class SelfGuided:
         first = self._spec(sizes_id, lambda: dict(view(), phase="sizes",
                                                   algorithm=sizes_algorithm), sizes.dtype, n,
                            sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
-                           shown)
+                           lambda: dict(shown(), algorithm=sizes_algorithm))
         row = math.prod(arr.shape[1:])
         state: dict[str, np.ndarray] = {}
 
@@ -643,7 +643,8 @@ class SelfGuided:
                                   priority, ("allgather", arr.dtype, arr.shape, 1), shown)
             return self._spec(data_id, lambda: dict(view(), algorithm=algorithm), arr.dtype,
                               bounds[-1], schedule, buf, priority,
-                              ("allgather", arr.dtype, arr.shape, 1, algorithm), shown)
+                              ("allgather", arr.dtype, arr.shape, 1, algorithm),
+                              lambda: dict(shown(), algorithm=algorithm))
 
         def finish() -> np.ndarray:
             rows = int(sizes.sum())
