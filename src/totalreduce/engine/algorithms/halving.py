@@ -1,4 +1,7 @@
-"""Recursive halving then doubling (Rabenseifner): the mid-size allreduce at 4+ ranks.
+"""Recursive halving and doubling: ``log2 n`` steps where the ring and the chain take
+``n - 1``.  The allreduce (Rabenseifner's), and on their own the reduce-scatter, the
+allgather and a broadcast as a scatter then an allgather; algorithms/select.py says
+where each runs.
 
 A reduce-scatter by recursive halving, then an allgather by recursive doubling.  At step
 ``k`` of the first half a rank sends its partner ``rank ^ p / 2^k`` the half of its
@@ -20,9 +23,9 @@ step that covered its region, so what it unlocks carries every earlier contribut
 the allgather every block travels as its own messages, since a send there mixes blocks
 finished at different steps.
 
-With ``n`` not a power of two the first ``2 * extra`` ranks fold in pairs, as for
-recursive doubling (doubling.py).  Every finished block is reduced by one rank and copied
-everywhere else, so all ranks end bit-identical.
+With ``n`` not a power of two the allreduce's first ``2 * extra`` ranks fold in pairs, as
+for recursive doubling (doubling.py); the other three need a power of two.  Every finished
+block is reduced by one rank and copied everywhere else, so all ranks end bit-identical.
 """
 
 from __future__ import annotations
