@@ -746,12 +746,13 @@ from 4 to 64 MB.
   zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
   reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- 8 to 16 ranks (16 cores): 1-4 MB ops run at 0.3-0.8x MPI (allreduce 0.39-0.70x at 1 MB,
-  allgather and alltoall 0.26-0.64x), and a blocking 8-byte allreduce takes 4.4x its
-  2-rank time at 16 ranks, 22x MPI's: every message costs a rank tens of microseconds of
-  Python. The ring at 16 ranks runs 4 MB several times slower than its bytes call for
-  (allgather 9.0 ms against 3.3 with recursive doubling), which has not been explained;
-  the log-step algorithms avoid it where they are chosen.
+- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.26-0.76x MPI (allreduce 0.39-0.71x,
+  allgather and alltoall 0.26-0.64x; broadcast at 16 ranks 0.17x at 1 MB, whose p10 of
+  1.3 ms against a median of 2.8 shows two modes), and a blocking 8-byte allreduce takes
+  4.4x its 2-rank time at 16 ranks, 22x MPI's: every message costs a rank tens of
+  microseconds of Python. The ring at 16 ranks runs 4 MB several times slower than its
+  bytes call for (allgather 9.0 ms against 3.3 with recursive doubling), which has not
+  been explained; the log-step algorithms avoid it where they are chosen.
 - Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8-11x MPI's
   8-byte allreduce in the latency table, 0.06-0.10x in the 4-rank table), and 1-16 MB
   allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer
