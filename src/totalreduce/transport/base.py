@@ -15,6 +15,8 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 from .wire import Header
@@ -48,6 +50,23 @@ class Outgoing(NamedTuple):
     body: memoryview | None
     token: object
     lend: bool = True  # the body may be lent instead of copied (OpSpec.lend)
+
+
+class LaneEnd(Protocol):
+    """One peer's lane, as a transport keeps it (Transport._lane_ends): the transport's
+    lane methods, for that peer."""
+
+    lane_lock: threading.Lock
+
+    def lane_room(self) -> int: ...
+
+    def lane_post(self, header: bytes, body: memoryview | None) -> bool: ...
+
+    def lane_peek(self) -> tuple[Header, memoryview] | None: ...
+
+    def lane_take(self, header: Header) -> None: ...
+
+    def lane_wait(self, timeout: float) -> None: ...
 
 
 class MessageHandler(Protocol):
@@ -168,37 +187,48 @@ class Transport(abc.ABC):
         READY), which the caller handled from its header alone."""
         raise NotImplementedError
 
-    # The lanes: a small second ring each way to a peer on this host, which a caller's
-    # thread reads and writes itself while another thread drives the loop
-    # (engine/urgent.py).  Only such a thread uses them; the loop reads the messages in
-    # this rank's lanes that the handler claims (MessageHandler.lane_claims).
+    # The lanes: a second channel each way to a peer (a small ring beside the ring, a
+    # second connection, an MPI tag of its own), which a caller's thread reads and writes
+    # itself while another thread drives the loop (engine/urgent.py).  Only such a
+    # thread uses them; the loop reads the messages in this rank's lanes that the handler
+    # claims (MessageHandler.lane_claims).  A transport with lanes keeps one LaneEnd per
+    # peer in ``_lane_ends``; without, every peer has none.
+
+    _lane_ends: Mapping[int, LaneEnd] = MappingProxyType({})
 
     def lane_room(self, peer: int) -> int:
         """The biggest body :meth:`lane_post` takes for ``peer``; 0: no lane to it."""
-        return 0
+        end = self._lane_ends.get(peer)
+        return 0 if end is None else end.lane_room()
 
     def lane_post(self, peer: int, header: bytes, body: memoryview | None) -> bool:
         """Post one DATA message into ``peer``'s lane (any thread); False, nothing sent,
         when it cannot go now."""
-        return False
+        end = self._lane_ends.get(peer)
+        return end is not None and end.lane_post(header, body)
 
     def lane_lock(self, peer: int) -> threading.Lock:
         """The lock a thread holds while it reads ``peer``'s lane (:meth:`lane_peek`)."""
-        raise NotImplementedError
+        return self._lane_ends[peer].lane_lock
 
     def lane_peek(self, peer: int) -> tuple[Header, memoryview] | None:
         """The oldest message in ``peer``'s lane, with its body (valid until
         :meth:`lane_take` or the lock is let go), or None."""
-        return None
+        end = self._lane_ends.get(peer)
+        return None if end is None else end.lane_peek()
 
     def lane_take(self, peer: int, header: Header) -> None:
         """The message :meth:`lane_peek` showed (``header``) has been handled: free it."""
-        raise NotImplementedError
+        self._lane_ends[peer].lane_take(header)
 
     def lane_wait(self, peer: int, timeout: float) -> None:
         """Block, without the lane's lock, until something may have come into ``peer``'s
         lane or ``timeout`` passes (a spurious return is harmless)."""
-        time.sleep(timeout)
+        end = self._lane_ends.get(peer)
+        if end is None:
+            time.sleep(timeout)
+        else:
+            end.lane_wait(timeout)
 
     def crowded(self) -> bool:
         """Whether this host's ranks outnumber its cores: a thread waiting for a peer then

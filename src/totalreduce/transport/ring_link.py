@@ -15,6 +15,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections import deque
 
 from . import cma
@@ -292,6 +293,10 @@ class RingLink(Link):
         """The biggest body :meth:`lane_post` takes; 0: no lane."""
         lane = self.lane_out
         return 0 if lane is None or self.lane_in is None else lane.max_body
+
+    def lane_wait(self, timeout: float) -> None:
+        """Nap ``timeout``: a ring has no descriptor to wait on (base.LaneEnd)."""
+        time.sleep(timeout)
 
     def lane_post(self, header: bytes, body: memoryview | None) -> bool:
         """Post one message into the peer's lane; False, nothing written, when it cannot

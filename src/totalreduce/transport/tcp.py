@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import selectors
 import socket
-import threading
-import time
 from typing import Protocol
 
 from .base import Counters, MessageHandler, Transport
@@ -153,31 +151,6 @@ class TcpTransport(Transport):
         link = self._links[peer]
         assert type(link) is RingLink
         link.take(header)
-
-    def lane_room(self, peer: int) -> int:
-        end = self._lane_ends.get(peer)
-        return 0 if end is None else end.lane_room()
-
-    def lane_post(self, peer: int, header: bytes, body: memoryview | None) -> bool:
-        end = self._lane_ends.get(peer)
-        return end is not None and end.lane_post(header, body)
-
-    def lane_lock(self, peer: int) -> threading.Lock:
-        return self._lane_ends[peer].lane_lock
-
-    def lane_peek(self, peer: int) -> tuple[Header, memoryview] | None:
-        end = self._lane_ends.get(peer)
-        return None if end is None else end.lane_peek()
-
-    def lane_take(self, peer: int, header: Header) -> None:
-        self._lane_ends[peer].lane_take(header)
-
-    def lane_wait(self, peer: int, timeout: float) -> None:
-        end = self._lane_ends.get(peer)
-        if type(end) is SocketLane:
-            end.lane_wait(timeout)
-        else:
-            time.sleep(timeout)  # a ring has no descriptor to wait on
 
     def lane_ended(self, lane: SocketLane) -> None:
         if lane in self._socket_lanes:
