@@ -13,8 +13,6 @@ from typing import Any
 from ..exceptions import MismatchError
 
 _FIELDS = ("kind", "dtype", "shape", "op", "root", "count", "splits", "algorithm")
-# Ops whose view names no algorithm run the default one (the ring).
-_DEFAULT_ALGORITHM = "ring"
 _MAX_DESC = 64 << 10
 # Kinds whose views show the whole shape while the ranks agree on all but its first
 # dimension.
@@ -41,17 +39,15 @@ class MismatchRecord:
     def error(self, rank: int, op_name: str) -> MismatchError:
         differing = [f for f in _FIELDS
                      if len({json.dumps(_compared(f, v), sort_keys=True)
-                             for v in self.views.values()
-                             if f in v or f == "algorithm"}) > 1]
+                             for v in self.views.values() if f in v}) > 1]
         ragged = any(v.get("kind") in _RAGGED for v in self.views.values())
         lines = [f"rank {rank}: ranks disagree on {self.label}"
                  + (f" (differs: {', '.join(differing)})" if differing else "") + ":"]
         for r in sorted(self.views):
             v = self.views[r]
             # The algorithm only where it differs: it follows from the rest otherwise.
-            shown = ", ".join(
-                f"{f}={_fmt(v[f] if f in v else _compared(f, v))}" for f in _FIELDS
-                if (f in v and f != "algorithm") or (f == "algorithm" and f in differing))
+            shown = ", ".join(f"{f}={_fmt(v[f])}" for f in _FIELDS
+                              if f in v and (f != "algorithm" or f in differing))
             suffix = " (as seen in its message header)" if v.get("partial") else ""
             lines.append(f"  rank {r}: {shown}{suffix}")
         missing = sorted(self.ranks - set(self.views))
@@ -69,8 +65,6 @@ class MismatchRecord:
 
 
 def _compared(field: str, view: dict[str, Any]) -> Any:
-    if field == "algorithm":
-        return view.get(field, _DEFAULT_ALGORITHM)
     value = view.get(field)
     if field == "shape" and view.get("kind") in _RAGGED and isinstance(value, list):
         return value[1:]

@@ -121,6 +121,13 @@ def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtyp
     return np.empty(count, dtype)
 
 
+def _with_algorithm(view: dict[str, Any] | Callable[[], dict[str, Any]], algorithm: str
+                    ) -> Callable[[], dict[str, Any]]:
+    """``view`` (or the function making it) naming the algorithm that runs the op: ranks
+    configured to choose differently then disagree on the op, and a mismatch says so."""
+    return lambda: dict(view() if callable(view) else view, algorithm=algorithm)
+
+
 def _gathering_views(kind: str, arr: np.ndarray
                      ) -> tuple[Callable[[], dict[str, Any]], Callable[[], dict[str, Any]]]:
     """What ranks agree on for an allgather or alltoall (all but the rows) and what a
@@ -461,13 +468,8 @@ class SelfGuided:
         if source is not None and not plan.fresh:
             np.copyto(work, source)
             source = None
-        if plan.algorithm != "ring":
-            base = view
-
-            def view() -> dict[str, Any]:
-                return dict(base() if callable(base) else base, algorithm=plan.algorithm)
-
-            known = None if known is None else (*known, plan.algorithm)
+        view = _with_algorithm(view, plan.algorithm)
+        known = None if known is None else (*known, plan.algorithm)
         schedule, recipe = plan.schedule, plan.recipe | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         return self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
@@ -539,9 +541,10 @@ class SelfGuided:
 
         def view() -> dict[str, Any]:
             return {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
-                    "root": int(root_rank), "algorithm": algorithm}
+                    "root": int(root_rank)}
 
-        spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
+        spec = self._spec(ident, _with_algorithm(view, algorithm), arr.dtype, work.size,
+                          schedule, work, priority,
                           ("broadcast", arr.dtype, arr.shape, root, algorithm),
                           lend=self.rank != root)
 
@@ -572,14 +575,9 @@ class SelfGuided:
         if source is not None and not fresh:
             np.copyto(work, source)
             source = None
-        if algorithm != "ring":
-            base = view
-
-            def view() -> dict[str, Any]:
-                return dict(base(), algorithm=algorithm)
-
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
-        spec = self._spec(ident, view, arr.dtype, work.size, schedule, work, priority,
+        spec = self._spec(ident, _with_algorithm(view, algorithm), arr.dtype, work.size,
+                          schedule, work, priority,
                           ("reducescatter", arr.dtype, arr.shape, rop, algorithm),
                           ufunc=UFUNCS[rop], finalize=finalize, source=source,
                           fresh=source is not None)
@@ -625,10 +623,11 @@ class SelfGuided:
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
         sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
-        first = self._spec(sizes_id, lambda: dict(view(), phase="sizes",
-                                                  algorithm=sizes_algorithm), sizes.dtype, n,
-                           sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
-                           lambda: dict(shown(), algorithm=sizes_algorithm))
+        first = self._spec(sizes_id, _with_algorithm(lambda: dict(view(), phase="sizes"),
+                                                     sizes_algorithm),
+                           sizes.dtype, n, sched, sizes, priority,
+                           ("allgather", arr.dtype, arr.shape, 0),
+                           _with_algorithm(shown, sizes_algorithm))
         row = math.prod(arr.shape[1:])
         state: dict[str, np.ndarray] = {}
 
@@ -638,13 +637,10 @@ class SelfGuided:
             buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
             state["out"] = buf
             schedule, algorithm = self._algorithms.allgather(bounds, arr.dtype)
-            if algorithm == "ring":
-                return self._spec(data_id, view, arr.dtype, bounds[-1], schedule, buf,
-                                  priority, ("allgather", arr.dtype, arr.shape, 1), shown)
-            return self._spec(data_id, lambda: dict(view(), algorithm=algorithm), arr.dtype,
+            return self._spec(data_id, _with_algorithm(view, algorithm), arr.dtype,
                               bounds[-1], schedule, buf, priority,
                               ("allgather", arr.dtype, arr.shape, 1, algorithm),
-                              lambda: dict(shown(), algorithm=algorithm))
+                              _with_algorithm(shown, algorithm))
 
         def finish() -> np.ndarray:
             rows = int(sizes.sum())
