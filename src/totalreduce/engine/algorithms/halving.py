@@ -31,9 +31,12 @@ block is reduced by one rank and copied everywhere else, so all ranks end bit-id
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from functools import lru_cache
 
 from ..schedule import COPY, REDUCE, Recv, Schedule, Send, even_bounds, piece_count, pieces
+
+Key = tuple[int, int, int]  # a receive's (source, step, piece), or (peer, step, units)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -93,29 +96,11 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
     def real(w: int) -> int:
         return 2 * w if w < extra else w + extra
 
-    def halves(k: int) -> tuple[int, tuple[int, int], tuple[int, int], int]:
-        """Reduce-scatter step ``k``: the partner, the unit ranges kept and given, and the
-        units per message."""
-        partner, keep, give = _halving_steps(v, p, m, k)
-        return real(partner), keep, give, min(group, (p >> k) * m)
-
-    recvs: dict[tuple[int, int, int], Recv] = {}
     # The sends each receive unlocks, by the receive's key.
     unlocks: defaultdict[tuple[int, int, int], list[Send]] = defaultdict(list)
     opening: list[Send] = []
-    # The previous step's receives, as (peer, step, units per message).
-    prev: tuple[int, int, int] | None = (rank + 1, 0, group) if folded else None
-
-    for k in range(1, rounds + 1):
-        peer, keep, give, g = halves(k)
-        for u0, u1 in chunks(*give, g):
-            send = Send(peer, k, u0, ub[u0], ub[u1])
-            if prev is None:
-                opening.append(send)
-            else:
-                unlocks[_owner(prev, u0)].append(send)
-        prev = (peer, k, g)
-    assert prev is not None
+    folding = (rank + 1, 0, group) if folded else None
+    halving, prev = _halve(v, p, m, group, ub, real, folding, unlocks, opening)
 
     def available(u0: int) -> tuple[int, int, int]:
         """The receive after which the allgather unit run at ``u0`` is here and final."""
@@ -136,19 +121,14 @@ def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sched
             unlocks[available(u0)].append(Send(rank + 1, last, u0, ub[u0], ub[u1]))
 
     # The receives, now that every one's unlocked sends are known.
-    before: tuple[int, int, int] | None = (rank + 1, 0, group) if folded else None
+    recvs: dict[tuple[int, int, int], Recv] = {}
     if folded:
         for u0, u1 in chunks(0, p * m, group):
             key = (rank + 1, 0, u0)
             recvs[key] = Recv(ub[u0], ub[u1], REDUCE, False, tuple(unlocks[key]))
-    for k in range(1, rounds + 1):
-        peer, keep, _give, g = halves(k)
-        for u0, u1 in chunks(*keep, g):
-            key = (peer, k, u0)
-            wait = (_owner(before, u0),) if before is not None else ()
-            recvs[key] = Recv(ub[u0], ub[u1], REDUCE, k == rounds, tuple(unlocks[key]),
-                              wait=wait)
-        before = (peer, k, g)
+    for key, u0, u1, wait in halving:
+        recvs[key] = Recv(ub[u0], ub[u1], REDUCE, key[1] == rounds, tuple(unlocks[key]),
+                          wait=wait)
     for t in range(1, rounds + 1):
         h = 1 << (t - 1)
         theirs = ((v // h) * h) ^ h
@@ -171,6 +151,34 @@ def _halving_steps(v: int, p: int, m: int, k: int
     return v ^ h, keep, give
 
 
+def _halve(v: int, p: int, m: int, group: int, ub: list[int], real: Callable[[int], int],
+           before: Key | None, unlocks: dict[Key, list[Send]], opening: list[Send]
+           ) -> tuple[list[tuple[Key, int, int, tuple[Key, ...]]], Key]:
+    """Recursive halving (steps ``1 .. log2 p``) for virtual rank ``v``: its sends, into
+    ``opening`` or the ``unlocks`` of the receive whose message holds their units; its
+    reducing receives, as (key, first unit, end unit, what it waits for), for the caller
+    to build once all they unlock is known; and the last step's receives, as (peer, step,
+    units per message).  ``before``: the receives that come before the first step, in
+    that form (a folded pair's), or None."""
+    halving: list[tuple[Key, int, int, tuple[Key, ...]]] = []
+    prev = before
+    for k in range(1, p.bit_length()):
+        partner, keep, give = _halving_steps(v, p, m, k)
+        peer, g = real(partner), min(group, (p >> k) * m)
+        for u0, u1 in chunks(*give, g):
+            send = Send(peer, k, u0, ub[u0], ub[u1])
+            if prev is None:
+                opening.append(send)
+            else:
+                unlocks[_owner(prev, u0)].append(send)
+        for u0, u1 in chunks(*keep, g):
+            halving.append(((peer, k, u0), u0, u1,
+                            (_owner(prev, u0),) if prev is not None else ()))
+        prev = (peer, k, g)
+    assert prev is not None
+    return halving, prev
+
+
 @lru_cache(maxsize=256)
 def halving_reducescatter(rank: int, size: int, bounds: tuple[int, ...],
                           seg_elems: int) -> Schedule:
@@ -184,27 +192,9 @@ def halving_reducescatter(rank: int, size: int, bounds: tuple[int, ...],
     m, ub, group = _units(bounds, seg_elems)
     unlocks: defaultdict[tuple[int, int, int], list[Send]] = defaultdict(list)
     opening: list[Send] = []
-    prev: tuple[int, int, int] | None = None
-    for k in range(1, rounds + 1):
-        peer, keep, give = _halving_steps(rank, size, m, k)
-        g = min(group, (size >> k) * m)
-        for u0, u1 in chunks(*give, g):
-            send = Send(peer, k - 1, u0, ub[u0], ub[u1])
-            if prev is None:
-                opening.append(send)
-            else:
-                unlocks[_owner(prev, u0)].append(send)
-        prev = (peer, k - 1, g)
-    recvs: dict[tuple[int, int, int], Recv] = {}
-    prev = None
-    for k in range(1, rounds + 1):
-        peer, keep, _give = _halving_steps(rank, size, m, k)
-        g = min(group, (size >> k) * m)
-        for u0, u1 in chunks(*keep, g):
-            key = (peer, k - 1, u0)
-            recvs[key] = Recv(ub[u0], ub[u1], REDUCE, k == rounds, tuple(unlocks[key]),
-                              wait=(_owner(prev, u0),) if prev is not None else ())
-        prev = (peer, k - 1, g)
+    halving, _last = _halve(rank, size, m, group, ub, lambda w: w, None, unlocks, opening)
+    recvs = {key: Recv(ub[u0], ub[u1], REDUCE, key[1] == rounds, tuple(unlocks[key]),
+                       wait=wait) for key, u0, u1, wait in halving}
     return Schedule(tuple(opening), recvs, ())
 
 
