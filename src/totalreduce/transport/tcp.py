@@ -195,11 +195,13 @@ class TcpTransport(Transport):
             timeout = 0
         elif blocked and self._ring_blocked():
             timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
-        lanes = [lane for lane in self._socket_lanes if lane.recheck]
-        if lanes:
-            timeout = 0
-            for lane in lanes:
-                lane.read()
+        if self._socket_lanes:  # none where every peer is on a ring
+            # A copy: a lane that reads its peer's end leaves the list.
+            lanes = [lane for lane in self._socket_lanes if lane.recheck]
+            if lanes:
+                timeout = 0
+                for lane in lanes:
+                    lane.read()
         for key, mask in self._poller.select(timeout, pending=self._pending):
             link = key.data
             if link is None:
