@@ -10,6 +10,7 @@ import totalreduce as tr
 from totalreduce import runtime as tr_runtime
 from totalreduce.engine.algorithms import (
     chain_broadcast,
+    doubling_allgather,
     doubling_allgatherv,
     doubling_allreduce,
     halving_allreduce,
@@ -91,9 +92,9 @@ def test_done_set_forgets_names() -> None:
 
 
 def test_schedule_caches_are_bounded() -> None:
-    for fn in (chain_broadcast, doubling_allgatherv, doubling_allreduce, halving_allreduce,
-               halving_reducescatter, pairwise_alltoallv, ring_allgatherv, ring_allreduce,
-               ring_reducescatter, scatter_allgather_broadcast):
+    for fn in (chain_broadcast, doubling_allgather, doubling_allgatherv, doubling_allreduce,
+               halving_allreduce, halving_reducescatter, pairwise_alltoallv, ring_allgatherv,
+               ring_allreduce, ring_reducescatter, scatter_allgather_broadcast):
         assert fn.cache_info().maxsize == 256, fn
     for count in range(1000):
         ring_allreduce(0, 2, count, 64)

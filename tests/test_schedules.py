@@ -13,6 +13,7 @@ import pytest
 from totalreduce.engine.algorithms import (
     Algorithms,
     chain_broadcast,
+    doubling_allgather,
     doubling_allgatherv,
     doubling_allreduce,
     halving_allreduce,
@@ -111,7 +112,7 @@ def simulate(schedules: list[Schedule], works: list[np.ndarray],
         assert key not in got[dst], f"duplicate {key}"
         got[dst].add(key)
         assert recv.hi - recv.lo == buf.size
-        assert not (recv.after or recv.wait) or recv.mode != COPY, "only reduces may wait"
+        assert not recv.wait or recv.mode != COPY, "only reduces may wait"
         if ready(dst, recv):
             apply(dst, key, recv, buf, knows)
             release(dst)
@@ -147,6 +148,37 @@ def test_doubling_allreduce(n: int, count: int, seed: int, seg: int) -> None:
     simulate([doubling_allreduce(r, n, count, seg) for r in range(n)], works, seed=seed)
     for w in works:
         assert np.array_equal(w, sum(inputs))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8, 11, 12, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_doubling_allgather(n: int, seed: int) -> None:
+    # Blocks of 0-8 elements (some empty), every message in any order; then as the
+    # express lane runs it.  One message a step: log2 n exchanges, plus a fold before and
+    # a return after where n is not a power of two.
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 9, n) if seed else np.full(n, 3)
+    bounds = tuple(np.concatenate([[0], np.cumsum(counts)]).tolist())
+    full = np.arange(bounds[-1])
+
+    def works() -> list[np.ndarray]:
+        return [np.where((full >= bounds[r]) & (full < bounds[r + 1]), full, -1)
+                for r in range(n)]
+
+    scheds = [doubling_allgather(r, n, bounds) for r in range(n)]
+    got = works()
+    simulate(scheds, got, seed=seed)
+    assert all(np.array_equal(w, full) for w in got)
+    if n > 1:
+        got = works()
+        assert run_in_chain_order(scheds, got) == 0
+        assert all(np.array_equal(w, full) for w in got)
+        power = 1 << (n.bit_length() - 1)
+        exchanges = power.bit_length() - 1
+        steps = {k[1] for s in scheds for k in s.recvs}
+        assert len(steps) == exchanges + (0 if power == n else 2)
+        sent = [len(s.first) + sum(len(r.then) for r in s.recvs.values()) for s in scheds]
+        assert max(sent) <= exchanges + 2
 
 
 def test_doubling_takes_log_n_steps() -> None:
@@ -490,19 +522,24 @@ def test_log_step_algorithms_are_chosen_where_they_won() -> None:
         return (algos.allreduce(count, f32).algorithm, algos.reducescatter(bounds, f32)[1],
                 algos.allgather(bounds, f32)[1], algos.broadcast(0, count, f32)[1])
 
-    assert picks(8, 64 << 10) == ("doubling", "ring", "ring", "scatter-allgather")
+    assert picks(8, 64 << 10) == ("doubling", "ring", "doubling-small", "scatter-allgather")
     assert picks(8, 4 << 20) == ("halving", "halving", "doubling", "scatter-allgather")
     assert picks(8, 64 << 20) == ("ring", "ring", "ring", "scatter-allgather")
     assert picks(16, 64 << 20) == ("halving", "ring", "ring", "scatter-allgather")
     assert picks(4, 4 << 20) == ("ring", "ring", "ring", "chain")
     assert picks(12, 4 << 20) == ("halving", "ring", "ring", "chain")  # not a power of 2
     # Set: every size up to it, from 4 ranks.
-    assert picks(4, 64 << 10, 1 << 30) == ("doubling", "halving", "doubling",
+    assert picks(4, 64 << 10, 1 << 30) == ("doubling", "halving", "doubling-small",
                                            "scatter-allgather")
+    assert picks(4, 4 << 20, 1 << 30) == ("halving", "halving", "doubling",
+                                          "scatter-allgather")
     # Across hosts (not measured there): the ring and the chain, unless set.
     across = Algorithms(0, 8, 2 << 20, -1, hosts=(0, 0, 0, 0, 1, 1, 1, 2))
     count = (4 << 20) // 4
     assert across.allreduce(count, f32).algorithm == "ring"
     assert across.broadcast(0, count, f32)[1] == "chain"
-    # The sizes exchange of an allgather (no dtype) is small: the ring, unless set.
-    assert Algorithms(0, 8, 2 << 20, -1).allgather(tuple(range(9)))[1] == "ring"
+    # The sizes exchange of an allgather (no dtype): one message a step from 4 ranks, on
+    # one host or not; at 2 and 3 ranks the ring takes as many steps.
+    for n, want in ((2, "ring"), (3, "ring"), (4, "doubling-small"), (12, "doubling-small")):
+        assert Algorithms(0, n, 2 << 20, -1).allgather(tuple(range(n + 1)))[1] == want
+    assert across.allgather(tuple(range(9)))[1] == "doubling-small"

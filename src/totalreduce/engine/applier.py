@@ -68,8 +68,12 @@ class Applier:
             op.t_first = time.monotonic()
 
     def applied(self, op: LiveOp, rkey: PieceKey, recv: Recv) -> None:
-        """A COPY piece is in place (it arrived straight into the op's array)."""
+        """A COPY piece is in place (it arrived straight into the op's array); what it
+        unlocks goes once the sends it names (``Recv.after``) have left."""
         op.got.add(rkey)
+        if recv.after and not op.left.issuperset(recv.after):
+            op.held.append((rkey, recv, None, False))
+            return
         self._after_recv(op, rkey, recv)
 
     def reduce(self, op: LiveOp, rkey: PieceKey, recv: Recv, buf: memoryview,
@@ -123,8 +127,11 @@ class Applier:
     def _release(self, op: LiveOp) -> None:
         if op.held:
             held, op.held = op.held, []
-            for item in held:
-                self.reduce(op, *item)
+            for rkey, recv, buf, pooled in held:
+                if buf is None:  # a COPY piece in place already
+                    self.applied(op, rkey, recv)
+                else:
+                    self.reduce(op, rkey, recv, buf, pooled)
 
     def _after_recv(self, op: LiveOp, rkey: PieceKey, recv: Recv) -> None:
         if not op.t_first:

@@ -36,7 +36,9 @@ class Recv:
     final: bool
     then: tuple[Send, ...]
     # Sends, as (peer, step, piece), that must have left before this body is reduced in:
-    # they read the region it writes.  Only REDUCE receives may name any.
+    # they read the region it writes.  A COPY receive naming any lands at once (where they
+    # do not read), but what it unlocks goes only after them: a step's message that
+    # carries what earlier steps brought (algorithms/doubling.py's allgather).
     after: tuple[tuple[int, int, int], ...] = ()
     # Receives, as (source, step, piece), that must have been applied before this body is
     # reduced in: what it unlocks must carry theirs too (a hierarchical allreduce's

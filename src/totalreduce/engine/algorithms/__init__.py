@@ -4,7 +4,7 @@ Schedules depend only on (rank, size, block sizes, segment size), so they are ca
 """
 
 from .chain import chain_broadcast
-from .doubling import doubling_allreduce
+from .doubling import doubling_allgather, doubling_allreduce
 from .halving import (
     doubling_allgatherv,
     halving_allreduce,
@@ -16,7 +16,8 @@ from .pairwise import pairwise_alltoallv
 from .ring import ring_allgatherv, ring_allreduce, ring_reducescatter
 from .select import Algorithms, AllreducePlan
 
-__all__ = ["AllreducePlan", "Algorithms", "chain_broadcast", "doubling_allgatherv",
-           "doubling_allreduce", "halving_allreduce", "halving_reducescatter",
-           "hierarchical_allreduce", "pairwise_alltoallv", "ring_allgatherv",
-           "ring_allreduce", "ring_reducescatter", "scatter_allgather_broadcast"]
+__all__ = ["AllreducePlan", "Algorithms", "chain_broadcast", "doubling_allgather",
+           "doubling_allgatherv", "doubling_allreduce", "halving_allreduce",
+           "halving_reducescatter", "hierarchical_allreduce", "pairwise_alltoallv",
+           "ring_allgatherv", "ring_allreduce", "ring_reducescatter",
+           "scatter_allgather_broadcast"]

@@ -1,4 +1,4 @@
-"""Recursive doubling: the small-message allreduce.
+"""Recursive doubling: the small-message allreduce and allgather.
 
 Every rank exchanges its whole (partial) buffer with partner ``rank ^ 2^k`` at step ``k``
 and reduces what it gets: ``log2 n`` message latencies instead of the ring's ``2 (n - 1)``,
@@ -13,6 +13,11 @@ every rank ends with bit-identical results (addition is commutative in IEEE arit
 A rank sends and then reduces into the same buffer at each step, so every reducing receive
 names the send it must wait for (``Recv.after``): the engine holds an early-arriving body
 until that send has left.
+
+The allgather folds and exchanges the same way, one message a step: each carries every
+block its sender holds, ``log2 n`` (+ 2 where ``n`` is not a power of two) latencies where
+the ring takes ``n - 1``, for the small ones (an allgather's or alltoall's size exchange)
+whose cost is those latencies.
 """
 
 from __future__ import annotations
@@ -64,3 +69,60 @@ def doubling_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sche
     if rank < 2 * extra:
         return Schedule((), recvs, ())
     return Schedule(tuple(exchange(1, j) for j in range(len(cut))), recvs, ())
+
+
+@lru_cache(maxsize=256)
+def doubling_allgather(rank: int, size: int, bounds: tuple[int, ...]) -> Schedule:
+    """Block ``r`` (``bounds[r]:bounds[r + 1]``, each rank's own already in place)
+    everywhere, one whole message a step: at step ``k`` a rank sends its partner every
+    block it holds, those of an aligned group of ``2^(k-1)`` virtual ranks.  A folded
+    (odd) rank sends its block to its even neighbour at step 0 and gets everything else
+    back, in two pieces around its own, after the last exchange.
+
+    A step's message carries what the steps before it brought, which came through other
+    peers, in any order.  So each exchange's receive names our send of that step
+    (``Recv.after``): what it unlocks goes only once that send has left, which the
+    previous step's receive unlocked.  The regions differ (a receive never writes what
+    that send reads), so the body itself may land at once."""
+    if size == 1:
+        return Schedule((), {}, ())
+    p = 1 << (size.bit_length() - 1)
+    extra = size - p
+    rounds = p.bit_length() - 1
+    last = rounds + 1  # the step that returns the rest to the folded ranks
+
+    def real(v: int) -> int:
+        """Virtual rank ``v``'s (even) rank, whose block comes first of its blocks."""
+        return 2 * v if v < extra else v + extra
+
+    if rank < 2 * extra and rank % 2 == 1:  # folds into rank - 1 and waits
+        first = (Send(rank - 1, 0, 0, bounds[rank], bounds[rank + 1]),)
+        back = {(rank - 1, last, 0): Recv(bounds[0], bounds[rank], COPY, False, ()),
+                (rank - 1, last, 1): Recv(bounds[rank + 1], bounds[size], COPY, False, ())}
+        return Schedule(first, back, ())
+    virtual = rank // 2 if rank < 2 * extra else rank - extra
+
+    def exchange(k: int) -> Send:  # k = 1 .. rounds: our group of 2^(k-1) virtual ranks
+        h = 1 << (k - 1)
+        g = virtual // h * h
+        return Send(real(virtual ^ h), k, 0, bounds[real(g)], bounds[real(g + h)])
+
+    recvs: dict[tuple[int, int, int], Recv] = {}
+    for k in range(1, rounds + 1):
+        h = 1 << (k - 1)
+        theirs = virtual // h * h ^ h
+        if k < rounds:
+            then: tuple[Send, ...] = (exchange(k + 1),)
+        elif rank < 2 * extra:
+            then = (Send(rank + 1, last, 0, bounds[0], bounds[rank + 1]),
+                    Send(rank + 1, last, 1, bounds[rank + 2], bounds[size]))
+        else:
+            then = ()
+        peer = real(virtual ^ h)
+        recvs[(peer, k, 0)] = Recv(bounds[real(theirs)], bounds[real(theirs + h)], COPY,
+                                   False, then, after=((peer, k, 0),))
+    if rank < 2 * extra:  # even: the odd neighbour's block first
+        recvs[(rank + 1, 0, 0)] = Recv(bounds[rank + 1], bounds[rank + 2], COPY, False,
+                                       (exchange(1),))
+        return Schedule((), recvs, ())
+    return Schedule((exchange(1),), recvs, ())

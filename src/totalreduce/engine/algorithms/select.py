@@ -37,7 +37,7 @@ from ...transport.wire import (
 )
 from ..schedule import Schedule, remap
 from .chain import chain_broadcast
-from .doubling import doubling_allreduce
+from .doubling import doubling_allgather, doubling_allreduce
 from .halving import (
     doubling_allgatherv,
     halving_allreduce,
@@ -210,11 +210,18 @@ class Algorithms:
     def allgather(self, bounds: tuple[int, ...], dtype: np.dtype | None = None
                   ) -> tuple[Schedule, str]:
         """Gather blocks of ``bounds``; without a dtype, one element per piece (a
-        sizes exchange, of int64).  The schedule and its algorithm ("ring" or
-        "doubling")."""
+        sizes exchange, of int64).  The schedule and its algorithm: up to SMALL_BYTES
+        from 4 ranks "doubling-small", one message a step (at 16 ranks on 16 cores a
+        sizes exchange took 0.4-0.9 ms through the ring's 15 steps, stalling wherever one
+        rank was late); else "doubling" (a message per block, which pipelines) where
+        :meth:`_log_steps` says, else "ring"."""
         seg = 1 if dtype is None else self.segment(dtype)
         itemsize = 8 if dtype is None else dtype.itemsize
-        if self._log_steps(bounds[-1] * itemsize):
+        nbytes = bounds[-1] * itemsize
+        if self.size >= 4 and nbytes <= self._small_bytes:
+            return self._job(doubling_allgather(self.rank, self.size, bounds)), \
+                "doubling-small"
+        if self._log_steps(nbytes):
             return self._job(doubling_allgatherv(self.rank, self.size, bounds, seg)), \
                 "doubling"
         return self._job(ring_allgatherv(self.rank, self.size, bounds, seg)), "ring"
