@@ -676,18 +676,13 @@ class SelfGuided:
         splits_id = self._ident("alltoall", name)
         data_id = self._ident("alltoall", name, "\x00data")
         view, shown = _gathering_views("alltoall", arr)
-        # Every rank's splits, gathered (row r: what rank r sends each rank), rather than
-        # exchanged pairwise: log2 n messages a rank where pairwise takes n - 1.
-        splits = np.zeros(n * n, np.int64)
-        splits[rank * n:(rank + 1) * n] = send_rows
-        sched, splits_algorithm = self._algorithms.allgather(tuple(range(0, n * n + 1, n)),
-                                                             splits.dtype)
-        first = self._spec(splits_id, _with_algorithm(lambda: dict(view(), phase="splits"),
-                                                      splits_algorithm),
-                           splits.dtype, n * n, sched, splits, priority,
-                           ("alltoall", arr.dtype, arr.shape, 0),
-                           _with_algorithm(shown, splits_algorithm))
-        recv_rows = splits.reshape(n, n)[:, rank]
+        recv_rows = np.zeros(n, np.int64)
+        recv_rows[rank] = send_rows[rank]
+        unit = tuple(range(n + 1))
+        sched = self._algorithms.alltoall(unit, unit)
+        first = self._spec(splits_id, lambda: dict(view(), phase="splits"), recv_rows.dtype,
+                           0, sched, recv_rows, priority,
+                           ("alltoall", arr.dtype, arr.shape, 0), shown, source=send_rows)
         row = math.prod(arr.shape[1:])
         flat = np.ascontiguousarray(arr).reshape(-1)
         state: dict[str, np.ndarray] = {}
