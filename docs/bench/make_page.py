@@ -72,6 +72,26 @@ def log_steps_table() -> str:
         table("cores16-logsteps-off")[0])
 
 
+def small_gather_table() -> str:
+    """Median ms of allgathers whose size exchange and (up to 1 MiB) data took the ring
+    against one whole message a step, from docs/bench/cores16-smallgather-*.txt."""
+    ms: dict[tuple[str, str, str], str] = {}
+    for tag in ("ring", "doubling"):
+        for line in (HERE / f"cores16-smallgather-{tag}.txt").read_text().splitlines():
+            c = line.split()
+            if len(c) > 4 and c[0] == "allgather":
+                ms[(c[1], c[2], "mpi" if c[3] == "mpi" else tag)] = c[4]
+    sizes = ("4K", "64K", "1M", "4M")
+    rows = ["n   " + "  ".join(f"{s:>21}" for s in sizes),
+            "    " + "  ".join(f"{'ring / doubling / mpi':>21}" for _ in sizes)]
+    for n in ("4", "8", "16"):
+        cells = ["/".join(ms.get((n, s, k), "-") for k in ("ring", "doubling", "mpi"))
+                 for s in sizes]
+        rows.append(f"{n:>2}  " + "  ".join(f"{c:>21}" for c in cells))
+    return "```\n" + "\n".join(rows) + "\n```" + _measured(
+        table("cores16-smallgather-doubling")[0])
+
+
 def _measured(env: str) -> str:
     """Where a table was measured, from its environment line: the tables come from runs
     at different commits, and on two kinds of host."""
@@ -190,7 +210,9 @@ The other collectives:
 `{CMD_16_OTHERS}`
 (`docs/bench/cores16-others.txt`). From 8 ranks broadcast is a scatter then an
 allgather at every size; allgather and reducescatter take recursive doubling and halving
-above 1 MiB up to n MiB, else the ring; alltoall is a pairwise exchange.
+above 1 MiB up to n MiB, else the ring, but allgathers up to 1 MiB (and every
+allgather's exchange of sizes) take recursive doubling with one message a step;
+alltoall is a pairwise exchange.
 
 8 ranks:
 
@@ -720,6 +742,20 @@ from 4 to 64 MB.
 
 {log_steps_table()}
 
+Why small allgathers take recursive doubling, one whole message a step
+(`TOTALREDUCE_SMALL_BYTES`, from 4 ranks; 16 cores): an allgather first exchanges its
+ranks' sizes, and through the ring that took `n - 1` steps. In a timestamped run of a 4 MB
+allgather at 16 ranks the size exchange took 0.4-0.9 ms of the op's 6.5, stalling
+wherever one rank was late. `python -m totalreduce.bench collectives -n 4,8,16 --ops
+allgather --sizes 4K,64K,1M,4M --rounds 2 --reps-scale 0.3 --backends
+totalreduce-shm,mpi` before (the ring: size exchange and, up to 1 MiB, data) and after,
+interleaved, medians in ms (`docs/bench/cores16-smallgather-ring.txt`, `-doubling.txt`;
+a second pair of runs agreed within 25%). 4 MB changes only in its size exchange: at 8
+ranks it was ahead in both pairs, at 16 in one (level in the other), and at 4 ranks,
+where its data takes the ring either way, 3-13% behind in both.
+
+{small_gather_table()}
+
 ## Known weak spots
 
 - Small messages: a blocking allreduce of a few bytes costs 14.7-15.3 us at 2 ranks in
@@ -746,13 +782,20 @@ from 4 to 64 MB.
   zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
   reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
-- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.26-0.76x MPI (allreduce 0.39-0.71x,
-  allgather and alltoall 0.26-0.64x; broadcast at 16 ranks 0.17x at 1 MB, whose p10 of
-  1.3 ms against a median of 2.8 shows two modes), and a blocking 8-byte allreduce takes
+- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.35-0.74x MPI (allreduce 0.39-0.71x,
+  allgather and alltoall 0.35-0.56x; broadcast at 16 ranks 0.17x at 1 MB, whose p10 of
+  1.4 ms against a median of 2.7 shows two modes), and a blocking 8-byte allreduce takes
   4.4x its 2-rank time at 16 ranks, 22x MPI's: every message costs a rank tens of
   microseconds of Python. The ring at 16 ranks runs 4 MB several times slower than its
-  bytes call for (allgather 9.0 ms against 3.3 with recursive doubling), which has not
-  been explained; the log-step algorithms avoid it where they are chosen.
+  bytes call for (allgather 9.0 ms against 3.3 with recursive doubling). Timestamps show
+  each lent 256 KiB piece taking about 50 us to copy out of its sender (5 GB/s), one
+  step after another, and the size exchange taking 0.4-0.9 ms (now one message a step);
+  4 MB ring allgathers took 6.5 ms lent and 2.8 ms with `TOTALREDUCE_CMA_BYTES=0
+  TOTALREDUCE_SLOW_RING_GBPS=0` in one run. Lending stays on: in another sitting,
+  without it, five of six 16-64 MB cells of allreduce, allgather and reducescatter at
+  16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8 ranks allreduces
+  of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB 10-38% slower. The
+  log-step algorithms avoid the ring where they are chosen.
 - Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8-11x MPI's
   8-byte allreduce in the latency table, 0.06-0.10x in the 4-rank table), and 1-16 MB
   allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer

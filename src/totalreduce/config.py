@@ -32,8 +32,10 @@ TOTALREDUCE_MISMATCH_GRACE         seconds a rank waits to collect every rank's 
                                    view of a mismatched op before raising
 TOTALREDUCE_SMALL_BYTES            allreduces up to this size use recursive        -1
                                    doubling (fewer hops), bigger ones recursive
-                                   halving (below) or the ring; -1 = auto (2 MiB
-                                   at 2 ranks, else 1 MiB)
+                                   halving (below) or the ring; so do allgathers
+                                   (and their size exchange) from 4 ranks, one
+                                   message a step; -1 = auto (2 MiB at 2 ranks,
+                                   else 1 MiB)
 TOTALREDUCE_HALVING_BYTES          allreduces above SMALL_BYTES and up to this     -1
                                    size use recursive halving then doubling
                                    (2 log2 n hops, the ring's bytes), bigger ones

@@ -11,7 +11,8 @@ ranks, see :func:`auto_halving_bytes`) or the ring by size (``TOTALREDUCE_SMALL_
 auto: doubling up to 1 MiB, halving or the ring above).  Reduce-scatter, allgather and
 broadcast take recursive halving, recursive doubling and a scatter then allgather in
 power-of-two worlds where those won (:meth:`Algorithms._log_steps`), else the ring and
-the chain.  At 2 ranks
+the chain; small allgathers (up to SMALL_BYTES, from 4 ranks, any world) recursive
+doubling with one message a step.  At 2 ranks
 doubling moves the same bytes as the ring, but each rank reduces the whole buffer and a
 piece that arrives before our own send of it has left must be copied aside; the ring
 reduces half and never waits on itself.  Up to 2 MiB at 2 ranks the ring's second hop
