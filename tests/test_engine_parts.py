@@ -15,7 +15,7 @@ import pytest
 
 import totalreduce
 from totalreduce.config import Config
-from totalreduce.engine.algorithms import chain_broadcast, doubling_allreduce
+from totalreduce.engine.algorithms import chain_broadcast, doubling_allgather, doubling_allreduce
 from totalreduce.engine.applier import Applier
 from totalreduce.engine.departures import Departures
 from totalreduce.engine.driving import Driver
@@ -402,6 +402,49 @@ def test_applier_copies_a_piece_and_queues_the_sends_it_unlocks() -> None:
     [(queued_op, send)] = outbox.named("queue")
     assert queued_op is op and send.peer == 0  # the broadcast's acknowledgement
     assert not op.future.done()  # until that has left
+
+
+def test_applier_lands_a_copy_at_once_but_holds_what_it_unlocks_until_its_send_left() -> None:
+    # Rank 0 of a 4-rank allgather by recursive doubling, one block each: step 1 swaps
+    # blocks with rank 1, step 2 sends blocks 0-1 to rank 2 and gets its 2-3.  Rank 2's
+    # message comes first, then rank 1's, before any send of ours has left.
+    ops, outbox = OpTable(), Fake()
+    applier, _scratch = _applier(ops, outbox)
+    work = np.array([1, 0, 0, 0], np.int32)
+    op = LiveOp(spec_of(doubling_allgather(0, 4, (0, 1, 2, 3, 4)), work), OpFuture())
+    ops.active[op.spec.key] = op
+    for peer, step, body in ((2, 2, [3, 4]), (1, 1, [2])):
+        arr = np.array(body, np.int32)
+        applier.deliver(op, peer, data_header(op, src_step=step), memoryview(arr).cast("B"),
+                        False)
+    np.testing.assert_array_equal(work, [1, 2, 3, 4])  # in place at once
+    assert len(op.held) == 2 and op.recvs_left == 2 and outbox.named("queue") == []
+    op.left.add((1, 1, 0))  # our step-1 send left: rank 1's block unlocks step 2's
+    applier.send_left(op)
+    [(queued_op, send)] = outbox.named("queue")
+    assert queued_op is op and (send.peer, send.step, send.lo, send.hi) == (2, 2, 0, 2)
+    assert len(op.held) == 1 and op.recvs_left == 1
+    op.left.add((2, 2, 0))
+    op.sends_left = 0
+    applier.send_left(op)
+    assert not op.held and op.recvs_left == 0
+    assert op.future.done() and op.future.error() is None
+
+
+def test_most_rings_slow_sends_a_blocking_big_op_to_the_loop() -> None:
+    # Engine.lends: each ring's copies are timed on their own; one slow ring of many must
+    # not take an op off the caller's thread.
+    from types import SimpleNamespace
+
+    from totalreduce.engine.engine import Engine
+
+    def lends(slow: set[int], peers: list[int]) -> bool:
+        engine = SimpleNamespace(transport=SimpleNamespace(lends=slow.__contains__))
+        return Engine.lends(engine, peers)  # type: ignore[arg-type]
+
+    assert lends({1}, [1]) and not lends(set(), [1])
+    assert not lends({3}, list(range(1, 16))) and not lends(set(range(1, 8)), list(range(1, 16)))
+    assert lends(set(range(1, 9)), list(range(1, 16)))
 
 
 def test_applier_hands_big_reductions_to_the_reduce_thread_and_fails_on_its_error() -> None:
