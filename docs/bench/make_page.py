@@ -783,8 +783,10 @@ where its data takes the ring either way, 3-13% behind in both.
   reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.35-0.74x MPI (allreduce 0.39-0.71x,
-  allgather and alltoall 0.35-0.56x; broadcast at 16 ranks 0.17x at 1 MB, whose p10 of
-  1.4 ms against a median of 2.7 shows two modes), and a blocking 8-byte allreduce takes
+  allgather and alltoall 0.35-0.56x; the table's 0.17x for a 1 MB broadcast at 16 ranks
+  predates 085da09: one ring of fifteen taken for slow sent every such broadcast off the
+  caller's thread to the loop, where now most must be; 200 of them in a loop took
+  0.86-1.07 ms at the median from 085da09, against 2.0-2.2 ms before, interleaved), and a blocking 8-byte allreduce takes
   4.4x its 2-rank time at 16 ranks, 22x MPI's: every message costs a rank tens of
   microseconds of Python. The ring at 16 ranks runs 4 MB several times slower than its
   bytes call for (allgather 9.0 ms against 3.3 with recursive doubling). Timestamps show
