@@ -786,18 +786,18 @@ where its data takes the ring either way, 3-13% behind in both.
   allgather and alltoall 0.35-0.56x; the table's 0.17x for a 1 MB broadcast at 16 ranks
   predates 085da09: one ring of fifteen taken for slow sent every such broadcast off the
   caller's thread to the loop, where now most must be; 200 of them in a loop took
-  0.86-1.07 ms at the median from 085da09, against 2.0-2.2 ms before, interleaved), and a blocking 8-byte allreduce takes
-  4.4x its 2-rank time at 16 ranks, 22x MPI's: every message costs a rank tens of
-  microseconds of Python. The ring at 16 ranks runs 4 MB several times slower than its
-  bytes call for (allgather 9.0 ms against 3.3 with recursive doubling). Timestamps show
-  each lent 256 KiB piece taking about 50 us to copy out of its sender (5 GB/s), one
-  step after another, and the size exchange taking 0.4-0.9 ms (now one message a step);
-  4 MB ring allgathers took 6.5 ms lent and 2.8 ms with `TOTALREDUCE_CMA_BYTES=0
-  TOTALREDUCE_SLOW_RING_GBPS=0` in one run. Lending stays on: in another sitting,
-  without it, five of six 16-64 MB cells of allreduce, allgather and reducescatter at
-  16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8 ranks allreduces
-  of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB 10-38% slower. The
-  log-step algorithms avoid the ring where they are chosen.
+  0.86-1.07 ms at the median from 085da09, against 2.0-2.2 ms before, interleaved), and a
+  blocking 8-byte allreduce takes 4.4x its 2-rank time at 16 ranks, 22x MPI's: every
+  message costs a rank tens of microseconds of Python. The ring at 16 ranks runs 4 MB
+  several times slower than its bytes call for (allgather 9.0 ms against 3.3 with
+  recursive doubling). Timestamps show each lent 256 KiB piece taking about 50 us to copy
+  out of its sender (5 GB/s), one step after another, and the size exchange taking 0.4-0.9
+  ms (now one message a step); 4 MB ring allgathers took 6.5 ms lent and 2.8 ms with
+  `TOTALREDUCE_CMA_BYTES=0 TOTALREDUCE_SLOW_RING_GBPS=0` in one run. Lending stays on: in
+  another sitting, without it, five of six 16-64 MB cells of allreduce, allgather and
+  reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8
+  ranks allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB
+  10-38% slower. The log-step algorithms avoid the ring where they are chosen.
 - Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8-11x MPI's
   8-byte allreduce in the latency table, 0.06-0.10x in the 4-rank table), and 1-16 MB
   allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer

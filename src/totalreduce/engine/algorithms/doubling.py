@@ -16,8 +16,8 @@ until that send has left.
 
 The allgather folds and exchanges the same way, one message a step: each carries every
 block its sender holds, ``log2 n`` (+ 2 where ``n`` is not a power of two) latencies where
-the ring takes ``n - 1``, for the small ones (an allgather's or alltoall's size exchange)
-whose cost is those latencies.
+the ring takes ``n - 1``, for the small ones (every allgather's size exchange) whose
+cost is those latencies.
 """
 
 from __future__ import annotations
