@@ -53,6 +53,14 @@ def test_halving_allreduce_matches_numpy(n: int) -> None:
     _check(result, n, "shm")
 
 
+def test_six_ranks_fold_pairs_and_match_numpy() -> None:
+    # Not a power of two: the small allgathers (every size exchange among them) and the
+    # doubling allreduces fold ranks 0-3 into pairs first and hand them the result after.
+    result = run_ok(6, "workers:check_collectives", {},
+                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096"}, timeout=300)
+    _check(result, 6, "shm")
+
+
 def test_reduce_thread_matches_numpy() -> None:
     # Every reduction goes through the reduce thread (and so never out of a ring slot).
     result = run_ok(3, "workers:check_collectives", {},
