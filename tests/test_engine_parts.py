@@ -524,6 +524,27 @@ def test_starter_refuses_an_op_that_cannot_run() -> None:
     assert future.error() is early
 
 
+def test_starter_adopts_an_op_whose_departed_peer_sent_everything_first() -> None:
+    # Rank 0 of a 4-rank allgather by recursive doubling began off the loop, applied rank
+    # 1's piece and sent both its own; rank 2 then shut down, its piece for us floating
+    # here (read through the first channel while the op waited on the lane): the op goes
+    # on.  Without that piece here, rank 2 is still needed and the op fails.
+    sched = doubling_allgather(0, 4, (0, 1, 2, 3, 4))
+    spec = spec_of(sched, np.zeros(4, np.int32))
+    got = [((1, 1, 0), sched.recvs[(1, 1, 0)])]
+    sent = [*sched.first, *sched.recvs[(1, 1, 0)].then]
+    for floated, fails in ((1, False), (0, True)):
+        floating = Fake(returns={"first_arrival": 0.0, "take": [], "count_from": floated})
+        starter, _parts = _starter(job=Fake(rank=0, broken=None, closing=False),
+                                   floating=floating,
+                                   departures=Fake(returns={"departed": lambda: {2}}))
+        future = OpFuture()
+        op = starter.adopt(spec, future, set(), set(), sent, [], got, {2})
+        assert (op is None) == fails
+        if fails:
+            assert "needs rank 2, which has shut down" in str(future.error())
+
+
 def test_starter_refuses_to_serve_what_a_joined_rank_cannot_build() -> None:
     mismatches = Fake()
     starter, parts = _starter(mismatches=mismatches)
@@ -544,7 +565,7 @@ def _peer_events(**over: Any) -> tuple[PeerEvents, dict[str, Any]]:
         "job": Fake(rank=0, closing=False), "ops": OpTable(), "outbox": Fake(),
         "ledger": Fake(), "mismatches": Fake(), "departures": Fake(bye=set()),
         "serving": Fake(), "starter": Fake(returns={"try_serve": False}),
-        "floating": Fake()}
+        "floating": Fake(), "drain_lane": lambda peer: None}
     parts.update(over)
     return PeerEvents(**parts), parts
 
@@ -575,6 +596,27 @@ def test_peer_abort_and_a_lost_link_break_the_job_naming_the_lost_rank() -> None
     events, parts = _peer_events(job=Fake(rank=0, closing=True))
     events.lost(3, "eof", orderly=False)
     assert parts["job"].named("break_job") == []  # we are leaving anyway
+
+
+def test_peer_goodbye_takes_what_its_lane_holds_before_failing_ops() -> None:
+    # The op's last message from rank 1 came through rank 1's lane, still unread when its
+    # GOODBYE is read: taken first, it is not counted as missing.
+    drained: list[int] = []
+    waiting = allreduce_op((1, 0))
+    waiting.sends_left = 0
+    waiting.left.add((1, 1, 0))
+
+    def drain(peer: int) -> None:
+        assert peer not in parts["departures"].bye
+        drained.append(peer)
+        waiting.got.add((1, 1, 0))  # as the applier takes the piece
+        waiting.pending_from[1] = 0
+
+    events, parts = _peer_events(drain_lane=drain)
+    parts["ops"].active[waiting.spec.key] = waiting
+    events.control(1, Header(Kind.GOODBYE), b"")
+    assert drained == [1] and 1 in parts["departures"].bye
+    assert not waiting.future.done()
 
 
 def test_peer_goodbye_fails_only_the_ops_that_still_need_it() -> None:

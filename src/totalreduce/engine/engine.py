@@ -102,8 +102,11 @@ class Engine:
         serving = JoinServer()
         starter = Starter(job, ops, ledger, outbox, floating, applier, mismatches, departures,
                           serving, scratch, transport.resume)
+        # The handler (made below, attached before any message can come) takes what a
+        # departing peer's lane still holds.
         peer_events = PeerEvents(job, ops, outbox, ledger, mismatches, departures, serving,
-                                 starter, floating)
+                                 starter, floating,
+                                 lambda peer: transport.drain_lane(peer, handler))
         inbox = Inbox(job, ops, ledger, outbox, mismatches, floating, applier, starter,
                       peer_events, scratch, use_in_place=reducer is None)
         self.loop = loop = Loop(job, config, transport, ops, outbox, applier, mismatches,
@@ -123,7 +126,8 @@ class Engine:
         # What stats() reports on.
         self._ops, self._ledger, self._outbox = ops, ledger, outbox
         self._floating, self._scratch, self._mismatches = floating, scratch, mismatches
-        transport.start(Handler(outbox, inbox, applier, peer_events, loop.pressing))
+        handler = Handler(outbox, inbox, applier, peer_events, loop.pressing)
+        transport.start(handler)
         if threaded:
             self._driver.start()
 

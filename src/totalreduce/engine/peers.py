@@ -3,10 +3,14 @@ OP_FAILED, and the end of a link.
 
 A peer that shuts down (GOODBYE) sends nothing more and takes nothing more, so every op
 here that still needs it fails at once, and so does every other rank's copy of such an op
-(OP_FAILED).  A peer that vanishes without a goodbye, or ABORTs, breaks the whole job.
+(OP_FAILED).  What it sent before through its lane (a channel of its own, read apart from
+the first) is taken first: an urgent op's last message may still be there.  A peer that
+vanishes without a goodbye, or ABORTs, breaks the whole job.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from ..exceptions import PeerFailureError, TotalReduceError
 from ..transport.wire import Header, Kind
@@ -24,7 +28,11 @@ from .starter import Starter
 class PeerEvents:
     def __init__(self, job: JobState, ops: OpTable, outbox: Outbox, ledger: CreditLedger,
                  mismatches: MismatchTracker, departures: Departures, serving: JoinServer,
-                 starter: Starter, floating: Floating) -> None:
+                 starter: Starter, floating: Floating,
+                 drain_lane: Callable[[int], None]) -> None:
+        """``drain_lane(peer)``: hand over what ``peer``'s lane holds now
+        (Transport.drain_lane)."""
+        self._drain_lane = drain_lane
         self._job = job
         self._rank = job.rank
         self._ops = ops
@@ -58,6 +66,7 @@ class PeerEvents:
                 job.break_job(TotalReduceError(f"rank {rank}: rank {peer} aborted the "
                                                f"job: {reason}"))
         elif kind == Kind.GOODBYE:
+            self._drain_lane(peer)
             self._departures.bye.add(peer)
             self._left(peer)
         elif kind == Kind.OP_FAILED:

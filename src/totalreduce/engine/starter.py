@@ -72,6 +72,9 @@ class Starter:
             future.resolve(TransportClosedError(
                 f"rank {self._job.rank}: {spec.label} was still pending at shutdown()"))
             return None
+        departed = self._departures.departed()
+        if needs & departed:
+            needs = self._adopted_needs(spec, needs, departed, got, unsent)
         op = self._open(spec, future, ready, needs)
         if op is None:
             return None
@@ -142,6 +145,24 @@ class Starter:
         return {peer for peer in departed
                 if schedule.sends_to(peer)
                 or expected.get(peer, 0) > self._floating.count_from(spec.key, peer)}
+
+    def _adopted_needs(self, spec: OpSpec, needs: set[int], departed: set[int],
+                       got: list[tuple[PieceKey, Recv]], unsent: list[Send]) -> set[int]:
+        """``needs`` less the departed peers an op begun off the loop no longer needs: we
+        owe one nothing more, and its messages not applied yet have all floated in (a
+        peer that shut down in order sent them first; they came through the first
+        channel while the op waited on the lane, or its goodbye was read first)."""
+        schedule = spec.schedule
+        applied = {rkey for rkey, _recv in got}
+        owed = {send.peer for send in unsent}
+        for rkey, recv in schedule.recvs.items():
+            if rkey not in applied:
+                owed.update(send.peer for send in recv.then)
+        floating = self._floating
+        return {peer for peer in needs
+                if peer not in departed or peer in owed
+                or sum(1 for rkey in schedule.recvs if rkey[0] == peer and rkey not in applied)
+                > floating.count_from(spec.key, peer)}
 
     def _catch_up(self, op: LiveOp) -> bool:
         """Apply the pieces that floated in before ``op`` and join a mismatch peers

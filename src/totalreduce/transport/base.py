@@ -221,6 +221,23 @@ class Transport(abc.ABC):
         """The message :meth:`lane_peek` showed (``header``) has been handled: free it."""
         self._lane_ends[peer].lane_take(header)
 
+    def drain_lane(self, peer: int, handler: MessageHandler) -> None:
+        """Hand ``handler`` every message ``peer``'s lane holds now, as at the peer's end
+        (MessageHandler.received_ahead): the peer said goodbye through its first channel,
+        and what it sent through the lane before that must not seem lost behind the
+        goodbye.  Skipped while a caller's thread reads the lane (it takes what is
+        there).  The loop's thread only."""
+        end = self._lane_ends.get(peer)
+        if end is None or not end.lane_lock.acquire(blocking=False):
+            return
+        try:
+            while (record := end.lane_peek()) is not None:
+                header, body = record
+                handler.received_ahead(peer, header, body)
+                end.lane_take(header)
+        finally:
+            end.lane_lock.release()
+
     def lane_wait(self, peer: int, timeout: float) -> None:
         """Block, without the lane's lock, until something may have come into ``peer``'s
         lane or ``timeout`` passes (a spurious return is harmless)."""
