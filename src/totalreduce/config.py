@@ -75,9 +75,11 @@ TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to   
 TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       10
                                    slower than this lately (GB/s) lends every
                                    body of 64 KiB or more instead, and blocking
-                                   broadcasts, alltoalls and allgathers past 2
-                                   MiB leave the caller's thread to have theirs
-                                   lent (transport/copy_pace.py; 0 = never)
+                                   broadcasts and alltoalls of 512 KiB or more
+                                   (allgathers past 2 MiB) leave the caller's
+                                   thread to have theirs lent where most of their
+                                   peers' rings are so (transport/copy_pace.py;
+                                   0 = never)
 TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB
                                    the least recently used sizes are freed
 TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers     65536
