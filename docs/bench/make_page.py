@@ -745,14 +745,15 @@ from 4 to 64 MB.
 Why small allgathers take recursive doubling, one whole message a step
 (`TOTALREDUCE_SMALL_BYTES`, from 4 ranks; 16 cores): an allgather first exchanges its
 ranks' sizes, and through the ring that took `n - 1` steps. In a timestamped run of a 4 MB
-allgather at 16 ranks the size exchange took 0.4-0.9 ms of the op's 6.5, stalling
-wherever one rank was late. `python -m totalreduce.bench collectives -n 4,8,16 --ops
-allgather --sizes 4K,64K,1M,4M --rounds 2 --reps-scale 0.3 --backends
-totalreduce-shm,mpi` before (the ring: size exchange and, up to 1 MiB, data) and after,
-interleaved, medians in ms (`docs/bench/cores16-smallgather-ring.txt`, `-doubling.txt`;
-a second pair of runs agreed within 25%). 4 MB changes only in its size exchange: at 8
-ranks it was ahead in both pairs, at 16 in one (level in the other), and at 4 ranks,
-where its data takes the ring either way, 3-13% behind in both.
+allgather at 16 ranks the size exchange took 0.9-1.0 ms of the median op's 6.5 on each
+rank shown, stalling wherever one rank was late (0.7-0.8 ms at 8 ranks). `python -m
+totalreduce.bench collectives -n 4,8,16 --ops allgather --sizes 4K,64K,1M,4M --rounds 2
+--reps-scale 0.3 --backends totalreduce-shm,mpi` before (the ring: size exchange and, up
+to 1 MiB, data) and after, interleaved, medians in ms
+(`docs/bench/cores16-smallgather-ring.txt`, `-doubling.txt`; a second pair of runs agreed
+within 25%). 4 MB changes only in its size exchange: at 8 ranks it was ahead in both
+pairs, at 16 in one (level in the other), and at 4 ranks, where its data takes the ring
+either way, 3-13% behind in both.
 
 {small_gather_table()}
 
@@ -791,7 +792,7 @@ where its data takes the ring either way, 3-13% behind in both.
   message costs a rank tens of microseconds of Python. The ring at 16 ranks runs 4 MB
   several times slower than its bytes call for (allgather 9.0 ms against 3.3 with
   recursive doubling). Timestamps show each lent 256 KiB piece taking about 50 us to copy
-  out of its sender (5 GB/s), one step after another, and the size exchange taking 0.4-0.9
+  out of its sender (5 GB/s), one step after another, and the size exchange taking 0.9-1.0
   ms (now one message a step); 4 MB ring allgathers took 6.5 ms lent and 2.8 ms with
   `TOTALREDUCE_CMA_BYTES=0 TOTALREDUCE_SLOW_RING_GBPS=0` in one run. Lending stays on: in
   another sitting, without it, five of six 16-64 MB cells of allreduce, allgather and

@@ -213,7 +213,7 @@ class Algorithms:
         """Gather blocks of ``bounds``; without a dtype, one element per piece (a
         sizes exchange, of int64).  The schedule and its algorithm: up to SMALL_BYTES
         from 4 ranks "doubling-small", one message a step (at 16 ranks on 16 cores a
-        sizes exchange took 0.4-0.9 ms through the ring's 15 steps, stalling wherever one
+        sizes exchange took 0.9-1.0 ms through the ring's 15 steps, stalling wherever one
         rank was late); else "doubling" (a message per block, which pipelines) where
         :meth:`_log_steps` says, else "ring"."""
         seg = 1 if dtype is None else self.segment(dtype)
