@@ -23,8 +23,39 @@ cost is those latencies.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 from ..schedule import COPY, REDUCE, Recv, Schedule, Send, piece_count, pieces
+
+
+class Fold(NamedTuple):
+    """A world of ``size`` ranks run as ``p``, the power of two at most ``size``: the
+    first ``2 * extra`` ranks pair up, each odd one folding into its even neighbour, and
+    the ``p`` that remain (virtual ranks) exchange for ``rounds`` steps."""
+
+    p: int
+    extra: int
+    rounds: int  # log2 p
+
+    @classmethod
+    def of(cls, size: int) -> Fold:
+        p = 1 << (size.bit_length() - 1)
+        return cls(p, size - p, p.bit_length() - 1)
+
+    def folds_away(self, rank: int) -> bool:
+        """An odd rank of a pair: it hands its part to ``rank - 1`` and waits."""
+        return rank < 2 * self.extra and rank % 2 == 1
+
+    def absorbs(self, rank: int) -> bool:
+        """An even rank of a pair: it takes ``rank + 1``'s part first, returns it last."""
+        return rank < 2 * self.extra and rank % 2 == 0
+
+    def virtual(self, rank: int) -> int:
+        return rank // 2 if rank < 2 * self.extra else rank - self.extra
+
+    def real(self, v: int) -> int:
+        """Virtual rank ``v``'s rank (the even one of a pair)."""
+        return 2 * v if v < self.extra else v + self.extra
 
 
 @lru_cache(maxsize=256)
@@ -33,22 +64,17 @@ def doubling_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sche
     ring: piece ``j`` of step ``k + 1`` leaves as soon as piece ``j`` of step ``k`` is in."""
     if size == 1:
         return Schedule((), {}, ((0, count),))
-    p = 1 << (size.bit_length() - 1)
-    extra = size - p
-    rounds = p.bit_length() - 1
+    fold = Fold.of(size)
+    rounds, real, absorbs = fold.rounds, fold.real, fold.absorbs(rank)
     last = rounds + 1  # the step that returns results to the folded ranks
     cut = pieces(0, count, piece_count(count, seg_elems))
 
-    if rank < 2 * extra and rank % 2 == 1:  # folds into rank - 1 and waits
+    if fold.folds_away(rank):
         first = tuple(Send(rank - 1, 0, j, lo, hi) for j, (lo, hi) in enumerate(cut))
         back = {(rank - 1, last, j): Recv(lo, hi, COPY, False, ())
                 for j, (lo, hi) in enumerate(cut)}
         return Schedule(first, back, ())
-
-    virtual = rank // 2 if rank < 2 * extra else rank - extra
-
-    def real(v: int) -> int:
-        return 2 * v if v < extra else v + extra
+    virtual = fold.virtual(rank)
 
     def exchange(k: int, j: int) -> Send:  # k = 1 .. rounds
         lo, hi = cut[j]
@@ -60,13 +86,13 @@ def doubling_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Sche
             if k < rounds:
                 then: tuple[Send, ...] = (exchange(k + 1, j),)
             else:
-                then = (Send(rank + 1, last, j, lo, hi),) if rank < 2 * extra else ()
+                then = (Send(rank + 1, last, j, lo, hi),) if absorbs else ()
             peer = exchange(k, j).peer
             recvs[(peer, k, j)] = Recv(lo, hi, REDUCE, k == rounds, then,
                                        after=((peer, k, j),))
-        if rank < 2 * extra:  # even: absorb the odd neighbour's piece first
+        if absorbs:
             recvs[(rank + 1, 0, j)] = Recv(lo, hi, REDUCE, False, (exchange(1, j),))
-    if rank < 2 * extra:
+    if absorbs:
         return Schedule((), recvs, ())
     return Schedule(tuple(exchange(1, j) for j in range(len(cut))), recvs, ())
 
@@ -86,21 +112,16 @@ def doubling_allgather(rank: int, size: int, bounds: tuple[int, ...]) -> Schedul
     that send reads), so the body itself may land at once."""
     if size == 1:
         return Schedule((), {}, ())
-    p = 1 << (size.bit_length() - 1)
-    extra = size - p
-    rounds = p.bit_length() - 1
+    fold = Fold.of(size)
+    rounds, real, absorbs = fold.rounds, fold.real, fold.absorbs(rank)
     last = rounds + 1  # the step that returns the rest to the folded ranks
 
-    def real(v: int) -> int:
-        """Virtual rank ``v``'s (even) rank, whose block comes first of its blocks."""
-        return 2 * v if v < extra else v + extra
-
-    if rank < 2 * extra and rank % 2 == 1:  # folds into rank - 1 and waits
+    if fold.folds_away(rank):
         first = (Send(rank - 1, 0, 0, bounds[rank], bounds[rank + 1]),)
         back = {(rank - 1, last, 0): Recv(bounds[0], bounds[rank], COPY, False, ()),
                 (rank - 1, last, 1): Recv(bounds[rank + 1], bounds[size], COPY, False, ())}
         return Schedule(first, back, ())
-    virtual = rank // 2 if rank < 2 * extra else rank - extra
+    virtual = fold.virtual(rank)
 
     def exchange(k: int) -> Send:  # k = 1 .. rounds: our group of 2^(k-1) virtual ranks
         h = 1 << (k - 1)
@@ -113,7 +134,7 @@ def doubling_allgather(rank: int, size: int, bounds: tuple[int, ...]) -> Schedul
         theirs = virtual // h * h ^ h
         if k < rounds:
             then: tuple[Send, ...] = (exchange(k + 1),)
-        elif rank < 2 * extra:
+        elif absorbs:
             then = (Send(rank + 1, last, 0, bounds[0], bounds[rank + 1]),
                     Send(rank + 1, last, 1, bounds[rank + 2], bounds[size]))
         else:
@@ -121,7 +142,7 @@ def doubling_allgather(rank: int, size: int, bounds: tuple[int, ...]) -> Schedul
         peer = real(virtual ^ h)
         recvs[(peer, k, 0)] = Recv(bounds[real(theirs)], bounds[real(theirs + h)], COPY,
                                    False, then, after=((peer, k, 0),))
-    if rank < 2 * extra:  # even: the odd neighbour's block first
+    if absorbs:
         recvs[(rank + 1, 0, 0)] = Recv(bounds[rank + 1], bounds[rank + 2], COPY, False,
                                        (exchange(1),))
         return Schedule((), recvs, ())

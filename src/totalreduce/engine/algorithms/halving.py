@@ -35,6 +35,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from ..schedule import COPY, REDUCE, Recv, Schedule, Send, even_bounds, piece_count, pieces
+from .doubling import Fold
 
 Key = tuple[int, int, int]  # a receive's (source, step, piece), or (peer, step, units)
 
@@ -76,25 +77,21 @@ def _owner(key_step: tuple[int, int, int], u0: int) -> tuple[int, int, int]:
 def halving_allreduce(rank: int, size: int, count: int, seg_elems: int) -> Schedule:
     if size == 1:
         return Schedule((), {}, ((0, count),))
-    p = 1 << (size.bit_length() - 1)
-    extra = size - p
-    rounds = p.bit_length() - 1
+    fold = Fold.of(size)
+    p, rounds, real = fold.p, fold.rounds, fold.real
     last = 2 * rounds + 1  # the step that returns results to the folded ranks
     m, ub, group = _units(even_bounds(count, p), seg_elems)
     per_block = min(group, m)  # units per allgather message (never spans blocks)
 
-    if rank < 2 * extra and rank % 2 == 1:  # folds into rank - 1 and waits
+    if fold.folds_away(rank):
         first = tuple(Send(rank - 1, 0, u0, ub[u0], ub[u1])
                       for u0, u1 in chunks(0, p * m, group))
         back = {(rank - 1, last, u0): Recv(ub[u0], ub[u1], COPY, False, ())
                 for u0, u1 in chunks(0, p * m, per_block)}
         return Schedule(first, back, ())
 
-    v = rank // 2 if rank < 2 * extra else rank - extra
-    folded = rank < 2 * extra  # absorbs rank + 1's buffer first, returns the result last
-
-    def real(w: int) -> int:
-        return 2 * w if w < extra else w + extra
+    v = fold.virtual(rank)
+    folded = fold.absorbs(rank)  # rank + 1's buffer first, the result back to it last
 
     # The sends each receive unlocks, by the receive's key.
     unlocks: defaultdict[tuple[int, int, int], list[Send]] = defaultdict(list)
