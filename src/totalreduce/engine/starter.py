@@ -72,9 +72,9 @@ class Starter:
             future.resolve(TransportClosedError(
                 f"rank {self._job.rank}: {spec.label} was still pending at shutdown()"))
             return None
-        departed = self._departures.departed()
-        if needs & departed:
-            needs = self._adopted_needs(spec, needs, departed, got, unsent)
+        departed = self._departures.departed() & needs
+        if departed:  # some may be needed no more: what they sent floated in meanwhile
+            needs = needs - departed | self._needs(spec, departed, got, unsent)
         op = self._open(spec, future, ready, needs)
         if op is None:
             return None
@@ -134,33 +134,26 @@ class Starter:
         serving.forget(key)
         return op
 
-    def _needs(self, spec: OpSpec, departed: set[int]) -> set[int]:
-        """Which of the ``departed`` peers this op, starting now, still needs: one whose
-        messages for it have not all floated in already, or one it must send to.  A peer
-        that left in order sent everything it ever will first, so an op whose messages
-        from it are all here can still finish (the sizes phase of an allgather may be
-        what read them, and the goodbye behind them, before the data phase started)."""
+    def _needs(self, spec: OpSpec, departed: set[int],
+               got: list[tuple[PieceKey, Recv]] | None = None,
+               unsent: list[Send] | None = None) -> set[int]:
+        """Which of the ``departed`` peers this op, starting now, still needs: one it must
+        still send to, or one whose messages for it not applied yet have not all floated
+        in.  A peer that left in order sent everything it ever will first, so an op whose
+        messages from it are all here can still finish (the sizes phase of an allgather
+        may be what read them, and the goodbye behind them, before the data phase
+        started; or they came through the first channel while an op begun off the loop
+        waited on the lane).  ``got``, ``unsent``: for such an op, the pieces it applied
+        and the sends now due (None: it starts afresh, every send of its schedule due)."""
         schedule = spec.schedule
-        expected = schedule.expected_from()
-        return {peer for peer in departed
-                if schedule.sends_to(peer)
-                or expected.get(peer, 0) > self._floating.count_from(spec.key, peer)}
-
-    def _adopted_needs(self, spec: OpSpec, needs: set[int], departed: set[int],
-                       got: list[tuple[PieceKey, Recv]], unsent: list[Send]) -> set[int]:
-        """``needs`` less the departed peers an op begun off the loop no longer needs: we
-        owe one nothing more, and its messages not applied yet have all floated in (a
-        peer that shut down in order sent them first; they came through the first
-        channel while the op waited on the lane, or its goodbye was read first)."""
-        schedule = spec.schedule
-        applied = {rkey for rkey, _recv in got}
-        owed = {send.peer for send in unsent}
+        applied = {rkey for rkey, _recv in got or ()}
+        owed = {send.peer for send in (schedule.first if unsent is None else unsent)}
         for rkey, recv in schedule.recvs.items():
             if rkey not in applied:
                 owed.update(send.peer for send in recv.then)
         floating = self._floating
-        return {peer for peer in needs
-                if peer not in departed or peer in owed
+        return {peer for peer in departed
+                if peer in owed
                 or sum(1 for rkey in schedule.recvs if rkey[0] == peer and rkey not in applied)
                 > floating.count_from(spec.key, peer)}
 
