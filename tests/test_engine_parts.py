@@ -565,7 +565,7 @@ def _peer_events(**over: Any) -> tuple[PeerEvents, dict[str, Any]]:
         "job": Fake(rank=0, closing=False), "ops": OpTable(), "outbox": Fake(),
         "ledger": Fake(), "mismatches": Fake(), "departures": Fake(bye=set()),
         "serving": Fake(), "starter": Fake(returns={"try_serve": False}),
-        "floating": Fake(), "drain_lane": lambda peer: None}
+        "floating": Fake(), "drain_lane": lambda peer, sent: None}
     parts.update(over)
     return PeerEvents(**parts), parts
 
@@ -606,16 +606,16 @@ def test_peer_goodbye_takes_what_its_lane_holds_before_failing_ops() -> None:
     waiting.sends_left = 0
     waiting.left.add((1, 1, 0))
 
-    def drain(peer: int) -> None:
+    def drain(peer: int, sent: int) -> None:
         assert peer not in parts["departures"].bye
-        drained.append(peer)
+        drained.append((peer, sent))
         waiting.got.add((1, 1, 0))  # as the applier takes the piece
         waiting.pending_from[1] = 0
 
     events, parts = _peer_events(drain_lane=drain)
     parts["ops"].active[waiting.spec.key] = waiting
-    events.control(1, Header(Kind.GOODBYE), b"")
-    assert drained == [1] and 1 in parts["departures"].bye
+    events.control(1, Header(Kind.GOODBYE, seq=5), b"")
+    assert drained == [(1, 5)] and 1 in parts["departures"].bye
     assert not waiting.future.done()
 
 
@@ -741,8 +741,10 @@ def _loop(config: Config | None = None, **over: Any) -> tuple[Loop, dict[str, An
     parts: dict[str, Any] = {
         "job": JobState(0, 2, Fake(peers=[1], closed=set()), ops, Fake(), lambda: None),
         "config": config or Config(), "transport": Fake(returns={
-            "has_backlog": False, "pending_output": False, "close_writes": True}),
-        "ops": ops, "outbox": Fake(peers=[1], closed=set(), returns={"has_control": False}),
+            "has_backlog": False, "pending_output": False, "close_writes": True,
+            "lane_sent": lambda peer: 7}),
+        "ops": ops, "outbox": Fake(peers=[1], closed=set(), returns={"has_control": False,
+                                                                    "reachable": [1]}),
         "applier": Fake(), "mismatches": Fake(returns={"due": []}), "starter": Fake(),
         "serving": Fake(), "completions": deque(), "floating": Fake()}
     parts.update(over)
@@ -778,7 +780,9 @@ def test_loop_housekeeping_fails_overdue_ops_and_shutdown_says_goodbye() -> None
     loop.commands.append(("shutdown", None, None))
     loop.step(0)
     assert isinstance(waiting.future.error(), TransportClosedError)
-    assert [h.kind for h, *_ in parts["outbox"].named("tell_all")] == [Kind.GOODBYE]
+    # Each peer's goodbye says how many messages went through its lane before it.
+    assert [(peer, h.kind, h.seq) for peer, h, *_ in parts["outbox"].named("control")] == \
+        [(1, Kind.GOODBYE, 7)]
     assert loop.leaving() and not loop.ended
     parts["outbox"].closed.add(1)  # the peer read our end and closed its own
     loop.step(0)

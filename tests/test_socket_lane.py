@@ -1,14 +1,19 @@
 """A lane over a socket (transport/socket_lane.py) on its own: messages come out whole
 and in order however the stream splits them, the loop's reads take only what the handler
-claims, and the peer's end hands over everything left and closes the lane."""
+claims, the peer's end hands over everything left and closes the lane, and a goodbye
+waits for the lane messages it says were sent before it."""
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from totalreduce.transport.base import Transport
 from totalreduce.transport.socket_lane import LANE_BODY, SocketLane
 from totalreduce.transport.wire import Header, Kind
 
@@ -121,3 +126,31 @@ def test_what_is_not_a_lane_message_closes_the_lane(pair: Any) -> None:
     raw.sendall(Header(Kind.READY).pack())
     lane.read()
     assert owner.ended == [lane] and owner.got == []
+
+
+def test_a_goodbye_waits_for_the_lane_messages_it_counts(pair: Any) -> None:
+    # The peer's goodbye came through its first connection while its last lane message
+    # was still on the way (two sockets are not ordered): the drain waits for the count
+    # the goodbye carries, and hands over every message, claimed or not.
+    raw, theirs = pair
+    owner = _Owner(set())
+    lane = SocketLane(owner, 1, theirs)
+    transport = SimpleNamespace(_lane_ends={1: lane})
+    raw.sendall(_msg(1, b"a"))
+    late = threading.Timer(0.05, lambda: raw.sendall(_msg(2, b"b")))
+    late.start()
+    holder = threading.Thread(target=_hold, args=(lane.lane_lock, 0.02))
+    holder.start()  # a caller's thread looking at the lane meanwhile
+    Transport.drain_lane(transport, 1, owner, 2)  # type: ignore[arg-type]
+    late.join()
+    holder.join()
+    assert owner.got == [(1, b"a"), (2, b"b")]
+    assert lane.lane_counts["messages_received"] == 2
+    # Nothing more was sent: no wait.
+    Transport.drain_lane(transport, 1, owner, 2)  # type: ignore[arg-type]
+    assert owner.got == [(1, b"a"), (2, b"b")]
+
+
+def _hold(lock: threading.Lock, seconds: float) -> None:
+    with lock:
+        time.sleep(seconds)

@@ -106,7 +106,7 @@ class Engine:
         # departing peer's lane still holds.
         peer_events = PeerEvents(job, ops, outbox, ledger, mismatches, departures, serving,
                                  starter, floating,
-                                 lambda peer: transport.drain_lane(peer, handler))
+                                 lambda peer, sent: transport.drain_lane(peer, handler, sent))
         inbox = Inbox(job, ops, ledger, outbox, mismatches, floating, applier, starter,
                       peer_events, scratch, use_in_place=reducer is None)
         self.loop = loop = Loop(job, config, transport, ops, outbox, applier, mismatches,

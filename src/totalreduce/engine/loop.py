@@ -188,7 +188,12 @@ class Loop:
         self._floating.end_watches(TransportClosedError(
             f"rank {job.rank}: a receive was still pending at shutdown()"))
         if job.broken is None:  # a broken job has told its peers already (ABORT)
-            self._outbox.tell_all(Header(Kind.GOODBYE))
+            outbox = self._outbox
+            for peer in outbox.reachable():
+                # With how many messages went through the peer's lane before it: the peer
+                # may read this goodbye first (PeerEvents).
+                outbox.control(peer, Header(Kind.GOODBYE,
+                                            seq=self._transport.lane_sent(peer)))
         return time.monotonic() + self._config.shutdown_timeout
 
     def _shutdown_done(self, deadline: float) -> bool:

@@ -94,11 +94,15 @@ class Outbox:
         self._control[peer].append((header, body))
         self._transport.want_send(peer)
 
+    def reachable(self) -> list[int]:
+        """The peers whose links have not closed."""
+        return [peer for peer in self._heaps if peer not in self.closed]
+
     def tell_all(self, header: Header, body: bytes | None = None,
                  skip: set[int] | None = None) -> None:
         """A control message to every peer still reachable (and not in ``skip``)."""
-        for peer in self._heaps:
-            if peer not in self.closed and (skip is None or peer not in skip):
+        for peer in self.reachable():
+            if skip is None or peer not in skip:
                 self.control(peer, header, body)
 
     def announce(self, op: LiveOp, peer: int) -> None:

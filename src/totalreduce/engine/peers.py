@@ -4,7 +4,8 @@ OP_FAILED, and the end of a link.
 A peer that shuts down (GOODBYE) sends nothing more and takes nothing more, so every op
 here that still needs it fails at once, and so does every other rank's copy of such an op
 (OP_FAILED).  What it sent before through its lane (a channel of its own, read apart from
-the first) is taken first: an urgent op's last message may still be there.  A peer that
+the first) is taken first: an urgent op's last message may still be there, or not yet;
+the goodbye says how many the peer posted there.  A peer that
 vanishes without a goodbye, or ABORTs, breaks the whole job.
 """
 
@@ -29,9 +30,9 @@ class PeerEvents:
     def __init__(self, job: JobState, ops: OpTable, outbox: Outbox, ledger: CreditLedger,
                  mismatches: MismatchTracker, departures: Departures, serving: JoinServer,
                  starter: Starter, floating: Floating,
-                 drain_lane: Callable[[int], None]) -> None:
-        """``drain_lane(peer)``: hand over what ``peer``'s lane holds now
-        (Transport.drain_lane)."""
+                 drain_lane: Callable[[int, int], None]) -> None:
+        """``drain_lane(peer, sent)``: hand over what ``peer``'s lane holds, until the
+        ``sent`` messages it says it posted there have come (Transport.drain_lane)."""
         self._drain_lane = drain_lane
         self._job = job
         self._rank = job.rank
@@ -66,7 +67,7 @@ class PeerEvents:
                 job.break_job(TotalReduceError(f"rank {rank}: rank {peer} aborted the "
                                                f"job: {reason}"))
         elif kind == Kind.GOODBYE:
-            self._drain_lane(peer)
+            self._drain_lane(peer, header.seq)
             self._departures.bye.add(peer)
             self._left(peer)
         elif kind == Kind.OP_FAILED:

@@ -21,6 +21,10 @@ from typing import NamedTuple, Protocol
 
 from .wire import Header
 
+# How long a peer's goodbye waits for the lane messages it says it sent before it (see
+# Transport.drain_lane); over loopback they trail it by microseconds.
+LANE_DRAIN_TIME = 1.0
+
 
 class Counters:
     """What a transport moved: whole messages (header included) in each direction, bodies
@@ -57,6 +61,8 @@ class LaneEnd(Protocol):
     lane methods, for that peer."""
 
     lane_lock: threading.Lock
+    # messages_sent / messages_received (taken) / bytes_sent / bytes_received
+    lane_counts: dict[str, int]
 
     def lane_room(self) -> int: ...
 
@@ -221,22 +227,38 @@ class Transport(abc.ABC):
         """The message :meth:`lane_peek` showed (``header``) has been handled: free it."""
         self._lane_ends[peer].lane_take(header)
 
-    def drain_lane(self, peer: int, handler: MessageHandler) -> None:
-        """Hand ``handler`` every message ``peer``'s lane holds now, as at the peer's end
-        (MessageHandler.received_ahead): the peer said goodbye through its first channel,
-        and what it sent through the lane before that must not seem lost behind the
-        goodbye.  Skipped while a caller's thread reads the lane (it takes what is
-        there).  The loop's thread only."""
+    def lane_sent(self, peer: int) -> int:
+        """How many messages this rank has posted into ``peer``'s lane (0: no lane)."""
         end = self._lane_ends.get(peer)
-        if end is None or not end.lane_lock.acquire(blocking=False):
+        return 0 if end is None else end.lane_counts["messages_sent"]
+
+    def drain_lane(self, peer: int, handler: MessageHandler, sent: int) -> None:
+        """Hand ``handler`` every message ``peer``'s lane holds, as at the peer's end
+        (MessageHandler.received_ahead), until ``sent`` messages in all have been taken
+        from it (the peer's :meth:`lane_sent` at its goodbye) or :data:`LANE_DRAIN_TIME`
+        passes: the peer said goodbye through its first channel, and what it sent through
+        the lane before that must not seem lost behind the goodbye.  A second connection
+        may deliver after the first (even on one host, the kernel does not order two
+        sockets), so what is not there yet is waited for.  The loop's thread only."""
+        end = self._lane_ends.get(peer)
+        if end is None:
             return
-        try:
-            while (record := end.lane_peek()) is not None:
-                header, body = record
-                handler.received_ahead(peer, header, body)
-                end.lane_take(header)
-        finally:
-            end.lane_lock.release()
+        counts = end.lane_counts
+        deadline = time.monotonic() + LANE_DRAIN_TIME
+        while True:
+            # A caller's thread holds the lock only to look at or apply one message.
+            if not end.lane_lock.acquire(timeout=LANE_DRAIN_TIME):
+                return
+            try:
+                while (record := end.lane_peek()) is not None:
+                    header, body = record
+                    handler.received_ahead(peer, header, body)
+                    end.lane_take(header)
+            finally:
+                end.lane_lock.release()
+            if counts["messages_received"] >= sent or time.monotonic() >= deadline:
+                return
+            end.lane_wait(LANE_DRAIN_TIME / 100)
 
     def lane_wait(self, peer: int, timeout: float) -> None:
         """Block, without the lane's lock, until something may have come into ``peer``'s
