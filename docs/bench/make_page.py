@@ -11,34 +11,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from regenerate import command  # run as a script: this folder is on sys.path
+
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parent / "BENCHMARKS.md"
-CMD_4 = ("python -m totalreduce.bench collectives -n 4 --ops allreduce "
-         "--sizes 4,1K,64K,1M,4M,16M,64M --rounds 2 --plot collectives-4.png")
-NEG = "totalreduce-shm,totalreduce-neg,totalreduce-neg-nocache,totalreduce-neg-nofusion,mpi"
-CMD_TINY = "python -m totalreduce.bench tiny -n 2,4 --rounds 4 --reps 10"
-CMD_LATENCY = "python -m totalreduce.bench latency -n 2,4 --rounds 3"
-CMD_RECOVERY = "python -m totalreduce.bench recovery -n 2,4 --rounds 3"
-CMD_HOSTS_1G = "python -m totalreduce.bench hosts --link 1gbit --sizes 16M,64M --rounds 3"
-CMD_HOSTS_10G = "python -m totalreduce.bench hosts --link 10gbit --sizes 16M,64M --rounds 3"
-CMD_HOSTS_TRAIN = "python -m totalreduce.bench hosts --train --link 1gbit --epochs 20"
-CMD_PS = "python -m totalreduce.bench ps --rounds 3 --plot ps.png"
-CMD_SKEW_NEG = f"python -m totalreduce.bench skew -n 2,4 --backends {NEG} --rounds 2 --reps 10"
-CMD_REPLAY_NEG = (f"python -m totalreduce.bench replay -n 2,4 --models resnet50 --backends {NEG} "
-                  "--buckets-mb 16 --rounds 2 --reps 10")
-CMD_16_ALLREDUCE = ("python -m totalreduce.bench collectives -n 4,8,16 --ops allreduce "
-                    "--sizes 1M,4M,16M,64M --rounds 2 --reps-scale 0.5 "
-                    "--backends totalreduce-shm,mpi,gloo")
-CMD_16_OTHERS = ("python -m totalreduce.bench collectives -n 8,16 "
-                 "--ops allgather,alltoall,broadcast,reducescatter --sizes 1M,4M,16M,64M "
-                 "--rounds 2 --reps-scale 0.5 --backends totalreduce-shm,mpi")
-CMD_16_LATENCY = ("python -m totalreduce.bench latency -n 2,4,8,16 "
-                  "--backends totalreduce-shm,mpi --rounds 2 --reps 1000")
+CMD_4 = command("collectives-4")
+CMD_TINY = command("tiny-neg")
+CMD_LATENCY = command("latency")
+CMD_RECOVERY = command("recovery")
+CMD_HOSTS_1G = command("hosts-1gbit")
+CMD_HOSTS_10G = command("hosts-10gbit")
+CMD_HOSTS_TRAIN = command("hosts-train")
+CMD_PS = command("ps")
+CMD_SKEW_NEG = command("skew-neg")
+CMD_REPLAY_NEG = command("replay-neg")
+CMD_16_ALLREDUCE = command("cores16-allreduce")
+CMD_16_OTHERS = command("cores16-others")
+CMD_16_LATENCY = command("cores16-latency")
 CMD_16_LOGSTEPS = ("python -m totalreduce.bench collectives -n 4,8,16 "
                    "--ops allgather,reducescatter,broadcast --sizes 64K,1M,4M,16M,64M "
                    "--rounds 2 --reps-scale 0.5")
-CMD_REPLAY = ("python -m totalreduce.bench replay -n 2 --models resnet50 "
-              "--backends totalreduce-shm,mpi --buckets-mb 4,8,16,25 --rounds 2 --reps 15")
+CMD_REPLAY = command("replay-2-optimizer")
 
 
 def table(name: str, keep: Callable[[list[str]], bool] | None = None) -> tuple[str, str]:
@@ -158,8 +151,7 @@ p10-p90 column shows how much a run was split between the states.
 
 ## Collectives, 2 ranks
 
-`python -m totalreduce.bench collectives -n 2 --rounds 6 --reps-scale 0.5 --plot
-collectives-2.png` (`docs/bench/collectives-2.txt`, `collectives-2.png`). Six short
+`{command("collectives-2")}` (`docs/bench/collectives-2.txt`, `collectives-2.png`). Six short
 rounds rather than two long ones: the host's state (see Environment) changes within a
 round, and with two rounds one backend could run a size wholly in one state and another
 wholly in the other.
@@ -299,16 +291,14 @@ such machines. Sparse modes run their selection on a worker thread of their own,
 same core.
 
 `mlp`, 12.6 M parameters (50 MB of gradients), little compute per sample:
-`python -m totalreduce.bench train -n 2,4 --rounds 2 --reps 3` (`docs/bench/train-mlp.txt`):
+`{command("train-mlp")}` (`docs/bench/train-mlp.txt`):
 
 {table("train-mlp")[1]}
 
-![median step time per mode, mlp](bench/train-mlp.png) (`--plot train-mlp.png` on the same
-command draws it)
+![median step time per mode, mlp](bench/train-mlp.png)
 
 `convnet`, 1.2 M parameters, compute-heavy:
-`python -m totalreduce.bench train -n 2,4 --model convnet --rounds 2 --reps 3`
-(`docs/bench/train-convnet.txt`):
+`{command("train-convnet")}` (`docs/bench/train-convnet.txt`):
 
 {table("train-convnet")[1]}
 
@@ -330,13 +320,13 @@ it is ready, in its own order (totalreduce); MPI and gloo need one common order,
 take the tensors in backward order, each once ready. Ideal = the last ready time (max over
 ranks) + MPI's flat allreduce time in the same run.
 
-`python -m totalreduce.bench skew -n 2 --rounds 2` (`docs/bench/skew-2.txt`):
+`{command("skew-2")}` (`docs/bench/skew-2.txt`):
 
 {table("skew-2")[1]}
 
 ## Preemption: a 1 KB allreduce issued 2 ms into a 64 MB one (2 ranks)
 
-`python -m totalreduce.bench preempt -n 2 --rounds 2` (`docs/bench/preempt-2.txt`):
+`{command("preempt-2")}` (`docs/bench/preempt-2.txt`):
 
 {table("preempt-2")[1]}
 
@@ -464,8 +454,7 @@ median over calls past the first two. Ok-Topk's bound is 6(P-1)/P: 3, 4 and 4.5 
 and 4 ranks. TopkA's volume is 2(P-1). `oktopk` is the published, pipelined
 split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 `OkTopk(pipeline=False)`, the same exchange in one alltoall.
-`python -m totalreduce.bench sparse -n 2,3,4 --backends totalreduce-shm --calls 10`
-(`docs/bench/sparse.txt`):
+`{command("sparse")}` (`docs/bench/sparse.txt`):
 
 {table("sparse")[1]}
 
@@ -513,8 +502,7 @@ held-back gradients forward; momentum on top made them unstable). Bytes are what
 sent from the first step on: the transport's own count for totalreduce; for gloo, which
 keeps none, what the hook passed to `all_reduce` times 2(P-1)/P (a ring allreduce). The
 target is dense's final accuracy less one point.
-`python -m totalreduce.bench convergence -n 4 --epochs 30 --plot docs/bench/convergence-4.png`
-(`docs/bench/convergence-4.txt`):
+`{command("convergence-4")}` (`docs/bench/convergence-4.txt`):
 
 {table("convergence-4")[1]}
 
@@ -608,7 +596,7 @@ parameters, 17.4 MB of float32 gradients per step), batch 32 per rank, dense aga
 the sparse compressions at 1 %. Accuracy is on the whole test set after each epoch
 (about 10 steps at 4 ranks, 21 at 2), and the time to the target is read at the end of
 the first epoch that reaches it. One rank per host,
-`{CMD_HOSTS_TRAIN} --per-host 1` (`docs/bench/hosts-train-1.txt`):
+`{command("hosts-train-1")}` (`docs/bench/hosts-train-1.txt`):
 
 {table("hosts-train-1")[1]}
 
