@@ -103,19 +103,19 @@ def main() -> None:
 
 Every number on this page comes from `python -m totalreduce.bench` (install:
 `pip install torch==2.13.0 && pip install -e ".[dev,mpi,torch]"`). Each section shows the
-command and the file in `docs/bench/` holding its full output; `docs/bench/make_page.py`
-rebuilds this page from those files. How the numbers got here, and the experiments behind
-the defaults, are in `docs/dev/perf-log.md`.
+command and the file in `docs/bench/` holding its full output. `python
+docs/bench/regenerate.py` reruns every command and rebuilds the page from those files
+(`--list` shows them; `--cores16` runs the 16-core ones). How the numbers got here, and
+the experiments behind the defaults, are in `docs/dev/perf-log.md`.
 
 ## Environment
 
 A virtual machine with 2 cores and no GPU; every rank on the same host, so same-host
-transports (shared-memory rings, MPICH's shared memory) carry all traffic. The tables
-come from two such machines, one on AMD EPYC and one on Intel Xeon cores (the Intel one
-copies memory faster: MPI's 1 MB broadcast takes 0.06 ms there, 0.08 ms on the AMD
-one), and from different commits: under each table, its machine and commit. Compare
-ratios within a table, not absolute times across tables. The 2-rank collectives table's
-bench printed:
+transports (shared-memory rings, MPICH's shared memory) carry all traffic. Every table
+but the 16-core ones comes from one run of `regenerate.py` at one commit on such a
+machine with AMD EPYC cores; the 16-core tables come from machines with 16 Intel Xeon
+cores, at the commits named under them. Compare ratios within a table, not absolute
+times across tables. The 2-rank collectives table's bench printed:
 
     {env.removeprefix("environment: ")}
 
@@ -334,7 +334,8 @@ The urgent op here is blocking. Over the shared-memory rings it runs on its own 
 (DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
 second, small ring to the peer and reads the peer's out of its own, without waiting for
 the thread that drives the big op and without the big op's records ahead of it in the
-ring, which is read in order: 0.16-0.23 ms in eight runs of this table's command. What is
+ring, which is read in order: 0.16 ms here, 0.16-0.23 ms in eight earlier runs of this
+table's command. What is
 left is the caller's Python running five to ten times slower than alone while the big
 op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
 from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
@@ -370,8 +371,9 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.27-0.52 ms against
-0.08-0.15 ms alone in eleven runs. Its slow tail (p90 1.5-3 ms) is the two ranks' calls
+it does not wait behind the big op's bytes in the kernel's buffers: 0.38 ms against
+0.08 ms alone here, 0.27-0.52 ms against 0.08-0.15 ms in eleven earlier runs. Its slow tail
+(p90 1.5-3 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -381,8 +383,9 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane is an MPI tag of its own, but MPICH lets one thread into the library at a time, and
-the progress thread's calls there move the big op's bytes: the urgent op took 1.1-2.9 ms
-in four runs (p10 0.15 ms). Where a host's ranks outnumber its cores the MPI transport has
+the progress thread's calls there move the big op's bytes: the urgent op took 0.54 ms
+here (p10 0.12 ms), 1.1-2.9 ms in four earlier runs. Where a host's ranks outnumber its
+cores the MPI transport has
 no lanes (a 4-rank barrier on 2 cores took 0.97 ms with them, 0.67 without). An urgent op
 the loop runs waits behind what MPI has queued to that peer, which is kept to 8 MiB of
 bodies for that reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
@@ -406,11 +409,12 @@ Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mod
 about what self-guided mode does per tensor (`-nofusion` against `totalreduce-shm`). The
 cache cuts the cost another 4x: without it, every tensor's request goes to rank 0 and
 back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
-Python, per tensor. The faster mode, negotiated with cache and fusion, takes 2.2 µs per
-op at 2 ranks, 3.1x MPI's `Iallreduce`, and 7.5 µs at 4 ranks (four processes on two
-cores), 5.1x (on the AMD host: 4.7 µs and 13.4 µs). It varies with the host more than
-MPI's does (1.9 to 3.2 µs between the 10th and 90th percentiles at 2 ranks): the whole
-cost is Python on the submitting thread and the cycle thread. Per tensor, the submit takes
+Python, per tensor. The faster mode, negotiated with cache and fusion, takes 4.9 µs per
+op at 2 ranks, 3.0x MPI's `Iallreduce`, and 13.9 µs at 4 ranks (four processes on two
+cores), 4.1x (on a 2-core Intel Xeon host, faster per core: 2.2 µs and 7.5 µs). It
+varies with the host more than MPI's does (3.5 to 5.9 µs between the 10th and 90th
+percentiles at 2 ranks): the whole cost is Python on the submitting thread and the cycle
+thread. Per tensor, the submit takes
 about 1 µs (a tensor whose dtype, op and shape were seen before skips the argument checks
 and makes one new object); the cycle's classification, the fusion copies in and out and
 the completion take about as much again.
@@ -420,11 +424,11 @@ the completion take about as much again.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.54x (2 ranks) and 0.99x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (0.82x and 1.02x). Without fusion, each of the 161
-tensors then runs as an engine op of its own behind that wait: 1.27x at 4 ranks, where
+so it finishes within 0.60x (2 ranks) and 0.83x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.10x and 1.14x). Without fusion, each of the 161
+tensors then runs as an engine op of its own behind that wait: 1.24x at 4 ranks, where
 the ops compete for two cores; at 2 ranks the tensors arrive spread out enough that
-running each alone (0.69x) beat fusing the few that a cycle finds together.
+running each alone (0.74x) beat fusing the few that a cycle finds together.
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{CMD_REPLAY_NEG}` (`docs/bench/replay-neg.txt`):
 
@@ -432,9 +436,9 @@ running each alone (0.69x) beat fusing the few that a cycle finds together.
 
 With all 102 MB ready at once, self-guided mode is faster in every mode. Fusing big
 tensors only adds a copy in and a copy out of every byte. At 2 ranks, negotiated mode
-with fusion off beats it with fusion on (per-tensor 41.7 ms against 45.0). At 4 ranks,
-fusion helps per tensor (143.5 against 165.2 ms) but still trails self-guided grouped
-(120.2).
+with fusion off beats it with fusion on (per-tensor 58.4 ms against 63.7). At 4 ranks,
+fusion helps per tensor (129.0 against 205.6 ms) but still trails self-guided grouped
+(90.6).
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -460,35 +464,22 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 On one host, where a dense allreduce moves memory at memory speed, every sparse
 algorithm is slower than dense: selection costs more than the bytes it saves. The point
-is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-3.8
+is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 1.7x at 4 ranks); with a core per rank and a
+cores, so one alltoall is faster here (up to 2.3x at 4 ranks); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
-The `gtopk` rows above predate the published gTopk: they are the variant that sums
-exactly at the winners (now `GTopk(exact_sums=True)`, `gtopk-exact`, which then sent its
-winners as int64 after a count broadcast). The bench now also prints words received per
-k. A rank of the published gTopk sends at most one tree message and one broadcast hop of
-k pairs, at most 4 words per k whatever P; rank 0 receives 2 per k in each of its
-ceil(log2 P) merge rounds. Worst rank, both gradients and densities, from
-`python -m totalreduce.bench sparse -n 2,4 --backends totalreduce-shm --elements 100000
---calls 6` (times there were too noisy to quote):
+`gtopk` is the published gTopk; `gtopk-exact` (`GTopk(exact_sums=True)`) sums exactly at
+the winners instead, at the cost of a second exchange. A rank of the published gTopk sends
+at most one tree message and one broadcast hop of k pairs, at most 4 words per k whatever
+P; rank 0 receives 2 per k in each of its ceil(log2 P) merge rounds. The same at a tenth
+of the size, `{command("sparse-words")}` (`docs/bench/sparse-words.txt`; at 100,000
+elements the times are mostly per-op overhead):
 
-```
-algorithm    n  words sent / k  words recv / k
------------  -  --------------  --------------
-gtopk        2  2.00            2.00
-gtopk-exact  2  3.00            3.00
-oktopk       2  2.28-2.64       2.28-2.64
-topka        2  2.00            2.00
-gtopk        4  4.01-4.02       4.01-4.02
-gtopk-exact  4  5.01-5.02       6.01-6.02
-oktopk       4  3.42-3.81       3.39-4.57
-topka        4  6.00-6.01       6.00-6.01
-```
+{table("sparse-words")[1]}
 
 ## Training with sparse gradients: accuracy against epochs and bytes (digits, 4 ranks)
 
@@ -508,11 +499,11 @@ target is dense's final accuracy less one point.
 
 ![accuracy against epochs and against MB sent per rank](bench/convergence-4.png)
 
-Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 2% (18
-against 9); the gTopk rows were trained with what is now `GTopk(exact_sums=True)`.
-Ok-Topk at 1% sends 0.078 MB per rank per epoch once its warm-up is over, against 0.127
-for TopkA at the same density, 0.125 for PowerSGD and 4.07 for dense: 52x less than
-dense. Its first epoch is the dense warm-up (10 steps, about 4 MB), which is most of its
+Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 1% (18
+against 9). Ok-Topk at 1% sends 0.076 MB per rank per epoch once its warm-up is over,
+against 0.071 for gTopk and 0.125 for TopkA at the same density, 0.125 for PowerSGD and
+4.07 for dense: 54x less than dense. Its first epoch is the dense warm-up (10 steps, about
+4 MB), which is most of its
 bytes to target; PowerSGD's vanilla start costs the same. On this small model PowerSGD
 at rank 2 trains as well as dense in fewer bytes than Ok-Topk's warm-up plus sparse
 epochs; the sparse methods' volume advantage grows with the model, which the words-per-k
@@ -535,7 +526,7 @@ checkpoint's size at 1 GB/s. `{CMD_RECOVERY}` (`docs/bench/recovery.txt`):
 
 {table("recovery")[1]}
 
-Most of *restart* is a new Python process importing numpy and totalreduce (about 0.4 s
+Most of *restart* is a new Python process importing numpy and totalreduce (about 0.3 s
 here); the survivors drop their links and meet the newcomer in about 0.06 s.
 
 ## Allreduce, averaging and the parameter server, with a straggler (digits, 3 workers)
@@ -557,11 +548,13 @@ Medians of 3 jobs per cell. `{CMD_PS}` (`docs/bench/ps.txt`, `docs/bench/ps.png`
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a small op costs about 100 µs on this loaded machine, against a few for MPI), so it
-trains at about 0.35x allreduce's rate. With the straggler, removing the bound buys 1.3x
-over tau = 0 and costs about 1.1 points of accuracy; bounds of 1 and 4 keep tau = 0's
-accuracy. Averaging every 16 steps is the fastest and loses 2 points. Surviving a
-server's loss costs 0.71x of tau = 0's throughput without a straggler (a push waits for
-a second server's round trip) and 0.95x with one (the straggler's wait hides it).
+trains at about 0.35x allreduce's rate. With the straggler, removing the bound bought no
+throughput in this run (0.90x of tau = 0; 1.3x in an earlier one: the straggler's own
+steps bound the time either way) and cost 5.8 points of accuracy; bounds of 1 and 4 keep
+tau = 0's accuracy within 0.3 points. Averaging every 16 steps is the fastest and loses 2
+points. Surviving a server's loss costs 0.56x of tau = 0's throughput without a straggler
+(a push waits for a second server's round trip) and 0.79x with one (the straggler's wait
+hides part of it).
 
 ## Across hosts
 
@@ -586,9 +579,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take about as long (`docs/bench/hosts-100gbit.txt`: 0.098 s hierarchical at
-64 MiB). One rank per host has no local stages and a core to itself; it comes within
-1.26x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.129 s hierarchical at 64 MiB, as
+at 10 Gbit/s). One rank per host has no local stages and a core to itself; it comes within
+1.22x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -606,7 +599,8 @@ Two ranks per host, `{CMD_HOSTS_TRAIN}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.1-1.5x) is too small to reach 95 % sooner than dense.
+samples/s (1.7-2.1x) shrinks to 0.8-1.2x in the time to 95 %: they need one to three
+epochs more than dense.
 
 ## Why the defaults are what they are
 
@@ -747,30 +741,31 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 14.7-15.3 us at 2 ranks in
-  the host's fast state (the latency table's p10; its median caught the slow state; MPI:
-  2.4-3.0 us), nearly all of it Python per op, even on the express lane; over sockets or
-  the MPI transport, 45-61 us, which have no express lane. A barrier, which runs at top
-  priority on the urgent lane, takes 18-25 us there. Batch small tensors
+- Small messages: a blocking allreduce of a few bytes costs 22 us at 2 ranks in the
+  latency table, which caught the host's slow state throughout (15-16 us in its fast
+  state; MPI: 2.6-3.6 us), nearly all of it Python per op, even on the express lane; over
+  the MPI transport or sockets, which have no express lane, 64 and 109 us. A barrier,
+  which runs at top priority on the urgent lane, takes 21 us there. Batch small tensors
   (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
   see above).
 - The 2-rank table's medians mix the host's two states (see Environment), each backend
-  in its own proportion; its p10 column is the fast state. Allreduce: 1.98x MPI at 1 MB,
-  1.61x at 4 MB, 1.08x at 16 MB (p10: 2.1 against 2.5 ms), 2.7-2.9x from 64 MB. Up to
+  in its own proportion; its p10 column is the fast state. Allreduce: 2.54x MPI at 1 MB,
+  2.14x at 4 MB, 1.07x at 16 MB (p10: 2.6 against 2.6 ms), 2.9-3.3x from 64 MB. Up to
   4 MiB it runs on the caller's thread, which cannot lend: in the slow state its ring
   copies slow it down as MPICH's own copies slow MPICH.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.71-0.91x; alltoall
-  0.28x at 1 MB rising to 0.93x at 256 MB; broadcast 0.67x at 1 MB, 0.87-1.05x from 4 MB;
-  reducescatter 0.90-1.02x at 1-4 MB, 1.37-3.09x from 16 MB. Per op, Python costs tens
-  of µs, about half of MPI's whole 1 MB call; an allgather or alltoall exchanges sizes
-  before data (15 us of a 1 MB alltoall's 120 in the fast state); and a lent body
-  is one kernel copy, slower per byte than two memcpys through a ring while the cores
-  share a cache, which is where MPICH's (also lent) large messages lose to the ring.
-  Without `out=` allgather and alltoall run at about 0.5x from 64 MB: above glibc's mmap
-  threshold (32 MB) every call's new result is fresh memory, and the kernel faulting and
-  zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
-  reused ones: 4.6 ms).
-- `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this host.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.84x at 1 MB, 1.30x
+  at 4 MB, 0.85-0.99x from 16 MB; alltoall 0.26x at 1 MB rising to 0.71x at 256 MB;
+  broadcast 0.75-0.96x; reducescatter 0.64-0.69x at 1-4 MB, 1.14-3.33x from 16 MB. Per
+  op, Python costs tens of µs, about half of MPI's whole 1 MB call; an allgather or
+  alltoall exchanges sizes before data (about 20 us of a 1 MB alltoall's 120-130 in the
+  fast state, whose copies take 55); and a lent body is one kernel copy, slower per byte
+  than two memcpys through a ring while the cores share a cache, which is where MPICH's
+  (also lent) large messages lose to the ring. Without `out=` allgather and alltoall run
+  at about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result
+  is fresh memory, and the kernel faulting and zeroing it costs about as much as the
+  copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
+- `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
+  host, but for allreduce at 1, 4, 64 and 256 MB and reducescatter from 64 MB.
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.35-0.74x MPI (allreduce 0.39-0.71x,
   allgather and alltoall 0.35-0.56x; the table's 0.17x for a 1 MB broadcast at 16 ranks
   predates 085da09: one ring of fifteen taken for slow sent every such broadcast off the
@@ -787,21 +782,20 @@ either way, 3-13% behind in both.
   reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8
   ranks allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB
   10-38% slower. The log-step algorithms avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.15-0.38 ms (8-11x MPI's
-  8-byte allreduce in the latency table, 0.06-0.10x in the 4-rank table), and 1-16 MB
-  allreduces run at 0.54-1.07x MPI; 64 MB is ahead (2.76x). Every hop waits for a peer
-  to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
-  better.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.16-0.23 ms over
-  shared memory against 0.02-0.04 ms alone, and 0.27-0.52 ms over TCP against 0.08-0.15
-  ms alone (each on its own lane, the preemption section): the caller's Python runs
-  slowly while the big op's copies take the two cores. Over the MPI transport it takes
-  1.1-2.9 ms: MPICH lets one thread in at a time, and the progress thread's calls there
-  move the big op's bytes. An async urgent op, which the loop runs, takes 0.3-0.5 ms over
-  shared memory.
-- The MPI transport adds Python per message: 1.43-2.76x MPI's own allreduce at 2 ranks
-  from 1 MB up on the AMD host, but 0.32-0.97x at 4 oversubscribed ranks between 1 and
-  16 MB.
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.16-0.26 ms (6-7x MPI's
+  8-byte allreduce and barrier in the latency table, 0.11-0.17x in the 4-rank table,
+  where every call follows a barrier), and 1-16 MB allreduces run at 0.57-0.90x MPI;
+  64 MB is ahead (2.22x). Every hop waits for a peer to get a core; neither the small
+  path's threshold nor doubling up to 4 or 16 MB did better.
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.16 ms over shared
+  memory against 0.02 ms alone (0.16-0.23 ms in earlier runs), and 0.38 ms over TCP
+  against 0.08 ms alone (each on its own lane, the preemption section): the caller's
+  Python runs slowly while the big op's copies take the two cores. Over the MPI transport
+  it takes 0.54 ms here and up to 2.9 ms in earlier runs: MPICH lets one thread in at a
+  time, and the progress thread's calls there move the big op's bytes. An async urgent
+  op, which the loop runs, takes 0.3-0.5 ms over shared memory.
+- The MPI transport adds Python per message: 1.18-3.32x MPI's own allreduce at 2 ranks
+  from 1 MB up, but 0.36-1.06x at 4 oversubscribed ranks between 1 and 16 MB.
 """]
     PAGE.write_text("".join(parts))
 

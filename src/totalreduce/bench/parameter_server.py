@@ -115,4 +115,4 @@ def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
     right.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    print(f"plot written to {path}")
+    print(f"plot written to {path}", file=sys.stderr)
