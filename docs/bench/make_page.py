@@ -15,23 +15,9 @@ from regenerate import command  # run as a script: this folder is on sys.path
 
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parent / "BENCHMARKS.md"
-CMD_4 = command("collectives-4")
-CMD_TINY = command("tiny-neg")
-CMD_LATENCY = command("latency")
-CMD_RECOVERY = command("recovery")
-CMD_HOSTS_1G = command("hosts-1gbit")
-CMD_HOSTS_10G = command("hosts-10gbit")
-CMD_HOSTS_TRAIN = command("hosts-train")
-CMD_PS = command("ps")
-CMD_SKEW_NEG = command("skew-neg")
-CMD_REPLAY_NEG = command("replay-neg")
-CMD_16_ALLREDUCE = command("cores16-allreduce")
-CMD_16_OTHERS = command("cores16-others")
-CMD_16_LATENCY = command("cores16-latency")
 CMD_16_LOGSTEPS = ("python -m totalreduce.bench collectives -n 4,8,16 "
                    "--ops allgather,reducescatter,broadcast --sizes 64K,1M,4M,16M,64M "
                    "--rounds 2 --reps-scale 0.5")
-CMD_REPLAY = command("replay-2-optimizer")
 
 
 def table(name: str, keep: Callable[[list[str]], bool] | None = None) -> tuple[str, str]:
@@ -162,7 +148,7 @@ wholly in the other.
 
 ## Allreduce, 4 ranks (4 processes on 2 cores)
 
-`{CMD_4}`
+`{command("collectives-4")}`
 (`docs/bench/collectives-4.txt`). Four ranks share two cores, so every library is
 oversubscribed; spinning waiters cost the peers' CPU time.
 
@@ -180,7 +166,7 @@ totalreduce's traffic.
 
 Allreduce:
 
-`{CMD_16_ALLREDUCE}`
+`{command("cores16-allreduce")}`
 (`docs/bench/cores16-allreduce.txt`). Up to 1 MiB it is recursive doubling; above, from
 8 ranks, recursive halving then doubling (up to 8 MiB at 8 ranks, every size at 16),
 else the ring.
@@ -199,7 +185,7 @@ else the ring.
 
 The other collectives:
 
-`{CMD_16_OTHERS}`
+`{command("cores16-others")}`
 (`docs/bench/cores16-others.txt`). From 8 ranks broadcast is a scatter then an
 allgather at every size; allgather and reducescatter take recursive doubling and halving
 above 1 MiB up to n MiB, else the ring, but allgathers up to 1 MiB (and every
@@ -216,7 +202,7 @@ alltoall is a pairwise exchange.
 
 Blocking 8-byte allreduce and barrier:
 
-`{CMD_16_LATENCY}`
+`{command("cores16-latency")}`
 (`docs/bench/cores16-latency.txt`, timed as in the latency section below). Recursive
 doubling takes `log2 n` steps, each costing a rank tens of microseconds of Python; with
 every core busy the same Python also runs slower (the time from the call to the first
@@ -226,7 +212,7 @@ message posted was 14 us at 2 ranks and 27 us at 16 in a timestamped run).
 
 ## Latency: blocking 8-byte allreduce and barrier
 
-`{CMD_LATENCY}`
+`{command("latency")}`
 (`docs/bench/latency.txt`): 3,000 calls of each back to back (no barrier between two, as
 a training loop makes them), each call timed alone; a call's time is the slowest rank's.
 `time / mpi` is the median over MPI's median for the same op in the same run. A blocking
@@ -255,7 +241,7 @@ their own, smaller ones are fused). `flat`: one buffer of which the gradients ar
 backward had just ended. MPI: `Iallreduce` per tensor, or one `Allreduce` of the flat
 buffer. Modes interleaved rep by rep.
 
-`{CMD_REPLAY}`
+`{command("replay-2-optimizer")}`
 (`docs/bench/replay-2-optimizer.txt`):
 
 {table("replay-2-optimizer")[1]}
@@ -400,7 +386,7 @@ op the moment it is called. Run the cached, fused mode (`totalreduce-neg`) again
 columns to see what each mechanism buys.
 
 **Many tiny tensors**: 1,000 async allreduces of one float32 each, submitted, then waited
-(time per op). `{CMD_TINY}` (`docs/bench/tiny-neg.txt`; these are `tiny`'s backends by
+(time per op). `{command("tiny-neg")}` (`docs/bench/tiny-neg.txt`; these are `tiny`'s backends by
 default, both scheduling modes):
 
 {table("tiny-neg")[1]}
@@ -419,7 +405,7 @@ about 1 µs (a tensor whose dtype, op and shape were seen before skips the argum
 and makes one new object); the cycle's classification, the fusion copies in and out and
 the completion take about as much again.
 
-**Skew** (as above, at 2 and 4 ranks). `{CMD_SKEW_NEG}` (`docs/bench/skew-neg.txt`):
+**Skew** (as above, at 2 and 4 ranks). `{command("skew-neg")}` (`docs/bench/skew-neg.txt`):
 
 {table("skew-neg")[1]}
 
@@ -430,7 +416,8 @@ tensors then runs as an engine op of its own behind that wait: 1.24x at 4 ranks,
 the ops compete for two cores; at 2 ranks the tensors arrive spread out enough that
 running each alone (0.74x) beat fusing the few that a cycle finds together.
 
-**Replay** (as above, ResNet-50, 16 MB buckets). `{CMD_REPLAY_NEG}` (`docs/bench/replay-neg.txt`):
+**Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
+(`docs/bench/replay-neg.txt`):
 
 {table("replay-neg")[1]}
 
@@ -522,7 +509,7 @@ returning (the survivors notice, totalrun starts the new process, it imports and
 them); *load*: its `load_checkpoint()`, the checkpoint sent from a survivor's memory;
 *total*: from the kill until every rank has returned from the collective the survivors
 were waiting in. Medians of 3 jobs per cell, and the worst; the target is 2 s plus the
-checkpoint's size at 1 GB/s. `{CMD_RECOVERY}` (`docs/bench/recovery.txt`):
+checkpoint's size at 1 GB/s. `{command("recovery")}` (`docs/bench/recovery.txt`):
 
 {table("recovery")[1]}
 
@@ -540,7 +527,7 @@ is over the slowest worker's training time (worker 0's in the replicated row: wi
 `--max-restarts` the workers have no process set to agree on it; at tau = 0 they move in
 step). "replicated" is tau = 0 under `--max-restarts 1`, where each server's range has a
 copy on the other server and a push returns once both hold it.
-Medians of 3 jobs per cell. `{CMD_PS}` (`docs/bench/ps.txt`, `docs/bench/ps.png`):
+Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/ps.png`):
 
 {table("ps")[1]}
 
@@ -570,11 +557,11 @@ link: with 2 hosts, the whole buffer, 64 MiB at 125 MB/s = 0.537 s for 1 Gbit/s.
 flat ring sends 1.5 buffers through each host's link: two of its four neighbour pairs
 straddle the hosts.
 
-`{CMD_HOSTS_1G}` (`docs/bench/hosts-1gbit.txt`):
+`{command("hosts-1gbit")}` (`docs/bench/hosts-1gbit.txt`):
 
 {table("hosts-1gbit")[1]}
 
-`{CMD_HOSTS_10G}` (`docs/bench/hosts-10gbit.txt`):
+`{command("hosts-10gbit")}` (`docs/bench/hosts-10gbit.txt`):
 
 {table("hosts-10gbit")[1]}
 
@@ -593,7 +580,7 @@ the first epoch that reaches it. One rank per host,
 
 {table("hosts-train-1")[1]}
 
-Two ranks per host, `{CMD_HOSTS_TRAIN}` (`docs/bench/hosts-train.txt`):
+Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 {table("hosts-train")[1]}
 
