@@ -90,16 +90,22 @@ def command(name: str) -> str:
     return BY_NAME[name].command
 
 
-def run(job: Job) -> float:
-    """Run ``job``, its output into <name>.txt (kept as it was if the bench fails)."""
+def run(job: Job) -> bool:
+    """Run ``job``, its output into <name>.txt; False (the file kept as it was) if the
+    bench failed."""
     argv = shlex.split(job.command)
     argv[0] = sys.executable
+    print(f"{job.name}: {job.command}", file=sys.stderr, flush=True)
     start = time.monotonic()
     done = subprocess.run(argv, cwd=HERE, stdout=subprocess.PIPE, text=True, check=False)
+    took = time.monotonic() - start
     if done.returncode != 0:
-        raise SystemExit(f"{job.name}: `{job.command}` exited with {done.returncode}")
+        print(f"{job.name}: exited with {done.returncode} after {took:.0f} s; "
+              f"{job.name}.txt left as it was", file=sys.stderr, flush=True)
+        return False
     (HERE / f"{job.name}.txt").write_text(done.stdout)
-    return time.monotonic() - start
+    print(f"{job.name}: {took:.0f} s", file=sys.stderr, flush=True)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(job.cores16 for job in jobs) and (os.cpu_count() or 1) < 16:
         print(f"warning: {os.cpu_count()} cores: the 16-core tables want one per rank",
               file=sys.stderr)
-    for job in jobs:
-        print(f"{job.name}: {job.command}", file=sys.stderr, flush=True)
-        took = run(job)
-        print(f"{job.name}: {took:.0f} s", file=sys.stderr, flush=True)
+    # A job that cannot run here (hosts needs root for its network namespaces) does
+    # not stop the others.
+    failed = [job.name for job in jobs if not run(job)]
     subprocess.run([sys.executable, str(HERE / "make_page.py")], check=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
