@@ -5,8 +5,8 @@ A peer that shuts down (GOODBYE) sends nothing more and takes nothing more, so e
 here that still needs it fails at once, and so does every other rank's copy of such an op
 (OP_FAILED).  What it sent before through its lane (a channel of its own, read apart from
 the first) is taken first: an urgent op's last message may still be there, or not yet;
-the goodbye says how many the peer posted there.  A peer that
-vanishes without a goodbye, or ABORTs, breaks the whole job.
+the goodbye says how many the peer posted there.  A peer that vanishes without a
+goodbye, or ABORTs, breaks the whole job.
 """
 
 from __future__ import annotations

@@ -247,7 +247,7 @@ class Transport(abc.ABC):
         deadline = time.monotonic() + LANE_DRAIN_TIME
         while True:
             # A caller's thread holds the lock only to look at or apply one message.
-            if not end.lane_lock.acquire(timeout=LANE_DRAIN_TIME):
+            if not end.lane_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return
             try:
                 while (record := end.lane_peek()) is not None:
