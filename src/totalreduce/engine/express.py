@@ -27,12 +27,13 @@ from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
 from ..transport.base import Transport
 from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind
-from .ledger import CreditLedger, charge_of
+from .ledger import CreditLedger
 from .optable import OpTable
 from .payload import OpFuture, OpSpec
-from .schedule import Recv, Schedule, Send
+from .reducer import reduce_into
+from .schedule import COPY, Recv, Schedule, Send
 from .serving import JoinServer
-from .smallpath import SmallOp, SmallPath, apply_piece, fits, post_data, tell_ready
+from .smallpath import SmallOp, SmallPath, apply_piece, post_data, tell_ready
 
 # How long the lane waits for a step's message before the small path takes over (which
 # also turns the loop: sockets, other peers, housekeeping).
@@ -152,9 +153,15 @@ class Express:
             if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
                 return self._hand_over(spec, chain, ready, told, 0, posted, True)
         peek = transport.peek
+        take = transport.take
         sig, dtype, count = spec.sig, spec.dtype, spec.count
-        itemsize = spec.work.itemsize
-        for i, (peer, step, piece, recv) in enumerate(chain.steps):
+        work = spec.work
+        itemsize = work.itemsize
+        ufunc = spec.ufunc
+        # A REDUCE piece with nothing to finalize is reduced here, the rest by apply_piece:
+        # on this path every call saved is a share of the op's whole cost.
+        plain = spec.finalize is None
+        for done, (peer, step, piece, recv) in enumerate(chain.steps):
             record = peek(peer) or self._wait(peer)
             while (record is not None and record[1] is None and record[0].kind == Kind.READY
                    and record[0].name_key == key0 and record[0].seq == key1):
@@ -163,31 +170,39 @@ class Express:
                 header = record[0]
                 self._credit(peer, header)
                 ready.add(peer)
-                transport.take(peer, header)
+                take(peer, header)
                 record = peek(peer) or self._wait(peer)
             if record is None:
-                return self._hand_over(spec, chain, ready, told, i, posted, False)
+                return self._hand_over(spec, chain, ready, told, done, posted, False)
             header, body = record
+            lo, hi = recv.lo, recv.hi
             if (body is None or header.name_key != key0 or header.seq != key1
-                    or header.step != step or header.piece != piece
-                    or not fits(header, sig, dtype, count, (recv.hi - recv.lo) * itemsize)):
+                    or header.step != step or header.piece != piece or header.sig != sig
+                    or header.dtype != dtype or header.count != count
+                    or header.nbytes != (hi - lo) * itemsize):  # smallpath.fits, inline
                 # Not the message this step waits for: the small path looks at it again.
-                return self._hand_over(spec, chain, ready, told, i, posted, False)
-            self._credit(peer, header)
-            if header.flags & FLAG_CREDITED:
-                ledger.owe(peer, charge_of(header.nbytes))
-            if header.flags & FLAG_READY:
+                return self._hand_over(spec, chain, ready, told, done, posted, False)
+            flags = header.flags
+            if header.credit:
+                self._credit(peer, header)
+            if flags & FLAG_CREDITED:
+                ledger.owe_body(peer, header.nbytes)
+            if flags & FLAG_READY:
                 ready.add(peer)
-            apply_piece(spec, recv, body)
-            transport.take(peer, header)
+            if plain and recv.mode != COPY:
+                assert ufunc is not None
+                reduce_into(ufunc, work[lo:hi], body)
+            else:
+                apply_piece(spec, recv, body)
+            take(peer, header)
             for send in recv.then:
                 if not post_data(ledger, transport, spec, send, ready, told, sources):
-                    return self._hand_over(spec, chain, ready, told, i + 1, posted, True)
+                    return self._hand_over(spec, chain, ready, told, done + 1, posted, True)
                 posted += 1
         self.ran += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one
         # (the small path, which turns it, forgets those here).
-        self._ops.ran(key)
+        self._ops.done.add(key)  # OpTable.ran, inline
         return True
 
     def _credit(self, peer: int, header: Header) -> None:

@@ -51,10 +51,11 @@ class CreditLedger:
     def spend(self, peer: int, nbytes: int) -> bool:
         """Take the credit for sending ``nbytes`` to ``peer`` ahead of its READY; False
         (nothing taken) when there is not enough."""
-        charge = charge_of(nbytes)
-        if self._credit[peer] < charge:
+        charge = nbytes if nbytes > HEADER_SIZE else HEADER_SIZE  # charge_of, inline
+        left = self._credit[peer] - charge
+        if left < 0:
             return False
-        self._credit[peer] -= charge
+        self._credit[peer] = left
         return True
 
     def grant(self, peer: int, credit: int) -> None:
@@ -72,6 +73,13 @@ class CreditLedger:
             self._owed[peer] += charge
             if self._owed[peer] >= self._return_at:
                 self._want_send(peer)
+
+    def owe_body(self, peer: int, nbytes: int) -> None:
+        """:meth:`owe` for a credited message of ``nbytes`` (a small op's, every call)."""
+        owed = self._owed[peer] + (nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
+        self._owed[peer] = owed
+        if owed >= self._return_at:
+            self._want_send(peer)
 
     def due(self, peer: int) -> bool:
         return self._owed[peer] >= self._return_at

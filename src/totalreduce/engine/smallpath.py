@@ -59,6 +59,8 @@ _YIELD_SPIN = 2e-3
 
 PieceKey = tuple[int, int, int]  # (peer, step, piece)
 
+_DATA = int(Kind.DATA)  # an enum member's lookup, on every message, costs more than this
+
 
 class SmallOp:
     """One small op in flight on the caller's thread (see the module docstring)."""
@@ -143,7 +145,7 @@ def post_data(ledger: CreditLedger, transport: Transport, spec: OpSpec, send: Se
         flags |= FLAG_READY
     credit = ledger.take_owed(peer)
     key0, key1 = spec.key
-    header = pack_header(Kind.DATA, spec.dtype, flags, send.step, key0, key1, spec.sig,
+    header = pack_header(_DATA, spec.dtype, flags, send.step, key0, key1, spec.sig,
                          send.piece, nbytes, spec.count, credit, spec.recipe, spec.epoch)
     if not transport.post_now(peer, header, body):
         if flags & FLAG_CREDITED:
@@ -214,7 +216,8 @@ class SmallPath:
                 or spec.schedule.waits or spec.fresh or not self._floating.only(key)
                 or len(self._mismatches) or self._departures.any()):
             return False
-        return not (ops.known(key) or key in ops.failed_early)
+        # OpTable.known, inline (nothing is active here).
+        return not (key in ops.done or key in ops.failed_early)
 
     def run(self, spec: OpSpec) -> OpFuture | bool:
         """Run ``spec`` (eligible) to its end: True once done, False if it could not begin

@@ -278,8 +278,12 @@ class SelfGuided:
                 self._by_hash[h] = entry
             h, seq = entry[0], entry[1]
             entry[1] = seq + 1
-        shown = f"{kind} '{name}'" if name is not None else f"{kind} (unnamed)"
-        label = f"{shown} (call #{seq})" if name is None or seq else shown
+        if name is None:
+            label = f"{kind} (unnamed) (call #{seq})"
+        elif seq:
+            label = f"{kind} '{name}' (call #{seq})"
+        else:
+            label = f"{kind} '{name}'"
         if self._set_id:
             label += f" in process set {self._set_id} (ranks {list(self._members or ())})"
         return _Ident((h, seq), "" if name is None else name, label)
@@ -398,9 +402,17 @@ class SelfGuided:
             plan = self._small.get(key)
         if plan is None:
             return None
-        spec, result = self._small_spec(plan, x, name, priority, inplace)
-        self._run_blocking(spec)
-        return result
+        # _small_spec and _run_blocking, inline: this is every call of a training loop's
+        # blocking small allreduces, and each call level was a share of its cost.
+        ident = self._ident("allreduce", name)
+        work = x.reshape(-1) if inplace else x.reshape(-1).copy()
+        spec = plan.spec(ident, work, priority, self._members)
+        ran = self._engine.run_now(spec)
+        if ran is not True:
+            self._run_blocking(spec, ran)
+        elif ctrl_c.pending:
+            ctrl_c.raise_if_pending()
+        return x if inplace else work.reshape(x.shape)
 
     def barrier_now(self) -> bool:
         """A barrier run to its end on this thread, as :meth:`allreduce_now`: False, with
@@ -410,10 +422,12 @@ class SelfGuided:
         self._run_blocking(self._barrier_spec())
         return True
 
-    def _run_blocking(self, spec: OpSpec) -> None:
+    def _run_blocking(self, spec: OpSpec, ran: OpFuture | bool | None = None) -> None:
         """Run ``spec`` to its end, on this thread from its first message if the engine
-        can (engine/express.py); raises its error."""
-        ran = self._engine.run_now(spec)
+        can (engine/express.py); raises its error.  ``ran``: what the engine's
+        ``run_now(spec)`` returned, if the caller asked it already."""
+        if ran is None:
+            ran = self._engine.run_now(spec)
         if ran is not True:
             with self._caller_waits:
                 future = self._engine.submit(spec) if ran is False else ran

@@ -35,6 +35,9 @@ from .wire import (
 )
 
 _DOORBELL = b"\x01"
+# Plain ints: comparing with an enum member looks it up on every record.
+_DATA = int(Kind.DATA)
+_NOT_INLINE = FLAG_CHUNKED | FLAG_REMOTE  # bodies not whole in the record
 _LEND_MIN = 64 << 10  # smaller bodies are copied: a lent body costs the reader a syscall
 # Before handling a body at least this big (lent, or in the ring), more urgent messages
 # posted behind it are handled first (_overtake): it takes tens of microseconds or more.
@@ -362,7 +365,7 @@ class RingLink(Link):
                 if record is None:
                     break
                 header, body = record
-                if header.kind != Kind.DATA or header.flags & (FLAG_CHUNKED | FLAG_REMOTE):
+                if header.kind != _DATA or header.flags & _NOT_INLINE:
                     raise WireError(f"a {header.kind!r} message in a lane")
                 if not all_of_it and not handler.lane_claims(peer, header,
                                                               lane.behind() != lane.head()):
@@ -414,7 +417,7 @@ class RingLink(Link):
         if record is None:
             return None
         header, body = record
-        if header.kind != Kind.DATA or header.flags & (FLAG_CHUNKED | FLAG_REMOTE):
+        if header.kind != _DATA or header.flags & _NOT_INLINE:
             return (header, None)
         return record
 
@@ -455,7 +458,7 @@ class RingLink(Link):
                 if record is None:
                     break
                 header, body = record
-                if budget is not None and self.body is None and header.kind == Kind.DATA \
+                if budget is not None and self.body is None and header.kind == _DATA \
                         and handler.can_defer(peer, header):
                     # Data for an op not submitted here yet: left in the ring, it is
                     # reduced straight out of it once the op starts, instead of copied
@@ -550,7 +553,7 @@ class RingLink(Link):
         for where, kind, flags, name_key, seq, after in ring.glance(scan.pos):
             scan.pos = after
             key = (name_key, seq)
-            if (kind != Kind.DATA or flags & (FLAG_CHUNKED | FLAG_REMOTE) or key in passed
+            if (kind != _DATA or flags & _NOT_INLINE or key in passed
                     or key not in urgent):
                 passed.add(key)
                 continue

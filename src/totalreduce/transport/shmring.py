@@ -75,6 +75,10 @@ _fence_lock = threading.Lock()
 LANE_BYTES = 64 << 10
 
 
+_RING_WRAP = int(Kind.RING_WRAP)
+_NOT_INLINE = FLAG_CHUNKED | FLAG_REMOTE  # records whose body is not whole in the ring
+
+
 def fence() -> None:
     """A full memory barrier: CPython's lock takes and gives back with locked
     instructions, which x86 never reorders loads or stores across."""
@@ -247,7 +251,8 @@ class RingWriter:
     def reader_sleeping(self) -> bool:
         """Whether the reader may be blocked and must be sent a doorbell (call after
         :meth:`post`)."""
-        fence()
+        _fence_lock.acquire()  # fence(), inline: after every post
+        _fence_lock.release()
         ctl = self._ctl
         return bool(ctl[_SLEEPING] or ctl[_SLEEPING + 8])  # SLEEPERS == 2
 
@@ -355,12 +360,17 @@ class RingReader:
         cap = self.capacity
         view = self._m.view
         offset = pos % cap
-        header = unpack_header(view[offset:offset + HEADER_SIZE])
-        if header.kind == Kind.RING_WRAP:
+        header = unpack_header(view, offset)
+        if header.kind == _RING_WRAP:
             pos += cap - offset
             offset = 0
-            header = unpack_header(view[:HEADER_SIZE])
-        body, size = _in_ring(header.flags, header.nbytes)
+            header = unpack_header(view)
+        flags = header.flags
+        if flags & _NOT_INLINE:
+            body, size = _in_ring(flags, header.nbytes)
+        else:  # _in_ring, inline: nearly every record
+            body = header.nbytes
+            size = (HEADER_SIZE + body + _ALIGN - 1) & ~(_ALIGN - 1)
         if offset + size > cap or pos + size > head:
             raise WireError(f"ring record of {header.nbytes} bytes at {offset} overruns")
         start = offset + HEADER_SIZE
@@ -380,7 +390,8 @@ class RingReader:
         self._size = 0
         ctl = self._ctl
         ctl[_TAIL] = self._pos
-        fence()
+        _fence_lock.acquire()  # fence(), inline: after every record
+        _fence_lock.release()
         if ctl[_WAITING]:
             ctl[_WAITING] = 0
             return True
