@@ -161,6 +161,7 @@ class Express:
         # A REDUCE piece with nothing to finalize is reduced here, the rest by apply_piece:
         # on this path every call saved is a share of the op's whole cost.
         plain = spec.finalize is None
+        unpark = self._unpark
         for done, (peer, step, piece, recv) in enumerate(chain.steps):
             record = peek(peer) or self._wait(peer)
             while (record is not None and record[1] is None and record[0].kind == Kind.READY
@@ -183,8 +184,10 @@ class Express:
                 # Not the message this step waits for: the small path looks at it again.
                 return self._hand_over(spec, chain, ready, told, done, posted, False)
             flags = header.flags
-            if header.credit:
-                self._credit(peer, header)
+            credit = header.credit
+            if credit:  # _credit, inline
+                ledger.grant(peer, credit)
+                unpark(peer)
             if flags & FLAG_CREDITED:
                 ledger.owe_body(peer, header.nbytes)
             if flags & FLAG_READY:

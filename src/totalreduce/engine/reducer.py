@@ -42,25 +42,33 @@ _QUIET = _quiet_state()
 def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any,
                 left: np.ndarray | None = None) -> None:
     """``dest = ufunc(left, incoming)``; ``left`` defaults to ``dest`` itself."""
-    if dest.size == 0:
+    n = dest.size
+    if not n:
         return
-    src = np.frombuffer(incoming, dtype=dest.dtype, count=dest.size)
-    first = dest if left is None else left
-    if dest.dtype.kind not in "fc":
-        ufunc(first, src, out=dest)  # integer arrays wrap without a warning
+    dtype = dest.dtype
+    # Positional arguments: numpy parses keywords to frombuffer at twice the cost of the
+    # call itself, on every small op.
+    src = _frombuffer(incoming, dtype, n)
+    if left is None:
+        left = dest
+    if dtype.kind not in "fc":
+        ufunc(left, src, dest)  # integer arrays wrap without a warning
         return
     # Overflow to inf is the defined result (as in MPI), not an error to print from a
     # background thread, nor to raise where the caller's np.seterr says "raise".
     if _QUIET is None:
         with np.errstate(all="ignore"):
-            ufunc(first, src, out=dest)
+            ufunc(left, src, dest)
         return
     var, quiet = _QUIET
     token = var.set(quiet)
     try:
-        ufunc(first, src, out=dest)
+        ufunc(left, src, dest)  # out, positional: cheaper to parse
     finally:
         var.reset(token)
+
+
+_frombuffer = np.frombuffer
 
 
 def size_class(nbytes: int) -> int:

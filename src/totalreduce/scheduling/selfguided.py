@@ -174,10 +174,11 @@ class _SmallAllreduce:
         self.finalize = spec.finalize
         self.recipe = spec.recipe
 
-    def spec(self, ident: _Ident, work: np.ndarray, priority: int,
+    def spec(self, key: OpKey, label: str, work: np.ndarray, priority: int,
              members: tuple[int, ...] | None) -> OpSpec:
-        """This op again, under a call's own identity, buffer and priority."""
-        return OpSpec(ident.key, ident.label, self.sig, self.code, self.count, self.describe,
+        """This op again, under a call's own identity (``key``, ``label``), buffer and
+        priority."""
+        return OpSpec(key, label, self.sig, self.code, self.count, self.describe,
                       self.schedule, work, None, self.ufunc, self.finalize, priority,
                       self.recipe, -1, members)
 
@@ -267,6 +268,12 @@ class SelfGuided:
                                                     self._served_next.peek(name_key) or 0))
 
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
+        key, label = self._call(kind, name, phase)
+        return _Ident(key, "" if name is None else name, label)
+
+    def _call(self, kind: str, name: str | None, phase: str = "") -> tuple[OpKey, str]:
+        """This rank's next call of ``name`` (``phase``: a part of an op with an identity
+        of its own): its key, (name hash, call count), and its label for messages."""
         key = (_UNNAMED if name is None else name) + phase + self._tag
         with self._lock:
             entry = self._names.get(key)
@@ -286,7 +293,7 @@ class SelfGuided:
             label = f"{kind} '{name}'"
         if self._set_id:
             label += f" in process set {self._set_id} (ranks {list(self._members or ())})"
-        return _Ident((h, seq), "" if name is None else name, label)
+        return (h, seq), label
 
     def _spec(self, ident: _Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
               dtype: np.dtype, count: int, schedule: Schedule, work: np.ndarray,
@@ -377,7 +384,7 @@ class SelfGuided:
         # Not in place, the result is an array of its own, never x.
         work = x.reshape(-1) if inplace else x.reshape(-1).copy()
         result = x if inplace else work.reshape(x.shape)
-        return plan.spec(ident, work, priority, self._members), result
+        return plan.spec(ident.key, ident.label, work, priority, self._members), result
 
     def _small_allreduce(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
                          priority: int, inplace: bool) -> Handle:
@@ -404,9 +411,9 @@ class SelfGuided:
             return None
         # _small_spec and _run_blocking, inline: this is every call of a training loop's
         # blocking small allreduces, and each call level was a share of its cost.
-        ident = self._ident("allreduce", name)
-        work = x.reshape(-1) if inplace else x.reshape(-1).copy()
-        spec = plan.spec(ident, work, priority, self._members)
+        key, label = self._call("allreduce", name)
+        work = x.ravel() if inplace else x.flatten()  # in place: contiguous, so a view
+        spec = plan.spec(key, label, work, priority, self._members)
         ran = self._engine.run_now(spec)
         if ran is not True:
             self._run_blocking(spec, ran)
@@ -765,7 +772,7 @@ class SelfGuided:
         work = np.zeros(1, np.uint8)
         plan = self._barrier
         if plan is not None:  # every barrier is the same op but for its identity
-            return plan.spec(ident, work, 1 << 30, self._members)
+            return plan.spec(ident.key, ident.label, work, 1 << 30, self._members)
         view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
         spec = self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
         self._barrier = _SmallAllreduce(spec)

@@ -177,7 +177,7 @@ class _Lane:
     def read(self, handler: MessageHandler) -> None:
         """The loop's look: hand over the messages the handler claims, oldest first, up
         to the first it does not (a caller's thread will take that one)."""
-        if not self.lane_lock.acquire(blocking=False):
+        if not self.lane_lock.acquire(False):
             return
         try:
             self.recheck = False

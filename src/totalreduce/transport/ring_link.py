@@ -355,7 +355,7 @@ class RingLink(Link):
         if lane is None:
             return
         self.lane_seen = lane.head()
-        if not lane.ready() or not self.lane_lock.acquire(blocking=False):
+        if not lane.ready() or not self.lane_lock.acquire(False):
             return  # a caller that leaves records behind its own says so (lane_take)
         try:
             handler = self.owner.handler

@@ -219,16 +219,15 @@ class RingWriter:
         # Slices of a memoryview: a quarter of the cost of numpy's for a small record,
         # the same memcpy for a big one.
         view[at:at + HEADER_SIZE] = header
-        if body is not None and n:
-            timed = n >= PACE_MIN
-            if timed:
-                t0 = time.perf_counter()
+        if n:
+            assert body is not None
+            t0 = time.perf_counter() if n >= PACE_MIN else 0.0  # small bodies: not timed
+            at += HEADER_SIZE
             try:
-                view[at + HEADER_SIZE:at + HEADER_SIZE + n] = body
+                view[at:at + n] = body
             except (TypeError, ValueError):  # not a flat byte view: numpy copies anything
-                np.copyto(self._m.data[at + HEADER_SIZE:at + HEADER_SIZE + n],
-                          np.frombuffer(body, dtype=np.uint8))
-            if timed:
+                np.copyto(self._m.data[at:at + n], np.frombuffer(body, dtype=np.uint8))
+            if t0:
                 self.pace.timed(n, time.perf_counter() - t0)
         self._head = start + size
         ctl[_HEAD] = self._head
@@ -307,7 +306,7 @@ class RingReader:
         Raises:
             WireError: the ring holds something that is not a record.
         """
-        head = int(self._ctl[_HEAD])
+        head = self._ctl[_HEAD]  # an int already: the memoryview is of "Q"
         if head == self._pos:
             return None
         self._pos, header, self._size, body = self._record(self._pos, head)

@@ -121,7 +121,7 @@ class SocketLane:
         if self.closed:
             self.owner.lane_ended(self)  # a post that failed closed it
             return
-        if not self.lane_lock.acquire(blocking=False):
+        if not self.lane_lock.acquire(False):
             return
         try:
             self.recheck = False
