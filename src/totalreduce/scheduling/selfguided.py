@@ -339,12 +339,17 @@ class SelfGuided:
 
     def allreduce(self, x: Any, op: Any, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        small = self._small_key(x, op, name, inplace) if self._engine.waits_here() else None
+        small = self._small_key(x, op, name, inplace)
         if small is not None:
             with self._lock:
                 plan = self._small.get(small)
             if plan is not None:
-                return self._small_allreduce(plan, x, name, priority, inplace)
+                if self._engine.waits_here():
+                    return self._small_allreduce(plan, x, name, priority, inplace)
+                # Async: the plan spares the checks and the spec's making all the same;
+                # the loop runs it.
+                spec, result = self._small_spec(plan, x, name, priority, inplace)
+                return FutureHandle([self._engine.submit(spec)], lambda: result, spec.label)
         rop, arr = check_allreduce(x, op, name, inplace)
         ident = self._ident("allreduce", name)
         source = self._fresh_source(arr, inplace, self._direct_ring)
@@ -372,7 +377,7 @@ class SelfGuided:
 
     def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
                    ) -> tuple[Any, ...] | None:
-        """The key of the :class:`_SmallAllreduce` a blocking call may reuse (the one a
+        """The key of the :class:`_SmallAllreduce` a call may reuse (the one a
         call like it left), if the call is small enough for the small path and, in place,
         contiguous and writable; None otherwise."""
         if (type(x) is not np.ndarray or type(op) is not ReduceOp

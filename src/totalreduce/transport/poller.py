@@ -62,12 +62,24 @@ class Poller:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        # wake(), per slot: a thread spinning in select() sees it at its next look, where
+        # the wake-up byte would wait for its next look at the sockets (_SOCKET_PERIOD);
+        # the byte (a system call each side) goes only to a thread that sleeps.
+        self._poked = [False, False]
+        self._asleep = [False, False]
         self._socket_turns = 0  # turns since select() last looked at the sockets
         self._next_look = 0.0  # when rings_only: when to look at the sockets again
 
     def wake(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
+        """Have a thread in :meth:`select` return soon.  The poke is raised before the
+        sleepers are looked at, and a sleeper announces itself before it looks at its
+        poke, so one of the two sees the other (the GIL orders them)."""
+        poked = self._poked
+        poked[POLL_SLOT] = poked[WAIT_SLOT] = True
+        asleep = self._asleep
+        if asleep[POLL_SLOT] or asleep[WAIT_SLOT]:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
 
     def woken(self) -> None:
         """The wake socket was readable: empty it."""
@@ -95,6 +107,10 @@ class Poller:
         ring has a record (the caller drains the rings whatever this returns).  A spin
         also ends once ``pending`` (the caller's links with output waiting) fills."""
         rings = self.rings
+        poked = self._poked
+        if poked[slot]:
+            poked[slot] = False
+            return []
         if rings and not self._sockets_due() and self.rings_ready():
             # Records are waiting: take them first and look at the sockets (doorbells, EOF,
             # a remote peer's bytes) on a later turn, though never too seldom.
@@ -108,6 +124,9 @@ class Poller:
         while time.monotonic() < spin_until and not pending:
             if self.rings_ready():
                 return events
+            if poked[slot]:
+                poked[slot] = False
+                return events
             if relax is not None:
                 relax()
             if not rings or self._sockets_due():
@@ -120,10 +139,13 @@ class Poller:
             for link in rings:
                 link.set_sleeping(slot, True)
             stuck = [link for link in rings if link.ask_for_room(True)]
+        self._asleep[slot] = True
         try:
-            if not (rings and self.rings_ready()):
+            if not poked[slot] and not (rings and self.rings_ready()):
                 events = self.selector.select(timeout)
         finally:
+            self._asleep[slot] = False
+            poked[slot] = False  # the caller looks at what the poke was for next
             for link in rings:
                 link.set_sleeping(slot, False)
             for link in stuck:
