@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from totalreduce.exceptions import (
 )
 from totalreduce.rendezvous.auth import client_handshake, server_handshake
 from totalreduce.rendezvous.env import detect_launch
+from totalreduce.transport.poller import POLL_SLOT, Poller
 from totalreduce.transport.wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
 
 
@@ -29,12 +31,51 @@ def test_header_round_trip_and_rejects_garbage() -> None:
     packed = h.pack()
     assert len(packed) == HEADER_SIZE
     assert unpack_header(packed) == h
+    framed = b"\x07" * 5 + packed  # read in place, as a ring's reader does
+    assert unpack_header(framed, 5) == h
+    assert type(unpack_header(framed, 5)) is Header
+    assert unpack_header(framed, 5).nbytes == 1 << 40
     with pytest.raises(WireError, match="bad magic"):
         unpack_header(b"\0" * HEADER_SIZE)
     bad_kind = bytearray(packed)
     bad_kind[2] = 200
     with pytest.raises(WireError, match="unknown message kind"):
         unpack_header(bytes(bad_kind))
+
+
+def test_a_wake_before_select_ends_the_next_select_at_once_without_a_wakeup_byte() -> None:
+    poller = Poller([])
+    try:
+        poller.wake()
+        t0 = time.monotonic()
+        assert poller.select(30.0) == []
+        assert time.monotonic() - t0 < 5.0  # a ceiling: the defect is waiting out 30 s
+        with pytest.raises(BlockingIOError):  # nobody slept: no byte was sent
+            poller._wake_r.recv(1)
+    finally:
+        poller.close()
+
+
+def test_a_wake_reaches_a_thread_asleep_in_select() -> None:
+    poller = Poller([])
+    returned = threading.Event()
+
+    def sleeper() -> None:
+        poller.select(30.0)
+        returned.set()
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while not poller._asleep[POLL_SLOT]:  # past its spin, blocked in the selector
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        poller.wake()
+        assert returned.wait(10.0)
+    finally:
+        thread.join(10.0)
+        poller.close()
 
 
 def _pair(server_secret: bytes, client_secret: bytes) -> tuple[object, object]:
