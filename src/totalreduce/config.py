@@ -69,9 +69,12 @@ TOTALREDUCE_HIERARCHICAL           allreduce across hosts: on (1) reduce within 
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    -1
                                    ranks on one host (shm transport; 0 = off,
                                    -1 = auto: two segments plus 128 KiB)
-TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      1 MiB
+TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      -1
                                    ring peers: the receiver's kernel copies them
-                                   out of the sender's memory (0 = never)
+                                   out of the sender's memory (0 = never); -1 =
+                                   auto: 1 MiB, reductions 32 MiB where every
+                                   rank of the host has a core of its own (a lent
+                                   piece costs its receiver a copy and then a sum)
 TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       10
                                    slower than this lately (GB/s) lends every
                                    body of 64 KiB or more instead, and blocking
@@ -206,7 +209,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "must be auto, on (or 1) or off (or 0)"),
     "shm_bytes": (lambda v: v >= -1,
                   "must be >= 0 (bytes; 0 = no shared memory), or -1 for auto"),
-    "cma_bytes": (lambda v: v >= 0, "must be >= 0 (bytes; 0 = never lend)"),
+    "cma_bytes": (lambda v: v >= -1,
+                  "must be >= 0 (bytes; 0 = never lend), or -1 for auto"),
     "slow_ring_gbps": (lambda v: v >= 0, "must be >= 0 (GB/s; 0 = never lend for it)"),
     "scratch_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
     "name_capacity": (lambda v: v >= 1, "must be >= 1 (names)"),
@@ -293,7 +297,7 @@ class Config:
     host_id: str = ""
     hierarchical: str = "auto"
     shm_bytes: int = -1
-    cma_bytes: int = 1 << 20
+    cma_bytes: int = -1
     slow_ring_gbps: float = 10.0
     scratch_bytes: int = 32 << 20
     name_capacity: int = 1 << 16
@@ -326,6 +330,12 @@ class Config:
         allreduces, allgathers and alltoalls may go further where DIRECT_BYTES is auto
         (scheduling/selfguided.py)."""
         return 2 << 20 if self.direct_bytes < 0 else self.direct_bytes
+
+    @property
+    def lend_bytes(self) -> int:
+        """Ops at least this big lend their pieces to ring peers (0: never); where
+        CMA_BYTES is auto, reductions only from a bigger size (scheduling/selfguided.py)."""
+        return 1 << 20 if self.cma_bytes < 0 else self.cma_bytes
 
     @property
     def ring_bytes(self) -> int:

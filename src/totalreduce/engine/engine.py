@@ -208,6 +208,10 @@ class Engine:
         through a ring."""
         return min((self.transport.ring_room(p) for p in peers), default=0)
 
+    def crowded(self) -> bool:
+        """Whether this host's ranks outnumber its cores (Transport.crowded)."""
+        return self.transport.crowded()
+
     def lends(self, peers: Collection[int]) -> bool:
         """Whether big bodies to most of ``peers`` would be lent now, for rings that have
         been slow lately (transport/copy_pace.py): only the loop lends.  Most, not any:

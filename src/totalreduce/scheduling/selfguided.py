@@ -104,6 +104,19 @@ def _direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
 # 0.47-1.8 ms at 1-4 MiB.
 _LENT_WHEN_SLOW = 512 << 10
 
+# Reductions below this size do not lend their pieces where every rank has a core of its
+# own and CMA_BYTES is auto (rings that copy slowly still lend them, copy_pace.py).  A lent piece is
+# one kernel copy on the receiver's core, which then sums it in a second pass; through the
+# ring the sender's core copies it in while the receiver's sums it straight out of the
+# ring.  For a copied piece (a gather's) the kernel's one copy is the cheaper.  Alternated
+# runs at 2 ranks (`--set CMA_BYTES=1048576` against `33554432`): allreduce 8 MB
+# 1.01-1.15 -> 0.82-0.87 ms, 16 MB 2.34-2.58 -> 1.95-2.06, reducescatter 4 MB 0.34-0.43
+# -> 0.25-0.26, 8 MB 0.84-0.97 -> 0.58-0.64, 16 MB 1.90-2.09 -> 1.45-1.53, 64 and 256 MB
+# level; allgathers of 8-16 MB lost 20-40% without lending, so gathers keep it.  At 4 ranks
+# on 2 cores the sender's copy takes a core a peer wanted: 16 MB allreduces took 9.2-10.2
+# ms against 8.3, so crowded hosts keep lending.
+_REDUCE_LEND_BYTES = 32 << 20
+
 
 def _bounds(counts: np.ndarray, scale: int) -> tuple[int, ...]:
     """Where each rank's block begins and ends: ``counts[i]`` rows of ``scale`` elements.
@@ -489,6 +502,12 @@ class SelfGuided:
             raise ValueError("in-place collective on a read-only array")
         return np.array(arr, copy=True, order="C").reshape(-1), inplace
 
+    def _reduction_lends(self, nbytes: int) -> bool:
+        """Whether a reduction of ``nbytes`` may lend its pieces: as any op where
+        CMA_BYTES is set, else from _REDUCE_LEND_BYTES unless the host is crowded."""
+        return (self._config.cma_bytes >= 0 or nbytes >= _REDUCE_LEND_BYTES
+                or self._engine.crowded())
+
     def _reduce_spec(self, ident: _Ident,
                      view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
                      work: np.ndarray, rop: ReduceOp, priority: int,
@@ -506,7 +525,8 @@ class SelfGuided:
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
         return self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
                           ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe,
-                          source=source, fresh=source is not None)
+                          source=source, fresh=source is not None,
+                          lend=self._reduction_lends(work.nbytes))
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
                           priority: int, inplace: bool) -> Handle:
@@ -612,7 +632,7 @@ class SelfGuided:
                           schedule, work, priority,
                           ("reducescatter", arr.dtype, arr.shape, rop, algorithm),
                           ufunc=UFUNCS[rop], finalize=finalize, source=source,
-                          fresh=source is not None)
+                          fresh=source is not None, lend=self._reduction_lends(work.nbytes))
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))

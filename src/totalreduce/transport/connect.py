@@ -75,7 +75,7 @@ def connect_job(launch: LaunchInfo, config: Config, ring_bytes: int,
 
         transport = connect_mesh(rank, launch.size, launch.secret, launch.job_id,
                                  "127.0.0.1" if local else "0.0.0.0", me, publish, lookup,
-                                 timeout, ring_bytes, config.cma_bytes, world, cancelled,
+                                 timeout, ring_bytes, config.lend_bytes, world, cancelled,
                                  config.host_id, config.slow_ring_gbps * 1e9)
         local_rank, local_size = _locality(launch, transport.hosts)
         return Connected(transport, local_rank, local_size,
