@@ -62,7 +62,9 @@ def test_a_lent_body_meets_the_small_path() -> None:
     # Sums are checked in the worker; here, that the case under test really happened:
     # rank 1 lent its bodies (general path), rank 0 began each op on the small path and
     # handed it over.
-    result = run_ok(2, "smallpath_workers:lent_body", {}, timeout=120)
+    # CMA_BYTES set: left at auto, a reduction this small stays in the ring.
+    result = run_ok(2, "smallpath_workers:lent_body", {}, timeout=120,
+                    env={"TOTALREDUCE_CMA_BYTES": str(1 << 20)})
     if result.report(1)["lent"] == 0:
         pytest.skip("this host cannot lend bodies between processes (transport/cma.py)")
     assert result.report(0)["handed_over"] >= 1, result.explain()
