@@ -205,7 +205,7 @@ class Express:
         self.ran += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one
         # (the small path, which turns it, forgets those here).
-        self._ops.done.add(key)  # OpTable.ran, inline
+        self._ops.ran(key)
         return True
 
     def _credit(self, peer: int, header: Header) -> None:

@@ -110,7 +110,9 @@ class Poller:
         poked = self._poked
         if poked[slot]:
             poked[slot] = False
-            return []
+            # Still a look at the sockets when one is due: wakes that come faster than
+            # that (an application submitting op after op) must not starve them.
+            return self._look_at_sockets() if not rings or self._sockets_due() else []
         if rings and not self._sockets_due() and self.rings_ready():
             # Records are waiting: take them first and look at the sockets (doorbells, EOF,
             # a remote peer's bytes) on a later turn, though never too seldom.
