@@ -320,8 +320,8 @@ The urgent op here is blocking. Over the shared-memory rings it runs on its own 
 (DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
 second, small ring to the peer and reads the peer's out of its own, without waiting for
 the thread that drives the big op and without the big op's records ahead of it in the
-ring, which is read in order: 0.16 ms here, 0.16-0.23 ms in eight earlier runs of this
-table's command. What is
+ring, which is read in order: 0.18 ms here, 0.14-0.23 ms in other runs of this table's
+command. What is
 left is the caller's Python running five to ten times slower than alone while the big
 op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
 from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
@@ -357,8 +357,8 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.38 ms against
-0.08 ms alone here, 0.27-0.52 ms against 0.08-0.15 ms in eleven earlier runs. Its slow tail
+it does not wait behind the big op's bytes in the kernel's buffers: 0.48 ms against
+0.09 ms alone here, 0.27-0.56 ms against 0.08-0.15 ms in other runs. Its slow tail
 (p90 1.5-3 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
@@ -392,13 +392,13 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-about what self-guided mode does per tensor (`-nofusion` against `totalreduce-shm`). The
-cache cuts the cost another 4x: without it, every tensor's request goes to rank 0 and
-back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
-Python, per tensor. The faster mode, negotiated with cache and fusion, takes 4.9 µs per
-op at 2 ranks, 3.0x MPI's `Iallreduce`, and 13.9 µs at 4 ranks (four processes on two
-cores), 4.1x (on a 2-core Intel Xeon host, faster per core: 2.2 µs and 7.5 µs). It
-varies with the host more than MPI's does (3.5 to 5.9 µs between the 10th and 90th
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 43.8
+against 29.1 µs at 2 ranks). The cache cuts the cost another 5x: without it, every
+tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
+Python, per tensor. The faster mode, negotiated with cache and fusion, takes 3.5 µs per
+op at 2 ranks, 3.0x MPI's `Iallreduce`, and 9.6 µs at 4 ranks (four processes on two
+cores), 5.9x (on a 2-core Intel Xeon host, faster per core: 2.2 µs and 7.5 µs). It
+varies with the host more than MPI's does (2.5 to 4.3 µs between the 10th and 90th
 percentiles at 2 ranks): the whole cost is Python on the submitting thread and the cycle
 thread. Per tensor, the submit takes
 about 1 µs (a tensor whose dtype, op and shape were seen before skips the argument checks
@@ -410,11 +410,11 @@ the completion take about as much again.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.60x (2 ranks) and 0.83x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.10x and 1.14x). Without fusion, each of the 161
-tensors then runs as an engine op of its own behind that wait: 1.24x at 4 ranks, where
+so it finishes within 0.60x (2 ranks) and 0.71x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.17x and 1.08x). Without fusion, each of the 161
+tensors then runs as an engine op of its own behind that wait: 1.04x at 4 ranks, where
 the ops compete for two cores; at 2 ranks the tensors arrive spread out enough that
-running each alone (0.74x) beat fusing the few that a cycle finds together.
+running each alone (0.72x) beat fusing the few that a cycle finds together.
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
@@ -423,9 +423,9 @@ running each alone (0.74x) beat fusing the few that a cycle finds together.
 
 With all 102 MB ready at once, self-guided mode is faster in every mode. Fusing big
 tensors only adds a copy in and a copy out of every byte. At 2 ranks, negotiated mode
-with fusion off beats it with fusion on (per-tensor 58.4 ms against 63.7). At 4 ranks,
-fusion helps per tensor (129.0 against 205.6 ms) but still trails self-guided grouped
-(90.6).
+with fusion off beats it with fusion on (per-tensor 37.7 ms against 47.0). At 4 ranks,
+fusion helps per tensor (128.7 against 151.9 ms) but still trails self-guided grouped
+(91.6).
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -449,13 +449,14 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 {table("sparse")[1]}
 
-On one host, where a dense allreduce moves memory at memory speed, every sparse
-algorithm is slower than dense: selection costs more than the bytes it saves. The point
+On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
+are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk at
+1 % of the heavy-tailed values from 3 ranks is the exception). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 2.3x at 4 ranks); with a core per rank and a
+cores, so one alltoall is faster here (up to 2.2x at 4 ranks); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
@@ -535,13 +536,13 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a small op costs about 100 µs on this loaded machine, against a few for MPI), so it
-trains at about 0.35x allreduce's rate. With the straggler, removing the bound bought no
-throughput in this run (0.90x of tau = 0; 1.3x in an earlier one: the straggler's own
-steps bound the time either way) and cost 5.8 points of accuracy; bounds of 1 and 4 keep
-tau = 0's accuracy within 0.3 points. Averaging every 16 steps is the fastest and loses 2
-points. Surviving a server's loss costs 0.56x of tau = 0's throughput without a straggler
-(a push waits for a second server's round trip) and 0.79x with one (the straggler's wait
-hides part of it).
+trains at about 0.3x allreduce's rate. With the straggler, removing the bound bought
+1.4x tau = 0's throughput in this run (0.90x in another: the straggler's own steps bound
+the time either way) and cost 1.1 points of accuracy (5.8 in that other run); bounds of
+1 and 4 keep tau = 0's accuracy within 0.3 points. Averaging every 16 steps is the
+fastest and loses 2 points. Surviving a server's loss costs 0.75x of tau = 0's
+throughput without a straggler (a push waits for a second server's round trip) and 0.82x
+with one (the straggler's wait hides part of it).
 
 ## Across hosts
 
@@ -626,16 +627,22 @@ send each peer 1 / n of theirs, take it too while the rings copy fast: at 2 rank
 tree alternated three times), 4 MB 0.33-0.36 ms against 0.35-0.40 ms; while the rings
 copy slowly their data leaves the caller's thread from 512 KiB (below).
 
-Why ops of 1 MiB and more lend their pieces (cross-memory attach, transport/cma.py): two
-runs of `python -m totalreduce.bench collectives -n 2 --sizes 4M,16M,64M --ops
-allreduce,allgather,broadcast,reducescatter --rounds 2`, one with `--set CMA_BYTES=25165824`
-(24 MiB, the earlier default) and one with `--set CMA_BYTES=1048576`, each against MPI in
-the same run: lending from 1 MiB took allreduce from 0.69x to 0.74x MPI at 4 MB and from
-0.77x to 0.97x at 16 MB, allgather from 0.59x to 0.81x at 16 MB, broadcast from 0.42x to
-0.58x at 4 MB and from 0.74x to 0.87x at 16 MB; 64 MB (lent either way) and reducescatter
-(whose pieces stay in the ring) did not move. Ops of up to 2 MiB that run on the caller's
-thread (the small path) never lend. An earlier measurement, with the rings' copies done
-through numpy, had the ring ahead up to 16 MiB when each library ran alone. One exception:
+Why gathers of 1 MiB and more lend their pieces, and reductions only from 32 MiB where
+every rank has a core of its own (cross-memory attach, transport/cma.py;
+`TOTALREDUCE_CMA_BYTES` auto): a lent piece is one kernel copy on the receiver's core. For
+a gather's piece that is all the work, where the ring costs a memcpy on each side; a
+reduction's piece is then summed in a second pass, where through the ring the sender's
+core copies it in and the receiver sums it straight out of the ring. `python -m
+totalreduce.bench collectives -n 2 --backends totalreduce-shm --sizes 4M,8M,16M,64M,256M
+--rounds 1` with `--set CMA_BYTES=1048576` and with `--set CMA_BYTES=33554432`,
+alternated twice in the host's fast state: allreduce 8 MB 1.01-1.15 against 0.82-0.87
+ms, 16 MB 2.34-2.58 against 1.95-2.06, 64 and 256 MB level; reducescatter 4 MB 0.34-0.43
+against 0.25-0.26, 8 MB 0.84-0.97 against 0.58-0.64, 16 MB 1.90-2.09 against 1.45-1.53;
+but allgather 8 MB 0.67-0.68 against 0.84-0.97 and 16 MB 1.67-1.89 against 2.04-2.19,
+so gathers keep lending. At 4 ranks on 2 cores the sender's copy takes a core a peer
+wanted (16 MB allreduces 8.3 ms lent, 9.2-10.2 not, `-n 4`), so where ranks outnumber
+cores reductions lend from 1 MiB too. Ops of up to 2 MiB that run on the caller's thread
+(the small path) never lend. One exception among the gathers:
 a broadcast's root does not lend (OpSpec.lend). Its core has nothing else to do, and a
 memcpy into the ring on its side plus one out on the receiver's beat one kernel copy on
 the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead of
@@ -728,21 +735,24 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 22 us at 2 ranks in the
-  latency table, which caught the host's slow state throughout (15-16 us in its fast
-  state; MPI: 2.6-3.6 us), nearly all of it Python per op, even on the express lane; over
-  the MPI transport or sockets, which have no express lane, 64 and 109 us. A barrier,
-  which runs at top priority on the urgent lane, takes 21 us there. Batch small tensors
-  (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
-  see above).
+- Small messages: a blocking allreduce of a few bytes costs 12 us at 2 ranks in the
+  latency table (MPI: 2.4 us), nearly all of it Python per op, even on the express lane;
+  over the MPI transport or sockets, which have no express lane, 43 and 56 us. A
+  barrier takes 12.6 us. A minimal Python exchange of the same two messages through the
+  same rings, with the credit bookkeeping and a header check but none of the API, engine
+  or transport layers above the ring, took 5.8-6.4 us: the rest is those layers' calls. Async
+  small allreduces, which the loop runs, cost about 29 us each self-guided (the `tiny`
+  table). Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many
+  of them negotiated (fused: see above).
 - The 2-rank table's medians mix the host's two states (see Environment), each backend
-  in its own proportion; its p10 column is the fast state. Allreduce: 2.54x MPI at 1 MB,
-  2.14x at 4 MB, 1.07x at 16 MB (p10: 2.6 against 2.6 ms), 2.9-3.3x from 64 MB. Up to
+  in its own proportion; its p10 column is the fast state. Allreduce: 1.87x MPI at 1 MB,
+  1.55x at 4 MB, 1.16x at 16 MB (p10: 1.84 against 2.10 ms), 2.8x from 64 MB. Up to
   4 MiB it runs on the caller's thread, which cannot lend: in the slow state its ring
   copies slow it down as MPICH's own copies slow MPICH.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.84x at 1 MB, 1.30x
-  at 4 MB, 0.85-0.99x from 16 MB; alltoall 0.26x at 1 MB rising to 0.71x at 256 MB;
-  broadcast 0.75-0.96x; reducescatter 0.64-0.69x at 1-4 MB, 1.14-3.33x from 16 MB. Per
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.78x at 1 MB, 0.92x
+  at 4 MB, 0.86-0.90x from 16 MB; alltoall 0.45x at 1 MB rising to 0.92x at 256 MB;
+  broadcast 0.92x at 1 MB, 1.02-1.18x at 4-16 MB, 0.83-0.84x from 64 MB; reducescatter
+  1.01-1.56x at 1-16 MB, 2.8-3.3x from 64 MB. Per
   op, Python costs tens of µs, about half of MPI's whole 1 MB call; an allgather or
   alltoall exchanges sizes before data (about 20 us of a 1 MB alltoall's 120-130 in the
   fast state, whose copies take 55); and a lent body is one kernel copy, slower per byte
@@ -752,7 +762,7 @@ either way, 3-13% behind in both.
   is fresh memory, and the kernel faulting and zeroing it costs about as much as the
   copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host, but for allreduce at 1, 4, 64 and 256 MB and reducescatter from 64 MB.
+  host (0.17-0.71x), but for allreduce and reducescatter from 64 MB (1.35-1.55x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.35-0.74x MPI (allreduce 0.39-0.71x,
   allgather and alltoall 0.35-0.56x; the table's 0.17x for a 1 MB broadcast at 16 ranks
   predates 085da09: one ring of fifteen taken for slow sent every such broadcast off the
@@ -769,20 +779,23 @@ either way, 3-13% behind in both.
   reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8
   ranks allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB
   10-38% slower. The log-step algorithms avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.16-0.26 ms (6-7x MPI's
-  8-byte allreduce and barrier in the latency table, 0.11-0.17x in the 4-rank table,
-  where every call follows a barrier), and 1-16 MB allreduces run at 0.57-0.90x MPI;
-  64 MB is ahead (2.22x). Every hop waits for a peer to get a core; neither the small
-  path's threshold nor doubling up to 4 or 16 MB did better.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.16 ms over shared
-  memory against 0.02 ms alone (0.16-0.23 ms in earlier runs), and 0.38 ms over TCP
-  against 0.08 ms alone (each on its own lane, the preemption section): the caller's
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.11-0.16 ms (5.4-5.5x MPI's
+  8-byte allreduce and barrier in the latency table, whose p10 is 88-95 us; 0.15-0.20x in
+  the 4-rank table, where every call follows a barrier), and 1-4 MB allreduces run at
+  0.60-0.63x MPI; 16 MB is at 1.10x and 64 MB ahead (3.27x). Every hop waits for a peer
+  to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
+  better, nor a spin of 16 looks before each yield (84 -> 96 us for the 8-byte
+  allreduce).
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.18 ms over shared
+  memory against 0.03 ms alone (0.14-0.23 ms in other runs), and 0.48 ms over TCP
+  against 0.09 ms alone (each on its own lane, the preemption section): the caller's
   Python runs slowly while the big op's copies take the two cores. Over the MPI transport
-  it takes 0.54 ms here and up to 2.9 ms in earlier runs: MPICH lets one thread in at a
+  it takes 0.29 ms here and up to 2.9 ms in other runs: MPICH lets one thread in at a
   time, and the progress thread's calls there move the big op's bytes. An async urgent
   op, which the loop runs, takes 0.3-0.5 ms over shared memory.
-- The MPI transport adds Python per message: 1.18-3.32x MPI's own allreduce at 2 ranks
-  from 1 MB up, but 0.36-1.06x at 4 oversubscribed ranks between 1 and 16 MB.
+- The MPI transport adds Python per message: 0.76x MPI's own allreduce at 2 ranks at
+  1 MB, 0.90-1.09x at 4-16 MB, 3x from 64 MB; 0.40-0.55x at 4 oversubscribed ranks at
+  1-4 MB, 1.17x at 16 MB.
 """]
     PAGE.write_text("".join(parts))
 
