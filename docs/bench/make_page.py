@@ -394,16 +394,16 @@ default, both scheduling modes):
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
 more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 43.8
 against 29.1 µs at 2 ranks). The cache cuts the cost another 5x: without it, every
-tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a whole engine op, tens of µs of
-Python, per tensor. The faster mode, negotiated with cache and fusion, takes 3.5 µs per
-op at 2 ranks, 3.0x MPI's `Iallreduce`, and 9.6 µs at 4 ranks (four processes on two
-cores), 5.9x (on a 2-core Intel Xeon host, faster per core: 2.2 µs and 7.5 µs). It
-varies with the host more than MPI's does (2.5 to 4.3 µs between the 10th and 90th
-percentiles at 2 ranks): the whole cost is Python on the submitting thread and the cycle
-thread. Per tensor, the submit takes
-about 1 µs (a tensor whose dtype, op and shape were seen before skips the argument checks
-and makes one new object); the cycle's classification, the fusion copies in and out and
-the completion take about as much again.
+tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
+whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
+cache and fusion, takes 3.5 µs per op at 2 ranks, 3.0x MPI's `Iallreduce`, and 9.6 µs at
+4 ranks (four processes on two cores), 5.9x (on a 2-core Intel Xeon host, faster per
+core: 2.2 µs and 7.5 µs). It varies with the host more than MPI's does (2.5 to 4.3 µs
+between the 10th and 90th percentiles at 2 ranks): the whole cost is Python on the
+submitting thread and the cycle thread. Per tensor, the submit takes about 1 µs (a
+tensor whose dtype, op and shape were seen before skips the argument checks and makes
+one new object); the cycle's classification, the fusion copies in and out and the
+completion take about as much again.
 
 **Skew** (as above, at 2 and 4 ranks). `{command("skew-neg")}` (`docs/bench/skew-neg.txt`):
 
