@@ -30,9 +30,9 @@ from ..engine.payload import OpFuture, OpSpec
 from ..engine.schedule import COPY, Recv, Schedule, Send, piece_count, pieces
 from ..lru import LRU
 from ..transport.wire import Header, dtype_code
+from .call_names import hash64
 from .checks import check_array
 from .handle import DoneHandle, FutureHandle, Handle
-from .selfguided import hash64
 
 TAG_UB = 32767
 _SCHEDULES = 256  # (peer, elements, itemsize, direction) -> schedule: sizes repeat

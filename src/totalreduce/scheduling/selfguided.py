@@ -11,7 +11,6 @@ so later calls cannot overtake them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import threading
@@ -32,6 +31,7 @@ from ..transport.wire import (
     Header,
     dtype_code,
 )
+from .call_names import CallNames, hash64
 from .checks import (
     check_allreduce,
     check_alltoall,
@@ -65,10 +65,6 @@ def _freeze(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return tuple(_freeze(v) for v in obj)
     return obj
-
-
-def hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
@@ -231,18 +227,7 @@ class SelfGuided:
                                       config.small_bytes, hosts, config.hierarchical, members,
                                       config.halving_bytes)
         self._lock = threading.Lock()
-        # name (+ phase) -> [hash, calls so far, generation]; a name forgotten here is
-        # forgotten by the engine too, so its next call starts afresh at 0 (config.py:
-        # name_capacity).
-        self._names: LRU[str, list[int]] = LRU(config.name_capacity, self._forget)
-        # How often each forgotten name was forgotten: its next use gets another hash, so
-        # that a rank still holding the old use's calls as finished cannot take a faster
-        # peer's call 0 of the new use for one of them and drop it.
-        self._generations: LRU[str, int] = LRU(config.name_capacity)
-        # The same entries by hash, and the next call count of names this rank has not
-        # used yet but served while joined (join.py): a served call counts as made.
-        self._by_hash: dict[int, list[int]] = {}
-        self._served_next: LRU[int, int] = LRU(config.name_capacity)
+        self._names = CallNames(config.name_capacity, engine.forget_name)
         self._join_rounds = 0
         self._sigs: LRU[Any, int] = LRU(_SPEC_CACHE)
         # (kind, dtype, shape, op, ..., name) -> (view, sig): a training loop's allreduces
@@ -269,21 +254,10 @@ class SelfGuided:
 
     # --- identity ---------------------------------------------------------------------
 
-    def _forget(self, name: str, entry: list[int]) -> None:
-        self._generations.put(name, entry[2] + 1)
-        self._by_hash.pop(entry[0], None)
-        self._engine.forget_name(entry[0])
-
     def count_served(self, name_key: int, seq: int) -> None:
         """A peer's call ``seq`` of name ``name_key`` ran here without a submit (join):
         this rank's next call of that name is ``seq + 1`` at least (any thread)."""
-        with self._lock:
-            entry = self._by_hash.get(name_key)
-            if entry is not None:
-                entry[1] = max(entry[1], seq + 1)
-            else:
-                self._served_next.put(name_key, max(seq + 1,
-                                                    self._served_next.peek(name_key) or 0))
+        self._names.count_served(name_key, seq)
 
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
         key, label = self._call(kind, name, phase)
@@ -292,17 +266,8 @@ class SelfGuided:
     def _call(self, kind: str, name: str | None, phase: str = "") -> tuple[OpKey, str]:
         """This rank's next call of ``name`` (``phase``: a part of an op with an identity
         of its own): its key, (name hash, call count), and its label for messages."""
-        key = (_UNNAMED if name is None else name) + phase + self._tag
-        with self._lock:
-            entry = self._names.get(key)
-            if entry is None:
-                generation = self._generations.pop(key) or 0
-                h = hash64(f"{key}\x00{generation}" if generation else key)
-                entry = [h, self._served_next.pop(h) or 0, generation]
-                self._names.put(key, entry)
-                self._by_hash[h] = entry
-            h, seq = entry[0], entry[1]
-            entry[1] = seq + 1
+        h, seq = self._names.next_call((_UNNAMED if name is None else name) + phase
+                                       + self._tag)
         if name is None:
             label = f"{kind} (unnamed) (call #{seq})"
         elif seq:
