@@ -27,7 +27,7 @@ from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
 from ..transport.base import Transport
 from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind
-from .ledger import CreditLedger
+from .ledger import CreditLedger, charge_of
 from .optable import OpTable
 from .payload import OpFuture, OpSpec
 from .reducer import reduce_into
@@ -189,7 +189,7 @@ class Express:
                 ledger.grant(peer, credit)
                 unpark(peer)
             if flags & FLAG_CREDITED:
-                ledger.owe_body(peer, header.nbytes)
+                ledger.owe(peer, charge_of(header.nbytes))
             if flags & FLAG_READY:
                 ready.add(peer)
             if plain and recv.mode != COPY:

@@ -74,13 +74,6 @@ class CreditLedger:
             if self._owed[peer] >= self._return_at:
                 self._want_send(peer)
 
-    def owe_body(self, peer: int, nbytes: int) -> None:
-        """:meth:`owe` for a credited message of ``nbytes`` (a small op's, every call)."""
-        owed = self._owed[peer] + (nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
-        self._owed[peer] = owed
-        if owed >= self._return_at:
-            self._want_send(peer)
-
     def due(self, peer: int) -> bool:
         return self._owed[peer] >= self._return_at
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection
 
 from ..interrupts import deferred as ctrl_c
 from ..transport.base import Transport
-from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind, pack_header
+from ..transport.wire import FLAG_CREDITED, FLAG_READY, KIND_DATA, Header, Kind, pack_header
 from .applier import Applier
 from .departures import Departures
 from .floating import Floating
@@ -56,8 +56,6 @@ _PEEK_SPIN = 200e-6
 _YIELD_SPIN = 2e-3
 
 PieceKey = tuple[int, int, int]  # (peer, step, piece)
-
-_DATA = int(Kind.DATA)  # an enum member's lookup, on every message, costs more than this
 
 
 class SmallOp:
@@ -143,7 +141,7 @@ def post_data(ledger: CreditLedger, transport: Transport, spec: OpSpec, send: Se
         flags |= FLAG_READY
     credit = ledger.take_owed(peer)
     key0, key1 = spec.key
-    header = pack_header(_DATA, spec.dtype, flags, send.step, key0, key1, spec.sig,
+    header = pack_header(KIND_DATA, spec.dtype, flags, send.step, key0, key1, spec.sig,
                          send.piece, nbytes, spec.count, credit, spec.recipe, spec.epoch)
     if not transport.post_now(peer, header, body):
         if flags & FLAG_CREDITED:

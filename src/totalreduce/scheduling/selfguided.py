@@ -101,16 +101,16 @@ def _direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
 _LENT_WHEN_SLOW = 512 << 10
 
 # Reductions below this size do not lend their pieces where every rank has a core of its
-# own and CMA_BYTES is auto (rings that copy slowly still lend them, copy_pace.py).  A lent piece is
-# one kernel copy on the receiver's core, which then sums it in a second pass; through the
-# ring the sender's core copies it in while the receiver's sums it straight out of the
-# ring.  For a copied piece (a gather's) the kernel's one copy is the cheaper.  Alternated
-# runs at 2 ranks (`--set CMA_BYTES=1048576` against `33554432`): allreduce 8 MB
-# 1.01-1.15 -> 0.82-0.87 ms, 16 MB 2.34-2.58 -> 1.95-2.06, reducescatter 4 MB 0.34-0.43
-# -> 0.25-0.26, 8 MB 0.84-0.97 -> 0.58-0.64, 16 MB 1.90-2.09 -> 1.45-1.53, 64 and 256 MB
-# level; allgathers of 8-16 MB lost 20-40% without lending, so gathers keep it.  At 4 ranks
-# on 2 cores the sender's copy takes a core a peer wanted: 16 MB allreduces took 9.2-10.2
-# ms against 8.3, so crowded hosts keep lending.
+# own and CMA_BYTES is auto (rings that copy slowly still lend them, copy_pace.py).  A
+# lent piece is one kernel copy on the receiver's core, which then sums it in a second
+# pass; through the ring the sender's core copies it in while the receiver's sums it
+# straight out of the ring.  For a copied piece (a gather's) the kernel's one copy is the
+# cheaper.  Alternated runs at 2 ranks (`--set CMA_BYTES=1048576` against `33554432`):
+# allreduce 8 MB 1.01-1.15 -> 0.82-0.87 ms, 16 MB 2.34-2.58 -> 1.95-2.06, reducescatter
+# 4 MB 0.34-0.43 -> 0.25-0.26, 8 MB 0.84-0.97 -> 0.58-0.64, 16 MB 1.90-2.09 -> 1.45-1.53,
+# 64 and 256 MB level; allgathers of 8-16 MB lost 20-40% without lending, so gathers keep
+# it.  At 4 ranks on 2 cores the sender's copy takes a core a peer wanted: 16 MB
+# allreduces took 9.2-10.2 ms against 8.3, so crowded hosts keep lending.
 _REDUCE_LEND_BYTES = 32 << 20
 
 
@@ -368,11 +368,12 @@ class SelfGuided:
     def _small_spec(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
                     priority: int, inplace: bool) -> tuple[OpSpec, np.ndarray]:
         """A repeated small allreduce's spec and the array its result will be in."""
-        ident = self._ident("allreduce", name)
-        # Not in place, the result is an array of its own, never x.
-        work = x.reshape(-1) if inplace else x.reshape(-1).copy()
+        key, label = self._call("allreduce", name)
+        # In place, x is contiguous (_small_key), so ravel() is a view; not in place, the
+        # result is an array of its own, never x.
+        work = x.ravel() if inplace else x.flatten()
         result = x if inplace else work.reshape(x.shape)
-        return plan.spec(ident.key, ident.label, work, priority, self._members), result
+        return plan.spec(key, label, work, priority, self._members), result
 
     def _small_allreduce(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
                          priority: int, inplace: bool) -> Handle:
@@ -397,17 +398,9 @@ class SelfGuided:
             plan = self._small.get(key)
         if plan is None:
             return None
-        # _small_spec and _run_blocking, inline: this is every call of a training loop's
-        # blocking small allreduces, and each call level was a share of its cost.
-        key, label = self._call("allreduce", name)
-        work = x.ravel() if inplace else x.flatten()  # in place: contiguous, so a view
-        spec = plan.spec(key, label, work, priority, self._members)
-        ran = self._engine.run_now(spec)
-        if ran is not True:
-            self._run_blocking(spec, ran)
-        elif ctrl_c.pending:
-            ctrl_c.raise_if_pending()
-        return x if inplace else work.reshape(x.shape)
+        spec, result = self._small_spec(plan, x, name, priority, inplace)
+        self._run_blocking(spec)
+        return result
 
     def barrier_now(self) -> bool:
         """A barrier run to its end on this thread, as :meth:`allreduce_now`: False, with
@@ -417,12 +410,10 @@ class SelfGuided:
         self._run_blocking(self._barrier_spec())
         return True
 
-    def _run_blocking(self, spec: OpSpec, ran: OpFuture | bool | None = None) -> None:
+    def _run_blocking(self, spec: OpSpec) -> None:
         """Run ``spec`` to its end, on this thread from its first message if the engine
-        can (engine/express.py); raises its error.  ``ran``: what the engine's
-        ``run_now(spec)`` returned, if the caller asked it already."""
-        if ran is None:
-            ran = self._engine.run_now(spec)
+        can (engine/express.py); raises its error."""
+        ran = self._engine.run_now(spec)
         if ran is not True:
             with self._caller_waits:
                 future = self._engine.submit(spec) if ran is False else ran

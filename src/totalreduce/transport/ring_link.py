@@ -20,12 +20,13 @@ from collections import deque
 
 from . import cma
 from .base import Outgoing
-from .shmring import RingReader, RingWriter
+from .shmring import NOT_INLINE, RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
 from .wire import (
     FLAG_CHUNKED,
     FLAG_REMOTE,
     HEADER_SIZE,
+    KIND_DATA,
     REMOTE_BODY,
     Header,
     Kind,
@@ -35,9 +36,6 @@ from .wire import (
 )
 
 _DOORBELL = b"\x01"
-# Plain ints: comparing with an enum member looks it up on every record.
-_DATA = int(Kind.DATA)
-_NOT_INLINE = FLAG_CHUNKED | FLAG_REMOTE  # bodies not whole in the record
 _LEND_MIN = 64 << 10  # smaller bodies are copied: a lent body costs the reader a syscall
 # Before handling a body at least this big (lent, or in the ring), more urgent messages
 # posted behind it are handled first (_overtake): it takes tens of microseconds or more.
@@ -365,7 +363,7 @@ class RingLink(Link):
                 if record is None:
                     break
                 header, body = record
-                if header.kind != _DATA or header.flags & _NOT_INLINE:
+                if header.kind != KIND_DATA or header.flags & NOT_INLINE:
                     raise WireError(f"a {header.kind!r} message in a lane")
                 if not all_of_it and not handler.lane_claims(peer, header,
                                                               lane.behind() != lane.head()):
@@ -417,7 +415,7 @@ class RingLink(Link):
         if record is None:
             return None
         header, body = record
-        if header.kind != _DATA or header.flags & _NOT_INLINE:
+        if header.kind != KIND_DATA or header.flags & NOT_INLINE:
             return (header, None)
         return record
 
@@ -458,7 +456,7 @@ class RingLink(Link):
                 if record is None:
                     break
                 header, body = record
-                if budget is not None and self.body is None and header.kind == _DATA \
+                if budget is not None and self.body is None and header.kind == KIND_DATA \
                         and handler.can_defer(peer, header):
                     # Data for an op not submitted here yet: left in the ring, it is
                     # reduced straight out of it once the op starts, instead of copied
@@ -553,7 +551,7 @@ class RingLink(Link):
         for where, kind, flags, name_key, seq, after in ring.glance(scan.pos):
             scan.pos = after
             key = (name_key, seq)
-            if (kind != _DATA or flags & _NOT_INLINE or key in passed
+            if (kind != KIND_DATA or flags & NOT_INLINE or key in passed
                     or key not in urgent):
                 passed.add(key)
                 continue

@@ -50,6 +50,7 @@ from .wire import (
     FLAG_CHUNKED,
     FLAG_REMOTE,
     HEADER_SIZE,
+    KIND_RING_WRAP,
     MAGIC,
     REMOTE_BODY,
     Header,
@@ -75,8 +76,7 @@ _fence_lock = threading.Lock()
 LANE_BYTES = 64 << 10
 
 
-_RING_WRAP = int(Kind.RING_WRAP)
-_NOT_INLINE = FLAG_CHUNKED | FLAG_REMOTE  # records whose body is not whole in the ring
+NOT_INLINE = FLAG_CHUNKED | FLAG_REMOTE  # records whose body is not whole in the ring
 
 
 def fence() -> None:
@@ -360,12 +360,12 @@ class RingReader:
         view = self._m.view
         offset = pos % cap
         header = unpack_header(view, offset)
-        if header.kind == _RING_WRAP:
+        if header.kind == KIND_RING_WRAP:
             pos += cap - offset
             offset = 0
             header = unpack_header(view)
         flags = header.flags
-        if flags & _NOT_INLINE:
+        if flags & NOT_INLINE:
             body, size = _in_ring(flags, header.nbytes)
         else:  # _in_ring, inline: nearly every record
             body = header.nbytes

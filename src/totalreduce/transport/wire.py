@@ -91,6 +91,12 @@ def dtype_code(dtype: np.dtype) -> int:
             from None
 
 
+# Plain ints for the per-message paths: comparing a header's kind with an enum member
+# looks the member up each time (83 ns against 12).
+KIND_DATA = int(Kind.DATA)
+KIND_RING_WRAP = int(Kind.RING_WRAP)
+
+
 class Header(NamedTuple):
     kind: int
     dtype: int = 0
