@@ -326,3 +326,120 @@ def allgathers_by_size(arg: dict) -> None:
         _close(got, np.concatenate(parts), f"allgather of {got.nbytes} bytes")
     tr.shutdown()
     report(direct=ran)
+
+
+def repeated_gathers(arg: dict) -> None:
+    """Allgathers, alltoalls and broadcasts under a few names, dtypes and shapes, each
+    repeated (a repeat reuses the plan its first call made), with each rank's rows and
+    splits changing from call to call, blocking and async, into ``out=`` or not, ranks
+    pausing at random; and, on one rank, calls the checks must refuse though a good call
+    of the same shapes came before (a refused call must not count: the next ones match)."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    common = random.Random(23)
+    mine = random.Random(300 + rank)
+    refused = 0
+    for i in range(arg["steps"]):
+        kind = common.choice(["allgather", "alltoall", "broadcast"])
+        name = common.choice(["a", "b", None])
+        dtype = common.choice([np.float32, np.int64, np.uint8])
+        tail = common.choice([(), (3,)])
+        blocking = common.random() < 0.7
+        if mine.random() < 0.1:
+            time.sleep(mine.random() * 0.002)
+        width = int(np.prod(tail))
+        if kind == "allgather":
+            rows = [common.choice([0, 1, 2, 5]) for _ in range(n)]
+            parts = [a.reshape(-1, *tail) for a in
+                     _inputs(i, n, max(rows) * width, dtype)]
+            parts = [p[:r] for p, r in zip(parts, rows, strict=True)]
+            want = np.concatenate(parts)
+            out = np.empty_like(want) if common.random() < 0.5 else None
+            if blocking:
+                got = tr.allgather(parts[rank], name=name, out=out)
+            else:
+                got = tr.allgather_async(parts[rank], name=name, out=out).wait()
+            assert out is None or got is out, i
+        elif kind == "alltoall":
+            splits = [[common.choice([0, 1, 3]) for _ in range(n)] for _ in range(n)]
+            sends = [a.reshape(-1, *tail)[:sum(s)] for a, s in
+                     zip(_inputs(i, n, 3 * n * width, dtype), splits, strict=True)]
+            starts = [np.cumsum([0, *s]) for s in splits]
+            want = np.concatenate([sends[r][starts[r][rank]:starts[r][rank + 1]]
+                                   for r in range(n)])
+            form = common.choice(["list", "array", "even"])
+            if form == "even":
+                rows_each = common.choice([0, 1, 2])
+                sends = [a.reshape(-1, *tail)[:rows_each * n] for a in
+                         _inputs(i, n, 2 * n * width, dtype)]
+                want = np.concatenate([s[rank * rows_each:(rank + 1) * rows_each]
+                                       for s in sends])
+                mine_splits = None
+            else:
+                mine_splits = splits[rank] if form == "list" else np.array(splits[rank])
+            out = np.empty_like(want) if common.random() < 0.5 else None
+            if rank == 0 and isinstance(mine_splits, list) and mine.random() < 0.3:
+                try:
+                    tr.alltoall(sends[0], splits=[float(s) for s in mine_splits], name=name)
+                except ValueError as exc:
+                    assert "splits" in str(exc), exc
+                    refused += 1
+                else:
+                    raise AssertionError("float splits were let through")
+            if blocking:
+                got, got_splits = tr.alltoall(sends[rank], splits=mine_splits, name=name,
+                                              out=out)
+            else:
+                got, got_splits = tr.alltoall_async(sends[rank], splits=mine_splits,
+                                                    name=name, out=out).wait()
+            assert out is None or got is out, i
+            if form != "even":
+                assert got_splits.tolist() == [s[rank] for s in splits], (i, got_splits)
+        else:
+            root = common.randrange(n)
+            values = [a.reshape(-1, *tail) for a in _inputs(i, n, 4 * width, dtype)]
+            want = values[root]
+            if rank == 0 and mine.random() < 0.2:
+                try:
+                    tr.broadcast(values[0], root_rank=bool(root), name=name)
+                except ValueError as exc:
+                    assert "root_rank" in str(exc), exc
+                    refused += 1
+                else:
+                    raise AssertionError("a bool root was let through")
+            mine_copy = values[rank].copy()
+            if blocking:
+                got = tr.broadcast_(mine_copy, root_rank=root, name=name)
+                assert got is mine_copy, i
+            else:
+                got = tr.broadcast_async(mine_copy, root_rank=root, name=name).wait()
+        assert got.dtype == want.dtype and got.shape == want.shape, (i, kind, got.shape)
+        _close(got, want, f"step {i}: {kind} {name} {dtype} {tail}")
+    # The same calls again and again: one plan each, however many calls.
+    before = current().collectives.stats()
+    x = np.arange(2 * n, dtype=np.float32) + rank
+    for _ in range(20):
+        assert tr.allgather(x, name="same").tolist() == np.concatenate(
+            [np.arange(2 * n, dtype=np.float32) + r for r in range(n)]).tolist()
+        got, _ = tr.alltoall(x, name="same")
+        assert got.tolist() == [2 * rank + k + r for r in range(n) for k in range(2)]
+        assert tr.broadcast(x, root_rank=n - 1, name="same").tolist() == \
+            (np.arange(2 * n) + n - 1).tolist()
+    after = current().collectives.stats()
+    # An out= of the same shape as a good call's, overlapping the input, finds that call's
+    # plan: it must be refused all the same.
+    into = np.empty_like(x)
+    for _ in range(2):
+        tr.alltoall(x, name="into", out=into)
+        if rank == 0:
+            try:
+                tr.alltoall(x, name="into", out=x)
+            except ValueError as exc:
+                assert "overlap" in str(exc), exc
+                refused += 1
+            else:
+                raise AssertionError("an alltoall into its own input was let through")
+    report(gather_plans=after["gather_plans"] - before["gather_plans"],
+           broadcast_plans=after["broadcast_plans"] - before["broadcast_plans"],
+           refused=refused, floating=current().engine.stats()["floating_bytes"])
+    tr.shutdown()

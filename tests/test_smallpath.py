@@ -119,3 +119,15 @@ def test_a_set_direct_bytes_bounds_allreduces_too() -> None:
                     env={"TOTALREDUCE_DIRECT_BYTES": str(2 << 20)})
     for r in range(2):
         assert result.report(r)["direct"] == [1, 0], result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_repeated_gathers_and_broadcasts_reuse_plans_and_still_refuse_bad_calls(
+        n: int) -> None:
+    result = run_ok(n, "smallpath_workers:repeated_gathers", {"steps": 300}, timeout=150)
+    for r in range(n):
+        got = result.report(r)
+        assert got["floating"] == 0, got
+        # Sixty calls of one allgather, alltoall and broadcast made a plan each.
+        assert got["gather_plans"] == 2 and got["broadcast_plans"] == 1, got
+    assert result.report(0)["refused"] > 0, result.explain()

@@ -125,10 +125,16 @@ def check_out(out: Any, arr: np.ndarray, kind: str, name: str | None) -> np.ndar
                          f"{arr.dtype} {arr.shape}, got {out.dtype} {out.shape}")
     if not (out.flags.c_contiguous and out.flags.writeable):
         raise ValueError(f"{shown}: out must be a writable C-contiguous array")
-    if kind == "alltoall" and np.may_share_memory(out, arr):
-        # Its rows for the peers are read from the input while theirs are written here.
-        raise ValueError(f"{shown}: out must not overlap the input")
+    check_apart(out, arr, kind, name)
     return out
+
+
+def check_apart(out: np.ndarray | None, arr: np.ndarray, kind: str, name: str | None
+                ) -> None:
+    """An alltoall's ``out`` must not overlap its input: its rows for the peers are read
+    from the input while theirs are written into ``out``."""
+    if kind == "alltoall" and out is not None and np.may_share_memory(out, arr):
+        raise ValueError(f"{what(kind, name)}: out must not overlap the input")
 
 
 def check_out_rows(out: np.ndarray | None, rows: int, rank: int, kind: str,

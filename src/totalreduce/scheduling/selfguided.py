@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import RING_SMALL_ROOM, Config
+from ..config import Config
 from ..engine.algorithms import Algorithms
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
@@ -35,6 +35,7 @@ from .call_names import CallNames, hash64
 from .checks import (
     check_allreduce,
     check_alltoall,
+    check_apart,
     check_broadcast,
     check_grouped,
     check_out,
@@ -45,6 +46,8 @@ from .checks import (
 from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, averager
+from .templates import GatherPlan, OpTemplate, broadcast_key, gather_key
+from .thresholds import LENT_WHEN_SLOW, REDUCE_LEND_BYTES, direct_ring_bytes
 
 _UNNAMED = "\x00unnamed"
 _JOIN = "\x00join"
@@ -65,53 +68,6 @@ def _freeze(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return tuple(_freeze(v) for v in obj)
     return obj
-
-
-def _direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
-    """The largest blocking allreduce, allgather or alltoall the caller's thread runs
-    itself where DIRECT_BYTES is auto (``direct`` for the other ops).
-
-    Past DIRECT_BYTES the general path wins for ops that only move data: it lends their
-    bodies, one kernel copy instead of two through a ring.  An allreduce reads each
-    peer's data once to reduce it, out of the ring as cheaply as out of a lent copy, so
-    the caller's thread keeps it while what it sends one peer, 2 (size - 1) / size of it,
-    fits in the ring beside the room kept for small records (past that it would wait on
-    the reader for room).  At 2 ranks on the shared-memory rings, 3-4 MiB allreduces took
-    0.21-0.38 ms this way against 0.46-0.84 ms on the general path; 6-8 MiB ones, past
-    the ring, were no faster.  An allgather sends one peer (size - 1) / size of it, which
-    fits too: at 2 ranks 3 MiB allgathers took 0.23-0.24 ms this way against 0.32-0.40
-    ms lent (4 MiB ones 0.31-0.33 against 0.34-0.35).  An alltoall sends each peer
-    1 / size of it: at 2 ranks 3 MiB alltoalls took 0.24 ms this way against 0.34-0.35 ms
-    lent.  The last two stay only while the rings copy fast (see _LENT_WHEN_SLOW)."""
-    room = ring_room - RING_SMALL_ROOM
-    if direct <= 0 or room <= 0 or size < 2:
-        return direct
-    return max(direct, room * size // (2 * (size - 1)))
-
-
-# A blocking broadcast or alltoall at least this big leaves the caller's thread while
-# most of its peers' rings copy slowly (transport/copy_pace.py; Engine.lends), for the
-# loop to lend its pieces: in that state 1 MiB broadcasts took 0.19-0.27 ms against
-# 0.29-0.30 ms through the ring, 4 MiB ones 0.38-0.49 against 1.7-1.8 ms, 1 MiB
-# alltoalls 0.20-0.21 against 0.30-0.32 ms.  The other ops stay (but allgathers past
-# DIRECT_BYTES, which only the ring's bound lets the caller's thread run): on the
-# general path 1 MiB allgathers took 0.42-0.46 ms against 0.25-0.31 ms on the caller's
-# thread, reducescatters 0.42 against 0.19-0.25 ms, and allreduces 0.78-2.7 ms against
-# 0.47-1.8 ms at 1-4 MiB.
-_LENT_WHEN_SLOW = 512 << 10
-
-# Reductions below this size do not lend their pieces where every rank has a core of its
-# own and CMA_BYTES is auto (rings that copy slowly still lend them, copy_pace.py).  A
-# lent piece is one kernel copy on the receiver's core, which then sums it in a second
-# pass; through the ring the sender's core copies it in while the receiver's sums it
-# straight out of the ring.  For a copied piece (a gather's) the kernel's one copy is the
-# cheaper.  Alternated runs at 2 ranks (`--set CMA_BYTES=1048576` against `33554432`):
-# allreduce 8 MB 1.01-1.15 -> 0.82-0.87 ms, 16 MB 2.34-2.58 -> 1.95-2.06, reducescatter
-# 4 MB 0.34-0.43 -> 0.25-0.26, 8 MB 0.84-0.97 -> 0.58-0.64, 16 MB 1.90-2.09 -> 1.45-1.53,
-# 64 and 256 MB level; allgathers of 8-16 MB lost 20-40% without lending, so gathers keep
-# it.  At 4 ranks on 2 cores the sender's copy takes a core a peer wanted: 16 MB
-# allreduces took 9.2-10.2 ms against 8.3, so crowded hosts keep lending.
-_REDUCE_LEND_BYTES = 32 << 20
 
 
 def _bounds(counts: np.ndarray, scale: int) -> tuple[int, ...]:
@@ -169,34 +125,6 @@ def _nothing() -> None:
     return None
 
 
-class _SmallAllreduce:
-    """What every blocking allreduce of one (dtype, shape, op, name) shares, for the small
-    ones: built once, so a repeated call only counts its identity, copies its input and
-    runs (each of the checks, the algorithm's choice and the signature cost microseconds
-    on a path whose whole cost is tens of them)."""
-
-    __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
-                 "recipe")
-
-    def __init__(self, spec: OpSpec) -> None:
-        self.sig = spec.sig
-        self.describe = spec.describe
-        self.code = spec.dtype
-        self.count = spec.count
-        self.schedule = spec.schedule
-        self.ufunc = spec.ufunc
-        self.finalize = spec.finalize
-        self.recipe = spec.recipe
-
-    def spec(self, key: OpKey, label: str, work: np.ndarray, priority: int,
-             members: tuple[int, ...] | None) -> OpSpec:
-        """This op again, under a call's own identity (``key``, ``label``), buffer and
-        priority."""
-        return OpSpec(key, label, self.sig, self.code, self.count, self.describe,
-                      self.schedule, work, None, self.ufunc, self.finalize, priority,
-                      self.recipe, -1, members)
-
-
 class SelfGuided:
     """Builds op specs from numpy arrays and submits them to the engine."""
 
@@ -218,7 +146,7 @@ class SelfGuided:
         self._peers = [r for r in (range(engine.size) if members is None else members)
                        if r != engine.rank]
         if config.direct_bytes < 0:  # auto
-            self._direct_ring = _direct_ring_bytes(
+            self._direct_ring = direct_ring_bytes(
                 self._direct_bytes, engine.ring_room(self._peers), self.size)
         hosts = engine.hosts
         if members is not None and hosts is not None:
@@ -234,8 +162,12 @@ class SelfGuided:
         # repeat, and building and freezing the view dict cost ~15 us of a 1 MB op's ~200.
         self._known: LRU[tuple[Any, ...], tuple[dict[str, Any], int]] = LRU(_SPEC_CACHE)
         # (dtype, shape, op, name) -> what its small blocking allreduces share.
-        self._small: LRU[tuple[Any, ...], _SmallAllreduce] = LRU(_SPEC_CACHE)
-        self._barrier: _SmallAllreduce | None = None
+        self._small: LRU[tuple[Any, ...], OpTemplate] = LRU(_SPEC_CACHE)
+        self._barrier: OpTemplate | None = None
+        # Broadcasts' templates (with the root's index in the set), by broadcast_key;
+        # allgathers' and alltoalls' plans, by gather_key.
+        self._broadcasts: LRU[tuple[Any, ...], tuple[OpTemplate, int]] = LRU(_SPEC_CACHE)
+        self._gathers: LRU[tuple[Any, ...], GatherPlan] = LRU(_SPEC_CACHE)
 
     def close(self) -> None:
         """Nothing to stop: every op is the engine's."""
@@ -250,7 +182,8 @@ class SelfGuided:
         with self._lock:
             return {"names": len(self._names), "name_evictions": self._names.evictions,
                     "specs": len(self._known), "sigs": len(self._sigs),
-                    "small_plans": len(self._small)}
+                    "small_plans": len(self._small), "gather_plans": len(self._gathers),
+                    "broadcast_plans": len(self._broadcasts)}
 
     # --- identity ---------------------------------------------------------------------
 
@@ -350,12 +283,12 @@ class SelfGuided:
 
         if small is not None:
             with self._lock:
-                self._small.put(small, _SmallAllreduce(spec))
+                self._small.put(small, OpTemplate(spec))
         return self._launch(spec, finish, self._direct_ring)
 
     def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
                    ) -> tuple[Any, ...] | None:
-        """The key of the :class:`_SmallAllreduce` a call may reuse (the one a
+        """The key of the :class:`OpTemplate` a call may reuse (the one a
         call like it left), if the call is small enough for the small path and, in place,
         contiguous and writable; None otherwise."""
         if (type(x) is not np.ndarray or type(op) is not ReduceOp
@@ -365,7 +298,7 @@ class SelfGuided:
             return None
         return (x.dtype, x.shape, op, name)
 
-    def _small_spec(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
+    def _small_spec(self, plan: OpTemplate, x: np.ndarray, name: str | None,
                     priority: int, inplace: bool) -> tuple[OpSpec, np.ndarray]:
         """A repeated small allreduce's spec and the array its result will be in."""
         key, label = self._call("allreduce", name)
@@ -375,9 +308,9 @@ class SelfGuided:
         result = x if inplace else work.reshape(x.shape)
         return plan.spec(key, label, work, priority, self._members), result
 
-    def _small_allreduce(self, plan: _SmallAllreduce, x: np.ndarray, name: str | None,
+    def _small_allreduce(self, plan: OpTemplate, x: np.ndarray, name: str | None,
                          priority: int, inplace: bool) -> Handle:
-        """A repeated small blocking allreduce (see :class:`_SmallAllreduce`)."""
+        """A repeated small blocking allreduce (see :class:`OpTemplate`)."""
         spec, result = self._small_spec(plan, x, name, priority, inplace)
         ran = self._engine.run_now(spec)
         if ran is True:
@@ -460,8 +393,8 @@ class SelfGuided:
 
     def _reduction_lends(self, nbytes: int) -> bool:
         """Whether a reduction of ``nbytes`` may lend its pieces: as any op where
-        CMA_BYTES is set, else from _REDUCE_LEND_BYTES unless the host is crowded."""
-        return (self._config.cma_bytes >= 0 or nbytes >= _REDUCE_LEND_BYTES
+        CMA_BYTES is set, else from REDUCE_LEND_BYTES unless the host is crowded."""
+        return (self._config.cma_bytes >= 0 or nbytes >= REDUCE_LEND_BYTES
                 or self._engine.crowded())
 
     def _reduce_spec(self, ident: _Ident,
@@ -539,29 +472,45 @@ class SelfGuided:
 
     def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
                   inplace: bool) -> Handle:
-        arr, root = check_broadcast(x, root_rank, name, inplace, self.size, self._members)
-        ident = self._ident("broadcast", name)
+        key = broadcast_key(x, root_rank, name, inplace)
+        kept = None
+        if key is not None:
+            with self._lock:
+                kept = self._broadcasts.get(key)
+        if kept is None:
+            arr, root = check_broadcast(x, root_rank, name, inplace, self.size,
+                                        self._members)
+        else:
+            arr, root = x, kept[1]
+        call_key, label = self._call("broadcast", name)
         if self.rank == root or inplace:
             work, writeback = self._working_copy(arr, inplace)
         else:
             work, writeback = np.empty(arr.size, arr.dtype), False
-        schedule, algorithm = self._algorithms.broadcast(root, work.size, arr.dtype)
+        if kept is not None:
+            spec = kept[0].spec(call_key, label, work, priority, self._members)
+        else:
+            schedule, algorithm = self._algorithms.broadcast(root, work.size, arr.dtype)
 
-        def view() -> dict[str, Any]:
-            return {"kind": "broadcast", "dtype": str(arr.dtype), "shape": list(arr.shape),
-                    "root": int(root_rank)}
+            def view() -> dict[str, Any]:
+                return {"kind": "broadcast", "dtype": str(arr.dtype),
+                        "shape": list(arr.shape), "root": int(root_rank)}
 
-        spec = self._spec(ident, _with_algorithm(view, algorithm), arr.dtype, work.size,
-                          schedule, work, priority,
-                          ("broadcast", arr.dtype, arr.shape, root, algorithm),
-                          lend=self.rank != root)
+            spec = self._spec(_Ident(call_key, "" if name is None else name, label),
+                              _with_algorithm(view, algorithm), arr.dtype, work.size,
+                              schedule, work, priority,
+                              ("broadcast", arr.dtype, arr.shape, root, algorithm),
+                              lend=self.rank != root)
+            if key is not None:
+                with self._lock:
+                    self._broadcasts.put(key, (OpTemplate(spec), root))
 
         def finish() -> np.ndarray:
             if writeback:
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return self._launch(spec, finish, slow_from=_LENT_WHEN_SLOW)
+        return self._launch(spec, finish, slow_from=LENT_WHEN_SLOW)
 
     # --- reducescatter --------------------------------------------------------------
 
@@ -620,43 +569,74 @@ class SelfGuided:
         first.add_done_callback(start_second)
         return outer
 
+    def _gather_plan(self, key: tuple[Any, ...] | None) -> GatherPlan | None:
+        if key is None:
+            return None
+        with self._lock:
+            return self._gathers.get(key)
+
+    def _keep_gather_plan(self, key: tuple[Any, ...] | None, plan: GatherPlan) -> None:
+        if key is not None:
+            with self._lock:
+                self._gathers.put(key, plan)
+
     def allgather(self, x: Any, name: str | None, priority: int,
                   out: np.ndarray | None = None) -> Handle:
-        arr = check_rows(x, "allgather", name)
-        target = check_out(out, arr, "allgather", name)
-        sizes_id = self._ident("allgather", name)
-        data_id = self._ident("allgather", name, "\x00data")
-        view, shown = _gathering_views("allgather", arr)
+        key = gather_key("allgather", x, name, out)
+        plan = self._gather_plan(key)
+        arr: np.ndarray = x
+        if plan is None:  # the checks: a plan's key stands for them
+            arr = check_rows(x, "allgather", name)
+            check_out(out, arr, "allgather", name)
         n, rank = self.size, self.rank
+        sizes_key, label = self._call("allgather", name)
+        data_key, data_label = self._call("allgather", name, "\x00data")
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
-        sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
-        first = self._spec(sizes_id, _with_algorithm(lambda: dict(view(), phase="sizes"),
-                                                     sizes_algorithm),
-                           sizes.dtype, n, sched, sizes, priority,
-                           ("allgather", arr.dtype, arr.shape, 0),
-                           _with_algorithm(shown, sizes_algorithm))
+        if plan is not None:
+            first = plan.sizes.spec(sizes_key, label, sizes, priority, self._members)
+        else:
+            view, shown = _gathering_views("allgather", arr)
+            sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
+            first = self._spec(
+                _Ident(sizes_key, "" if name is None else name, label),
+                _with_algorithm(lambda: dict(view(), phase="sizes"), sizes_algorithm),
+                sizes.dtype, n, sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
+                _with_algorithm(shown, sizes_algorithm))
+            plan = GatherPlan(OpTemplate(first))
+            self._keep_gather_plan(key, plan)
         row = math.prod(arr.shape[1:])
         state: dict[str, np.ndarray] = {}
+        gathered = plan
 
         def second() -> OpSpec:
-            bounds = _bounds(sizes, row)
-            buf = _result_buffer(target, sum(sizes.tolist()), bounds[-1], arr.dtype)
+            rows = tuple(sizes.tolist())
+            with self._lock:
+                kept = gathered.data(rows)
+            bounds = _bounds(sizes, row) if kept is None else kept[1]
+            buf = _result_buffer(out, sum(rows), bounds[-1], arr.dtype)
             buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
             state["out"] = buf
+            if kept is not None:
+                return kept[0].spec(data_key, data_label, buf, priority, self._members)
             schedule, algorithm = self._algorithms.allgather(bounds, arr.dtype)
-            return self._spec(data_id, _with_algorithm(view, algorithm), arr.dtype,
-                              bounds[-1], schedule, buf, priority,
+            view, shown = _gathering_views("allgather", arr)
+            spec = self._spec(_Ident(data_key, "" if name is None else name, data_label),
+                              _with_algorithm(view, algorithm), arr.dtype, bounds[-1],
+                              schedule, buf, priority,
                               ("allgather", arr.dtype, arr.shape, 1, algorithm),
                               _with_algorithm(shown, algorithm))
+            with self._lock:
+                gathered.keep(rows, OpTemplate(spec), bounds, bounds)
+            return spec
 
         def finish() -> np.ndarray:
             rows = sum(sizes.tolist())
-            check_out_rows(target, rows, rank, "allgather", name)
-            return state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
+            check_out_rows(out, rows, rank, "allgather", name)
+            return state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
 
         # Past DIRECT_BYTES (and up to the ring's bound) only while the rings copy fast.
-        return self._phases(first, second, finish, sizes_id.label, self._direct_ring,
+        return self._phases(first, second, finish, label, self._direct_ring,
                             self._direct_bytes + 1)
 
     def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
@@ -678,40 +658,69 @@ class SelfGuided:
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
                  out: np.ndarray | None = None) -> Handle:
-        arr, send_rows = check_alltoall(x, splits, name, self.size)
-        target = check_out(out, arr, "alltoall", name)
+        key = gather_key("alltoall", x, name, out, splits)
+        plan = self._gather_plan(key)
         n, rank = self.size, self.rank
-        splits_id = self._ident("alltoall", name)
-        data_id = self._ident("alltoall", name, "\x00data")
-        view, shown = _gathering_views("alltoall", arr)
+        arr: np.ndarray = x
+        if plan is None:
+            arr, send_rows = check_alltoall(x, splits, name, n)
+            check_out(out, arr, "alltoall", name)
+        else:
+            assert plan.send_rows is not None  # an alltoall's plan keeps them
+            send_rows = plan.send_rows
+            check_apart(out, arr, "alltoall", name)
+        splits_key, label = self._call("alltoall", name)
+        data_key, data_label = self._call("alltoall", name, "\x00data")
         recv_rows = np.zeros(n, np.int64)
         recv_rows[rank] = send_rows[rank]
-        unit = tuple(range(n + 1))
-        sched = self._algorithms.alltoall(unit, unit)
-        first = self._spec(splits_id, lambda: dict(view(), phase="splits"), recv_rows.dtype,
-                           0, sched, recv_rows, priority,
-                           ("alltoall", arr.dtype, arr.shape, 0), shown, source=send_rows)
+        if plan is not None:
+            first = plan.sizes.spec(splits_key, label, recv_rows, priority, self._members,
+                                    send_rows)
+        else:
+            view, shown = _gathering_views("alltoall", arr)
+            unit = tuple(range(n + 1))
+            first = self._spec(_Ident(splits_key, "" if name is None else name, label),
+                               lambda: dict(view(), phase="splits"), recv_rows.dtype, 0,
+                               self._algorithms.alltoall(unit, unit), recv_rows, priority,
+                               ("alltoall", arr.dtype, arr.shape, 0), shown,
+                               source=send_rows)
+            plan = GatherPlan(OpTemplate(first), send_rows)
+            self._keep_gather_plan(key, plan)
         row = math.prod(arr.shape[1:])
         flat = np.ascontiguousarray(arr).reshape(-1)
         state: dict[str, np.ndarray] = {}
+        exchanged = plan
 
         def second() -> OpSpec:
-            sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
-            buf = _result_buffer(target, sum(recv_rows.tolist()), rb[-1], arr.dtype)
+            rows = tuple(recv_rows.tolist())
+            with self._lock:
+                kept = exchanged.data(rows)
+            if kept is None:
+                sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
+            else:
+                sb, rb = kept[1], kept[2]
+            buf = _result_buffer(out, sum(rows), rb[-1], arr.dtype)
             buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
             state["out"] = buf
-            schedule = self._algorithms.alltoall(sb, rb, arr.dtype)
-            return self._spec(data_id, view, arr.dtype, 0, schedule, buf, priority,
-                              ("alltoall", arr.dtype, arr.shape, 1), shown, source=flat)
+            if kept is not None:
+                return kept[0].spec(data_key, data_label, buf, priority, self._members, flat)
+            view, shown = _gathering_views("alltoall", arr)
+            spec = self._spec(_Ident(data_key, "" if name is None else name, data_label),
+                              view, arr.dtype, 0, self._algorithms.alltoall(sb, rb, arr.dtype),
+                              buf, priority, ("alltoall", arr.dtype, arr.shape, 1), shown,
+                              source=flat)
+            with self._lock:
+                exchanged.keep(rows, OpTemplate(spec), sb, rb)
+            return spec
 
         def finish() -> tuple[np.ndarray, np.ndarray]:
             rows = sum(recv_rows.tolist())
-            check_out_rows(target, rows, rank, "alltoall", name)
-            got = state["out"].reshape((rows, *arr.shape[1:])) if target is None else target
+            check_out_rows(out, rows, rank, "alltoall", name)
+            got = state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
             return got, recv_rows.copy()
 
-        return self._phases(first, second, finish, splits_id.label, self._direct_ring,
-                            _LENT_WHEN_SLOW)
+        return self._phases(first, second, finish, label, self._direct_ring,
+                            LENT_WHEN_SLOW)
 
     # --- join -----------------------------------------------------------------------
 
@@ -761,5 +770,5 @@ class SelfGuided:
             return plan.spec(ident.key, ident.label, work, 1 << 30, self._members)
         view = {"kind": "barrier", "dtype": "uint8", "shape": [1], "op": "Sum"}
         spec = self._reduce_spec(ident, view, work.dtype, work, ReduceOp.SUM, 1 << 30)
-        self._barrier = _SmallAllreduce(spec)
+        self._barrier = OpTemplate(spec)
         return spec

@@ -1,0 +1,110 @@
+"""What repeated calls of one op share, built once.
+
+A training loop makes the same few calls over and over: the same name, dtype and shape.
+Everything an op's spec holds but its identity, buffers and priority (its signature, its
+description for mismatch reports, its schedule) follows from those, and building it (the
+argument checks, the algorithm's choice, the signature's lookup) cost a third to a half
+of a small op's tens of microseconds.  A template keeps it; a repeated call only counts
+its identity and fills in its buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..engine.payload import OpKey, OpSpec
+from ..lru import LRU
+
+# Data-phase templates a gathering op keeps, by the ranks' rows: most jobs send the same
+# rows every call, some (a sparse exchange) a few different ones.
+_DATA_TEMPLATES = 8
+
+
+class OpTemplate:
+    """An op's spec without its identity, buffers and priority."""
+
+    __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
+                 "recipe", "lend")
+
+    def __init__(self, spec: OpSpec) -> None:
+        self.sig = spec.sig
+        self.describe = spec.describe
+        self.code = spec.dtype
+        self.count = spec.count
+        self.schedule = spec.schedule
+        self.ufunc = spec.ufunc
+        self.finalize = spec.finalize
+        self.recipe = spec.recipe
+        self.lend = spec.lend
+
+    def spec(self, key: OpKey, label: str, work: np.ndarray, priority: int,
+             members: tuple[int, ...] | None, source: np.ndarray | None = None) -> OpSpec:
+        """This op again, under a call's own identity (``key``, ``label``), buffers and
+        priority."""
+        return OpSpec(key, label, self.sig, self.code, self.count, self.describe,
+                      self.schedule, work, source, self.ufunc, self.finalize, priority,
+                      self.recipe, -1, members, False, self.lend)
+
+
+class GatherPlan:
+    """A gathering op's (allgather, alltoall) two phases: the sizes phase's template,
+    and the data phase's with its block bounds, by the rows every rank sent.
+    ``send_rows``: an alltoall's rows for each rank (read only)."""
+
+    __slots__ = ("sizes", "send_rows", "_data")
+
+    def __init__(self, sizes: OpTemplate, send_rows: np.ndarray | None = None) -> None:
+        self.sizes = sizes
+        self.send_rows = send_rows
+        self._data: LRU[tuple[int, ...], tuple[OpTemplate, tuple[int, ...],
+                                               tuple[int, ...]]] = LRU(_DATA_TEMPLATES)
+
+    def data(self, rows: tuple[int, ...]
+             ) -> tuple[OpTemplate, tuple[int, ...], tuple[int, ...]] | None:
+        """The data phase's template, send bounds and receive bounds for ``rows``, if
+        kept (guard it as the plan's owner guards its table)."""
+        return self._data.get(rows)
+
+    def keep(self, rows: tuple[int, ...], template: OpTemplate, send: tuple[int, ...],
+             recv: tuple[int, ...]) -> None:
+        self._data.put(rows, (template, send, recv))
+
+
+def gather_key(kind: str, x: Any, name: Any, out: Any, splits: Any = None
+               ) -> tuple[Any, ...] | None:
+    """What decides every check of an allgather or alltoall call and its plan but the
+    ranks' rows, if the call is one a plan may serve (a numpy array; ``out`` None or one;
+    ``splits`` None, a numpy array or a list or tuple of ints); None otherwise.  Every
+    part is compared by type as well as value, so that a call the checks would refuse
+    never finds the plan of one they let through."""
+    if type(x) is not np.ndarray or (name is not None and type(name) is not str):
+        return None
+    if out is None:
+        shown = None
+    elif type(out) is np.ndarray:
+        flags = out.flags
+        shown = (out.dtype, out.shape, flags.c_contiguous, flags.writeable)
+    else:
+        return None
+    if splits is None:
+        rows: Any = None
+    elif type(splits) is np.ndarray:
+        rows = (splits.dtype, splits.shape, tuple(splits.ravel().tolist()))
+    elif type(splits) in (list, tuple) and all(type(s) is int for s in splits):
+        rows = tuple(splits)
+    else:
+        return None
+    return (kind, x.dtype, x.shape, name, shown, rows)
+
+
+def broadcast_key(x: Any, root: Any, name: Any, inplace: bool) -> tuple[Any, ...] | None:
+    """What decides every check of a broadcast call and its template, as
+    :func:`gather_key` (a root of type int only: a bool or a numpy integer is checked
+    afresh)."""
+    if (type(x) is not np.ndarray or type(root) is not int
+            or (name is not None and type(name) is not str)):
+        return None
+    flags = x.flags
+    return (x.dtype, x.shape, root, name, inplace, flags.c_contiguous, flags.writeable)

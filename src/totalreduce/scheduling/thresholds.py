@@ -1,0 +1,55 @@
+"""Which size of op runs where: on the caller's thread (the small path) or on the loop,
+and whether its pieces are lent (transport/cma.py) or copied through the rings.  The
+self-guided scheduler routes each op by these; the numbers are measurements, kept with
+the rules they set."""
+
+from __future__ import annotations
+
+from ..config import RING_SMALL_ROOM
+
+
+def direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
+    """The largest blocking allreduce, allgather or alltoall the caller's thread runs
+    itself where DIRECT_BYTES is auto (``direct`` for the other ops).
+
+    Past DIRECT_BYTES the general path wins for ops that only move data: it lends their
+    bodies, one kernel copy instead of two through a ring.  An allreduce reads each
+    peer's data once to reduce it, out of the ring as cheaply as out of a lent copy, so
+    the caller's thread keeps it while what it sends one peer, 2 (size - 1) / size of it,
+    fits in the ring beside the room kept for small records (past that it would wait on
+    the reader for room).  At 2 ranks on the shared-memory rings, 3-4 MiB allreduces took
+    0.21-0.38 ms this way against 0.46-0.84 ms on the general path; 6-8 MiB ones, past
+    the ring, were no faster.  An allgather sends one peer (size - 1) / size of it, which
+    fits too: at 2 ranks 3 MiB allgathers took 0.23-0.24 ms this way against 0.32-0.40
+    ms lent (4 MiB ones 0.31-0.33 against 0.34-0.35).  An alltoall sends each peer
+    1 / size of it: at 2 ranks 3 MiB alltoalls took 0.24 ms this way against 0.34-0.35 ms
+    lent.  The last two stay only while the rings copy fast (see LENT_WHEN_SLOW)."""
+    room = ring_room - RING_SMALL_ROOM
+    if direct <= 0 or room <= 0 or size < 2:
+        return direct
+    return max(direct, room * size // (2 * (size - 1)))
+
+
+# A blocking broadcast or alltoall at least this big leaves the caller's thread while
+# most of its peers' rings copy slowly (transport/copy_pace.py; Engine.lends), for the
+# loop to lend its pieces: in that state 1 MiB broadcasts took 0.19-0.27 ms against
+# 0.29-0.30 ms through the ring, 4 MiB ones 0.38-0.49 against 1.7-1.8 ms, 1 MiB
+# alltoalls 0.20-0.21 against 0.30-0.32 ms.  The other ops stay (but allgathers past
+# DIRECT_BYTES, which only the ring's bound lets the caller's thread run): on the
+# general path 1 MiB allgathers took 0.42-0.46 ms against 0.25-0.31 ms on the caller's
+# thread, reducescatters 0.42 against 0.19-0.25 ms, and allreduces 0.78-2.7 ms against
+# 0.47-1.8 ms at 1-4 MiB.
+LENT_WHEN_SLOW = 512 << 10
+
+# Reductions below this size do not lend their pieces where every rank has a core of its
+# own and CMA_BYTES is auto (rings that copy slowly still lend them, copy_pace.py).  A
+# lent piece is one kernel copy on the receiver's core, which then sums it in a second
+# pass; through the ring the sender's core copies it in while the receiver's sums it
+# straight out of the ring.  For a copied piece (a gather's) the kernel's one copy is the
+# cheaper.  Alternated runs at 2 ranks (`--set CMA_BYTES=1048576` against `33554432`):
+# allreduce 8 MB 1.01-1.15 -> 0.82-0.87 ms, 16 MB 2.34-2.58 -> 1.95-2.06, reducescatter
+# 4 MB 0.34-0.43 -> 0.25-0.26, 8 MB 0.84-0.97 -> 0.58-0.64, 16 MB 1.90-2.09 -> 1.45-1.53,
+# 64 and 256 MB level; allgathers of 8-16 MB lost 20-40% without lending, so gathers keep
+# it.  At 4 ranks on 2 cores the sender's copy takes a core a peer wanted: 16 MB
+# allreduces took 9.2-10.2 ms against 8.3, so crowded hosts keep lending.
+REDUCE_LEND_BYTES = 32 << 20
