@@ -652,7 +652,7 @@ in 512 KiB pieces, so that the receiver copies one out while the root copies the
 
 Why a ring whose copies run slower than 10 GB/s lends every body of 64 KiB or more
 (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times its copies of 256
-KiB or more into the ring; the median of the last three says slow, and any one copy faster
+KiB or more into the ring; three slow in a row say slow, and any one copy faster
 than 10 GB/s says fast again. On the AMD host (see Environment) these copies ran at 12-37
 GB/s while the two cores shared a cache and at 2.3-6.3 GB/s while they did not; the
 kernel's copy of a lent body runs at about 11 GB/s in either state, so below 10 GB/s the

@@ -24,9 +24,13 @@ from collections.abc import Callable
 # Copies into the ring at least this big are timed: smaller ones are too short to tell a
 # shared cache from a distant one through the timer's and the interpreter's noise.
 PACE_MIN = 256 << 10
-# The ring is taken for slow when the median of this many recent copies is: one copy the
-# scheduler cut in two must not make it so.  One fast copy makes it fast again at once:
-# cores that share no cache cannot copy fast.
+# The ring is taken for slow when this many copies in a row are: in the slow placement
+# every copy is, while in the fast one a copy the scheduler cut in two, or one from a
+# source no cache held, is now and then (1 % of 512 KiB copies at 2 ranks).  With the
+# median of three, two such in three copies lent for PROBE_EVERY where the ring was fast:
+# 1 MiB alltoalls left the caller's thread for a third of a run, at 0.15-0.23 ms each
+# against 0.09-0.13 ms.  One fast copy makes it fast again at once: cores that share no
+# cache cannot copy fast.
 _WINDOW = 3
 # While lending because the ring was slow, the ring is tried again this often.  A try
 # copies a lap of the ring before its copies are judged (see CopyPace.cold): in the slow
@@ -51,7 +55,7 @@ class CopyPace:
         # them would lend on and on where the ring is fast.
         self._lap = lap
         self.cold = lap
-        self.far = False  # the median recent copy was slower than far_rate
+        self.far = False  # the last _WINDOW copies were each slower than far_rate
         # Bytes per second (TOTALREDUCE_SLOW_RING_GBPS; 0: never far).  The placements
         # above gave 37 and 4-5 GB/s, and a copy into private memory 22-35 GB/s; a lent
         # body is read at about 11 GB/s, so below 10 GB/s the ring's two copies cost
@@ -71,7 +75,7 @@ class CopyPace:
             self.far = False
         rates.append(rate)
         if len(rates) == _WINDOW:
-            self.far = sorted(rates)[_WINDOW // 2] < self.far_rate
+            self.far = max(rates) < self.far_rate
 
     def lend(self) -> bool:
         """Whether bodies should be lent rather than copied: the ring is slow, and not
