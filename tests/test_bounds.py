@@ -137,3 +137,19 @@ def test_a_piece_being_reduced_counts_as_arrived() -> None:
     assert op.awaits_from(1)
     op.got.update(key for key in schedule.recvs if key[0] == 1)
     assert op.pending_from[1] > 0 and not op.awaits_from(1)
+
+
+def test_gathering_and_broadcast_plans_stay_bounded(small_world) -> None:
+    from totalreduce.scheduling.templates import GATHER_PLANS
+
+    rt = small_world
+    for i in range(1500):
+        rows = i % 600 + 1  # a new shape nearly every call
+        x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+        assert tr.allgather(x, name="g").tolist() == x.tolist()
+        got, splits = tr.alltoall(x, name="a")
+        assert got.tolist() == x.tolist() and splits.tolist() == [rows]
+        assert tr.broadcast(x, root_rank=0, name="b").tolist() == x.tolist()
+    stats = rt.collectives.stats()
+    assert stats["gather_plans"] == GATHER_PLANS, stats
+    assert stats["broadcast_plans"] <= 1024, stats

@@ -46,7 +46,7 @@ from .checks import (
 from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, averager
-from .templates import GatherPlan, OpTemplate, broadcast_key, gather_key
+from .templates import GATHER_PLANS, GatherPlan, OpTemplate, broadcast_key, gather_key
 from .thresholds import LENT_WHEN_SLOW, REDUCE_LEND_BYTES, direct_ring_bytes
 
 _UNNAMED = "\x00unnamed"
@@ -167,7 +167,7 @@ class SelfGuided:
         # Broadcasts' templates (with the root's index in the set), by broadcast_key;
         # allgathers' and alltoalls' plans, by gather_key.
         self._broadcasts: LRU[tuple[Any, ...], tuple[OpTemplate, int]] = LRU(_SPEC_CACHE)
-        self._gathers: LRU[tuple[Any, ...], GatherPlan] = LRU(_SPEC_CACHE)
+        self._gathers: LRU[tuple[Any, ...], GatherPlan] = LRU(GATHER_PLANS)
 
     def close(self) -> None:
         """Nothing to stop: every op is the engine's."""

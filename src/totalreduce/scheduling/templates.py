@@ -17,9 +17,12 @@ import numpy as np
 from ..engine.payload import OpKey, OpSpec
 from ..lru import LRU
 
-# Data-phase templates a gathering op keeps, by the ranks' rows: most jobs send the same
-# rows every call, some (a sparse exchange) a few different ones.
-_DATA_TEMPLATES = 8
+# Gathering ops' plans kept, and data-phase templates each keeps, by the ranks' rows: most
+# jobs send the same rows every call, some (a sparse exchange) rows that vary, which only
+# churns these.  Each template holds its schedule (at 16 ranks some kilobytes): a job whose
+# rows never repeat keeps at most _GATHER_PLANS * _DATA_TEMPLATES of them.
+GATHER_PLANS = 256
+_DATA_TEMPLATES = 4
 
 
 class OpTemplate:
