@@ -31,7 +31,8 @@ class OpTemplate:
     __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
                  "recipe", "lend")
 
-    def __init__(self, spec: OpSpec) -> None:
+    def __init__(self, spec: OpSpec, lend: bool | None = None) -> None:
+        """``lend``: OpSpec.lend for the repeats (default: ``spec``'s)."""
         self.sig = spec.sig
         self.describe = spec.describe
         self.code = spec.dtype
@@ -40,7 +41,7 @@ class OpTemplate:
         self.ufunc = spec.ufunc
         self.finalize = spec.finalize
         self.recipe = spec.recipe
-        self.lend = spec.lend
+        self.lend = spec.lend if lend is None else lend
 
     def spec(self, key: OpKey, label: str, work: np.ndarray, priority: int,
              members: tuple[int, ...] | None, source: np.ndarray | None = None) -> OpSpec:
