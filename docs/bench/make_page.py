@@ -320,8 +320,8 @@ The urgent op here is blocking. Over the shared-memory rings it runs on its own 
 (DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
 second, small ring to the peer and reads the peer's out of its own, without waiting for
 the thread that drives the big op and without the big op's records ahead of it in the
-ring, which is read in order: 0.18 ms here, 0.14-0.23 ms in other runs of this table's
-command. What is
+ring, which is read in order: 0.15 ms here (p90 0.98 ms), 0.14-0.23 ms in other runs of
+this table's command. What is
 left is the caller's Python running five to ten times slower than alone while the big
 op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
 from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
@@ -357,8 +357,8 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.48 ms against
-0.09 ms alone here, 0.27-0.56 ms against 0.08-0.15 ms in other runs. Its slow tail
+it does not wait behind the big op's bytes in the kernel's buffers: 0.18 ms against
+0.08 ms alone here, 0.27-0.56 ms against 0.08-0.15 ms in other runs. Its slow tail
 (p90 1.5-3 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
@@ -369,8 +369,8 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane is an MPI tag of its own, but MPICH lets one thread into the library at a time, and
-the progress thread's calls there move the big op's bytes: the urgent op took 0.54 ms
-here (p10 0.12 ms), 1.1-2.9 ms in four earlier runs. Where a host's ranks outnumber its
+the progress thread's calls there move the big op's bytes: the urgent op took 0.60 ms
+here (p10 0.14 ms), 0.29-2.9 ms in earlier runs. Where a host's ranks outnumber its
 cores the MPI transport has
 no lanes (a 4-rank barrier on 2 cores took 0.97 ms with them, 0.67 without). An urgent op
 the loop runs waits behind what MPI has queued to that peer, which is kept to 8 MiB of
@@ -392,13 +392,13 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 43.8
-against 29.1 µs at 2 ranks). The cache cuts the cost another 5x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 47.8
+against 27.4 µs at 2 ranks). The cache cuts the cost another 4.5x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 3.5 µs per op at 2 ranks, 3.0x MPI's `Iallreduce`, and 9.6 µs at
-4 ranks (four processes on two cores), 5.9x (on a 2-core Intel Xeon host, faster per
-core: 2.2 µs and 7.5 µs). It varies with the host more than MPI's does (2.5 to 4.3 µs
+cache and fusion, takes 3.7 µs per op at 2 ranks, 2.8x MPI's `Iallreduce`, and 10.1 µs at
+4 ranks (four processes on two cores), 5.8x (on a 2-core Intel Xeon host, faster per
+core: 2.2 µs and 7.5 µs). It varies with the host more than MPI's does (2.6 to 4.3 µs
 between the 10th and 90th percentiles at 2 ranks): the whole cost is Python on the
 submitting thread and the cycle thread. Per tensor, the submit takes about 1 µs (a
 tensor whose dtype, op and shape were seen before skips the argument checks and makes
@@ -410,11 +410,11 @@ completion take about as much again.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.60x (2 ranks) and 0.71x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.17x and 1.08x). Without fusion, each of the 161
-tensors then runs as an engine op of its own behind that wait: 1.04x at 4 ranks, where
+so it finishes within 0.61x (2 ranks) and 0.83x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.13x and 1.28x). Without fusion, each of the 161
+tensors then runs as an engine op of its own behind that wait: 1.15x at 4 ranks, where
 the ops compete for two cores; at 2 ranks the tensors arrive spread out enough that
-running each alone (0.72x) beat fusing the few that a cycle finds together.
+running each alone (0.76x) beat fusing the few that a cycle finds together.
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
@@ -423,9 +423,9 @@ running each alone (0.72x) beat fusing the few that a cycle finds together.
 
 With all 102 MB ready at once, self-guided mode is faster in every mode. Fusing big
 tensors only adds a copy in and a copy out of every byte. At 2 ranks, negotiated mode
-with fusion off beats it with fusion on (per-tensor 37.7 ms against 47.0). At 4 ranks,
-fusion helps per tensor (128.7 against 151.9 ms) but still trails self-guided grouped
-(91.6).
+with fusion off beats it with fusion on (per-tensor 43.8 ms against 57.7). At 4 ranks,
+fusion helps per tensor (140.7 against 166.1 ms) but still trails self-guided grouped
+(97.1).
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -450,8 +450,8 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 {table("sparse")[1]}
 
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
-are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk at
-1 % of the heavy-tailed values from 3 ranks is the exception). The point
+are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
+the heavy-tailed values is the exception, at 1 % from 2 ranks and at 2 % at 3). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
@@ -536,13 +536,13 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a small op costs about 100 µs on this loaded machine, against a few for MPI), so it
-trains at about 0.3x allreduce's rate. With the straggler, removing the bound bought
-1.4x tau = 0's throughput in this run (0.90x in another: the straggler's own steps bound
-the time either way) and cost 1.1 points of accuracy (5.8 in that other run); bounds of
-1 and 4 keep tau = 0's accuracy within 0.3 points. Averaging every 16 steps is the
-fastest and loses 2 points. Surviving a server's loss costs 0.75x of tau = 0's
-throughput without a straggler (a push waits for a second server's round trip) and 0.82x
-with one (the straggler's wait hides part of it).
+trains at about 0.45x allreduce's rate. With the straggler, removing the bound bought
+1.12x tau = 0's throughput in this run (1.4x and 0.90x in others: the straggler's own
+steps bound the time either way) and cost 0.7 points of accuracy (1.1 and 5.8 in those
+others); bounds of 1 and 4 keep tau = 0's accuracy within 0.3 points. Averaging every 4
+or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's loss costs
+0.62x of tau = 0's throughput without a straggler (a push waits for a second server's
+round trip) and 0.78x with one (the straggler's wait hides part of it).
 
 ## Across hosts
 
@@ -567,9 +567,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.129 s hierarchical at 64 MiB, as
-at 10 Gbit/s). One rank per host has no local stages and a core to itself; it comes within
-1.22x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.100 s hierarchical at 64 MiB,
+against 0.106 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.18-1.29x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -587,7 +587,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.7-2.1x) shrinks to 0.8-1.2x in the time to 95 %: they need one to three
+samples/s (1.4-1.9x) shrinks to 0.9-1.4x in the time to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -735,24 +735,26 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 12 us at 2 ranks in the
-  latency table (MPI: 2.4 us), nearly all of it Python per op, even on the express lane;
-  over the MPI transport or sockets, which have no express lane, 43 and 56 us. A
-  barrier takes 12.6 us. A minimal Python exchange of the same two messages through the
+- Small messages: a blocking allreduce of a few bytes costs 12.6 us at 2 ranks in the
+  latency table (MPI: 2.6 us), nearly all of it Python per op, even on the express lane;
+  over the MPI transport or sockets, which have no express lane, 44 and 58 us. A
+  barrier takes 12.8 us. A minimal Python exchange of the same two messages through the
   same rings, with the credit bookkeeping and a header check but none of the API, engine
   or transport layers above the ring, took 5.8-6.4 us: the rest is those layers' calls. Async
-  small allreduces, which the loop runs, cost about 29 us each self-guided (the `tiny`
-  table). Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many
-  of them negotiated (fused: see above).
+  small allreduces, which the loop runs, cost about 27 us each self-guided (the `tiny`
+  table). A 4-byte allgather or alltoall is two such exchanges, sizes then data (35-37 us
+  in the 2-rank table, a broadcast 22 us); a repeated one skips its checks and set-up
+  (scheduling/templates.py). Batch small tensors (`grouped_allreduce`, the optimizer's
+  buckets), or run many of them negotiated (fused: see above).
 - The 2-rank table's medians mix the host's two states (see Environment), each backend
-  in its own proportion; its p10 column is the fast state. Allreduce: 1.87x MPI at 1 MB,
-  1.55x at 4 MB, 1.16x at 16 MB (p10: 1.84 against 2.10 ms), 2.8x from 64 MB. Up to
+  in its own proportion; its p10 column is the fast state. Allreduce: 1.77x MPI at 1 MB,
+  1.47x at 4 MB, 1.05x at 16 MB (p10: 1.86 against 2.33 ms), 2.8-3.0x from 64 MB. Up to
   4 MiB it runs on the caller's thread, which cannot lend: in the slow state its ring
   copies slow it down as MPICH's own copies slow MPICH.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.78x at 1 MB, 0.92x
-  at 4 MB, 0.86-0.90x from 16 MB; alltoall 0.45x at 1 MB rising to 0.92x at 256 MB;
-  broadcast 0.92x at 1 MB, 1.02-1.18x at 4-16 MB, 0.83-0.84x from 64 MB; reducescatter
-  1.01-1.56x at 1-16 MB, 2.8-3.3x from 64 MB. Per
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.70x at 1 MB, 0.80x
+  at 4 MB, 0.73-0.88x from 16 MB; alltoall 0.55-0.57x at 1-4 MB rising to 0.92x at
+  256 MB; broadcast 0.66x at 1 MB (p10 0.083 against MPI's 0.081 ms), 0.94-1.02x from
+  4 MB; reducescatter 0.95x at 1 MB, 1.24-1.51x at 4-16 MB, 2.8-3.2x from 64 MB. Per
   op, Python costs tens of µs, about half of MPI's whole 1 MB call; an allgather or
   alltoall exchanges sizes before data (about 20 us of a 1 MB alltoall's 120-130 in the
   fast state, whose copies take 55); and a lent body is one kernel copy, slower per byte
@@ -762,7 +764,7 @@ either way, 3-13% behind in both.
   is fresh memory, and the kernel faulting and zeroing it costs about as much as the
   copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.17-0.71x), but for allreduce and reducescatter from 64 MB (1.35-1.55x).
+  host (0.18-0.52x), but for allreduce and reducescatter from 64 MB (1.01-1.44x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.35-0.74x MPI (allreduce 0.39-0.71x,
   allgather and alltoall 0.35-0.56x; the table's 0.17x for a 1 MB broadcast at 16 ranks
   predates 085da09: one ring of fifteen taken for slow sent every such broadcast off the
@@ -779,23 +781,23 @@ either way, 3-13% behind in both.
   reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8
   ranks allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB
   10-38% slower. The log-step algorithms avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.11-0.16 ms (5.4-5.5x MPI's
-  8-byte allreduce and barrier in the latency table, whose p10 is 88-95 us; 0.15-0.20x in
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.11-0.18 ms (5.6-5.9x MPI's
+  8-byte allreduce and barrier in the latency table, whose p10 is 76-88 us; 0.13-0.19x in
   the 4-rank table, where every call follows a barrier), and 1-4 MB allreduces run at
-  0.60-0.63x MPI; 16 MB is at 1.10x and 64 MB ahead (3.27x). Every hop waits for a peer
+  0.54-0.69x MPI; 16 MB is at 0.98x and 64 MB ahead (2.09x). Every hop waits for a peer
   to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
   better, nor a spin of 16 looks before each yield (84 -> 96 us for the 8-byte
   allreduce).
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.18 ms over shared
-  memory against 0.03 ms alone (0.14-0.23 ms in other runs), and 0.48 ms over TCP
-  against 0.09 ms alone (each on its own lane, the preemption section): the caller's
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.15 ms over shared
+  memory against 0.02 ms alone (0.14-0.23 ms in other runs), and 0.18 ms over TCP
+  against 0.08 ms alone (each on its own lane, the preemption section): the caller's
   Python runs slowly while the big op's copies take the two cores. Over the MPI transport
-  it takes 0.29 ms here and up to 2.9 ms in other runs: MPICH lets one thread in at a
+  it takes 0.60 ms here and up to 2.9 ms in other runs: MPICH lets one thread in at a
   time, and the progress thread's calls there move the big op's bytes. An async urgent
   op, which the loop runs, takes 0.3-0.5 ms over shared memory.
-- The MPI transport adds Python per message: 0.76x MPI's own allreduce at 2 ranks at
-  1 MB, 0.90-1.09x at 4-16 MB, 3x from 64 MB; 0.40-0.55x at 4 oversubscribed ranks at
-  1-4 MB, 1.17x at 16 MB.
+- The MPI transport adds Python per message: 0.73x MPI's own allreduce at 2 ranks at
+  1 MB, 0.91-1.15x at 4-16 MB, 2.8x from 64 MB; 0.35-0.59x at 4 oversubscribed ranks at
+  1-4 MB, 1.06x at 16 MB.
 """]
     PAGE.write_text("".join(parts))
 
