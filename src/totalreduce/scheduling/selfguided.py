@@ -115,9 +115,9 @@ def _gathering_views(kind: str, arr: np.ndarray
 class _Ident:
     __slots__ = ("key", "name", "label")
 
-    def __init__(self, key: OpKey, name: str, label: str) -> None:
+    def __init__(self, key: OpKey, name: str | None, label: str) -> None:
         self.key = key
-        self.name = name
+        self.name = "" if name is None else name
         self.label = label
 
 
@@ -194,7 +194,7 @@ class SelfGuided:
 
     def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
         key, label = self._call(kind, name, phase)
-        return _Ident(key, "" if name is None else name, label)
+        return _Ident(key, name, label)
 
     def _call(self, kind: str, name: str | None, phase: str = "") -> tuple[OpKey, str]:
         """This rank's next call of ``name`` (``phase``: a part of an op with an identity
@@ -500,7 +500,7 @@ class SelfGuided:
                 return {"kind": "broadcast", "dtype": str(arr.dtype),
                         "shape": list(arr.shape), "root": int(root_rank)}
 
-            spec = self._spec(_Ident(call_key, "" if name is None else name, label),
+            spec = self._spec(_Ident(call_key, name, label),
                               _with_algorithm(view, algorithm), arr.dtype, work.size,
                               schedule, work, priority,
                               ("broadcast", arr.dtype, arr.shape, root, algorithm),
@@ -603,7 +603,7 @@ class SelfGuided:
             view, shown = _gathering_views("allgather", arr)
             sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
             first = self._spec(
-                _Ident(sizes_key, "" if name is None else name, label),
+                _Ident(sizes_key, name, label),
                 _with_algorithm(lambda: dict(view(), phase="sizes"), sizes_algorithm),
                 sizes.dtype, n, sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
                 _with_algorithm(shown, sizes_algorithm))
@@ -625,7 +625,7 @@ class SelfGuided:
                 return kept[0].spec(data_key, data_label, buf, priority, self._members)
             schedule, algorithm = self._algorithms.allgather(bounds, arr.dtype)
             view, shown = _gathering_views("allgather", arr)
-            spec = self._spec(_Ident(data_key, "" if name is None else name, data_label),
+            spec = self._spec(_Ident(data_key, name, data_label),
                               _with_algorithm(view, algorithm), arr.dtype, bounds[-1],
                               schedule, buf, priority,
                               ("allgather", arr.dtype, arr.shape, 1, algorithm),
@@ -683,7 +683,7 @@ class SelfGuided:
         else:
             view, shown = _gathering_views("alltoall", arr)
             unit = tuple(range(n + 1))
-            first = self._spec(_Ident(splits_key, "" if name is None else name, label),
+            first = self._spec(_Ident(splits_key, name, label),
                                lambda: dict(view(), phase="splits"), recv_rows.dtype, 0,
                                self._algorithms.alltoall(unit, unit), recv_rows, priority,
                                ("alltoall", arr.dtype, arr.shape, 0), shown,
@@ -709,7 +709,7 @@ class SelfGuided:
             if kept is not None:
                 return kept[0].spec(data_key, data_label, buf, priority, self._members, flat)
             view, shown = _gathering_views("alltoall", arr)
-            spec = self._spec(_Ident(data_key, "" if name is None else name, data_label),
+            spec = self._spec(_Ident(data_key, name, data_label),
                               view, arr.dtype, 0, self._algorithms.alltoall(sb, rb, arr.dtype),
                               buf, priority, ("alltoall", arr.dtype, arr.shape, 1), shown,
                               source=flat)
