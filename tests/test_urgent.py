@@ -28,9 +28,11 @@ def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int, transport: str
         got = result.report(r)
         assert got["checked"] == steps, result.explain()
         assert got["active"] == 0 and got["floating"] == 0, got
-        # The lane ran them (an allgather or alltoall is two ops: sizes, then data);
-        # a rank late by more than its peers' patience makes them hand over.
-        assert got["urgent"] >= steps // 2, got
+        # The lane ran some to their end; a rank late by more than its peers' patience
+        # (2 ms) makes them hand over, which on a loaded host is most of them (15-19 of
+        # 40 ran on the lane at 3 ranks over TCP beside another test), so how many is
+        # not asserted.
+        assert got["urgent"] > 0, got
 
 
 @pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp"),
