@@ -32,6 +32,15 @@ def test_a_range_that_is_not_mapped_is_an_error_not_garbage() -> None:
         cma.read_into(os.getpid(), memoryview(bytearray(4096)), 4096)
 
 
+def test_read_rate_is_a_copy_speed_and_zero_where_nothing_can_be_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rate = cma.read_rate()
+    # Bytes per second: any host reads 512 KiB in well under a second and over 1 ns.
+    assert 512 << 10 < rate < 512e12
+    monkeypatch.setattr(cma, "_readv", None)
+    assert cma.read_rate() == 0.0
+
+
 def test_probe_needs_the_right_token_the_right_pid_and_a_whole_offer() -> None:
     token = os.urandom(16)
     buf = bytearray(token)

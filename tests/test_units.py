@@ -132,6 +132,14 @@ def test_ring_size_follows_the_segment_unless_set() -> None:
         Config(shm_bytes=-2)
 
 
+def test_the_slow_ring_speed_is_measured_unless_set() -> None:
+    assert Config().slow_ring_gbps == -1  # auto: transport/cma.py read_rate()
+    assert Config.from_env({"TOTALREDUCE_SLOW_RING_GBPS": "0"}).slow_ring_gbps == 0
+    assert Config.from_env({"TOTALREDUCE_SLOW_RING_GBPS": "12.5"}).slow_ring_gbps == 12.5
+    with pytest.raises(ValueError, match="slow_ring_gbps"):
+        Config(slow_ring_gbps=-2)
+
+
 @pytest.mark.parametrize("env,launcher,rank,size,address", [
     ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
       "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, "torchrun", 2, 4, "node1:29501"),

@@ -650,13 +650,18 @@ the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead 
 in 512 KiB pieces, so that the receiver copies one out while the root copies the next in
 (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 
-Why a ring whose copies run slower than 10 GB/s lends every body of 64 KiB or more
-(`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times its copies of 256
-KiB or more into the ring; three slow in a row say slow, and any one copy faster
-than 10 GB/s says fast again. On the AMD host (see Environment) these copies ran at 12-37
+Why a ring whose copies run slower than the kernel's copy of a lent body lends every body
+of 64 KiB or more (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times
+its copies of 256 KiB or more into the ring; three slow in a row say slow, and any one
+copy faster says fast again. On the AMD host (see Environment) these copies ran at 12-37
 GB/s while the two cores shared a cache and at 2.3-6.3 GB/s while they did not; the
-kernel's copy of a lent body runs at about 11 GB/s in either state, so below 10 GB/s the
-ring's two copies cost more than the kernel's one. Copies into lines no cache holds run at
+kernel's copy of a lent body ran at about 11 GB/s in either state, so below that the
+ring's two copies cost more than the kernel's one. On another VM of the same kind the
+kernel's copy ran at 4-7 GB/s while plain copies ran at 25-30 GB/s, and ring copies during
+1 MiB alltoalls at 7-13 GB/s: a fixed 10 GB/s lent most of them, at 0.67-0.74 ms against
+0.30-0.34 ms through the ring (alternated runs). So the bar is measured when the transport
+starts (transport/cma.py `read_rate`: the best of five 512 KiB reads of the process's own
+memory, about 1 ms). Copies into lines no cache holds run at
 memory's speed (7-10 GB/s here) in either state, so a ring's first lap is not judged,
 neither is the first lap after lending: every 0.25 s of lending the ring is tried again,
 and judged from its second lap on. (Judged from their first copies, 1 MiB alltoalls lent

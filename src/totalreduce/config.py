@@ -75,14 +75,15 @@ TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to   
                                    auto: 1 MiB, reductions 32 MiB where every
                                    rank of the host has a core of its own (a lent
                                    piece costs its receiver a copy and then a sum)
-TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       10
+TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       -1
                                    slower than this lately (GB/s) lends every
                                    body of 64 KiB or more instead, and blocking
                                    broadcasts and alltoalls of 512 KiB or more
                                    (allgathers past 2 MiB) leave the caller's
                                    thread to have theirs lent where most of their
                                    peers' rings are so (transport/copy_pace.py;
-                                   0 = never)
+                                   0 = never; -1 = auto: as fast as the kernel
+                                   copies a lent body here, measured at start)
 TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB
                                    the least recently used sizes are freed
 TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers     65536
@@ -211,7 +212,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                   "must be >= 0 (bytes; 0 = no shared memory), or -1 for auto"),
     "cma_bytes": (lambda v: v >= -1,
                   "must be >= 0 (bytes; 0 = never lend), or -1 for auto"),
-    "slow_ring_gbps": (lambda v: v >= 0, "must be >= 0 (GB/s; 0 = never lend for it)"),
+    "slow_ring_gbps": (lambda v: v >= 0 or v == -1,
+                       "must be >= 0 (GB/s; 0 = never lend for it), or -1 for auto"),
     "scratch_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
     "name_capacity": (lambda v: v >= 1, "must be >= 1 (names)"),
     "bucket_bytes": (lambda v: v >= 1, "must be >= 1 (bytes)"),
@@ -298,7 +300,7 @@ class Config:
     hierarchical: str = "auto"
     shm_bytes: int = -1
     cma_bytes: int = -1
-    slow_ring_gbps: float = 10.0
+    slow_ring_gbps: float = -1.0
     scratch_bytes: int = 32 << 20
     name_capacity: int = 1 << 16
     bucket_bytes: int = 16 << 20

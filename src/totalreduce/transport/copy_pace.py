@@ -56,10 +56,12 @@ class CopyPace:
         self._lap = lap
         self.cold = lap
         self.far = False  # the last _WINDOW copies were each slower than far_rate
-        # Bytes per second (TOTALREDUCE_SLOW_RING_GBPS; 0: never far).  The placements
+        # Bytes per second (TOTALREDUCE_SLOW_RING_GBPS; 0: never far; by default the
+        # speed of the kernel's copy of a lent body here, cma.read_rate).  The placements
         # above gave 37 and 4-5 GB/s, and a copy into private memory 22-35 GB/s; a lent
-        # body is read at about 11 GB/s, so below 10 GB/s the ring's two copies cost
-        # more than the kernel's one.
+        # body was read at about 11 GB/s, so below that the ring's two copies cost more
+        # than the kernel's one.  Another VM read lent bodies at 4-7 GB/s: a fixed 10
+        # GB/s lent there where the ring was the faster by 2x.
         self.far_rate = far_rate
 
     def timed(self, nbytes: int, seconds: float) -> None:

@@ -336,7 +336,8 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
     of ops of ``lend_bytes`` or more are lent to them rather than copied through a ring,
     where the kernel allows it (:mod:`.cma`; 0: never), as is every body of 64 KiB or
     more while a ring's big copies run slower than ``slow_ring_rate`` bytes per second
-    (:mod:`.copy_pace`; 0: never).  ``world`` counts the earlier
+    (:mod:`.copy_pace`; 0: never; negative: the speed of a lent body's copy here,
+    :func:`.cma.read_rate`).  ``world`` counts the earlier
     ``init()`` calls of this job's processes (or names the restart generation it meets
     in, with recovery on); peers of another world are refused.  ``cancelled()`` is asked
     while waiting for peers: True raises :class:`WorldMoved`.  ``host`` overrides this

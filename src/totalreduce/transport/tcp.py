@@ -15,6 +15,7 @@ import selectors
 import socket
 from typing import Protocol
 
+from . import cma
 from .base import Counters, MessageHandler, Transport
 from .poller import WAIT_SLOT, Poller
 from .ring_link import RingLink
@@ -63,12 +64,16 @@ class TcpTransport(Transport):
         self._acceptor = acceptor
         self._poller = Poller(self._ring_links,
                              rings_only=len(self._ring_links) == len(self._links))
+        # Where ranks take turns on cores, a copy's time says more about the scheduler
+        # than about caches: at 4 ranks on 2 cores the slow-ring rule made 1 MiB
+        # broadcasts, alltoalls and allreduces 1.3-3x slower.
+        if self._poller.crowded:
+            slow_ring_rate = 0.0
+        elif slow_ring_rate < 0:  # auto: slower than a lent body's copy here
+            slow_ring_rate = cma.read_rate() if lend_bytes and self._ring_links else 0.0
         for ring_link in self._ring_links:
             ring_link.yields = self._poller.own_core
-            # Where ranks take turns on cores, a copy's time says more about the scheduler
-            # than about caches: at 4 ranks on 2 cores the slow-ring rule made 1 MiB
-            # broadcasts, alltoalls and allreduces 1.3-3x slower.
-            ring_link.watch_copies(0.0 if self._poller.crowded else slow_ring_rate)
+            ring_link.watch_copies(slow_ring_rate)
         self._pending: set[int] = set()
         self.handler: MessageHandler
         for link in self._links.values():
