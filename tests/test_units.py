@@ -22,6 +22,7 @@ from totalreduce.exceptions import (
 )
 from totalreduce.rendezvous.auth import client_handshake, server_handshake
 from totalreduce.rendezvous.env import detect_launch
+from totalreduce.scheduling.slow_rings import SlowRingChoice
 from totalreduce.transport.poller import POLL_SLOT, Poller
 from totalreduce.transport.wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
 
@@ -388,3 +389,28 @@ def test_reductions_overflow_to_inf_whatever_the_callers_error_mode(dtype: type)
         reduce_into(np.add, dest, incoming.tobytes())
         assert np.geterr()["over"] == "raise"  # the caller's mode is back
     np.testing.assert_array_equal(dest, np.array([np.inf, 3, -np.inf], dtype))
+
+
+def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_again() -> None:
+    choice = SlowRingChoice()
+    key = SlowRingChoice.key("broadcast", 1 << 20)
+    assert key == SlowRingChoice.key("broadcast", (2 << 20) - 1)  # one power-of-two class
+    assert key != SlowRingChoice.key("alltoall", 1 << 20)
+    # Learning: the loop first, then whichever way has fewer times, until each has two.
+    ways = []
+    for _ in range(4):
+        left = choice.leave(key)
+        ways.append(left)
+        choice.took(key, left, 300e-6 if left else 100e-6)  # the caller's thread is faster
+    assert ways == [True, False, True, False]
+    # Then the faster way, and the slower one once every 16 choices.
+    ways = [choice.leave(key) for _ in range(32)]
+    assert ways.count(True) == 2 and ways[15] and ways[31]
+    # Times move the choice: the loop turns faster.
+    for _ in range(5):
+        choice.took(key, True, 50e-6)
+    assert choice.leave(key)
+    # Bounded: one entry per (kind, size class), the stalest forgotten.
+    for size in range(1, 400):
+        choice.leave(SlowRingChoice.key(f"op{size}", size))
+    assert len(choice) == 128

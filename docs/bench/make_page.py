@@ -666,11 +666,18 @@ memory's speed (7-10 GB/s here) in either state, so a ring's first lap is not ju
 neither is the first lap after lending: every 0.25 s of lending the ring is tried again,
 and judged from its second lap on. (Judged from their first copies, 1 MiB alltoalls lent
 in the fast state and never came back: 216-233 against 123-163 us.) Blocking broadcasts
-and alltoalls of 512 KiB or more then leave the caller's thread, which cannot lend, for
-the loop: `python -m totalreduce.bench collectives -n 2 --sizes 1M,2M,4M,16M`, with and
-without the rule, alternated, in the slow state: broadcast 1/4/16 MB 0.31/1.72/6.87 ->
-0.19/0.39/1.54 ms (MPI 0.09/0.24/1.1), alltoall 1/2 MB 0.32/0.58 -> 0.20/0.25 ms; in the
-fast state every cell stayed within noise. Allgathers up to 2 MiB, reducescatters and
+and alltoalls of 512 KiB or more then may leave the caller's thread, which cannot lend,
+for the loop. On the first VM that won: `python -m totalreduce.bench collectives -n 2
+--sizes 1M,2M,4M,16M`, with and without the rule, alternated, in the slow state:
+broadcast 1/4/16 MB 0.31/1.72/6.87 -> 0.19/0.39/1.54 ms (MPI 0.09/0.24/1.1), alltoall 1/2
+MB 0.32/0.58 -> 0.20/0.25 ms; in the fast state every cell stayed within noise. On the
+second it lost: timed on both ranks, 1 MiB broadcasts took 0.57-0.68 ms lent against
+0.11-0.17 ms through the ring, alltoalls 0.49-0.58 against 0.20-0.29 ms. So each way is
+timed while the rings are slow, per kind of op and power-of-two size, and the faster
+taken (scheduling/slow_rings.py: each tried twice first, the slower again every 16th
+op). With every ring taken for slow (`--set SLOW_RING_GBPS=1000`, old and new tree
+alternated twice), 1 MiB alltoalls went from 0.52-0.75 to 0.34-0.39 ms and 4 MiB ones from
+1.9-2.4 to 1.07-1.21 ms there. Allgathers up to 2 MiB, reducescatters and
 allreduces stay on the caller's thread: on the general path 1 MiB allgathers took
 0.42-0.46 ms against 0.25-0.31 ms, reducescatters 0.42 against 0.19-0.25 ms. Where ranks
 outnumber cores the rule is off: a copy preempted halfway looks slow whatever the caches

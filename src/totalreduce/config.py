@@ -81,7 +81,8 @@ TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran    
                                    broadcasts and alltoalls of 512 KiB or more
                                    (allgathers past 2 MiB) leave the caller's
                                    thread to have theirs lent where most of their
-                                   peers' rings are so (transport/copy_pace.py;
+                                   peers' rings are so and that has been the
+                                   faster way, timed (transport/copy_pace.py;
                                    0 = never; -1 = auto: as fast as the kernel
                                    copies a lent body here, measured at start)
 TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB

@@ -46,6 +46,7 @@ from .checks import (
 from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, averager
+from .slow_rings import SlowRingChoice
 from .templates import GATHER_PLANS, GatherPlan, OpTemplate, broadcast_key, gather_key
 from .thresholds import LENT_WHEN_SLOW, REDUCE_LEND_BYTES, direct_ring_bytes
 
@@ -168,6 +169,7 @@ class SelfGuided:
         # allgathers' and alltoalls' plans, by gather_key.
         self._broadcasts: LRU[tuple[Any, ...], tuple[OpTemplate, int]] = LRU(_SPEC_CACHE)
         self._gathers: LRU[tuple[Any, ...], GatherPlan] = LRU(GATHER_PLANS)
+        self._slow_rings = SlowRingChoice()
 
     def close(self) -> None:
         """Nothing to stop: every op is the engine's."""
@@ -366,15 +368,41 @@ class SelfGuided:
         bytes or more while the rings copy slowly (its bodies are then lent)."""
         direct = self._direct_bytes if direct is None else direct
         nbytes = spec.work.nbytes
-        if direct and nbytes <= direct and self._engine.waits_here() and not (
-                slow_from is not None and nbytes >= slow_from
-                and self._engine.lends(self._peers)):
+        if direct and nbytes <= direct and self._engine.waits_here():
+            slow = None
+            if (slow_from is not None and nbytes >= slow_from
+                    and self._engine.lends(self._peers)):
+                # Which way is faster while the rings are slow depends on the host: timed.
+                slow = SlowRingChoice.key(spec.label.partition(" ")[0], nbytes)
+                with self._lock:
+                    leave = self._slow_rings.leave(slow)
+                if leave:
+                    timed = self._timed(finish, slow, True)  # submit() may drive it a while
+                    return FutureHandle([self._engine.submit(spec)], timed, spec.label)
+            start = time.perf_counter()
             ran = self._engine.run_now(spec)
             if ran is True:
+                if slow is not None:
+                    self._took(slow, False, time.perf_counter() - start)
                 return DoneHandle(finish(), spec.label)
             if ran is not False:
                 return FutureHandle([ran], finish, spec.label)
         return FutureHandle([self._engine.submit(spec)], finish, spec.label)
+
+    def _timed(self, finish: Callable[[], Any], key: tuple[str, int],
+               left: bool) -> Callable[[], Any]:
+        """``finish``, telling the slow-ring choice how long the op took until it ran
+        (its caller blocks on it from the start)."""
+        start = time.perf_counter()
+
+        def timed() -> Any:
+            self._took(key, left, time.perf_counter() - start)
+            return finish()
+        return timed
+
+    def _took(self, key: tuple[str, int], left: bool, seconds: float) -> None:
+        with self._lock:
+            self._slow_rings.took(key, left, seconds)
 
     def _fresh_source(self, arr: np.ndarray, inplace: bool,
                       direct: int | None = None) -> np.ndarray | None:

@@ -30,11 +30,14 @@ def direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
     return max(direct, room * size // (2 * (size - 1)))
 
 
-# A blocking broadcast or alltoall at least this big leaves the caller's thread while
+# A blocking broadcast or alltoall at least this big may leave the caller's thread while
 # most of its peers' rings copy slowly (transport/copy_pace.py; Engine.lends), for the
-# loop to lend its pieces: in that state 1 MiB broadcasts took 0.19-0.27 ms against
-# 0.29-0.30 ms through the ring, 4 MiB ones 0.38-0.49 against 1.7-1.8 ms, 1 MiB
-# alltoalls 0.20-0.21 against 0.30-0.32 ms.  The other ops stay (but allgathers past
+# loop to lend its pieces, where that has been the faster way here (slow_rings.py): on
+# one VM in that state 1 MiB broadcasts took 0.19-0.27 ms against 0.29-0.30 ms through
+# the ring, 4 MiB ones 0.38-0.49 against 1.7-1.8 ms, 1 MiB alltoalls 0.20-0.21 against
+# 0.30-0.32 ms; on another, whose kernel copied lent bodies at a third of the speed,
+# 1 MiB broadcasts took 0.57-0.68 ms lent against 0.11-0.17 ms through the ring, and
+# alltoalls 0.49-0.58 against 0.20-0.29 ms.  The other ops stay (but allgathers past
 # DIRECT_BYTES, which only the ring's bound lets the caller's thread run): on the
 # general path 1 MiB allgathers took 0.42-0.46 ms against 0.25-0.31 ms on the caller's
 # thread, reducescatters 0.42 against 0.19-0.25 ms, and allreduces 0.78-2.7 ms against

@@ -1,0 +1,76 @@
+"""Whether a blocking op leaves the caller's thread while the rings copy slowly, learned
+from how long each way took here.
+
+While most of a rank's rings copy slowly (transport/copy_pace.py), a big blocking
+broadcast or alltoall may go to the loop, which lends its bodies (one kernel copy on the
+reader's side instead of two plain ones through the ring), rather than run on the
+caller's thread, which copies them through the ring.  Which is faster depends on the
+host, not on the op alone: on one 2-vCPU VM the loop took 1 MiB broadcasts in 0.19 ms
+against 0.31 ms on the caller's thread, on another of the same kind, where the kernel's
+copy ran at 2-7 GB/s instead of 11, it took 0.43 ms against 0.19-0.21 ms.  So each way is
+timed, per kind of op and power-of-two size, and the faster one taken; now and then the
+other, so that a change of the host's state is seen.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+
+from ..lru import LRU
+
+# Times kept per way and size: a median of a few, since one op may wait on a late peer.
+_KEEP = 5
+# A way is tried again every this many choices of the other (at 1 MiB and up, a slower
+# try costs a few hundred microseconds in every EXPLORE ops).
+_EXPLORE = 16
+# (kind, size class) pairs remembered: a few kinds times the sizes a job uses.
+_CLASSES = 128
+
+_Key = tuple[str, int]
+
+
+class _Times:
+    __slots__ = ("loop", "caller", "since")
+
+    def __init__(self) -> None:
+        self.loop: deque[float] = deque(maxlen=_KEEP)
+        self.caller: deque[float] = deque(maxlen=_KEEP)
+        self.since = 0  # choices since the slower way was last tried
+
+
+class SlowRingChoice:
+    """Per (kind, size class): which way ran faster while the rings were slow."""
+
+    def __init__(self) -> None:
+        self._classes: LRU[_Key, _Times] = LRU(_CLASSES)
+
+    @staticmethod
+    def key(kind: str, nbytes: int) -> _Key:
+        return kind, nbytes.bit_length()
+
+    def leave(self, key: _Key) -> bool:
+        """Whether an op of ``key`` should go to the loop: the way with fewer times while
+        either has under two, else the faster, but the slower every _EXPLORE choices."""
+        times = self._classes.get(key)
+        if times is None:
+            times = _Times()
+            self._classes.put(key, times)
+        loop, caller = times.loop, times.caller
+        if len(loop) < 2 or len(caller) < 2:
+            return len(loop) <= len(caller)
+        faster = median(loop) < median(caller)
+        times.since += 1
+        if times.since >= _EXPLORE:
+            times.since = 0
+            return not faster
+        return faster
+
+    def took(self, key: _Key, left: bool, seconds: float) -> None:
+        """An op of ``key`` took ``seconds``, on the loop if it ``left``."""
+        times = self._classes.get(key)
+        if times is not None:
+            (times.loop if left else times.caller).append(seconds)
+
+    def __len__(self) -> int:
+        return len(self._classes)
