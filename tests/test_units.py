@@ -410,6 +410,11 @@ def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_ag
     for _ in range(5):
         choice.took(key, True, 50e-6)
     assert choice.leave(key)
+    # An op that left is timed through its finish, which still returns its result.
+    other = SlowRingChoice.key("allgather", 4 << 20)
+    assert choice.leave(other)
+    assert choice.timed(lambda: "result", other)() == "result"
+    assert not choice.leave(other)  # the loop has a time now, the caller's thread none
     # Bounded: one entry per (kind, size class), the stalest forgotten.
     for size in range(1, 400):
         choice.leave(SlowRingChoice.key(f"op{size}", size))

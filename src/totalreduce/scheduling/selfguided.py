@@ -374,35 +374,19 @@ class SelfGuided:
                     and self._engine.lends(self._peers)):
                 # Which way is faster while the rings are slow depends on the host: timed.
                 slow = SlowRingChoice.key(spec.label.partition(" ")[0], nbytes)
-                with self._lock:
-                    leave = self._slow_rings.leave(slow)
-                if leave:
-                    timed = self._timed(finish, slow, True)  # submit() may drive it a while
+                if self._slow_rings.leave(slow):
+                    # Timed from here: submit() may drive the op a while itself.
+                    timed = self._slow_rings.timed(finish, slow)
                     return FutureHandle([self._engine.submit(spec)], timed, spec.label)
             start = time.perf_counter()
             ran = self._engine.run_now(spec)
             if ran is True:
                 if slow is not None:
-                    self._took(slow, False, time.perf_counter() - start)
+                    self._slow_rings.took(slow, False, time.perf_counter() - start)
                 return DoneHandle(finish(), spec.label)
             if ran is not False:
                 return FutureHandle([ran], finish, spec.label)
         return FutureHandle([self._engine.submit(spec)], finish, spec.label)
-
-    def _timed(self, finish: Callable[[], Any], key: tuple[str, int],
-               left: bool) -> Callable[[], Any]:
-        """``finish``, telling the slow-ring choice how long the op took until it ran
-        (its caller blocks on it from the start)."""
-        start = time.perf_counter()
-
-        def timed() -> Any:
-            self._took(key, left, time.perf_counter() - start)
-            return finish()
-        return timed
-
-    def _took(self, key: tuple[str, int], left: bool, seconds: float) -> None:
-        with self._lock:
-            self._slow_rings.took(key, left, seconds)
 
     def _fresh_source(self, arr: np.ndarray, inplace: bool,
                       direct: int | None = None) -> np.ndarray | None:

@@ -14,8 +14,12 @@ other, so that a change of the host's state is seen.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from statistics import median
+from typing import TypeVar
 
 from ..lru import LRU
 
@@ -28,6 +32,7 @@ _EXPLORE = 16
 _CLASSES = 128
 
 _Key = tuple[str, int]
+T = TypeVar("T")
 
 
 class _Times:
@@ -40,10 +45,12 @@ class _Times:
 
 
 class SlowRingChoice:
-    """Per (kind, size class): which way ran faster while the rings were slow."""
+    """Per (kind, size class): which way ran faster while the rings were slow.  Any
+    thread may ask and tell."""
 
     def __init__(self) -> None:
         self._classes: LRU[_Key, _Times] = LRU(_CLASSES)
+        self._lock = threading.Lock()
 
     @staticmethod
     def key(kind: str, nbytes: int) -> _Key:
@@ -52,25 +59,37 @@ class SlowRingChoice:
     def leave(self, key: _Key) -> bool:
         """Whether an op of ``key`` should go to the loop: the way with fewer times while
         either has under two, else the faster, but the slower every _EXPLORE choices."""
-        times = self._classes.get(key)
-        if times is None:
-            times = _Times()
-            self._classes.put(key, times)
-        loop, caller = times.loop, times.caller
-        if len(loop) < 2 or len(caller) < 2:
-            return len(loop) <= len(caller)
-        faster = median(loop) < median(caller)
-        times.since += 1
-        if times.since >= _EXPLORE:
-            times.since = 0
-            return not faster
-        return faster
+        with self._lock:
+            times = self._classes.get(key)
+            if times is None:
+                times = _Times()
+                self._classes.put(key, times)
+            loop, caller = times.loop, times.caller
+            if len(loop) < 2 or len(caller) < 2:
+                return len(loop) <= len(caller)
+            faster = median(loop) < median(caller)
+            times.since += 1
+            if times.since >= _EXPLORE:
+                times.since = 0
+                return not faster
+            return faster
 
     def took(self, key: _Key, left: bool, seconds: float) -> None:
         """An op of ``key`` took ``seconds``, on the loop if it ``left``."""
-        times = self._classes.get(key)
-        if times is not None:
-            (times.loop if left else times.caller).append(seconds)
+        with self._lock:
+            times = self._classes.get(key)
+            if times is not None:
+                (times.loop if left else times.caller).append(seconds)
+
+    def timed(self, finish: Callable[[], T], key: _Key) -> Callable[[], T]:
+        """``finish`` for an op of ``key`` that left for the loop now, telling how long
+        it took once it ran (its caller blocks on it from the start)."""
+        start = time.perf_counter()
+
+        def timed() -> T:
+            self.took(key, True, time.perf_counter() - start)
+            return finish()
+        return timed
 
     def __len__(self) -> int:
         return len(self._classes)
