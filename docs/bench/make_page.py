@@ -107,15 +107,20 @@ times across tables. The 2-rank collectives table's bench printed:
 
 The AMD host switches, for seconds to minutes at a time, between two states that look
 like two placements of its two virtual cores: one where they share a cache and one where
-they do not. Two processes passing 512 KiB through a shared-memory buffer (no
-totalreduce code) take 14 us to copy it in and 15 us to copy it out in the first state,
-100-210 us and 50-55 us in the second; the kernel's copy of the same bytes from one
-process to the other (`process_vm_readv`) takes 48 us in both. MPICH's large messages
-take that kernel copy, so its broadcast and alltoall do not change between the states,
-while its allreduce and allgather slow down as ours do. totalreduce's rings time their
-copies and lend what they would copy while the copies are slow
-(`TOTALREDUCE_SLOW_RING_GBPS`, see "Why the defaults are what they are"). A table's
-p10-p90 column shows how much a run was split between the states.
+they do not. On an earlier VM of this kind, two processes passing 512 KiB through a
+shared-memory buffer (no totalreduce code) took 14 us to copy it in and 15 us to copy it
+out in the first state, 100-210 us and 50-55 us in the second; the kernel's copy of the
+same bytes from one process to the other (`process_vm_readv`) took 48 us in both. The VM
+behind these tables differs in two ways. Its interpreter runs 2.5-3x slower (a `for`
+loop's iteration takes 95-170 ns, `import torch` 2.5-3 s; the blocking 8-byte allreduce
+of the commit the earlier tables came from took 32-36 us here against 12.6 us there),
+while a two-process ping-pong through shared memory still takes 1.1-1.4 us. And its
+kernel copies a lent body at 4-7 GB/s (512 KiB to 4 MiB, small pages) while plain copies
+run at 25-30 GB/s; between two buffers in glibc's heap it copied 2 MiB at 1.3 GB/s.
+totalreduce's rings time their copies and lend what they would copy while the copies run
+slower than the kernel's copy measured at start (`TOTALREDUCE_SLOW_RING_GBPS`, see "Why
+the defaults are what they are"). A table's p10-p90 column shows how much a run was split
+between the states.
 
 ## Method
 
@@ -320,8 +325,9 @@ The urgent op here is blocking. Over the shared-memory rings it runs on its own 
 (DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
 second, small ring to the peer and reads the peer's out of its own, without waiting for
 the thread that drives the big op and without the big op's records ahead of it in the
-ring, which is read in order: 0.15 ms here (p90 0.98 ms), 0.14-0.23 ms in other runs of
-this table's command. What is
+ring, which is read in order: 0.23 ms here against 0.06 ms alone (p90 0.97 ms); on an
+earlier VM of this kind, whose interpreter ran 2.5-3x faster, 0.14-0.23 ms against 0.02 ms
+in runs of this table's command. What is
 left is the caller's Python running five to ten times slower than alone while the big
 op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
 from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
@@ -357,9 +363,9 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.18 ms against
-0.08 ms alone here, 0.27-0.56 ms against 0.08-0.15 ms in other runs. Its slow tail
-(p90 1.5-3 ms) is the two ranks' calls
+it does not wait behind the big op's bytes in the kernel's buffers: 0.93 ms against
+0.23 ms alone here (p10 0.23 ms), 0.18-0.56 ms against 0.08-0.15 ms on the earlier VM.
+Its slow tail (p90 1.5-3 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -369,10 +375,10 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane is an MPI tag of its own, but MPICH lets one thread into the library at a time, and
-the progress thread's calls there move the big op's bytes: the urgent op took 0.60 ms
-here (p10 0.14 ms), 0.29-2.9 ms in earlier runs. Where a host's ranks outnumber its
-cores the MPI transport has
-no lanes (a 4-rank barrier on 2 cores took 0.97 ms with them, 0.67 without). An urgent op
+the progress thread's calls there move the big op's bytes: the urgent op took 2.7 ms
+here against 0.22 ms alone (p10 0.30 ms), 0.29-2.9 ms in earlier runs. Where a host's
+ranks outnumber its cores the MPI transport has no lanes (a 4-rank barrier on 2 cores
+took 0.97 ms with them, 0.67 without). An urgent op
 the loop runs waits behind what MPI has queued to that peer, which is kept to 8 MiB of
 bodies for that reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
 
@@ -392,14 +398,15 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 47.8
-against 27.4 µs at 2 ranks). The cache cuts the cost another 4.5x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 153
+against 91 µs at 2 ranks). The cache cuts the cost another 4.7x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 3.7 µs per op at 2 ranks, 2.8x MPI's `Iallreduce`, and 10.1 µs at
-4 ranks (four processes on two cores), 5.8x (on a 2-core Intel Xeon host, faster per
-core: 2.2 µs and 7.5 µs). It varies with the host more than MPI's does (2.6 to 4.3 µs
-between the 10th and 90th percentiles at 2 ranks): the whole cost is Python on the
+cache and fusion, takes 8.8 µs per op at 2 ranks, 3.1x MPI's `Iallreduce`, and 25.7 µs at
+4 ranks (four processes on two cores), 5.2x. On an earlier VM of the same kind, whose
+interpreter ran 2.5-3x faster (see Environment), it took 3.7 and 10.1 µs, and on a 2-core
+Intel Xeon host 2.2 and 7.5 µs. It varies with the host more than MPI's does (5.6 to 11.5
+µs between the 10th and 90th percentiles at 2 ranks): the whole cost is Python on the
 submitting thread and the cycle thread. Per tensor, the submit takes about 1 µs (a
 tensor whose dtype, op and shape were seen before skips the argument checks and makes
 one new object); the cycle's classification, the fusion copies in and out and the
@@ -410,11 +417,11 @@ completion take about as much again.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.61x (2 ranks) and 0.83x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.13x and 1.28x). Without fusion, each of the 161
-tensors then runs as an engine op of its own behind that wait: 1.15x at 4 ranks, where
-the ops compete for two cores; at 2 ranks the tensors arrive spread out enough that
-running each alone (0.76x) beat fusing the few that a cycle finds together.
+so it finishes within 0.63x (2 ranks) and 1.12x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.15x and 1.42x). Without fusion, each of the 161
+tensors then runs as an engine op of its own behind that wait: 1.40x at 4 ranks, where
+the ops compete for two cores; at 2 ranks running each alone (1.09x) beat fusing the few
+that a cycle finds together.
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
@@ -423,9 +430,8 @@ running each alone (0.76x) beat fusing the few that a cycle finds together.
 
 With all 102 MB ready at once, self-guided mode is faster in every mode. Fusing big
 tensors only adds a copy in and a copy out of every byte. At 2 ranks, negotiated mode
-with fusion off beats it with fusion on (per-tensor 43.8 ms against 57.7). At 4 ranks,
-fusion helps per tensor (140.7 against 166.1 ms) but still trails self-guided grouped
-(97.1).
+with fusion off beats it with fusion on (per-tensor 108.5 ms against 118.4). At 4 ranks
+negotiated per-tensor takes 273.4 ms, self-guided grouped 213.3.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -451,12 +457,14 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
 are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
-the heavy-tailed values is the exception, at 1 % from 2 ranks and at 2 % at 3). The point
+the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
+count and density, 0.60-0.90x; pipelined, at 1 % at 2 and 4 ranks and at 2 % at 2). The
+point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 2.2x at 4 ranks); with a core per rank and a
+cores, so one alltoall is faster here (up to 2.4x at 4 ranks); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
@@ -487,15 +495,14 @@ target is dense's final accuracy less one point.
 
 ![accuracy against epochs and against MB sent per rank](bench/convergence-4.png)
 
-Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 1% (18
-against 9). Ok-Topk at 1% sends 0.076 MB per rank per epoch once its warm-up is over,
-against 0.071 for gTopk and 0.125 for TopkA at the same density, 0.125 for PowerSGD and
-4.07 for dense: 54x less than dense. Its first epoch is the dense warm-up (10 steps, about
-4 MB), which is most of its
-bytes to target; PowerSGD's vanilla start costs the same. On this small model PowerSGD
-at rank 2 trains as well as dense in fewer bytes than Ok-Topk's warm-up plus sparse
-epochs; the sparse methods' volume advantage grows with the model, which the words-per-k
-table above measures.
+Every sparse method reaches the target within 1.5x dense's epochs except gTopk and
+Ok-Topk at 1% (18 and 20 against 9). Ok-Topk at 1% sends 0.076 MB per rank per epoch once
+its warm-up is over, against 0.071 for gTopk and 0.125 for TopkA at the same density,
+0.125 for PowerSGD and 4.07 for dense: 54x less than dense. Its first epoch is the dense
+warm-up (10 steps, about 4 MB), which is most of its bytes to target; PowerSGD's vanilla
+start costs the same. On this small model PowerSGD at rank 2 trains as well as dense in
+fewer bytes than Ok-Topk's warm-up plus sparse epochs; the sparse methods' volume
+advantage grows with the model, which the words-per-k table above measures.
 
 The example itself draws the same run's loss and accuracy with `--plot`:
 `totalrun -np 4 python examples/train_digits.py --epochs 30 --compression oktopk --density
@@ -536,13 +543,13 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a small op costs about 100 µs on this loaded machine, against a few for MPI), so it
-trains at about 0.45x allreduce's rate. With the straggler, removing the bound bought
-1.12x tau = 0's throughput in this run (1.4x and 0.90x in others: the straggler's own
-steps bound the time either way) and cost 0.7 points of accuracy (1.1 and 5.8 in those
-others); bounds of 1 and 4 keep tau = 0's accuracy within 0.3 points. Averaging every 4
-or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's loss costs
-0.62x of tau = 0's throughput without a straggler (a push waits for a second server's
-round trip) and 0.78x with one (the straggler's wait hides part of it).
+trains at about 0.32x allreduce's rate. With the straggler, removing the bound bought
+1.24x tau = 0's throughput in this run (1.12x, 1.4x and 0.90x in others: the straggler's
+own steps bound the time either way) and cost 0.9 points of accuracy (0.7, 1.1 and 5.8 in
+those others); bounds of 1 and 4 keep tau = 0's accuracy within 0.5 points. Averaging
+every 4 or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's
+loss costs 0.58x of tau = 0's throughput without a straggler (a push waits for a second
+server's round trip) and 0.77x with one (the straggler's wait hides part of it).
 
 ## Across hosts
 
@@ -567,9 +574,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.100 s hierarchical at 64 MiB,
-against 0.106 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.18-1.29x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.203 s hierarchical at 64 MiB,
+against 0.188 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.45-1.55x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -587,7 +594,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.4-1.9x) shrinks to 0.9-1.4x in the time to 95 %: they need one to three
+samples/s (1.3-1.6x) turns into 0.7-0.9x in the time to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -747,36 +754,37 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 12.6 us at 2 ranks in the
-  latency table (MPI: 2.6 us), nearly all of it Python per op, even on the express lane;
-  over the MPI transport or sockets, which have no express lane, 44 and 58 us. A
-  barrier takes 12.8 us. A minimal Python exchange of the same two messages through the
-  same rings, with the credit bookkeeping and a header check but none of the API, engine
-  or transport layers above the ring, took 5.8-6.4 us: the rest is those layers' calls. Async
-  small allreduces, which the loop runs, cost about 27 us each self-guided (the `tiny`
-  table). A 4-byte allgather or alltoall is two such exchanges, sizes then data (35-37 us
-  in the 2-rank table, a broadcast 22 us); a repeated one skips its checks and set-up
-  (scheduling/templates.py). Batch small tensors (`grouped_allreduce`, the optimizer's
-  buckets), or run many of them negotiated (fused: see above).
-- The 2-rank table's medians mix the host's two states (see Environment), each backend
-  in its own proportion; its p10 column is the fast state. Allreduce: 1.77x MPI at 1 MB,
-  1.47x at 4 MB, 1.05x at 16 MB (p10: 1.86 against 2.33 ms), 2.8-3.0x from 64 MB. Up to
-  4 MiB it runs on the caller's thread, which cannot lend: in the slow state its ring
-  copies slow it down as MPICH's own copies slow MPICH.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.70x at 1 MB, 0.80x
-  at 4 MB, 0.73-0.88x from 16 MB; alltoall 0.55-0.57x at 1-4 MB rising to 0.92x at
-  256 MB; broadcast 0.66x at 1 MB (p10 0.083 against MPI's 0.081 ms), 0.94-1.02x from
-  4 MB; reducescatter 0.95x at 1 MB, 1.24-1.51x at 4-16 MB, 2.8-3.2x from 64 MB. Per
-  op, Python costs tens of µs, about half of MPI's whole 1 MB call; an allgather or
-  alltoall exchanges sizes before data (about 20 us of a 1 MB alltoall's 120-130 in the
-  fast state, whose copies take 55); and a lent body is one kernel copy, slower per byte
-  than two memcpys through a ring while the cores share a cache, which is where MPICH's
-  (also lent) large messages lose to the ring. Without `out=` allgather and alltoall run
-  at about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result
-  is fresh memory, and the kernel faulting and zeroing it costs about as much as the
-  copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
+- The interpreter: this VM runs Python 2.5-3x slower than an earlier VM of the same kind
+  (see Environment), and the small-op rows follow it, while MPI's C barely moves. The
+  same commit's blocking 8-byte allreduce took 32-36 us here against 12.6 us there.
+- Small messages: a blocking allreduce of a few bytes costs 52.5 us at 2 ranks in the
+  latency table (MPI: 4.1 us), nearly all of it Python per op, even on the express lane;
+  over the MPI transport or sockets, which have no express lane, 168 and 191 us. A
+  barrier takes 60.6 us. Async small allreduces, which the loop runs, cost about 91 us
+  each self-guided (the `tiny` table). A 4-byte allgather or alltoall is two such
+  exchanges, sizes then data (0.14 ms in the 2-rank table, a broadcast 0.08 ms); a
+  repeated one skips its checks and set-up (scheduling/templates.py). Batch small tensors
+  (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
+  see above).
+- The 2-rank table's medians mix the host's states (see Environment), each backend in
+  its own proportion. Allreduce: 1.76x MPI at 1 MB, 1.92x at 4 MB, 1.06x at 16 MB,
+  2.2-2.5x from 64 MB.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.70x at 1 MB, 0.95x
+  at 4 MB, 0.81-0.87x from 16 MB; alltoall 0.41-0.43x at 1-4 MB, 0.38x at 16 MB,
+  0.77-0.79x from 64 MB; broadcast 0.73x at 1 MB, 0.68x at 4 MB, 1.02-1.04x from 16 MB;
+  reducescatter 0.78x at 1-4 MB, 1.13x at 16 MB, 2.9-4.4x from 64 MB. Per op, Python
+  costs tens of µs, a large share of MPI's whole 1 MB call; an allgather or alltoall
+  exchanges sizes before data. The 16 MB alltoall lends its bodies (by size), and in the
+  bench's order its arrays come from glibc's heap (small pages) once earlier ops have
+  freed arrays that big: the kernel copied 2 MiB between two such buffers at 1.3 GB/s,
+  against 9.4-12.9 GB/s where either side was a fresh mmap'd array with huge pages, so
+  the same op took 4.0-4.6 ms in a fresh process and 7.4 ms after a 64 MB allreduce with
+  new arrays. Without `out=` allgather and alltoall run at about 0.5x from 64 MB: above
+  glibc's mmap threshold (32 MB) every call's new result is fresh memory, and the kernel
+  faulting and zeroing it costs about as much as the copies (32 MB into fresh pages:
+  8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.18-0.52x), but for allreduce and reducescatter from 64 MB (1.01-1.44x).
+  host (0.18-0.69x), but for allreduce and reducescatter from 64 MB (1.13-2.22x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.35-0.74x MPI (allreduce 0.39-0.71x,
   allgather and alltoall 0.35-0.56x; the table's 0.17x for a 1 MB broadcast at 16 ranks
   predates 085da09: one ring of fifteen taken for slow sent every such broadcast off the
@@ -793,23 +801,22 @@ either way, 3-13% behind in both.
   reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8
   ranks allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB
   10-38% slower. The log-step algorithms avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.11-0.18 ms (5.6-5.9x MPI's
-  8-byte allreduce and barrier in the latency table, whose p10 is 76-88 us; 0.13-0.19x in
-  the 4-rank table, where every call follows a barrier), and 1-4 MB allreduces run at
-  0.54-0.69x MPI; 16 MB is at 0.98x and 64 MB ahead (2.09x). Every hop waits for a peer
-  to get a core; neither the small path's threshold nor doubling up to 4 or 16 MB did
-  better, nor a spin of 16 looks before each yield (84 -> 96 us for the 8-byte
-  allreduce).
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.15 ms over shared
-  memory against 0.02 ms alone (0.14-0.23 ms in other runs), and 0.18 ms over TCP
-  against 0.08 ms alone (each on its own lane, the preemption section): the caller's
-  Python runs slowly while the big op's copies take the two cores. Over the MPI transport
-  it takes 0.60 ms here and up to 2.9 ms in other runs: MPICH lets one thread in at a
-  time, and the progress thread's calls there move the big op's bytes. An async urgent
-  op, which the loop runs, takes 0.3-0.5 ms over shared memory.
-- The MPI transport adds Python per message: 0.73x MPI's own allreduce at 2 ranks at
-  1 MB, 0.91-1.15x at 4-16 MB, 2.8x from 64 MB; 0.35-0.59x at 4 oversubscribed ranks at
-  1-4 MB, 1.06x at 16 MB.
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.4 ms (7.8x and 9.3x MPI's
+  8-byte allreduce and barrier in the latency table; 0.09-0.18x in the 4-rank table,
+  where every call follows a barrier), and allreduces run at 1.07x MPI at 1 MB, 0.71x at
+  4 MB, 0.96x at 16 MB and 1.83x at 64 MB. Every hop waits for a peer to get a core;
+  neither the small path's threshold nor doubling up to 4 or 16 MB did better, nor a spin
+  of 16 looks before each yield.
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.23 ms over shared
+  memory against 0.06 ms alone, and 0.93 ms over TCP against 0.23 ms alone (each on its
+  own lane, the preemption section): the caller's Python runs slowly while the big op's
+  copies take the two cores. Over the MPI transport it takes 2.7 ms against 0.22 ms
+  alone: MPICH lets one thread in at a time, and the progress thread's calls there move
+  the big op's bytes. Nice +10 on the progress and reduction threads changed nothing
+  over shared memory (0.26-0.29 ms at 0 against 0.27-0.51 ms).
+- The MPI transport adds Python per message: 0.85x MPI's own allreduce at 2 ranks at
+  1 MB, 1.03-1.18x at 4-16 MB, 2.6-2.7x from 64 MB; 0.47-0.67x at 4 oversubscribed ranks
+  at 1-4 MB, 1.02x at 16 MB.
 """]
     PAGE.write_text("".join(parts))
 
