@@ -112,8 +112,8 @@ shared-memory buffer (no totalreduce code) took 14 us to copy it in and 15 us to
 out in the first state, 100-210 us and 50-55 us in the second; the kernel's copy of the
 same bytes from one process to the other (`process_vm_readv`) took 48 us in both. The VM
 behind these tables differs in two ways. Its interpreter runs 2.5-3x slower (a `for`
-loop's iteration takes 95-170 ns, `import torch` 2.5-3 s; the blocking 8-byte allreduce
-of the commit the earlier tables came from took 32-36 us here against 12.6 us there),
+loop's iteration takes 95-170 ns, `import torch` 2.5-3 s; at commit f1aa753 the blocking
+8-byte allreduce took 32-36 us here against 12.6 us there),
 while a two-process ping-pong through shared memory still takes 1.1-1.4 us. And its
 kernel copies a lent body at 4-7 GB/s (512 KiB to 4 MiB, small pages) while plain copies
 run at 25-30 GB/s; between two buffers in glibc's heap it copied 2 MiB at 1.3 GB/s.
@@ -755,8 +755,8 @@ either way, 3-13% behind in both.
 ## Known weak spots
 
 - The interpreter: this VM runs Python 2.5-3x slower than an earlier VM of the same kind
-  (see Environment), and the small-op rows follow it, while MPI's C barely moves. The
-  same commit's blocking 8-byte allreduce took 32-36 us here against 12.6 us there.
+  (see Environment), and the small-op rows follow it, while MPI's C barely moves: at
+  commit f1aa753 the blocking 8-byte allreduce took 32-36 us here against 12.6 us there.
 - Small messages: a blocking allreduce of a few bytes costs 52.5 us at 2 ranks in the
   latency table (MPI: 4.1 us), nearly all of it Python per op, even on the express lane;
   over the MPI transport or sockets, which have no express lane, 168 and 191 us. A
