@@ -378,7 +378,7 @@ class SelfGuided:
                     # Timed from here: submit() may drive the op a while itself.
                     timed = self._slow_rings.timed(finish, slow)
                     return FutureHandle([self._engine.submit(spec)], timed, spec.label)
-            start = time.perf_counter()
+            start = 0.0 if slow is None else time.perf_counter()
             ran = self._engine.run_now(spec)
             if ran is True:
                 if slow is not None:
