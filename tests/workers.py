@@ -117,6 +117,7 @@ def check_collectives(arg: dict) -> None:
                 tr.broadcast_(buf, root_rank=root)
                 assert_same(buf, inputs[root], f"broadcast_ root {root}")
             # reducescatter: lower ranks take the extra rows
+            before = mine.copy()
             for opname in ("Sum", "Max") if dtype == np.bool_ else ("Sum", "Average", "Max"):
                 full = reference_reduce(inputs, opname)
                 b = [0]
@@ -124,6 +125,8 @@ def check_collectives(arg: dict) -> None:
                     b.append(b[-1] + shape[0] // n + (1 if r < shape[0] % n else 0))
                 got = tr.reducescatter(mine, op=OPS[opname])
                 assert_same(got, full[b[rank]:b[rank + 1]], f"reducescatter {opname}")
+                # A blocking reducescatter reads the caller's array in place: never into it.
+                assert_same(mine, before, f"reducescatter {opname} input untouched")
             # alltoall: default even splits, and random splits known to every rank
             rng = np.random.default_rng(seed)
             splits = [rng.multinomial(shape[0], [1 / n] * n) for _ in range(n)]

@@ -34,6 +34,7 @@ from .reducer import reduce_into
 from .schedule import COPY, Recv, Schedule, Send
 from .serving import JoinServer
 from .smallpath import SmallOp, SmallPath, apply_piece, post_data, tell_ready
+from .starter import finish_local
 
 # How long the lane waits for a step's message before the small path takes over (which
 # also turns the loop: sockets, other peers, housekeeping).
@@ -145,10 +146,8 @@ class Express:
                 return self._hand_over(spec, chain, ready, told, 0, posted, True)
             posted += 1
         self._serving.forget(key)
-        if spec.finalize is not None:
-            for lo, hi in chain.local_final:
-                if hi > lo:
-                    spec.finalize(spec.work[lo:hi])
+        if spec.finalize is not None or spec.fresh:
+            finish_local(spec, chain.local_final)
         for peer in chain.tell_first:
             if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
                 return self._hand_over(spec, chain, ready, told, 0, posted, True)
@@ -158,9 +157,10 @@ class Express:
         work = spec.work
         itemsize = work.itemsize
         ufunc = spec.ufunc
-        # A REDUCE piece with nothing to finalize is reduced here, the rest by apply_piece:
-        # on this path every call saved is a share of the op's whole cost.
-        plain = spec.finalize is None
+        # A REDUCE piece with nothing to finalize (or to take from the source) is reduced
+        # here, the rest by apply_piece: on this path every call saved is a share of the
+        # op's whole cost.
+        plain = spec.finalize is None and not spec.fresh
         unpark = self._unpark
         for done, (peer, step, piece, recv) in enumerate(chain.steps):
             record = peek(peer) or self._wait(peer)

@@ -40,7 +40,7 @@ from .payload import OpFuture, OpSpec
 from .reducer import reduce_into
 from .schedule import COPY, Recv, Send
 from .serving import JoinServer
-from .starter import Starter
+from .starter import Starter, finish_local
 
 # A small op with no answer after this long goes on as an ordinary op: the general path's
 # housekeeping (stall warnings, op timeouts) then watches it.
@@ -115,7 +115,13 @@ def apply_piece(spec: OpSpec, recv: Recv, body: memoryview) -> None:
             work[recv.lo:recv.hi].data.cast("B")[:] = body
     else:
         assert spec.ufunc is not None
-        reduce_into(spec.ufunc, work[recv.lo:recv.hi], body)
+        # A buffer that starts undefined (OpSpec.fresh) takes each region's left operand
+        # from the source: a ring reduces into every region once.
+        left = None
+        if spec.fresh:
+            assert spec.source is not None
+            left = spec.source[recv.lo:recv.hi]
+        reduce_into(spec.ufunc, work[recv.lo:recv.hi], body, left)
     if recv.final and spec.finalize is not None and recv.hi > recv.lo:
         spec.finalize(work[recv.lo:recv.hi])
 
@@ -203,13 +209,13 @@ class SmallPath:
         holds the drive lock and has checked the loop's queues)."""
         job = self._job
         ops = self._ops
-        # A schedule whose receives wait on others (Recv.wait), or an op whose buffer
-        # starts undefined (OpSpec.fresh), is a large op's: this path does neither.
+        # A schedule whose receives wait on others (Recv.wait) is a large op's: this path
+        # does not hold pieces back for them.
         key = spec.key
         # Bodies of this very op may have floated in (a peer ahead of us sent them while
         # we ran the op before): run() applies them first.
         if (ops.active or job.broken is not None or job.closing or ops.tracing()
-                or spec.schedule.waits or spec.fresh or not self._floating.only(key)
+                or spec.schedule.waits or not self._floating.only(key)
                 or len(self._mismatches) or self._departures.any()):
             return False
         # OpTable.known, inline (nothing is active here).
@@ -235,9 +241,7 @@ class SmallPath:
             if op.unsent or not self._post(op, send):
                 op.unsent.append(send)
         self._serving.forget(key)
-        for lo, hi in schedule.local_final:
-            if spec.finalize is not None and hi > lo:
-                spec.finalize(spec.work[lo:hi])
+        finish_local(spec, schedule.local_final)
         stuck = bool(op.unsent)
         for peer in schedule.sources:
             if stuck:

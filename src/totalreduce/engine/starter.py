@@ -27,6 +27,17 @@ from .schedule import Recv, Send
 from .serving import JoinServer, Server
 
 
+def finish_local(spec: OpSpec, regions: tuple[tuple[int, int], ...]) -> None:
+    """The regions this rank finishes without a receive (Schedule.local_final): taken from
+    the source where the buffer starts undefined (OpSpec.fresh), then finalized."""
+    for lo, hi in regions:
+        if hi > lo:
+            if spec.fresh:
+                assert spec.source is not None
+                spec.work[lo:hi] = spec.source[lo:hi]
+            if spec.finalize is not None:
+                spec.finalize(spec.work[lo:hi])
+
 class Starter:
     def __init__(self, job: JobState, ops: OpTable, ledger: CreditLedger, outbox: Outbox,
                  floating: Floating, applier: Applier, mismatches: MismatchTracker,
@@ -49,12 +60,7 @@ class Starter:
         op = self._open(spec, future, set())
         if op is None:
             return
-        for lo, hi in spec.schedule.local_final:
-            if spec.fresh and hi > lo:
-                assert spec.source is not None
-                spec.work[lo:hi] = spec.source[lo:hi]
-            if spec.finalize is not None and hi > lo:
-                spec.finalize(spec.work[lo:hi])
+        finish_local(spec, spec.schedule.local_final)
         if self._catch_up(op):
             return
         self._outbox.begin(op)
