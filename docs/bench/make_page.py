@@ -164,10 +164,12 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 ## 16 cores: 4 to 16 ranks
 
 A virtual machine with 16 Intel Xeon cores and one rank per core; MPI is Open MPI 4.1.6
-(its `mpiexec`, mpi4py 4.1.2), gloo is torch 2.11's. The tables come from runs on two
-such machines at two commits (under each table); the machines differed by up to 1.4x in
-our small-op latency, so again compare within a table. Shared-memory rings carry all of
-totalreduce's traffic.
+(its `mpiexec`, mpi4py 4.1.2), gloo is torch 2.11's. The three tables below come from one
+run of `regenerate.py --cores16` at one commit (under each table). Such machines differ
+from one to the next: the same day, at an earlier commit (8750b53), another gave 141 us
+for the 16-rank 8-byte allreduce against this one's 92, and moved 1-16 MB cells by up to
+2x between two runs, MPI's too, so again compare within a table. Shared-memory rings carry
+all of totalreduce's traffic.
 
 Allreduce:
 
@@ -209,9 +211,14 @@ Blocking 8-byte allreduce and barrier:
 
 `{command("cores16-latency")}`
 (`docs/bench/cores16-latency.txt`, timed as in the latency section below). Recursive
-doubling takes `log2 n` steps, each costing a rank tens of microseconds of Python; with
-every core busy the same Python also runs slower (the time from the call to the first
-message posted was 14 us at 2 ranks and 27 us at 16 in a timestamped run).
+doubling takes `log2 n` steps. Timestamps in the express lane (2,000 calls back to back,
+medians, on a machine of this kind that gave 26 us at 2 ranks) put 7.4 us between the
+call and the lane, 6.1 us in posting the first message, and per step 2-3 us waiting for
+the partner's message and 6.9-9.5 us reducing it, freeing its slot and posting the next:
+39 us at 4 ranks. From 8 ranks the waits grow instead: one rank ran every part 40% slower
+than the others (13 against 9 us before the lane), and its partners waited 19-26 us for it
+in each step it took part in (74 us in all). Pinning each rank to a core of its own helped
+little or not at all (103-110 us against 89-95 at 8 ranks, 125-133 against 130-135 at 16).
 
 {table("cores16-latency")[1]}
 
@@ -785,22 +792,22 @@ either way, 3-13% behind in both.
   8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
   host (0.18-0.69x), but for allreduce and reducescatter from 64 MB (1.13-2.22x).
-- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.35-0.74x MPI (allreduce 0.39-0.71x,
-  allgather and alltoall 0.35-0.56x; the table's 0.17x for a 1 MB broadcast at 16 ranks
-  predates 085da09: one ring of fifteen taken for slow sent every such broadcast off the
-  caller's thread to the loop, where now most must be; 200 of them in a loop took
-  0.86-1.07 ms at the median from 085da09, against 2.0-2.2 ms before, interleaved), and a
-  blocking 8-byte allreduce takes 4.4x its 2-rank time at 16 ranks, 22x MPI's: every
-  message costs a rank tens of microseconds of Python. The ring at 16 ranks runs 4 MB
-  several times slower than its bytes call for (allgather 9.0 ms against 3.3 with
-  recursive doubling). Timestamps show each lent 256 KiB piece taking about 50 us to copy
-  out of its sender (5 GB/s), one step after another, and the size exchange taking 0.9-1.0
-  ms (now one message a step); 4 MB ring allgathers took 6.5 ms lent and 2.8 ms with
-  `TOTALREDUCE_CMA_BYTES=0 TOTALREDUCE_SLOW_RING_GBPS=0` in one run. Lending stays on: in
-  another sitting, without it, five of six 16-64 MB cells of allreduce, allgather and
-  reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8
-  ranks allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB
-  10-38% slower. The log-step algorithms avoid the ring where they are chosen.
+- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.32-0.84x MPI (allreduce 0.32-0.80x,
+  allgather 0.46-0.73x, alltoall 0.36-0.53x, broadcast at 16 ranks 0.40-0.52x, reducescatter
+  0.35-0.56x at 1 MB), and a blocking 8-byte allreduce takes 2.5x its 2-rank time at 16
+  ranks and 15x MPI's in the table (3.5x and 21x on another machine of the kind the same
+  day): every step waits for the slowest of its ranks (see the latency table's notes). The
+  ring at 16 ranks runs 4 MB several times slower than its bytes call for (allgather 9.0 ms
+  against 3.3 with recursive doubling). Timestamps show each lent 256 KiB piece taking about
+  50 us to copy out of its sender (5 GB/s), one step after another, and the size exchange
+  taking 0.9-1.0 ms (now one message a step); 4 MB ring allgathers took 6.5 ms lent and 2.8
+  ms with `TOTALREDUCE_CMA_BYTES=0 TOTALREDUCE_SLOW_RING_GBPS=0` in one run. Lending stays
+  on: in another sitting, without it, five of six 16-64 MB cells of allreduce, allgather and
+  reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8 ranks
+  allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB 10-38%
+  slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
+  CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
+  avoid the ring where they are chosen.
 - Oversubscribed ranks (4 on 2 cores): small ops take about 0.4 ms (7.8x and 9.3x MPI's
   8-byte allreduce and barrier in the latency table; 0.09-0.18x in the 4-rank table,
   where every call follows a barrier), and allreduces run at 1.07x MPI at 1 MB, 0.71x at
