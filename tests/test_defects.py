@@ -36,15 +36,17 @@ def test_memory_stays_flat_under_random_sizes_kinds_and_names() -> None:
     # MB up or down whatever a library keeps; a fixed threshold shows what is retained.
     # The warm-up is long for the library's fixed-size caches (schedules, specs; a few
     # hundred entries each) too: after 700 ops they still grew 4-6 MB, after 1500 about
-    # 2.5-3 MB.  1800 ops after it show a leak: with the scratch pool's eviction switched
-    # off every rank grew 7-11 MB, keeping each finished op's handle 325 MB, and even 2
-    # KiB kept per op took every rank past the bound (5.8-6.1 MB).
-    ops, warmup = 3300, 1500
-    result = run_ok(4, "workers:soak", {"seed": 7, "ops": ops, "warmup": warmup},
+    # 2.5-3 MB.  1800 ops after it show a leak.  At 4 ranks, with the scratch pool's
+    # eviction switched off every rank grew 7-11 MB, keeping each finished op's handle
+    # 325 MB, and even 2 KiB kept per op took every rank past the bound (5.8-6.1 MB).  3
+    # ranks (a folded, non-power-of-two world) take 29 s here against 45-48: with a 1 GiB
+    # scratch pool every rank grew 5.5-9.4 MB, with the test's 4 MiB 1.9-2.5 MB.
+    ops, warmup, n = 3300, 1500, 3
+    result = run_ok(n, "workers:soak", {"seed": 7, "ops": ops, "warmup": warmup},
                     env={"TOTALREDUCE_SCRATCH_BYTES": str(4 << 20),
                          "TOTALREDUCE_NAME_CAPACITY": "128",
                          "MALLOC_MMAP_THRESHOLD_": str(64 << 10)}, timeout=240)
-    for r in range(4):
+    for r in range(n):
         got = result.report(r)
         warm, end = got["rss_warm_mb"], got["rss_end_mb"]
         # Unbounded tables grew 130-250 KB per op (230+ MB here); the bounded caches that
