@@ -198,12 +198,21 @@ def test_k_of_one(alg: str) -> None:
     assert _case(result, alg, 2)[0]["volumes"][-1]["k"] == 1
 
 
-@pytest.mark.parametrize("alg", ["oktopk", "topka", "gtopk"])
+SPARSE_OPTIMIZER_ALGS = ["oktopk", "topka", "gtopk"]
+
+
+@pytest.mark.parametrize("alg", SPARSE_OPTIMIZER_ALGS)
 def test_distributed_optimizer_with_a_sparse_compressor(alg: str) -> None:
     pytest.importorskip("torch")
-    result = run_ok(2, "torch_workers:sparse_optimizer", {"alg": alg}, timeout=120)
+    # One job runs every compressor in turn (a torch job's start is most of its cost);
+    # each is judged by its own report.
+    if "optimizer" not in _JOBS:
+        _JOBS["optimizer"] = launch(2, "torch_workers:sparse_optimizer",
+                                    {"algs": SPARSE_OPTIMIZER_ALGS}, timeout=240)
+    result = _JOBS["optimizer"]
     for r in range(2):
-        assert result.report(r).get("sparse_ok"), result.explain()
+        assert result.report(r).get(f"sparse_ok:{alg}"), result.explain()
+    assert result.returncode == 0, result.explain()
 
 
 def test_overlapped_buckets_give_the_weights_of_reducing_at_step() -> None:

@@ -480,18 +480,24 @@ def _assert_same_on_every_rank(model: torch.nn.Module) -> None:
 
 
 def sparse_optimizer(arg: dict) -> None:
-    """DistributedOptimizer with a sparse compressor: every rank ends with the same
-    parameters, the loss falls, and the residuals survive state_dict()."""
+    """DistributedOptimizer with each sparse compressor of ``algs`` in turn (one job, so
+    the ranks import torch once): every rank ends with the same parameters, the loss
+    falls, and the residuals survive state_dict()."""
+    hvd.init()
+    for alg in arg["algs"]:
+        _sparse_optimizer_case(alg)
+        report(**{f"sparse_ok:{alg}": True})
+
+
+def _sparse_optimizer_case(alg: str) -> None:
     import io
 
-
-    hvd.init()
     r, n = hvd.rank(), hvd.size()
     model = _model(0, hidden=64)
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.2),
         named_parameters=model.named_parameters(),
-        compression=getattr(hvd.Compression, arg["alg"])(density=0.05))
+        compression=getattr(hvd.Compression, alg)(density=0.05))
     losses = _fit_one_batch(model, opt, 30, r, n)
     _assert_same_on_every_rank(model)
     assert sum(losses[-5:]) < sum(losses[:5]), losses
@@ -504,7 +510,7 @@ def sparse_optimizer(arg: dict) -> None:
     fresh = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.2),
         named_parameters=model.named_parameters(),
-        compression=getattr(hvd.Compression, arg["alg"])(density=0.05))
+        compression=getattr(hvd.Compression, alg)(density=0.05))
     fresh.load_state_dict(saved)
     before = saved["totalreduce_sparse"]
     after = fresh.state_dict()["totalreduce_sparse"]
@@ -516,7 +522,7 @@ def sparse_optimizer(arg: dict) -> None:
     other = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.2),
         named_parameters=model.named_parameters(), bucket_bytes=1024,
-        compression=getattr(hvd.Compression, arg["alg"])(density=0.05))
+        compression=getattr(hvd.Compression, alg)(density=0.05))
     assert other._layout() != fresh._layout()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -524,7 +530,6 @@ def sparse_optimizer(arg: dict) -> None:
     assert any("residuals were saved with other gradient buckets" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
     assert other.state_dict()["totalreduce_sparse"] == {}
-    report(sparse_ok=True, first=losses[0], last=losses[-1])
 
 
 def overlap_matches_step(arg: dict) -> None:
