@@ -38,6 +38,7 @@ def finish_local(spec: OpSpec, regions: tuple[tuple[int, int], ...]) -> None:
             if spec.finalize is not None:
                 spec.finalize(spec.work[lo:hi])
 
+
 class Starter:
     def __init__(self, job: JobState, ops: OpTable, ledger: CreditLedger, outbox: Outbox,
                  floating: Floating, applier: Applier, mismatches: MismatchTracker,
