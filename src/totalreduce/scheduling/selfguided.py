@@ -388,12 +388,11 @@ class SelfGuided:
                 return FutureHandle([ran], finish, spec.label)
         return FutureHandle([self._engine.submit(spec)], finish, spec.label)
 
-    def _fresh_source(self, arr: np.ndarray, inplace: bool,
-                      direct: int | None = None) -> np.ndarray | None:
+    def _fresh_source(self, arr: np.ndarray, inplace: bool, direct: int
+                      ) -> np.ndarray | None:
         """The input itself, where an op may read it instead of a copy of it: more than
-        ``direct`` bytes (DIRECT_BYTES by default), not in place, contiguous, whose caller
-        waits for it (so it cannot change the input meanwhile, as an async caller could)."""
-        direct = self._direct_bytes if direct is None else direct
+        ``direct`` bytes, not in place, contiguous, whose caller waits for it (so it cannot
+        change the input meanwhile, as an async caller could)."""
         if (inplace or arr.nbytes <= direct or not arr.flags.c_contiguous
                 or not self._engine.waits_here()):
             return None
