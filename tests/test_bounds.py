@@ -150,6 +150,8 @@ def test_gathering_and_broadcast_plans_stay_bounded(small_world) -> None:
         got, splits = tr.alltoall(x, name="a")
         assert got.tolist() == x.tolist() and splits.tolist() == [rows]
         assert tr.broadcast(x, root_rank=0, name="b").tolist() == x.tolist()
+        assert tr.allgather(x, name="s", same_shape=True).tolist() == x.tolist()
     stats = rt.collectives.stats()
     assert stats["gather_plans"] == GATHER_PLANS, stats
+    assert stats["same_shape_plans"] == GATHER_PLANS, stats
     assert stats["broadcast_plans"] <= 1024, stats

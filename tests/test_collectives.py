@@ -156,8 +156,14 @@ def test_gathering_ops_write_into_out(mode: str) -> None:
                     env={"TOTALREDUCE_COORDINATION": mode})
     for r in range(3):
         got = result.report(r)
-        assert got["checked"] == 14, result.explain()
+        assert got["checked"] == 14 + 20, result.explain()
         errors = got["errors"]
+        # same_shape=True on some ranks only, or with another shape: every rank fails
+        # the op, naming what differs; splits with it fail at once.
+        assert "differs: same_shape" in errors["flag"], errors
+        assert "differs: shape" in errors["shape"], errors
+        assert "rank 1: kind=allgather, dtype=float32, shape=(3, 3)" in errors["shape"], errors
+        assert "takes no splits" in errors["splits"], errors
         assert "out must be a float32 array" in errors["dtype"], errors
         assert "must not overlap" in errors["overlap"], errors
         if r == 1:

@@ -447,8 +447,9 @@ def results_into_out(arg: dict) -> None:
         assert got is back and list(recv) == [splits[r][rank] for r in range(n)]
         assert_same(back, np.concatenate(want), f"alltoall out {np.dtype(dtype)}")
         checked += 2
+    checked += same_shape_gathers(rank, n)
     x = np.ones((2, 3), np.float32)
-    errors = {}
+    errors = same_shape_mistakes(rank, n)
     for what, call in (("dtype", lambda: tr.allgather(x, name="bad", out=np.empty((2 * n, 3)))),
                        ("overlap", lambda: tr.alltoall(x, name="bad2", out=x))):
         try:
@@ -464,6 +465,67 @@ def results_into_out(arg: dict) -> None:
     assert_same(tr.allreduce(np.ones(1), op=tr.Sum, name="after"), np.full(1, float(n)), "after")
     tr.shutdown()
     report(checked=checked, errors=errors)
+
+
+def same_shape_gathers(rank: int, n: int) -> int:
+    """allgather and alltoall with same_shape=True (no size exchange) against numpy:
+    every dtype, empty and odd blocks, uneven splits, into out= or not; even ranks submit
+    the allgather first, odd ranks the alltoall, and wait for both."""
+    checked = 0
+    for i, dtype in enumerate(DTYPES):
+        rows = (3 * i) % 7  # 0 first: an empty block
+        blocks = [data(200 + i, r, (rows, 3), dtype) for r in range(n)]
+        m = 2 * i + 1  # odd: the even split gives the lower ranks a row more
+        sent = [data(300 + i, r, (m, 2), dtype) for r in range(n)]
+        counts = [m // n + (1 if d < m % n else 0) for d in range(n)]
+        cut = [0, *np.cumsum(counts).tolist()]
+        mine = cut[rank + 1] - cut[rank]
+        gathered = np.full((rows * n, 3), 7, dtype) if i % 2 else None
+        back = np.full((mine * n, 2), 7, dtype) if i % 3 else None
+
+        h_swap = None
+        if rank % 2:
+            h_swap = tr.alltoall_async(sent[rank], name=f"same.a2a.{i}", out=back,
+                                       same_shape=True)
+        h_gather = tr.allgather_async(blocks[rank], name=f"same.ag.{i}", out=gathered,
+                                      same_shape=True)
+        if h_swap is None:
+            h_swap = tr.alltoall_async(sent[rank], name=f"same.a2a.{i}", out=back,
+                                       same_shape=True)
+        got = h_gather.wait()
+        assert gathered is None or got is gathered, "same_shape allgather out"
+        assert_same(got, np.concatenate(blocks), f"same_shape allgather {np.dtype(dtype)}")
+        got, recv = h_swap.wait()
+        assert back is None or got is back, "same_shape alltoall out"
+        assert list(recv) == [mine] * n, (list(recv), mine)
+        assert_same(got, np.concatenate([s[cut[rank]:cut[rank + 1]] for s in sent]),
+                     f"same_shape alltoall {np.dtype(dtype)}")
+        # Blocking, and again (a repeat runs from the kept plan).
+        for rep in range(2):
+            assert_same(tr.allgather(blocks[rank], name="same.ag", same_shape=True),
+                        np.concatenate(blocks), f"same_shape allgather blocking {rep}")
+        checked += 2
+    return checked
+
+
+def same_shape_mistakes(rank: int, n: int) -> dict[str, str]:
+    """What each rank gets when rank 1 alone leaves same_shape off, when rank 1 alone
+    passes another shape with it, and when every rank gives an alltoall splits too."""
+    errors: dict[str, str] = {}
+    cases = (("flag", np.ones((2, 3), np.float32), rank != 1),
+             ("shape", np.ones((3 if rank == 1 else 2, 3), np.float32), True))
+    for what, x, same in cases:
+        try:
+            tr.allgather(x, name=f"mixed.{what}", same_shape=same)
+            errors[what] = ""
+        except tr.MismatchError as exc:
+            errors[what] = str(exc)
+    try:
+        tr.alltoall(np.ones((n, 2)), splits=[1] * n, name="mixed.splits", same_shape=True)
+        errors["splits"] = ""
+    except ValueError as exc:
+        errors["splits"] = str(exc)
+    return errors
 
 
 def ready_messages(arg: dict) -> None:

@@ -237,7 +237,8 @@ def grouped_allreduce_(xs: Sequence[np.ndarray], op: ReduceOp = Average,
 
 
 def allgather_async(x: Any, name: str | None = None, priority: int = 0,
-    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
+    same_shape: bool = False) -> Handle:
     """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ).
 
     ``out``: a writable C-contiguous array of ``x``'s dtype and trailing dimensions, with
@@ -245,19 +246,24 @@ def allgather_async(x: Any, name: str | None = None, priority: int = 0,
     torch's ``all_gather_into_tensor`` and MPI's receive buffer.  A big result in a new
     array costs its pages' first touch on every call, about as much as the copies.
 
+    ``same_shape=True``: every rank passes it and an ``x`` of the same shape (as
+    MPI_Allgather's equal counts), so no rank needs to learn the others' rows first: the
+    call skips that exchange, a round trip (half a small gather's time).  A rank that
+    passes another shape or flag makes the call fail on every rank (MismatchError).
+
     Raises:
         ValueError: ``out`` does not fit (its rows only once the others' are known: the
             call then completes for every rank and raises on this one).
     """
-    return _ops(process_set, "allgather").allgather(x, name, priority, out)
+    return _ops(process_set, "allgather").allgather(x, name, priority, out, same_shape)
 
 
 def allgather(x: Any, name: str | None = None, priority: int = 0,
-    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None
-              ) -> np.ndarray:
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
+              same_shape: bool = False) -> np.ndarray:
     ops = _ops(process_set, "allgather")
     with ops.caller_waits():
-        return ops.allgather(x, name, priority, out).wait()
+        return ops.allgather(x, name, priority, out, same_shape).wait()
 
 
 def broadcast_async(x: Any, root_rank: int, name: str | None = None,
@@ -295,27 +301,31 @@ def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
 
 def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
                    priority: int = 0,
-    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
+    same_shape: bool = False) -> Handle:
     """Send rows ``splits[i]`` of ``x`` (along axis 0) to rank ``i``.
 
     ``splits=None`` divides the rows as evenly as possible, lower ranks taking the extra
     rows.  ``wait()`` returns ``(output, received_splits)``.  ``out``: as allgather's
-    (the received rows go there; it must not overlap ``x``).
+    (the received rows go there; it must not overlap ``x``).  ``same_shape=True``: as
+    allgather's (MPI_Alltoall's equal counts), with ``splits=None``: every rank then
+    receives as many rows from each rank as it sends itself.
 
     Raises:
         ValueError: ``splits`` is not one non-negative count per rank summing to
-            ``x.shape[0]``, or ``out`` does not fit.
+            ``x.shape[0]`` (or given with ``same_shape=True``), or ``out`` does not fit.
     """
-    return _ops(process_set, "alltoall").alltoall(x, splits, name, priority, out)
+    return _ops(process_set, "alltoall").alltoall(x, splits, name, priority, out,
+                                                  same_shape)
 
 
 def alltoall(x: Any, splits: Any = None, name: str | None = None,
              priority: int = 0,
-    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
+             same_shape: bool = False) -> tuple[np.ndarray, np.ndarray]:
     ops = _ops(process_set, "alltoall")
     with ops.caller_waits():
-        return ops.alltoall(x, splits, name, priority, out).wait()
+        return ops.alltoall(x, splits, name, priority, out, same_shape).wait()
 
 
 def reducescatter_async(x: Any, op: ReduceOp = Average, name: str | None = None,

@@ -80,16 +80,18 @@ class TotalReduceBackend(Backend):
         if op == "allreduce":
             return lambda: tr.allreduce_(x, op=tr.Sum, name="bench")
         # Results go into arrays made once, as MPI's do: a new big array a call costs its
-        # pages' first touch, as much as the copies (both kinds are in the API).
+        # pages' first touch, as much as the copies (both kinds are in the API).  Every
+        # rank's block has the same size, as MPI_Allgather and MPI_Alltoall are told
+        # (same_shape=True): no size exchange.
         if op == "allgather":
             part = x[: count // self.size]
             gathered = np.empty(part.size * self.size, np.float32)
-            return lambda: tr.allgather(part, name="bench", out=gathered)
+            return lambda: tr.allgather(part, name="bench", out=gathered, same_shape=True)
         if op == "broadcast":
             return lambda: tr.broadcast_(x, root_rank=0, name="bench")
         if op == "alltoall":
             swapped = np.empty_like(x)
-            return lambda: tr.alltoall(x, name="bench", out=swapped)
+            return lambda: tr.alltoall(x, name="bench", out=swapped, same_shape=True)
         if op == "reducescatter":
             return lambda: tr.reducescatter(x, op=tr.Sum, name="bench")
         raise ValueError(op)

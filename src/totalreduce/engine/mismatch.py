@@ -12,7 +12,8 @@ from typing import Any
 
 from ..exceptions import MismatchError
 
-_FIELDS = ("kind", "dtype", "shape", "op", "root", "count", "splits", "algorithm")
+_FIELDS = ("kind", "dtype", "shape", "same_shape", "op", "root", "count", "splits",
+           "algorithm")
 _MAX_DESC = 64 << 10
 # Kinds whose views show the whole shape while the ranks agree on all but its first
 # dimension.
@@ -37,10 +38,13 @@ class MismatchRecord:
             v.get("partial") for v in self.views.values())
 
     def error(self, rank: int, op_name: str) -> MismatchError:
+        views = self.views.values()
+        # Rows may differ unless every rank said its shape is the others' (same_shape).
+        ragged = any(v.get("kind") in _RAGGED for v in views) and not all(
+            v.get("same_shape") for v in views)
         differing = [f for f in _FIELDS
-                     if len({json.dumps(_compared(f, v), sort_keys=True)
-                             for v in self.views.values() if f in v}) > 1]
-        ragged = any(v.get("kind") in _RAGGED for v in self.views.values())
+                     if len({json.dumps(_compared(f, v, ragged), sort_keys=True)
+                             for v in views if f in v}) > 1]
         lines = [f"rank {rank}: ranks disagree on {self.label}"
                  + (f" (differs: {', '.join(differing)})" if differing else "") + ":"]
         for r in sorted(self.views):
@@ -60,13 +64,16 @@ class MismatchRecord:
         lines.append("Every rank must call the same collectives, with the same names, "
                      "shapes, dtypes and arguments, in a matching sequence."
                      + (" Only the first dimension may differ between ranks." if ragged
-                        else ""))
+                        else "")
+                     + (" With same_shape=True every rank passes it, and the same shape."
+                        if any(v.get("same_shape") for v in views) else ""))
         return MismatchError(op_name, "\n".join(lines))
 
 
-def _compared(field: str, view: dict[str, Any]) -> Any:
+def _compared(field: str, view: dict[str, Any], ragged: bool) -> Any:
     value = view.get(field)
-    if field == "shape" and view.get("kind") in _RAGGED and isinstance(value, list):
+    if (field == "shape" and ragged and view.get("kind") in _RAGGED
+            and isinstance(value, list)):
         return value[1:]
     return value
 

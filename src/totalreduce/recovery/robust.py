@@ -222,19 +222,19 @@ class Robust:
             x, root_rank, name, priority, inplace), x if inplace else None)
 
     def allgather(self, x: Any, name: str | None, priority: int,
-                  out: Any = None) -> Handle:
-        return self._call("allgather", name, lambda s: s.allgather(x, name, priority, out),
-                          into=out)
+                  out: Any = None, same_shape: bool = False) -> Handle:
+        return self._call("allgather", name,
+                          lambda s: s.allgather(x, name, priority, out, same_shape), into=out)
 
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
         return self._call("reducescatter", name,
                           lambda s: s.reducescatter(x, op, name, priority))
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
-                 out: Any = None) -> Handle:
+                 out: Any = None, same_shape: bool = False) -> Handle:
         return self._call("alltoall", name,
-                          lambda s: s.alltoall(x, splits, name, priority, out), pair=True,
-                          into=out)
+                          lambda s: s.alltoall(x, splits, name, priority, out, same_shape),
+                          pair=True, into=out)
 
     def barrier(self) -> Handle:
         return self._call("barrier", None, lambda s: s.barrier(), nothing=True)

@@ -147,6 +147,14 @@ def check_out_rows(out: np.ndarray | None, rows: int, rank: int, kind: str,
                          f"the result has {rows}")
 
 
+def check_same_shape_splits(splits: Any, name: str | None) -> None:
+    """An alltoall told that every rank passes the same shape divides its rows evenly:
+    only then does each rank know what the others send it."""
+    if splits is not None:
+        raise ValueError(f"{what('alltoall', name)}: same_shape=True divides the rows "
+                         f"evenly; it takes no splits (got {splits!r})")
+
+
 def check_reducescatter(x: Any, op: Any, name: str | None) -> tuple[ReduceOp, np.ndarray]:
     rop = as_reduce_op(op)
     arr = check_rows(x, "reducescatter", name)

@@ -378,9 +378,10 @@ class Controller:
             elif kind == "broadcast":
                 handle = ops.broadcast(arr, root, name, prio, request.inplace)
             elif kind == "allgather":
-                handle = ops.allgather(arr, name, prio, request.out)
+                handle = ops.allgather(arr, name, prio, request.out, request.same_shape)
             elif kind == "alltoall":
-                handle = ops.alltoall(arr, request.splits, name, prio, request.out)
+                handle = ops.alltoall(arr, request.splits, name, prio, request.out,
+                                      request.same_shape)
             elif kind == "reducescatter":
                 handle = ops.reducescatter(arr, op, name, prio)
             else:

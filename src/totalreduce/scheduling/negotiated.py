@@ -30,6 +30,7 @@ from .checks import (
     check_out,
     check_reducescatter,
     check_rows,
+    check_same_shape_splits,
 )
 from .controller import Controller
 from .handle import FutureHandle, Handle
@@ -75,10 +76,11 @@ class Negotiated:
 
     def _request(self, kind: str, name: str | None, arr: np.ndarray | None, op: int = -1,
                  root: int = -1, inplace: bool = False, priority: int = 0,
-                 splits: Any = None, out: np.ndarray | None = None) -> Request:
+                 splits: Any = None, out: np.ndarray | None = None,
+                 same_shape: bool = False) -> Request:
         """The request, submitted: it is also the handle the caller waits on."""
         request = Request(self._name(kind, name), params_of(kind, arr, op, root), arr,
-                          inplace, priority, splits, out)
+                          inplace, priority, splits, out, same_shape)
         self._controller.submit(request)
         return request
 
@@ -116,17 +118,20 @@ class Negotiated:
         return self._request("reducescatter", name, arr, int(rop), priority=priority)
 
     def allgather(self, x: Any, name: str | None, priority: int,
-                  out: np.ndarray | None = None) -> Handle:
+                  out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
         arr = check_rows(x, "allgather", name)
         check_out(out, arr, "allgather", name)
-        return self._request("allgather", name, arr, priority=priority, out=out)
+        return self._request("allgather", name, arr, priority=priority, out=out,
+                             same_shape=same_shape)
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
-                 out: np.ndarray | None = None) -> Handle:
+                 out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
+        if same_shape:
+            check_same_shape_splits(splits, name)
         arr, _rows = check_alltoall(x, splits, name, self.size)
         check_out(out, arr, "alltoall", name)
         return self._request("alltoall", name, arr, priority=priority, splits=splits,
-                             out=out)
+                             out=out, same_shape=same_shape)
 
     def barrier(self) -> Handle:
         return self._request("barrier", None, None)

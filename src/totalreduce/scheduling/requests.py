@@ -70,10 +70,11 @@ class Request(OpFuture, Handle):
     tensor, since a training step may submit thousands of tiny ones."""
 
     __slots__ = ("name", "params", "kind", "array", "inplace", "priority", "splits",
-                 "out", "result", "t_submit", "t_ready")
+                 "out", "same_shape", "result", "t_submit", "t_ready")
 
     def __init__(self, name: str, params: Params, array: np.ndarray | None, inplace: bool,
-                 priority: int, splits: Any = None, out: np.ndarray | None = None) -> None:
+                 priority: int, splits: Any = None, out: np.ndarray | None = None,
+                 same_shape: bool = False) -> None:
         # OpFuture's fields, set here rather than through super().__init__(): one call
         # less for each tiny tensor.  No waiter: the cycle thread does the work, so a
         # waiting thread sleeps.
@@ -90,6 +91,7 @@ class Request(OpFuture, Handle):
         self.priority = priority
         self.splits = splits
         self.out = out  # allgather and alltoall: where the result goes (out=)
+        self.same_shape = same_shape  # allgather and alltoall: every rank's shape alike
         self.result: Any = array if inplace else None
         self.t_submit = time.monotonic()
         self.t_ready = 0.0

@@ -42,12 +42,20 @@ from .checks import (
     check_out_rows,
     check_reducescatter,
     check_rows,
+    check_same_shape_splits,
 )
 from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, averager
 from .slow_rings import SlowRingChoice
-from .templates import GATHER_PLANS, GatherPlan, OpTemplate, broadcast_key, gather_key
+from .templates import (
+    GATHER_PLANS,
+    GatherPlan,
+    OpTemplate,
+    SamePlan,
+    broadcast_key,
+    gather_key,
+)
 from .thresholds import LENT_WHEN_SLOW, REDUCE_LEND_BYTES, direct_ring_bytes
 
 _UNNAMED = "\x00unnamed"
@@ -105,7 +113,8 @@ def _gathering_views(kind: str, arr: np.ndarray
     """What ranks agree on for an allgather or alltoall (all but the rows) and what a
     mismatch shows of this rank's call (its whole shape), made only when not cached."""
     def view() -> dict[str, Any]:
-        return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape[1:])}
+        return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape[1:]),
+                "same_shape": False}
 
     def shown() -> dict[str, Any]:
         return dict(view(), shape=list(arr.shape))
@@ -169,6 +178,7 @@ class SelfGuided:
         # allgathers' and alltoalls' plans, by gather_key.
         self._broadcasts: LRU[tuple[Any, ...], tuple[OpTemplate, int]] = LRU(_SPEC_CACHE)
         self._gathers: LRU[tuple[Any, ...], GatherPlan] = LRU(GATHER_PLANS)
+        self._same: LRU[tuple[Any, ...], SamePlan] = LRU(GATHER_PLANS)
         self._slow_rings = SlowRingChoice()
 
     def close(self) -> None:
@@ -185,6 +195,7 @@ class SelfGuided:
             return {"names": len(self._names), "name_evictions": self._names.evictions,
                     "specs": len(self._known), "sigs": len(self._sigs),
                     "small_plans": len(self._small), "gather_plans": len(self._gathers),
+                    "same_shape_plans": len(self._same),
                     "broadcast_plans": len(self._broadcasts)}
 
     # --- identity ---------------------------------------------------------------------
@@ -598,7 +609,9 @@ class SelfGuided:
                 self._gathers.put(key, plan)
 
     def allgather(self, x: Any, name: str | None, priority: int,
-                  out: np.ndarray | None = None) -> Handle:
+                  out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
+        if same_shape:
+            return self._gather_same("allgather", x, None, name, priority, out)
         key = gather_key("allgather", x, name, out)
         plan = self._gather_plan(key)
         arr: np.ndarray = x
@@ -674,7 +687,9 @@ class SelfGuided:
         return FutureHandle([future], finish, label)
 
     def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
-                 out: np.ndarray | None = None) -> Handle:
+                 out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
+        if same_shape:
+            return self._gather_same("alltoall", x, splits, name, priority, out)
         key = gather_key("alltoall", x, name, out, splits)
         plan = self._gather_plan(key)
         n, rank = self.size, self.rank
@@ -738,6 +753,78 @@ class SelfGuided:
 
         return self._phases(first, second, finish, label, self._direct_ring,
                             LENT_WHEN_SLOW)
+
+    def _gather_same(self, kind: str, x: Any, splits: Any, name: str | None, priority: int,
+                     out: np.ndarray | None) -> Handle:
+        """An allgather or alltoall whose ranks all pass the same shape: every rank's
+        block has this rank's rows, so the data goes at once, without the sizes phase
+        (as MPI_Allgather and MPI_Alltoall, whose counts are the caller's).  It keeps the
+        call's first identity and a view of its own, so a rank that runs the two phases
+        meanwhile, or passes another shape, fails the op on every rank as a mismatch."""
+        key = gather_key(kind + "\x00same", x, name, out, splits)
+        plan = None
+        if key is not None:
+            with self._lock:
+                plan = self._same.get(key)
+        n, rank = self.size, self.rank
+        arr: np.ndarray = x
+        if plan is None:
+            if kind == "alltoall":
+                check_same_shape_splits(splits, name)
+                arr, send_rows = check_alltoall(x, None, name, n)
+                recv_rows = np.full(n, send_rows[rank], np.int64)
+            else:
+                arr = check_rows(x, kind, name)
+                send_rows = recv_rows = np.full(n, arr.shape[0], np.int64)
+            check_out(out, arr, kind, name)
+        else:
+            check_apart(out, arr, kind, name)
+            recv_rows = plan.recv_rows
+        ident = self._ident(kind, name)
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        if plan is None:
+            row = math.prod(arr.shape[1:])
+            sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
+        else:
+            sb, rb = plan.send, plan.recv
+        rows = n * int(recv_rows[0])
+        buf = _result_buffer(out, rows, rb[-1], arr.dtype)
+        if kind == "allgather":  # the whole input is this rank's block
+            buf[rb[rank]:rb[rank + 1]] = flat
+            source = None
+        else:
+            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
+            source = flat
+        if plan is not None:
+            spec = plan.template.spec(ident.key, ident.label, buf, priority, self._members,
+                                      source)
+        else:
+            def view() -> dict[str, Any]:
+                return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),
+                        "same_shape": True}
+
+            if kind == "allgather":
+                schedule, algorithm = self._algorithms.allgather(rb, arr.dtype)
+                spec = self._spec(ident, _with_algorithm(view, algorithm), arr.dtype, rb[-1],
+                                  schedule, buf, priority,
+                                  (kind, arr.dtype, arr.shape, "same", algorithm))
+            else:
+                spec = self._spec(ident, view, arr.dtype, 0,
+                                  self._algorithms.alltoall(sb, rb, arr.dtype), buf,
+                                  priority, (kind, arr.dtype, arr.shape, "same"),
+                                  source=source)
+            if key is not None:
+                with self._lock:
+                    self._same.put(key, SamePlan(OpTemplate(spec), sb, rb, recv_rows))
+
+        def finish() -> Any:
+            check_out_rows(out, rows, rank, kind, name)
+            got = buf.reshape((rows, *arr.shape[1:])) if out is None else out
+            return got if kind == "allgather" else (got, recv_rows.copy())
+
+        if kind == "allgather":  # as the two phases' data (allgather, alltoall)
+            return self._launch(spec, finish, self._direct_ring, self._direct_bytes + 1)
+        return self._launch(spec, finish, self._direct_ring, LENT_WHEN_SLOW)
 
     # --- join -----------------------------------------------------------------------
 

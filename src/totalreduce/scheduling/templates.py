@@ -76,6 +76,21 @@ class GatherPlan:
         self._data.put(rows, (template, send, recv))
 
 
+class SamePlan:
+    """A gathering op whose ranks all pass the same shape (``same_shape=True``): one
+    phase, the data's, whose template and block bounds follow from this rank's shape.
+    ``recv_rows``: the rows from each rank (read only)."""
+
+    __slots__ = ("template", "send", "recv", "recv_rows")
+
+    def __init__(self, template: OpTemplate, send: tuple[int, ...], recv: tuple[int, ...],
+                 recv_rows: np.ndarray) -> None:
+        self.template = template
+        self.send = send
+        self.recv = recv
+        self.recv_rows = recv_rows
+
+
 def gather_key(kind: str, x: Any, name: Any, out: Any, splits: Any = None
                ) -> tuple[Any, ...] | None:
     """What decides every check of an allgather or alltoall call and its plan but the
