@@ -58,8 +58,9 @@ def allgather_object(obj: Any, name: str | None = None,
     base = "allgather_object" if name is None else name
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
     size = np.array([payload.size], np.int64)
-    lengths = _wait(lambda ops: ops.allgather(size, f"{base}.len", 0), process_set,
-                    "allgather_object")
+    # One length a rank (same_shape): no exchange of sizes before the lengths.
+    lengths = _wait(lambda ops: ops.allgather(size, f"{base}.len", 0, None, True),
+                    process_set, "allgather_object")
     data = _wait(lambda ops: ops.allgather(payload, f"{base}.data", 0), process_set,
                  "allgather_object")
     out: list[Any] = []
