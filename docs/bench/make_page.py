@@ -98,9 +98,11 @@ the experiments behind the defaults, are in `docs/dev/perf-log.md`.
 
 A virtual machine with 2 cores and no GPU; every rank on the same host, so same-host
 transports (shared-memory rings, MPICH's shared memory) carry all traffic. Every table
-but the 16-core ones comes from one run of `regenerate.py` at one commit on such a
-machine with AMD EPYC cores; the 16-core tables come from machines with 16 Intel Xeon
-cores, at the commits named under them. Compare ratios within a table, not absolute
+but the 16-core ones and the 2-rank collectives table comes from one run of
+`regenerate.py` at one commit on such a machine with AMD EPYC cores; the 2-rank
+collectives table from `regenerate.py --only collectives-2` on the same machine, at the
+commit its bench printed (below); the 16-core tables come from machines with 16 Intel
+Xeon cores, at the commits named under them. Compare ratios within a table, not absolute
 times across tables. The 2-rank collectives table's bench printed:
 
     {env.removeprefix("environment: ")}
@@ -139,6 +141,10 @@ between the states.
   totalreduce's in-place forms (`allreduce_`, `broadcast_`) and `out=` (allgather,
   alltoall). Reducescatter returns a new array (its result is a slice of the op's own
   buffer).
+- Every rank's block has the same size, as MPI's `Allgather` and `Alltoall` and gloo's
+  `all_gather_into_tensor` and `all_to_all_single` require; totalreduce's allgather and
+  alltoall are told so (`same_shape=True`) and skip the exchange of sizes. The 16-core
+  tables, from commits before that option, measured gathers that exchanged sizes first.
 
 ## Collectives, 2 ranks
 
@@ -768,30 +774,31 @@ either way, 3-13% behind in both.
   latency table (MPI: 4.1 us), nearly all of it Python per op, even on the express lane;
   over the MPI transport or sockets, which have no express lane, 168 and 191 us. A
   barrier takes 60.6 us. Async small allreduces, which the loop runs, cost about 91 us
-  each self-guided (the `tiny` table). A 4-byte allgather or alltoall is two such
-  exchanges, sizes then data (0.14 ms in the 2-rank table, a broadcast 0.08 ms); a
-  repeated one skips its checks and set-up (scheduling/templates.py). Batch small tensors
-  (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated (fused:
-  see above).
+  each self-guided (the `tiny` table). An allgather or alltoall whose ranks' rows may
+  differ is two such exchanges, sizes then data (a 4-byte one about 0.14 ms here);
+  `same_shape=True` makes it one (0.088 and 0.096 ms in the 2-rank table, a broadcast
+  0.078 ms). A repeated one skips its checks and set-up (scheduling/templates.py).
+  Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
+  negotiated (fused: see above).
 - The 2-rank table's medians mix the host's states (see Environment), each backend in
-  its own proportion. Allreduce: 1.76x MPI at 1 MB, 1.92x at 4 MB, 1.06x at 16 MB,
-  2.2-2.5x from 64 MB.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.70x at 1 MB, 0.95x
-  at 4 MB, 0.81-0.87x from 16 MB; alltoall 0.41-0.43x at 1-4 MB, 0.38x at 16 MB,
-  0.77-0.79x from 64 MB; broadcast 0.73x at 1 MB, 0.68x at 4 MB, 1.02-1.04x from 16 MB;
-  reducescatter 0.78x at 1-4 MB, 1.13x at 16 MB, 2.9-4.4x from 64 MB. Per op, Python
-  costs tens of µs, a large share of MPI's whole 1 MB call; an allgather or alltoall
-  exchanges sizes before data. The 16 MB alltoall lends its bodies (by size), and in the
-  bench's order its arrays come from glibc's heap (small pages) once earlier ops have
-  freed arrays that big: the kernel copied 2 MiB between two such buffers at 1.3 GB/s,
-  against 9.4-12.9 GB/s where either side was a fresh mmap'd array with huge pages, so
-  the same op took 4.0-4.6 ms in a fresh process and 7.4 ms after a 64 MB allreduce with
-  new arrays. Without `out=` allgather and alltoall run at about 0.5x from 64 MB: above
-  glibc's mmap threshold (32 MB) every call's new result is fresh memory, and the kernel
-  faulting and zeroing it costs about as much as the copies (32 MB into fresh pages:
-  8 ms; into reused ones: 4.6 ms).
+  its own proportion. Allreduce: 1.11x MPI at 1 MB, 0.97x at 4 MB, 0.84x at 16 MB,
+  2.39-2.63x from 64 MB (there MPICH's allreduce moves 1.3 GB/s, against 2.9-3.7 GB/s
+  at 1-16 MB; ours 3.2-3.5 GB/s).
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.84x at 1 MB, 0.94x
+  at 4 MB, 0.85-0.95x from 16 MB; alltoall 0.39-0.44x at 1-4 MB, 0.84-0.87x from 16 MB;
+  broadcast 0.63x at 1 MB, 0.50x at 4 MB, 0.74-0.90x from 16 MB; reducescatter 0.93x at
+  1 MB, 1.13x at 4 MB, 1.39x at 16 MB, 2.8-2.9x from 64 MB. Per op, Python costs tens of
+  µs, a large share of MPI's whole 1 MB call. The 16 MB alltoall lends its bodies (by
+  size), and in the bench's order its arrays come from glibc's heap (small pages) once
+  earlier ops have freed arrays that big: the kernel copied 2 MiB between two such
+  buffers at 1.3 GB/s, against 9.4-12.9 GB/s where either side was a fresh mmap'd array
+  with huge pages, so the same op took 4.0-4.6 ms in a fresh process and 7.4 ms after a
+  64 MB allreduce with new arrays. Without `out=` allgather and alltoall run at about
+  0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is fresh
+  memory, and the kernel faulting and zeroing it costs about as much as the copies (32 MB
+  into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.18-0.69x), but for allreduce and reducescatter from 64 MB (1.13-2.22x).
+  host (0.19-0.92x), but for reducescatter from 64 MB (1.37-1.40x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.32-0.84x MPI (allreduce 0.32-0.80x,
   allgather 0.46-0.73x, alltoall 0.36-0.53x, broadcast at 16 ranks 0.40-0.52x, reducescatter
   0.35-0.56x at 1 MB), and a blocking 8-byte allreduce takes 2.5x its 2-rank time at 16
@@ -821,8 +828,8 @@ either way, 3-13% behind in both.
   alone: MPICH lets one thread in at a time, and the progress thread's calls there move
   the big op's bytes. Nice +10 on the progress and reduction threads changed nothing
   over shared memory (0.26-0.29 ms at 0 against 0.27-0.51 ms).
-- The MPI transport adds Python per message: 0.85x MPI's own allreduce at 2 ranks at
-  1 MB, 1.03-1.18x at 4-16 MB, 2.6-2.7x from 64 MB; 0.47-0.67x at 4 oversubscribed ranks
+- The MPI transport adds Python per message: 0.58x MPI's own allreduce at 2 ranks at
+  1 MB, 0.73x at 4 MB, 1.01x at 16 MB, 2.3-2.5x from 64 MB; 0.47-0.67x at 4 oversubscribed ranks
   at 1-4 MB, 1.02x at 16 MB.
 """]
     PAGE.write_text("".join(parts))
