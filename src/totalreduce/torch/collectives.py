@@ -377,9 +377,10 @@ def _adasum_allreduce(staged: list[Staged], sources: list[np.ndarray], name: str
     for source in sources:
         _adasum.check_dtype(source.dtype, what)
 
+    # Every rank's row has the same length (same_shape): no exchange of sizes first.
     def gather(source: np.ndarray, part: str | None) -> Any:
         return _live_names.submit(part, what, lambda: _ops().allgather(
-            source.reshape(1, -1), part, priority))
+            source.reshape(1, -1), part, priority, None, True))
 
     # A grouped call's parts are named as grouped_allgather's are (name.0, name.1, ...).
     handle: Any = _Together([gather(s, _part_name(name, i)) for i, s in enumerate(sources)],
