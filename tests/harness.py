@@ -63,6 +63,12 @@ class Result:
         """What rank ``rank`` reported (reporting.py); empty if it reported nothing."""
         return self.reports.get(rank, {})
 
+    def part(self, name: str) -> Result:
+        """This job's result as seen by its part ``name`` (torch_workers.shared): the
+        reports that part made, the job's exit and output."""
+        return Result(self.returncode, self.stdout, self.stderr, self.elapsed,
+                      {r: rep.get(name, {}) for r, rep in self.reports.items()})
+
     def lines(self, rank: int) -> list[str]:
         out = []
         for ln in (self.stdout + self.stderr).splitlines():

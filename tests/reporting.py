@@ -20,13 +20,21 @@ def rank() -> int:
     return 0
 
 
+# Set by a job that runs several workers in turn (torch_workers.shared): each one's
+# reports go under its part's name, so that parts that report the same field keep apart.
+section: str | None = None
+
+
 def report(**fields: Any) -> None:
     folder = os.environ.get("WORKER_REPORT_DIR")
     if not folder:
         return  # run by hand: nobody is reading
     path = Path(folder) / f"{rank()}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
-    data.update(fields)
+    if section is None:
+        data.update(fields)
+    else:
+        data[section] = {**data.get(section, {}), **fields}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)

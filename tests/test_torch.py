@@ -14,35 +14,81 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 pytestmark = pytest.mark.multiprocess
 
 
+# 1 KiB buckets: gradients of 256 bytes and more are reduced in their own .grad
+# (torch/buckets.py), the smaller ones in a bucket.
+EQUIVALENCE_CASES = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
+                     {"bucket": 1024, "momentum": True}, {"bucket": 1024, "passes": 2},
+                     {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
+SCRIPT = {"path": str(HERE / "horovod_script.py")}
+
+# The checks at each world size share one job (torch_workers.shared): a torch job's
+# start, its imports, takes several seconds of CPU a rank.  The Horovod script runs
+# first, the joins last.
+SHARED = {
+    2: [["script", "horovod_script", SCRIPT], ["collectives", "collectives", {}],
+        ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
+        ["overlap", "overlap", {}], ["first_use", "first_use", {}],
+        ["parity", "horovod_parity", {}], ["ddp_hook", "ddp_hook", {}],
+        ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}]],
+    3: [["collectives", "collectives", {}], ["parity", "horovod_parity", {}],
+        ["model_mismatch", "model_mismatch", {}], ["unused_and_join", "unused_and_join", {}]],
+    4: [["script", "horovod_script", SCRIPT],
+        ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
+        ["parity", "horovod_parity", {"only": ["adasum"]}],
+        ["unused_and_join", "unused_and_join", {}]],
+}
+
+
+def _shared_job(n: int) -> Result:
+    return run_ok(n, "torch_workers:shared", {"parts": SHARED[n]}, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def shared2() -> Result:
+    return _shared_job(2)
+
+
+@pytest.fixture(scope="module")
+def shared3() -> Result:
+    return _shared_job(3)
+
+
+@pytest.fixture(scope="module")
+def shared4() -> Result:
+    return _shared_job(4)
+
+
+def _shared(request: pytest.FixtureRequest, n: int, part: str) -> Result:
+    """Part ``part`` of the shared job of ``n`` ranks."""
+    return request.getfixturevalue(f"shared{n}").part(part)
+
+
 @pytest.mark.parametrize("n", [2, 3])
-def test_collectives_on_tensors(n: int) -> None:
-    result = run_ok(n, "torch_workers:collectives", {}, timeout=90)
+def test_collectives_on_tensors(request: pytest.FixtureRequest, n: int) -> None:
+    result = _shared(request, n, "collectives")
     for r in range(n):
         assert result.report(r).get("collectives_ok"), result.explain()
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_training_matches_one_process_with_the_whole_batch(n: int) -> None:
-    # 1 KiB buckets: gradients of 256 bytes and more are reduced in their own .grad
-    # (torch/buckets.py), the smaller ones in a bucket.
-    cases = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
-             {"bucket": 1024, "momentum": True}, {"bucket": 1024, "passes": 2},
-             {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
-    result = run_ok(n, "torch_workers:equivalence", {"cases": cases}, timeout=100)
+def test_training_matches_one_process_with_the_whole_batch(request: pytest.FixtureRequest,
+                                                           n: int) -> None:
+    result = _shared(request, n, "equivalence")
     for r in range(n):
         done = [k for k in result.report(r) if k.startswith("equivalent")]
-        assert len(done) == len(cases), result.explain()
+        assert len(done) == len(EQUIVALENCE_CASES), result.explain()
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_horovod_script_runs_with_only_the_import_changed(n: int) -> None:
-    result = run_ok(n, "torch_workers:horovod_script",
-                    {"path": str(HERE / "horovod_script.py")}, timeout=100)
+def test_horovod_script_runs_with_only_the_import_changed(request: pytest.FixtureRequest,
+                                                          n: int) -> None:
+    result = run_ok(1, "torch_workers:horovod_script", SCRIPT, timeout=100) if n == 1 \
+        else _shared(request, n, "script")
     assert any(ln.startswith(f"done: {n} ranks") for ln in result.lines(0)), result.explain()
 
 
-def test_reduction_overlaps_backward() -> None:
-    result = run_ok(2, "torch_workers:overlap", {}, timeout=90)
+def test_reduction_overlaps_backward(request: pytest.FixtureRequest) -> None:
+    result = _shared(request, 2, "overlap")
     assert result.report(0).get("overlap_early") == 4, result.explain()
 
 
@@ -62,19 +108,20 @@ def test_autotune_tries_bucket_sizes_and_overlap_and_every_rank_keeps_one(
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_unused_parameter_and_uneven_join(n: int) -> None:
-    result = run_ok(n, "torch_workers:unused_and_join", {}, timeout=60)
+def test_unused_parameter_and_uneven_join(request: pytest.FixtureRequest, n: int) -> None:
+    result = _shared(request, n, "unused_and_join")
     for r in range(n):
         assert result.report(r).get("unused_and_join_ok") == n - 2, result.explain()
 
 
-def test_collective_other_than_allreduce_after_join_fails_loudly() -> None:
-    result = run_ok(2, "torch_workers:joined_rank_refuses", {}, timeout=60)
+def test_collective_other_than_allreduce_after_join_fails_loudly(shared2: Result) -> None:
+    result = shared2.part("joined")
     assert "join()" in result.report(1).get("refused", ""), result.explain()
 
 
-def test_model_that_differs_on_one_rank_names_the_parameter_everywhere() -> None:
-    result = run_ok(3, "torch_workers:model_mismatch", {}, timeout=60)
+def test_model_that_differs_on_one_rank_names_the_parameter_everywhere(shared3: Result
+                                                                         ) -> None:
+    result = shared3.part("model_mismatch")
     for r in range(3):
         msg = result.report(r).get("mismatch", "")
         assert "parameter '0.weight' differs" in msg and "rank 1: (17, 8) float32" in msg, \
@@ -86,8 +133,8 @@ def test_misuse_gets_clear_errors() -> None:
     assert result.report(0).get("misuse_ok"), result.explain()
 
 
-def test_ddp_comm_hook_under_totalrun_matches_gloo() -> None:
-    result = run_ok(2, "torch_workers:ddp_hook", {}, timeout=90)
+def test_ddp_comm_hook_under_totalrun_matches_gloo(shared2: Result) -> None:
+    result = shared2.part("ddp_hook")
     assert result.report(0).get("ddp_hook_ok"), result.explain()
 
 
@@ -98,9 +145,9 @@ def test_cuda_tensors_are_staged_through_host_memory() -> None:
 
 
 @pytest.fixture(scope="module")
-def first_use() -> Result:
-    """One 2-rank job for the checks of a new user's first steps (torch_workers.first_use)."""
-    return run_ok(2, "torch_workers:first_use", {}, timeout=90)
+def first_use(shared2: Result) -> Result:
+    """The checks of a new user's first steps (torch_workers.first_use)."""
+    return shared2.part("first_use")
 
 
 def test_collectives_are_differentiable(first_use: Result) -> None:
@@ -142,9 +189,9 @@ def test_launcher_names_the_rank_that_raised_in_its_ddp_hook() -> None:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
 def parity(request: pytest.FixtureRequest) -> Result:
-    """One job per world size for the Horovod parity checks (torch_workers.horovod_parity),
-    3 ranks catching what only an odd world shows (uneven splits, Adasum's folded rank)."""
-    return run_ok(request.param, "torch_workers:horovod_parity", {}, timeout=150)
+    """The Horovod parity checks (torch_workers.horovod_parity) at each world size, 3 ranks
+    catching what only an odd world shows (uneven splits, Adasum's folded rank)."""
+    return _shared(request, request.param, "parity")
 
 
 def _ranks(result: Result) -> range:
@@ -203,8 +250,8 @@ def test_adasum_matches_the_numpy_reference(parity: Result) -> None:
         assert parity.report(r).get("adasum") == ADASUM_CASES, parity.explain()
 
 
-def test_adasum_at_4_ranks_two_tree_levels() -> None:
-    result = run_ok(4, "torch_workers:horovod_parity", {"only": ["adasum"]}, timeout=90)
+def test_adasum_at_4_ranks_two_tree_levels(shared4: Result) -> None:
+    result = shared4.part("parity")
     for r in range(4):
         assert result.report(r).get("adasum") == ADASUM_CASES, result.explain()
 

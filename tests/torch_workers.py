@@ -772,6 +772,29 @@ def ddp_errors(arg: dict) -> None:
         opt.step()
 
 
+def shared(arg: dict) -> None:
+    """Several workers in turn in one job, ``arg["parts"]`` as [name, worker, its arg]
+    (a torch job's start, four seconds of imports a rank, is most of its cost): each
+    reports under its name (``Result.part``), in the one world they share (the workers'
+    own init() is a no-op here), and one that fails on a rank stops every rank there
+    (checks.run_checks)."""
+    import reporting
+    from checks import run_checks
+
+    def part(name: str, worker: str, worker_arg: dict) -> tuple[str, Any]:
+        def run() -> None:
+            reporting.section = name
+            try:
+                globals()[worker](worker_arg)
+            finally:
+                reporting.section = None
+        return name, run
+
+    hvd.init()
+    run_checks([part(*p) for p in arg["parts"]], prefix="shared")
+    hvd.barrier()
+
+
 def first_use(arg: dict) -> None:
     """One job for the checks above that share it: gradients and 0-d tensors, then DDP
     with buckets that differ between ranks."""
