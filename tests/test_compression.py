@@ -201,31 +201,36 @@ def test_k_of_one(alg: str) -> None:
 SPARSE_OPTIMIZER_ALGS = ["oktopk", "topka", "gtopk"]
 
 
+def _torch_job() -> Result:
+    """The torch checks here, in one 2-rank job (a torch job's start, its imports, is most
+    of its cost), each part judged by its own report (torch_workers.shared)."""
+    pytest.importorskip("torch")
+    if "torch" not in _JOBS:
+        parts = [["optimizer", "sparse_optimizer", {"algs": SPARSE_OPTIMIZER_ALGS}],
+                 ["overlap", "overlap_matches_step", {}], ["hook", "sparse_ddp_hook", {}],
+                 ["small", "sparse_small_buckets_whole", {}]]
+        _JOBS["torch"] = launch(2, "torch_workers:shared", {"parts": parts}, timeout=240)
+    return _JOBS["torch"]
+
+
 @pytest.mark.parametrize("alg", SPARSE_OPTIMIZER_ALGS)
 def test_distributed_optimizer_with_a_sparse_compressor(alg: str) -> None:
-    pytest.importorskip("torch")
-    # One job runs every compressor in turn (a torch job's start is most of its cost);
-    # each is judged by its own report.
-    if "optimizer" not in _JOBS:
-        _JOBS["optimizer"] = launch(2, "torch_workers:sparse_optimizer",
-                                    {"algs": SPARSE_OPTIMIZER_ALGS}, timeout=240)
-    result = _JOBS["optimizer"]
+    job = _torch_job()
+    result = job.part("optimizer")
     for r in range(2):
         assert result.report(r).get(f"sparse_ok:{alg}"), result.explain()
-    assert result.returncode == 0, result.explain()
+    assert job.returncode == 0, result.explain()
 
 
 def test_overlapped_buckets_give_the_weights_of_reducing_at_step() -> None:
-    pytest.importorskip("torch")
-    result = run_ok(2, "torch_workers:overlap_matches_step", {}, timeout=150)
+    result = _torch_job().part("overlap")
     for r in range(2):
         for label in ("none", "oktopk", "topka", "gtopk"):
             assert f"same:{label}" in result.report(r), result.explain()
 
 
 def test_oktopk_ddp_hook() -> None:
-    pytest.importorskip("torch")
-    result = run_ok(2, "torch_workers:sparse_ddp_hook", {}, timeout=120)
+    result = _torch_job().part("hook")
     assert result.report(0).get("hook_ok"), result.explain()
 
 
@@ -274,7 +279,6 @@ def test_sparse_state_round_trip_keeps_the_velocity() -> None:
 
 
 def test_a_sparse_compression_reduces_small_buckets_whole() -> None:
-    pytest.importorskip("torch")
-    result = run_ok(2, "torch_workers:sparse_small_buckets_whole", {}, timeout=120)
+    result = _torch_job().part("small")
     for r in range(2):
         assert result.report(r).get("small_whole"), result.explain()

@@ -183,35 +183,47 @@ def test_stalled_cached_tensor_is_reported_too() -> None:
     assert "not (yet) by rank(s) [1]" in got["error"], got
 
 
-def test_torch_training_matches_one_process_in_negotiated_mode() -> None:
+TRAINING_CASES = [{}, {"momentum": True}, {"fp16": True}]
+
+
+@pytest.fixture(scope="module")
+def torch_job() -> Result:
+    """The 2-rank torch checks in negotiated mode, in one job (torch_workers.shared: a
+    torch job's start is most of its cost); the Horovod script first, the joins last."""
     pytest.importorskip("torch")
-    cases = [{}, {"momentum": True}, {"fp16": True}]
-    result = run_ok(2, "torch_workers:equivalence", {"cases": cases}, env=NEGOTIATED,
-                    timeout=120)
+    script = {"path": str(Path(__file__).resolve().parent / "horovod_script.py")}
+    parts = [["script", "horovod_script", script],
+             ["equivalence", "equivalence", {"cases": TRAINING_CASES}],
+             ["unused_and_join", "unused_and_join", {}],
+             ["joined", "joined_rank_refuses", {}]]
+    return run_ok(2, "torch_workers:shared", {"parts": parts}, env=NEGOTIATED, timeout=240)
+
+
+def test_torch_training_matches_one_process_in_negotiated_mode(torch_job: Result) -> None:
+    result = torch_job.part("equivalence")
     for r in range(2):
         done = [k for k in result.report(r) if k.startswith("equivalent")]
-        assert len(done) == len(cases), result.explain()
+        assert len(done) == len(TRAINING_CASES), result.explain()
 
 
-def test_horovod_script_runs_in_negotiated_mode() -> None:
-    pytest.importorskip("torch")
-    here = Path(__file__).resolve().parent
-    result = run_ok(2, "torch_workers:horovod_script",
-                    {"path": str(here / "horovod_script.py")}, env=NEGOTIATED, timeout=120)
-    assert any(ln.startswith("done: 2 ranks") for ln in result.lines(0)), result.explain()
+def test_horovod_script_runs_in_negotiated_mode(torch_job: Result) -> None:
+    assert any(ln.startswith("done: 2 ranks") for ln in torch_job.lines(0)), \
+        torch_job.explain()
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_uneven_join_in_negotiated_mode(n: int) -> None:
+def test_uneven_join_in_negotiated_mode(request: pytest.FixtureRequest, n: int) -> None:
     pytest.importorskip("torch")
-    result = run_ok(n, "torch_workers:unused_and_join", {}, env=NEGOTIATED, timeout=90)
+    if n == 2:
+        result = request.getfixturevalue("torch_job").part("unused_and_join")
+    else:
+        result = run_ok(n, "torch_workers:unused_and_join", {}, env=NEGOTIATED, timeout=90)
     for r in range(n):
         assert result.report(r).get("unused_and_join_ok") == n - 2, result.explain()
 
 
-def test_broadcast_after_join_fails_loudly_in_negotiated_mode() -> None:
-    pytest.importorskip("torch")
-    result = run_ok(2, "torch_workers:joined_rank_refuses", {}, env=NEGOTIATED, timeout=60)
+def test_broadcast_after_join_fails_loudly_in_negotiated_mode(torch_job: Result) -> None:
+    result = torch_job.part("joined")
     assert "join()" in result.report(1).get("refused", ""), result.explain()
 
 
