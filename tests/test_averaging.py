@@ -4,6 +4,7 @@ real ranks."""
 import pytest
 
 from harness import run_ok
+from shared_jobs import shared_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -11,7 +12,7 @@ pytestmark = pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, 4])
 def test_periodic_averaging(n: int) -> None:
     pytest.importorskip("torch")
-    result = run_ok(n, "torch_workers:averaging", {}, timeout=150)
+    result = shared_job(n).part("averaging")
     for r in range(n):
         got = result.report(r)
         assert got.get("ok"), result.explain()

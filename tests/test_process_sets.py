@@ -3,6 +3,7 @@
 import pytest
 
 from harness import run_ok
+from shared_jobs import shared_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,5 +29,5 @@ def test_process_sets_run_their_own_collectives_and_refuse_outsiders() -> None:
 
 def test_distributed_optimizer_on_process_sets() -> None:
     pytest.importorskip("torch")
-    result = run_ok(4, "torch_workers:process_set_training", {}, timeout=180)
+    result = shared_job(4).part("process_sets")
     assert all(result.report(r).get("ok") for r in range(4)), result.explain()

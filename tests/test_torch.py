@@ -7,59 +7,31 @@ from pathlib import Path
 
 import pytest
 
-from harness import HERE, Result, launch, run_ok
+from harness import Result, launch, run_ok
+from shared_jobs import EQUIVALENCE_CASES, SCRIPT, shared_job
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 pytestmark = pytest.mark.multiprocess
 
 
-# 1 KiB buckets: gradients of 256 bytes and more are reduced in their own .grad
-# (torch/buckets.py), the smaller ones in a bucket.
-EQUIVALENCE_CASES = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
-                     {"bucket": 1024, "momentum": True}, {"bucket": 1024, "passes": 2},
-                     {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
-SCRIPT = {"path": str(HERE / "horovod_script.py")}
-
-# The checks at each world size share one job (torch_workers.shared): a torch job's
-# start, its imports, takes several seconds of CPU a rank.  The Horovod script runs
-# first, the joins last.
-SHARED = {
-    2: [["script", "horovod_script", SCRIPT], ["collectives", "collectives", {}],
-        ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
-        ["overlap", "overlap", {}], ["first_use", "first_use", {}],
-        ["parity", "horovod_parity", {}], ["ddp_hook", "ddp_hook", {}],
-        ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}]],
-    3: [["collectives", "collectives", {}], ["parity", "horovod_parity", {}],
-        ["model_mismatch", "model_mismatch", {}], ["unused_and_join", "unused_and_join", {}]],
-    4: [["script", "horovod_script", SCRIPT],
-        ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
-        ["parity", "horovod_parity", {"only": ["adasum"]}],
-        ["unused_and_join", "unused_and_join", {}]],
-}
-
-
-def _shared_job(n: int) -> Result:
-    return run_ok(n, "torch_workers:shared", {"parts": SHARED[n]}, timeout=240)
-
-
 @pytest.fixture(scope="module")
 def shared2() -> Result:
-    return _shared_job(2)
+    return shared_job(2)
 
 
 @pytest.fixture(scope="module")
 def shared3() -> Result:
-    return _shared_job(3)
+    return shared_job(3)
 
 
 @pytest.fixture(scope="module")
 def shared4() -> Result:
-    return _shared_job(4)
+    return shared_job(4)
 
 
 def _shared(request: pytest.FixtureRequest, n: int, part: str) -> Result:
-    """Part ``part`` of the shared job of ``n`` ranks."""
+    """Part ``part`` of the shared job of ``n`` ranks (shared_jobs.py)."""
     return request.getfixturevalue(f"shared{n}").part(part)
 
 

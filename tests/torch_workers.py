@@ -776,8 +776,8 @@ def shared(arg: dict) -> None:
     """Several workers in turn in one job, ``arg["parts"]`` as [name, worker, its arg]
     (a torch job's start, four seconds of imports a rank, is most of its cost): each
     reports under its name (``Result.part``), in the one world they share (the workers'
-    own init() is a no-op here), and one that fails on a rank stops every rank there
-    (checks.run_checks)."""
+    own init() is a no-op here; after one that shuts down, the ranks start a new one),
+    and one that fails on a rank stops every rank there (checks.run_checks)."""
     import reporting
     from checks import run_checks
 
@@ -788,6 +788,8 @@ def shared(arg: dict) -> None:
                 globals()[worker](worker_arg)
             finally:
                 reporting.section = None
+                if not hvd.is_initialized():  # a worker that ends with shutdown()
+                    hvd.init()
         return name, run
 
     hvd.init()

@@ -1,0 +1,40 @@
+"""The torch checks of several test modules, one job per world size, run once per session
+(torch_workers.shared): a torch job's start, its imports, takes several seconds of CPU a
+rank, most of what each check's own job took.  ``shared_job(n).part(name)`` is part
+``name``'s result."""
+
+from __future__ import annotations
+
+from harness import HERE, Result, run_ok
+
+# 1 KiB buckets: gradients of 256 bytes and more are reduced in their own .grad
+# (torch/buckets.py), the smaller ones in a bucket.
+EQUIVALENCE_CASES = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
+                     {"bucket": 1024, "momentum": True}, {"bucket": 1024, "passes": 2},
+                     {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
+SCRIPT = {"path": str(HERE / "horovod_script.py")}
+
+# The Horovod script runs first, the joins last.
+PARTS = {
+    2: [["script", "horovod_script", SCRIPT], ["collectives", "collectives", {}],
+        ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
+        ["overlap", "overlap", {}], ["first_use", "first_use", {}],
+        ["parity", "horovod_parity", {}], ["ddp_hook", "ddp_hook", {}],
+        ["averaging", "averaging", {}],
+        ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}]],
+    3: [["collectives", "collectives", {}], ["parity", "horovod_parity", {}],
+        ["model_mismatch", "model_mismatch", {}], ["unused_and_join", "unused_and_join", {}]],
+    4: [["script", "horovod_script", SCRIPT],
+        ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
+        ["parity", "horovod_parity", {"only": ["adasum"]}],
+        ["averaging", "averaging", {}], ["process_sets", "process_set_training", {}],
+        ["unused_and_join", "unused_and_join", {}]],
+}
+
+_JOBS: dict[int, Result] = {}
+
+
+def shared_job(n: int) -> Result:
+    if n not in _JOBS:
+        _JOBS[n] = run_ok(n, "torch_workers:shared", {"parts": PARTS[n]}, timeout=270)
+    return _JOBS[n]
