@@ -13,6 +13,7 @@ EQUIVALENCE_CASES = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
                      {"bucket": 1024, "momentum": True}, {"bucket": 1024, "passes": 2},
                      {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
 SCRIPT = {"path": str(HERE / "horovod_script.py")}
+SPARSE_OPTIMIZER_ALGS = ["oktopk", "topka", "gtopk"]
 
 # The Horovod script runs first, the joins last.
 PARTS = {
@@ -21,6 +22,9 @@ PARTS = {
         ["overlap", "overlap", {}], ["first_use", "first_use", {}],
         ["parity", "horovod_parity", {}], ["ddp_hook", "ddp_hook", {}],
         ["averaging", "averaging", {}],
+        ["sparse_optimizer", "sparse_optimizer", {"algs": SPARSE_OPTIMIZER_ALGS}],
+        ["sparse_overlap", "overlap_matches_step", {}], ["sparse_hook", "sparse_ddp_hook", {}],
+        ["sparse_small", "sparse_small_buckets_whole", {}],
         ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}]],
     3: [["collectives", "collectives", {}], ["parity", "horovod_parity", {}],
         ["model_mismatch", "model_mismatch", {}], ["unused_and_join", "unused_and_join", {}]],

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from harness import Result, launch, run_ok
+from shared_jobs import SPARSE_OPTIMIZER_ALGS, shared_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -198,39 +199,28 @@ def test_k_of_one(alg: str) -> None:
     assert _case(result, alg, 2)[0]["volumes"][-1]["k"] == 1
 
 
-SPARSE_OPTIMIZER_ALGS = ["oktopk", "topka", "gtopk"]
-
-
-def _torch_job() -> Result:
-    """The torch checks here, in one 2-rank job (a torch job's start, its imports, is most
-    of its cost), each part judged by its own report (torch_workers.shared)."""
+def _torch_part(name: str) -> Result:
+    """Part ``name`` of the shared 2-rank torch job (shared_jobs.py)."""
     pytest.importorskip("torch")
-    if "torch" not in _JOBS:
-        parts = [["optimizer", "sparse_optimizer", {"algs": SPARSE_OPTIMIZER_ALGS}],
-                 ["overlap", "overlap_matches_step", {}], ["hook", "sparse_ddp_hook", {}],
-                 ["small", "sparse_small_buckets_whole", {}]]
-        _JOBS["torch"] = launch(2, "torch_workers:shared", {"parts": parts}, timeout=240)
-    return _JOBS["torch"]
+    return shared_job(2).part(name)
 
 
 @pytest.mark.parametrize("alg", SPARSE_OPTIMIZER_ALGS)
 def test_distributed_optimizer_with_a_sparse_compressor(alg: str) -> None:
-    job = _torch_job()
-    result = job.part("optimizer")
+    result = _torch_part("sparse_optimizer")
     for r in range(2):
         assert result.report(r).get(f"sparse_ok:{alg}"), result.explain()
-    assert job.returncode == 0, result.explain()
 
 
 def test_overlapped_buckets_give_the_weights_of_reducing_at_step() -> None:
-    result = _torch_job().part("overlap")
+    result = _torch_part("sparse_overlap")
     for r in range(2):
         for label in ("none", "oktopk", "topka", "gtopk"):
             assert f"same:{label}" in result.report(r), result.explain()
 
 
 def test_oktopk_ddp_hook() -> None:
-    result = _torch_job().part("hook")
+    result = _torch_part("sparse_hook")
     assert result.report(0).get("hook_ok"), result.explain()
 
 
@@ -279,6 +269,6 @@ def test_sparse_state_round_trip_keeps_the_velocity() -> None:
 
 
 def test_a_sparse_compression_reduces_small_buckets_whole() -> None:
-    result = _torch_job().part("small")
+    result = _torch_part("sparse_small")
     for r in range(2):
         assert result.report(r).get("small_whole"), result.explain()
