@@ -17,6 +17,7 @@ SPARSE_OPTIMIZER_ALGS = ["oktopk", "topka", "gtopk"]
 
 # The Horovod script runs first, the joins last.
 PARTS = {
+    1: [["script", "horovod_script", SCRIPT], ["misuse", "misuse", {}]],
     2: [["script", "horovod_script", SCRIPT], ["collectives", "collectives", {}],
         ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
         ["overlap", "overlap", {}], ["first_use", "first_use", {}],

@@ -8,11 +8,16 @@ from pathlib import Path
 import pytest
 
 from harness import Result, launch, run_ok
-from shared_jobs import EQUIVALENCE_CASES, SCRIPT, shared_job
+from shared_jobs import EQUIVALENCE_CASES, shared_job
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def shared1() -> Result:
+    return shared_job(1)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +59,7 @@ def test_training_matches_one_process_with_the_whole_batch(request: pytest.Fixtu
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_horovod_script_runs_with_only_the_import_changed(request: pytest.FixtureRequest,
                                                           n: int) -> None:
-    result = run_ok(1, "torch_workers:horovod_script", SCRIPT, timeout=100) if n == 1 \
-        else _shared(request, n, "script")
+    result = _shared(request, n, "script")
     assert any(ln.startswith(f"done: {n} ranks") for ln in result.lines(0)), result.explain()
 
 
@@ -100,8 +104,8 @@ def test_model_that_differs_on_one_rank_names_the_parameter_everywhere(shared3: 
             result.explain()
 
 
-def test_misuse_gets_clear_errors() -> None:
-    result = run_ok(1, "torch_workers:misuse", {}, timeout=60)
+def test_misuse_gets_clear_errors(shared1: Result) -> None:
+    result = shared1.part("misuse")
     assert result.report(0).get("misuse_ok"), result.explain()
 
 
