@@ -6,7 +6,8 @@ name.  Unnamed ops all share one name and one counter, so they match when every 
 the same calls in the same order — and a rank that skips or swaps a call is caught as a
 mismatch instead of hanging.  Collectives whose sizes are not known everywhere
 (allgather, alltoall) run as two ops, sizes first; both identities are taken at call time
-so later calls cannot overtake them.
+so later calls cannot overtake them.  A caller that says every rank passes the same shape
+(``same_shape=True``) makes them one op.
 """
 
 from __future__ import annotations
