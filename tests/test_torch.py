@@ -15,56 +15,29 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def shared1() -> Result:
-    return shared_job(1)
-
-
-@pytest.fixture(scope="module")
-def shared2() -> Result:
-    return shared_job(2)
-
-
-@pytest.fixture(scope="module")
-def shared3() -> Result:
-    return shared_job(3)
-
-
-@pytest.fixture(scope="module")
-def shared4() -> Result:
-    return shared_job(4)
-
-
-def _shared(request: pytest.FixtureRequest, n: int, part: str) -> Result:
-    """Part ``part`` of the shared job of ``n`` ranks (shared_jobs.py)."""
-    return request.getfixturevalue(f"shared{n}").part(part)
-
-
 @pytest.mark.parametrize("n", [2, 3])
-def test_collectives_on_tensors(request: pytest.FixtureRequest, n: int) -> None:
-    result = _shared(request, n, "collectives")
+def test_collectives_on_tensors(n: int) -> None:
+    result = shared_job(n).part("collectives")
     for r in range(n):
         assert result.report(r).get("collectives_ok"), result.explain()
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_training_matches_one_process_with_the_whole_batch(request: pytest.FixtureRequest,
-                                                           n: int) -> None:
-    result = _shared(request, n, "equivalence")
+def test_training_matches_one_process_with_the_whole_batch(n: int) -> None:
+    result = shared_job(n).part("equivalence")
     for r in range(n):
         done = [k for k in result.report(r) if k.startswith("equivalent")]
         assert len(done) == len(EQUIVALENCE_CASES), result.explain()
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_horovod_script_runs_with_only_the_import_changed(request: pytest.FixtureRequest,
-                                                          n: int) -> None:
-    result = _shared(request, n, "script")
+def test_horovod_script_runs_with_only_the_import_changed(n: int) -> None:
+    result = shared_job(n).part("script")
     assert any(ln.startswith(f"done: {n} ranks") for ln in result.lines(0)), result.explain()
 
 
-def test_reduction_overlaps_backward(request: pytest.FixtureRequest) -> None:
-    result = _shared(request, 2, "overlap")
+def test_reduction_overlaps_backward() -> None:
+    result = shared_job(2).part("overlap")
     assert result.report(0).get("overlap_early") == 4, result.explain()
 
 
@@ -84,33 +57,32 @@ def test_autotune_tries_bucket_sizes_and_overlap_and_every_rank_keeps_one(
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_unused_parameter_and_uneven_join(request: pytest.FixtureRequest, n: int) -> None:
-    result = _shared(request, n, "unused_and_join")
+def test_unused_parameter_and_uneven_join(n: int) -> None:
+    result = shared_job(n).part("unused_and_join")
     for r in range(n):
         assert result.report(r).get("unused_and_join_ok") == n - 2, result.explain()
 
 
-def test_collective_other_than_allreduce_after_join_fails_loudly(shared2: Result) -> None:
-    result = shared2.part("joined")
+def test_collective_other_than_allreduce_after_join_fails_loudly() -> None:
+    result = shared_job(2).part("joined")
     assert "join()" in result.report(1).get("refused", ""), result.explain()
 
 
-def test_model_that_differs_on_one_rank_names_the_parameter_everywhere(shared3: Result
-                                                                         ) -> None:
-    result = shared3.part("model_mismatch")
+def test_model_that_differs_on_one_rank_names_the_parameter_everywhere() -> None:
+    result = shared_job(3).part("model_mismatch")
     for r in range(3):
         msg = result.report(r).get("mismatch", "")
         assert "parameter '0.weight' differs" in msg and "rank 1: (17, 8) float32" in msg, \
             result.explain()
 
 
-def test_misuse_gets_clear_errors(shared1: Result) -> None:
-    result = shared1.part("misuse")
+def test_misuse_gets_clear_errors() -> None:
+    result = shared_job(1).part("misuse")
     assert result.report(0).get("misuse_ok"), result.explain()
 
 
-def test_ddp_comm_hook_under_totalrun_matches_gloo(shared2: Result) -> None:
-    result = shared2.part("ddp_hook")
+def test_ddp_comm_hook_under_totalrun_matches_gloo() -> None:
+    result = shared_job(2).part("ddp_hook")
     assert result.report(0).get("ddp_hook_ok"), result.explain()
 
 
@@ -121,9 +93,9 @@ def test_cuda_tensors_are_staged_through_host_memory() -> None:
 
 
 @pytest.fixture(scope="module")
-def first_use(shared2: Result) -> Result:
+def first_use() -> Result:
     """The checks of a new user's first steps (torch_workers.first_use)."""
-    return shared2.part("first_use")
+    return shared_job(2).part("first_use")
 
 
 def test_collectives_are_differentiable(first_use: Result) -> None:
@@ -167,7 +139,7 @@ def test_launcher_names_the_rank_that_raised_in_its_ddp_hook() -> None:
 def parity(request: pytest.FixtureRequest) -> Result:
     """The Horovod parity checks (torch_workers.horovod_parity) at each world size, 3 ranks
     catching what only an odd world shows (uneven splits, Adasum's folded rank)."""
-    return _shared(request, request.param, "parity")
+    return shared_job(request.param).part("parity")
 
 
 def _ranks(result: Result) -> range:
@@ -226,8 +198,8 @@ def test_adasum_matches_the_numpy_reference(parity: Result) -> None:
         assert parity.report(r).get("adasum") == ADASUM_CASES, parity.explain()
 
 
-def test_adasum_at_4_ranks_two_tree_levels(shared4: Result) -> None:
-    result = shared4.part("parity")
+def test_adasum_at_4_ranks_two_tree_levels() -> None:
+    result = shared_job(4).part("parity")
     for r in range(4):
         assert result.report(r).get("adasum") == ADASUM_CASES, result.explain()
 

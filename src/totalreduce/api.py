@@ -181,24 +181,26 @@ def allreduce(x: Any, op: ReduceOp = Average, name: str | None = None,
         PeerFailureError: a rank died.
         OpTimeoutError: the op waited longer than ``TOTALREDUCE_OP_TIMEOUT``.
     """
-    ops = _ops(process_set, "allreduce")
-    done = ops.allreduce_now(x, op, name, priority, False)
-    if done is not None:
-        return done
-    with ops.caller_waits():
-        return ops.allreduce(x, op, name, priority, inplace=False).wait()
+    return _blocking_allreduce(x, op, name, priority, process_set, False)
 
 
 def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
                priority: int = 0,
     process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``x``."""
-    ops = _ops(process_set, "allreduce_")
-    done = ops.allreduce_now(x, op, name, priority, True)
+    return _blocking_allreduce(x, op, name, priority, process_set, True)
+
+
+def _blocking_allreduce(x: Any, op: ReduceOp, name: str | None, priority: int,
+                        process_set: ProcessSet, inplace: bool) -> np.ndarray:
+    """At once on this thread where the scheduler can (a repeated small one), else
+    submitted and waited for."""
+    ops = _ops(process_set, "allreduce_" if inplace else "allreduce")
+    done = ops.allreduce_now(x, op, name, priority, inplace)
     if done is not None:
         return done
     with ops.caller_waits():
-        return ops.allreduce(x, op, name, priority, inplace=True).wait()
+        return ops.allreduce(x, op, name, priority, inplace=inplace).wait()
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
