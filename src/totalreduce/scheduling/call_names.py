@@ -72,3 +72,14 @@ class CallNames:
         self._generations.put(name, entry[2] + 1)
         self._by_hash.pop(entry[0], None)
         self._forget_hash(entry[0])
+
+
+class Ident:
+    """A call's identity on the wire (``key``), its name and its label for messages."""
+
+    __slots__ = ("key", "name", "label")
+
+    def __init__(self, key: OpKey, name: str | None, label: str) -> None:
+        self.key = key
+        self.name = "" if name is None else name
+        self.label = label

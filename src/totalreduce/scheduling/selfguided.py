@@ -32,19 +32,14 @@ from ..transport.wire import (
     Header,
     dtype_code,
 )
-from .call_names import CallNames, hash64
+from .call_names import CallNames, Ident, hash64
 from .checks import (
     check_allreduce,
-    check_alltoall,
-    check_apart,
     check_broadcast,
     check_grouped,
-    check_out,
-    check_out_rows,
     check_reducescatter,
-    check_rows,
-    check_same_shape_splits,
 )
+from .gathering import GatheringOps
 from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, averager
@@ -55,9 +50,9 @@ from .templates import (
     OpTemplate,
     SamePlan,
     broadcast_key,
-    gather_key,
 )
 from .thresholds import LENT_WHEN_SLOW, REDUCE_LEND_BYTES, direct_ring_bytes
+from .views import with_algorithm
 
 _UNNAMED = "\x00unnamed"
 _JOIN = "\x00join"
@@ -80,63 +75,11 @@ def _freeze(obj: Any) -> Any:
     return obj
 
 
-def _bounds(counts: np.ndarray, scale: int) -> tuple[int, ...]:
-    """Where each rank's block begins and ends: ``counts[i]`` rows of ``scale`` elements.
-    (Through tolist(): numpy's scalars made this loop, and numpy's sum() of the counts, a
-    tenth of a small gather's cost.)"""
-    out = [0]
-    total = 0
-    for c in counts.tolist():
-        total += c * scale
-        out.append(total)
-    return tuple(out)
-
-
-def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtype
-                   ) -> np.ndarray:
-    """Where a gathering op's data phase writes: the caller's ``out`` when it has the
-    result's rows (no fresh pages to fault in and zero: above glibc's mmap threshold a
-    new result costs as much as the copies), else a new flat array."""
-    if out is not None and out.shape[0] == rows:
-        return out.reshape(-1)
-    return np.empty(count, dtype)
-
-
-def _with_algorithm(view: dict[str, Any] | Callable[[], dict[str, Any]], algorithm: str
-                    ) -> Callable[[], dict[str, Any]]:
-    """``view`` (or the function making it) naming the algorithm that runs the op: ranks
-    configured to choose differently then disagree on the op, and a mismatch says so."""
-    return lambda: dict(view() if callable(view) else view, algorithm=algorithm)
-
-
-def _gathering_views(kind: str, arr: np.ndarray
-                     ) -> tuple[Callable[[], dict[str, Any]], Callable[[], dict[str, Any]]]:
-    """What ranks agree on for an allgather or alltoall (all but the rows) and what a
-    mismatch shows of this rank's call (its whole shape), made only when not cached."""
-    def view() -> dict[str, Any]:
-        return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape[1:]),
-                "same_shape": False}
-
-    def shown() -> dict[str, Any]:
-        return dict(view(), shape=list(arr.shape))
-
-    return view, shown
-
-
-class _Ident:
-    __slots__ = ("key", "name", "label")
-
-    def __init__(self, key: OpKey, name: str | None, label: str) -> None:
-        self.key = key
-        self.name = "" if name is None else name
-        self.label = label
-
-
 def _nothing() -> None:
     return None
 
 
-class SelfGuided:
+class SelfGuided(GatheringOps):
     """Builds op specs from numpy arrays and submits them to the engine."""
 
     def __init__(self, engine: Engine, config: Config,
@@ -206,9 +149,9 @@ class SelfGuided:
         this rank's next call of that name is ``seq + 1`` at least (any thread)."""
         self._names.count_served(name_key, seq)
 
-    def _ident(self, kind: str, name: str | None, phase: str = "") -> _Ident:
+    def _ident(self, kind: str, name: str | None, phase: str = "") -> Ident:
         key, label = self._call(kind, name, phase)
-        return _Ident(key, name, label)
+        return Ident(key, name, label)
 
     def _call(self, kind: str, name: str | None, phase: str = "") -> tuple[OpKey, str]:
         """This rank's next call of ``name`` (``phase``: a part of an op with an identity
@@ -225,7 +168,7 @@ class SelfGuided:
             label += f" in process set {self._set_id} (ranks {list(self._members or ())})"
         return (h, seq), label
 
-    def _spec(self, ident: _Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
+    def _spec(self, ident: Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
               dtype: np.dtype, count: int, schedule: Schedule, work: np.ndarray,
               priority: int, known: tuple[Any, ...] | None = None,
               shown: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
@@ -424,7 +367,7 @@ class SelfGuided:
         return (self._config.cma_bytes >= 0 or nbytes >= REDUCE_LEND_BYTES
                 or self._engine.crowded())
 
-    def _reduce_spec(self, ident: _Ident,
+    def _reduce_spec(self, ident: Ident,
                      view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
                      work: np.ndarray, rop: ReduceOp, priority: int,
                      known: tuple[Any, ...] | None = None,
@@ -435,7 +378,7 @@ class SelfGuided:
         if source is not None and not plan.fresh:
             np.copyto(work, source)
             source = None
-        view = _with_algorithm(view, plan.algorithm)
+        view = with_algorithm(view, plan.algorithm)
         known = None if known is None else (*known, plan.algorithm)
         schedule, recipe = plan.schedule, plan.recipe | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
@@ -523,8 +466,8 @@ class SelfGuided:
                 return {"kind": "broadcast", "dtype": str(arr.dtype),
                         "shape": list(arr.shape), "root": int(root_rank)}
 
-            spec = self._spec(_Ident(call_key, name, label),
-                              _with_algorithm(view, algorithm), arr.dtype, work.size,
+            spec = self._spec(Ident(call_key, name, label),
+                              with_algorithm(view, algorithm), arr.dtype, work.size,
                               schedule, work, priority,
                               ("broadcast", arr.dtype, arr.shape, root, algorithm),
                               lend=self.rank != root)
@@ -562,7 +505,7 @@ class SelfGuided:
             np.copyto(work, source)
             source = None
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
-        spec = self._spec(ident, _with_algorithm(view, algorithm), arr.dtype, work.size,
+        spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, work.size,
                           schedule, work, priority,
                           ("reducescatter", arr.dtype, arr.shape, rop, algorithm),
                           ufunc=UFUNCS[rop], finalize=finalize, source=source,
@@ -570,262 +513,6 @@ class SelfGuided:
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))
-
-    # --- two-phase ops: allgather and alltoall ----------------------------------------
-
-    def _two_phase(self, first: OpFuture, then: Callable[[], OpFuture]) -> OpFuture:
-        """A future for ``then()``'s op, started once ``first`` succeeds."""
-        outer = OpFuture(self._engine.wait)  # resolved by the loop: waiters drive it
-
-        def start_second(f: OpFuture) -> None:
-            if f.error() is not None:
-                outer.resolve(f.error())
-                return
-            try:
-                second = then()
-            except KeyboardInterrupt as exc:
-                # Ctrl-C on the application's thread, which ran this callback because
-                # ``first`` was done already: the op cannot go on, and the application
-                # must still see its Ctrl-C (at its next call), not an op error.
-                outer.resolve(exc)
-                ctrl_c.pending = True
-                return
-            except BaseException as exc:
-                outer.resolve(exc)
-                return
-            second.add_done_callback(lambda s: outer.resolve(s.error()))
-
-        first.add_done_callback(start_second)
-        return outer
-
-    def _gather_plan(self, key: tuple[Any, ...] | None) -> GatherPlan | None:
-        if key is None:
-            return None
-        with self._lock:
-            return self._gathers.get(key)
-
-    def _keep_gather_plan(self, key: tuple[Any, ...] | None, plan: GatherPlan) -> None:
-        if key is not None:
-            with self._lock:
-                self._gathers.put(key, plan)
-
-    def allgather(self, x: Any, name: str | None, priority: int,
-                  out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
-        if same_shape:
-            return self._gather_same("allgather", x, None, name, priority, out)
-        key = gather_key("allgather", x, name, out)
-        plan = self._gather_plan(key)
-        arr: np.ndarray = x
-        if plan is None:  # the checks: a plan's key stands for them
-            arr = check_rows(x, "allgather", name)
-            check_out(out, arr, "allgather", name)
-        n, rank = self.size, self.rank
-        sizes_key, label = self._call("allgather", name)
-        data_key, data_label = self._call("allgather", name, "\x00data")
-        sizes = np.zeros(n, np.int64)
-        sizes[rank] = arr.shape[0]
-        if plan is not None:
-            first = plan.sizes.spec(sizes_key, label, sizes, priority, self._members)
-        else:
-            view, shown = _gathering_views("allgather", arr)
-            sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
-            first = self._spec(
-                _Ident(sizes_key, name, label),
-                _with_algorithm(lambda: dict(view(), phase="sizes"), sizes_algorithm),
-                sizes.dtype, n, sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
-                _with_algorithm(shown, sizes_algorithm))
-            plan = GatherPlan(OpTemplate(first))
-            self._keep_gather_plan(key, plan)
-        row = math.prod(arr.shape[1:])
-        state: dict[str, np.ndarray] = {}
-        gathered = plan
-
-        def second() -> OpSpec:
-            rows = tuple(sizes.tolist())
-            with self._lock:
-                kept = gathered.data(rows)
-            bounds = _bounds(sizes, row) if kept is None else kept[1]
-            buf = _result_buffer(out, sum(rows), bounds[-1], arr.dtype)
-            buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
-            state["out"] = buf
-            if kept is not None:
-                return kept[0].spec(data_key, data_label, buf, priority, self._members)
-            schedule, algorithm = self._algorithms.allgather(bounds, arr.dtype)
-            view, shown = _gathering_views("allgather", arr)
-            spec = self._spec(_Ident(data_key, name, data_label),
-                              _with_algorithm(view, algorithm), arr.dtype, bounds[-1],
-                              schedule, buf, priority,
-                              ("allgather", arr.dtype, arr.shape, 1, algorithm),
-                              _with_algorithm(shown, algorithm))
-            with self._lock:
-                gathered.keep(rows, OpTemplate(spec), bounds, bounds)
-            return spec
-
-        def finish() -> np.ndarray:
-            rows = sum(sizes.tolist())
-            check_out_rows(out, rows, rank, "allgather", name)
-            return state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
-
-        # Past DIRECT_BYTES (and up to the ring's bound) only while the rings copy fast.
-        return self._phases(first, second, finish, label, self._direct_ring,
-                            self._direct_bytes + 1)
-
-    def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
-                finish: Callable[[], Any], label: str, direct: int | None = None,
-                slow_from: int | None = None) -> Handle:
-        """An op whose second part is built from its first's result (sizes, then data).
-        A thread that blocks on it runs the two one after the other (each may take the
-        small path; see _launch for ``direct`` and ``slow_from``); otherwise the second starts
-        when the first ends."""
-        if self._engine.waits_here():
-            try:
-                self._launch(first, lambda: None).wait()
-            except Exception as exc:  # the op's failure: the handle's wait() raises it
-                return DoneHandle(None, label, exc)
-            return self._launch(second(), finish, direct, slow_from)
-        future = self._two_phase(self._engine.submit(first),
-                                 lambda: self._engine.submit(second()))
-        return FutureHandle([future], finish, label)
-
-    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
-                 out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
-        if same_shape:
-            return self._gather_same("alltoall", x, splits, name, priority, out)
-        key = gather_key("alltoall", x, name, out, splits)
-        plan = self._gather_plan(key)
-        n, rank = self.size, self.rank
-        arr: np.ndarray = x
-        if plan is None:
-            arr, send_rows = check_alltoall(x, splits, name, n)
-            check_out(out, arr, "alltoall", name)
-        else:
-            assert plan.send_rows is not None  # an alltoall's plan keeps them
-            send_rows = plan.send_rows
-            check_apart(out, arr, "alltoall", name)
-        splits_key, label = self._call("alltoall", name)
-        data_key, data_label = self._call("alltoall", name, "\x00data")
-        recv_rows = np.zeros(n, np.int64)
-        recv_rows[rank] = send_rows[rank]
-        if plan is not None:
-            first = plan.sizes.spec(splits_key, label, recv_rows, priority, self._members,
-                                    send_rows)
-        else:
-            view, shown = _gathering_views("alltoall", arr)
-            unit = tuple(range(n + 1))
-            first = self._spec(_Ident(splits_key, name, label),
-                               lambda: dict(view(), phase="splits"), recv_rows.dtype, 0,
-                               self._algorithms.alltoall(unit, unit), recv_rows, priority,
-                               ("alltoall", arr.dtype, arr.shape, 0), shown,
-                               source=send_rows)
-            plan = GatherPlan(OpTemplate(first), send_rows)
-            self._keep_gather_plan(key, plan)
-        row = math.prod(arr.shape[1:])
-        flat = np.ascontiguousarray(arr).reshape(-1)
-        state: dict[str, np.ndarray] = {}
-        exchanged = plan
-
-        def second() -> OpSpec:
-            rows = tuple(recv_rows.tolist())
-            with self._lock:
-                kept = exchanged.data(rows)
-            if kept is None:
-                sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
-            else:
-                sb, rb = kept[1], kept[2]
-            buf = _result_buffer(out, sum(rows), rb[-1], arr.dtype)
-            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
-            state["out"] = buf
-            if kept is not None:
-                return kept[0].spec(data_key, data_label, buf, priority, self._members, flat)
-            view, shown = _gathering_views("alltoall", arr)
-            spec = self._spec(_Ident(data_key, name, data_label),
-                              view, arr.dtype, 0, self._algorithms.alltoall(sb, rb, arr.dtype),
-                              buf, priority, ("alltoall", arr.dtype, arr.shape, 1), shown,
-                              source=flat)
-            with self._lock:
-                exchanged.keep(rows, OpTemplate(spec), sb, rb)
-            return spec
-
-        def finish() -> tuple[np.ndarray, np.ndarray]:
-            rows = sum(recv_rows.tolist())
-            check_out_rows(out, rows, rank, "alltoall", name)
-            got = state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
-            return got, recv_rows.copy()
-
-        return self._phases(first, second, finish, label, self._direct_ring,
-                            LENT_WHEN_SLOW)
-
-    def _gather_same(self, kind: str, x: Any, splits: Any, name: str | None, priority: int,
-                     out: np.ndarray | None) -> Handle:
-        """An allgather or alltoall whose ranks all pass the same shape: every rank's
-        block has this rank's rows, so the data goes at once, without the sizes phase
-        (as MPI_Allgather and MPI_Alltoall, whose counts are the caller's).  It keeps the
-        call's first identity and a view of its own, so a rank that runs the two phases
-        meanwhile, or passes another shape, fails the op on every rank as a mismatch."""
-        key = gather_key(kind + "\x00same", x, name, out, splits)
-        plan = None
-        if key is not None:
-            with self._lock:
-                plan = self._same.get(key)
-        n, rank = self.size, self.rank
-        arr: np.ndarray = x
-        if plan is None:
-            if kind == "alltoall":
-                check_same_shape_splits(splits, name)
-                arr, send_rows = check_alltoall(x, None, name, n)
-                recv_rows = np.full(n, send_rows[rank], np.int64)
-            else:
-                arr = check_rows(x, kind, name)
-                send_rows = recv_rows = np.full(n, arr.shape[0], np.int64)
-            check_out(out, arr, kind, name)
-        else:
-            check_apart(out, arr, kind, name)
-            recv_rows = plan.recv_rows
-        ident = self._ident(kind, name)
-        flat = np.ascontiguousarray(arr).reshape(-1)
-        if plan is None:
-            row = math.prod(arr.shape[1:])
-            sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
-        else:
-            sb, rb = plan.send, plan.recv
-        rows = n * int(recv_rows[0])
-        buf = _result_buffer(out, rows, rb[-1], arr.dtype)
-        if kind == "allgather":  # the whole input is this rank's block
-            buf[rb[rank]:rb[rank + 1]] = flat
-            source = None
-        else:
-            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
-            source = flat
-        if plan is not None:
-            spec = plan.template.spec(ident.key, ident.label, buf, priority, self._members,
-                                      source)
-        else:
-            def view() -> dict[str, Any]:
-                return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),
-                        "same_shape": True}
-
-            if kind == "allgather":
-                schedule, algorithm = self._algorithms.allgather(rb, arr.dtype)
-                spec = self._spec(ident, _with_algorithm(view, algorithm), arr.dtype, rb[-1],
-                                  schedule, buf, priority,
-                                  (kind, arr.dtype, arr.shape, "same", algorithm))
-            else:
-                spec = self._spec(ident, view, arr.dtype, 0,
-                                  self._algorithms.alltoall(sb, rb, arr.dtype), buf,
-                                  priority, (kind, arr.dtype, arr.shape, "same"),
-                                  source=source)
-            if key is not None:
-                with self._lock:
-                    self._same.put(key, SamePlan(OpTemplate(spec), sb, rb, recv_rows))
-
-        def finish() -> Any:
-            check_out_rows(out, rows, rank, kind, name)
-            got = buf.reshape((rows, *arr.shape[1:])) if out is None else out
-            return got if kind == "allgather" else (got, recv_rows.copy())
-
-        if kind == "allgather":  # as the two phases' data (allgather, alltoall)
-            return self._launch(spec, finish, self._direct_ring, self._direct_bytes + 1)
-        return self._launch(spec, finish, self._direct_ring, LENT_WHEN_SLOW)
 
     # --- join -----------------------------------------------------------------------
 

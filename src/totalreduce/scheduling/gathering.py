@@ -1,0 +1,342 @@
+"""allgather and alltoall, for the self-guided scheduler (a mixin of SelfGuided).
+
+Each runs as two ops, sizes first, then data, both identities taken at call time; with
+``same_shape=True`` the sizes are this rank's and the data goes at once as one op.  A
+repeated call takes its plan (templates.py) instead of the checks and set-up.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..engine.algorithms import Algorithms
+from ..engine.engine import Engine
+from ..engine.payload import OpFuture, OpKey, OpSpec
+from ..engine.schedule import Schedule
+from ..interrupts import deferred as ctrl_c
+from ..lru import LRU
+from .call_names import Ident
+from .checks import (
+    check_alltoall,
+    check_apart,
+    check_out,
+    check_out_rows,
+    check_rows,
+    check_same_shape_splits,
+)
+from .handle import DoneHandle, FutureHandle, Handle
+from .templates import GatherPlan, OpTemplate, SamePlan, gather_key
+from .thresholds import LENT_WHEN_SLOW
+from .views import gathering_views, with_algorithm
+
+
+def _bounds(counts: np.ndarray, scale: int) -> tuple[int, ...]:
+    """Where each rank's block begins and ends: ``counts[i]`` rows of ``scale`` elements.
+    (Through tolist(): numpy's scalars made this loop, and numpy's sum() of the counts, a
+    tenth of a small gather's cost.)"""
+    out = [0]
+    total = 0
+    for c in counts.tolist():
+        total += c * scale
+        out.append(total)
+    return tuple(out)
+
+
+def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtype
+                   ) -> np.ndarray:
+    """Where a gathering op's data phase writes: the caller's ``out`` when it has the
+    result's rows (no fresh pages to fault in and zero: above glibc's mmap threshold a
+    new result costs as much as the copies), else a new flat array."""
+    if out is not None and out.shape[0] == rows:
+        return out.reshape(-1)
+    return np.empty(count, dtype)
+
+
+class GatheringOps:
+    """SelfGuided's allgather and alltoall; SelfGuided sets what is declared here."""
+
+    size: int
+    rank: int
+    _engine: Engine
+    _lock: threading.Lock
+    _members: tuple[int, ...] | None
+    _algorithms: Algorithms
+    _direct_ring: int
+    _direct_bytes: int
+    _gathers: LRU[tuple[Any, ...], GatherPlan]
+    _same: LRU[tuple[Any, ...], SamePlan]
+
+    if TYPE_CHECKING:  # SelfGuided's
+        def _call(self, kind: str, name: str | None, phase: str = ""
+                  ) -> tuple[OpKey, str]: ...
+
+        def _ident(self, kind: str, name: str | None, phase: str = "") -> Ident: ...
+
+        def _spec(self, ident: Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
+                  dtype: np.dtype, count: int, schedule: Schedule, work: np.ndarray,
+                  priority: int, known: tuple[Any, ...] | None = None,
+                  shown: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+                  **kw: Any) -> OpSpec: ...
+
+        def _launch(self, spec: OpSpec, finish: Callable[[], Any],
+                    direct: int | None = None, slow_from: int | None = None
+                    ) -> Handle: ...
+
+    def _two_phase(self, first: OpFuture, then: Callable[[], OpFuture]) -> OpFuture:
+        """A future for ``then()``'s op, started once ``first`` succeeds."""
+        outer = OpFuture(self._engine.wait)  # resolved by the loop: waiters drive it
+
+        def start_second(f: OpFuture) -> None:
+            if f.error() is not None:
+                outer.resolve(f.error())
+                return
+            try:
+                second = then()
+            except KeyboardInterrupt as exc:
+                # Ctrl-C on the application's thread, which ran this callback because
+                # ``first`` was done already: the op cannot go on, and the application
+                # must still see its Ctrl-C (at its next call), not an op error.
+                outer.resolve(exc)
+                ctrl_c.pending = True
+                return
+            except BaseException as exc:
+                outer.resolve(exc)
+                return
+            second.add_done_callback(lambda s: outer.resolve(s.error()))
+
+        first.add_done_callback(start_second)
+        return outer
+
+    def _gather_plan(self, key: tuple[Any, ...] | None) -> GatherPlan | None:
+        if key is None:
+            return None
+        with self._lock:
+            return self._gathers.get(key)
+
+    def _keep_gather_plan(self, key: tuple[Any, ...] | None, plan: GatherPlan) -> None:
+        if key is not None:
+            with self._lock:
+                self._gathers.put(key, plan)
+
+    def allgather(self, x: Any, name: str | None, priority: int,
+                  out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
+        if same_shape:
+            return self._gather_same("allgather", x, None, name, priority, out)
+        key = gather_key("allgather", x, name, out)
+        plan = self._gather_plan(key)
+        arr: np.ndarray = x
+        if plan is None:  # the checks: a plan's key stands for them
+            arr = check_rows(x, "allgather", name)
+            check_out(out, arr, "allgather", name)
+        n, rank = self.size, self.rank
+        sizes_key, label = self._call("allgather", name)
+        data_key, data_label = self._call("allgather", name, "\x00data")
+        sizes = np.zeros(n, np.int64)
+        sizes[rank] = arr.shape[0]
+        if plan is not None:
+            first = plan.sizes.spec(sizes_key, label, sizes, priority, self._members)
+        else:
+            view, shown = gathering_views("allgather", arr)
+            sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
+            first = self._spec(
+                Ident(sizes_key, name, label),
+                with_algorithm(lambda: dict(view(), phase="sizes"), sizes_algorithm),
+                sizes.dtype, n, sched, sizes, priority, ("allgather", arr.dtype, arr.shape, 0),
+                with_algorithm(shown, sizes_algorithm))
+            plan = GatherPlan(OpTemplate(first))
+            self._keep_gather_plan(key, plan)
+        row = math.prod(arr.shape[1:])
+        state: dict[str, np.ndarray] = {}
+        gathered = plan
+
+        def second() -> OpSpec:
+            rows = tuple(sizes.tolist())
+            with self._lock:
+                kept = gathered.data(rows)
+            bounds = _bounds(sizes, row) if kept is None else kept[1]
+            buf = _result_buffer(out, sum(rows), bounds[-1], arr.dtype)
+            buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
+            state["out"] = buf
+            if kept is not None:
+                return kept[0].spec(data_key, data_label, buf, priority, self._members)
+            schedule, algorithm = self._algorithms.allgather(bounds, arr.dtype)
+            view, shown = gathering_views("allgather", arr)
+            spec = self._spec(Ident(data_key, name, data_label),
+                              with_algorithm(view, algorithm), arr.dtype, bounds[-1],
+                              schedule, buf, priority,
+                              ("allgather", arr.dtype, arr.shape, 1, algorithm),
+                              with_algorithm(shown, algorithm))
+            with self._lock:
+                gathered.keep(rows, OpTemplate(spec), bounds, bounds)
+            return spec
+
+        def finish() -> np.ndarray:
+            rows = sum(sizes.tolist())
+            check_out_rows(out, rows, rank, "allgather", name)
+            return state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
+
+        # Past DIRECT_BYTES (and up to the ring's bound) only while the rings copy fast.
+        return self._phases(first, second, finish, label, self._direct_ring,
+                            self._direct_bytes + 1)
+
+    def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
+                finish: Callable[[], Any], label: str, direct: int | None = None,
+                slow_from: int | None = None) -> Handle:
+        """An op whose second part is built from its first's result (sizes, then data).
+        A thread that blocks on it runs the two one after the other (each may take the
+        small path; see _launch for ``direct`` and ``slow_from``); otherwise the second starts
+        when the first ends."""
+        if self._engine.waits_here():
+            try:
+                self._launch(first, lambda: None).wait()
+            except Exception as exc:  # the op's failure: the handle's wait() raises it
+                return DoneHandle(None, label, exc)
+            return self._launch(second(), finish, direct, slow_from)
+        future = self._two_phase(self._engine.submit(first),
+                                 lambda: self._engine.submit(second()))
+        return FutureHandle([future], finish, label)
+
+    def alltoall(self, x: Any, splits: Any, name: str | None, priority: int,
+                 out: np.ndarray | None = None, same_shape: bool = False) -> Handle:
+        if same_shape:
+            return self._gather_same("alltoall", x, splits, name, priority, out)
+        key = gather_key("alltoall", x, name, out, splits)
+        plan = self._gather_plan(key)
+        n, rank = self.size, self.rank
+        arr: np.ndarray = x
+        if plan is None:
+            arr, send_rows = check_alltoall(x, splits, name, n)
+            check_out(out, arr, "alltoall", name)
+        else:
+            assert plan.send_rows is not None  # an alltoall's plan keeps them
+            send_rows = plan.send_rows
+            check_apart(out, arr, "alltoall", name)
+        splits_key, label = self._call("alltoall", name)
+        data_key, data_label = self._call("alltoall", name, "\x00data")
+        recv_rows = np.zeros(n, np.int64)
+        recv_rows[rank] = send_rows[rank]
+        if plan is not None:
+            first = plan.sizes.spec(splits_key, label, recv_rows, priority, self._members,
+                                    send_rows)
+        else:
+            view, shown = gathering_views("alltoall", arr)
+            unit = tuple(range(n + 1))
+            first = self._spec(Ident(splits_key, name, label),
+                               lambda: dict(view(), phase="splits"), recv_rows.dtype, 0,
+                               self._algorithms.alltoall(unit, unit), recv_rows, priority,
+                               ("alltoall", arr.dtype, arr.shape, 0), shown,
+                               source=send_rows)
+            plan = GatherPlan(OpTemplate(first), send_rows)
+            self._keep_gather_plan(key, plan)
+        row = math.prod(arr.shape[1:])
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        state: dict[str, np.ndarray] = {}
+        exchanged = plan
+
+        def second() -> OpSpec:
+            rows = tuple(recv_rows.tolist())
+            with self._lock:
+                kept = exchanged.data(rows)
+            if kept is None:
+                sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
+            else:
+                sb, rb = kept[1], kept[2]
+            buf = _result_buffer(out, sum(rows), rb[-1], arr.dtype)
+            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
+            state["out"] = buf
+            if kept is not None:
+                return kept[0].spec(data_key, data_label, buf, priority, self._members, flat)
+            view, shown = gathering_views("alltoall", arr)
+            spec = self._spec(Ident(data_key, name, data_label),
+                              view, arr.dtype, 0, self._algorithms.alltoall(sb, rb, arr.dtype),
+                              buf, priority, ("alltoall", arr.dtype, arr.shape, 1), shown,
+                              source=flat)
+            with self._lock:
+                exchanged.keep(rows, OpTemplate(spec), sb, rb)
+            return spec
+
+        def finish() -> tuple[np.ndarray, np.ndarray]:
+            rows = sum(recv_rows.tolist())
+            check_out_rows(out, rows, rank, "alltoall", name)
+            got = state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
+            return got, recv_rows.copy()
+
+        return self._phases(first, second, finish, label, self._direct_ring,
+                            LENT_WHEN_SLOW)
+
+    def _gather_same(self, kind: str, x: Any, splits: Any, name: str | None, priority: int,
+                     out: np.ndarray | None) -> Handle:
+        """An allgather or alltoall whose ranks all pass the same shape: every rank's
+        block has this rank's rows, so the data goes at once, without the sizes phase
+        (as MPI_Allgather and MPI_Alltoall, whose counts are the caller's).  It keeps the
+        call's first identity and a view of its own, so a rank that runs the two phases
+        meanwhile, or passes another shape, fails the op on every rank as a mismatch."""
+        key = gather_key(kind + "\x00same", x, name, out, splits)
+        plan = None
+        if key is not None:
+            with self._lock:
+                plan = self._same.get(key)
+        n, rank = self.size, self.rank
+        arr: np.ndarray = x
+        if plan is None:
+            if kind == "alltoall":
+                check_same_shape_splits(splits, name)
+                arr, send_rows = check_alltoall(x, None, name, n)
+                recv_rows = np.full(n, send_rows[rank], np.int64)
+            else:
+                arr = check_rows(x, kind, name)
+                send_rows = recv_rows = np.full(n, arr.shape[0], np.int64)
+            check_out(out, arr, kind, name)
+        else:
+            check_apart(out, arr, kind, name)
+            recv_rows = plan.recv_rows
+        ident = self._ident(kind, name)
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        if plan is None:
+            row = math.prod(arr.shape[1:])
+            sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
+        else:
+            sb, rb = plan.send, plan.recv
+        rows = n * int(recv_rows[0])
+        buf = _result_buffer(out, rows, rb[-1], arr.dtype)
+        if kind == "allgather":  # the whole input is this rank's block
+            buf[rb[rank]:rb[rank + 1]] = flat
+            source = None
+        else:
+            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
+            source = flat
+        if plan is not None:
+            spec = plan.template.spec(ident.key, ident.label, buf, priority, self._members,
+                                      source)
+        else:
+            def view() -> dict[str, Any]:
+                return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),
+                        "same_shape": True}
+
+            if kind == "allgather":
+                schedule, algorithm = self._algorithms.allgather(rb, arr.dtype)
+                spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, rb[-1],
+                                  schedule, buf, priority,
+                                  (kind, arr.dtype, arr.shape, "same", algorithm))
+            else:
+                spec = self._spec(ident, view, arr.dtype, 0,
+                                  self._algorithms.alltoall(sb, rb, arr.dtype), buf,
+                                  priority, (kind, arr.dtype, arr.shape, "same"),
+                                  source=source)
+            if key is not None:
+                with self._lock:
+                    self._same.put(key, SamePlan(OpTemplate(spec), sb, rb, recv_rows))
+
+        def finish() -> Any:
+            check_out_rows(out, rows, rank, kind, name)
+            got = buf.reshape((rows, *arr.shape[1:])) if out is None else out
+            return got if kind == "allgather" else (got, recv_rows.copy())
+
+        if kind == "allgather":  # as the two phases' data (allgather, alltoall)
+            return self._launch(spec, finish, self._direct_ring, self._direct_bytes + 1)
+        return self._launch(spec, finish, self._direct_ring, LENT_WHEN_SLOW)
