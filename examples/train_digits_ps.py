@@ -19,8 +19,6 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from train_digits import model  # the same MLP as the allreduce example (this folder)
 
@@ -60,6 +58,11 @@ def main(argv: list[str] | None = None) -> float | None:
     me, workers = ps.worker_rank(), ps.num_workers()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+
+    # Here, not at the top: servers never come back from ps.start(), and scikit-learn's
+    # import takes 2 s of CPU a process.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
 
     digits = load_digits()
     x = digits.data.astype(np.float32) / 16.0

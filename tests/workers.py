@@ -1239,7 +1239,15 @@ def _sparse_run(arg: dict, name: str) -> dict:
     lost, moved = 0.0, 0.0
     for call in range(calls):
         rng = np.random.default_rng([arg["seed"], call])
-        grads = (rng.standard_t(2, size=(n_ranks, n)) * 1e-2).astype(dtype)
+        if "nonzero" in arg:
+            # Values at a random ``nonzero`` share of the places, zeros elsewhere: drawing
+            # all of tens of millions of values was half the job's time.
+            m = int(n * arg["nonzero"])
+            grads = np.zeros((n_ranks, n), dtype)
+            for p in range(n_ranks):
+                grads[p, rng.integers(0, n, m)] = rng.standard_t(2, m) * 1e-2
+        else:
+            grads = (rng.standard_t(2, size=(n_ranks, n)) * 1e-2).astype(dtype)
         case = arg.get("case")
         if case == "silent_rank":
             grads[n_ranks - 1] = 0  # one rank selects nothing
@@ -1262,8 +1270,10 @@ def _sparse_run(arg: dict, name: str) -> dict:
         every_out = tr.allgather(out.reshape(1, n))
         assert all(np.array_equal(every_out[0], o) for o in every_out), "outputs differ"
         new = tr.allgather(alg.residual(name).reshape(1, n))
-        lhs = n_ranks * out.astype(np.float64) + new.astype(np.float64).sum(axis=0)
-        rhs = (inputs.astype(np.float64) + old).sum(axis=0)
+        # Summed in float64 without float64 copies of the (ranks, n) arrays: at tens of
+        # millions of values their pages cost more than the sums.
+        lhs = n_ranks * out.astype(np.float64) + new.sum(axis=0, dtype=np.float64)
+        rhs = inputs.sum(axis=0, dtype=np.float64) + old.sum(axis=0, dtype=np.float64)
         scale = max(1.0, float(np.abs(rhs).max()))
         if published and rank != 0:
             err = 0.0  # rank 0 checks every rank's output and residual (they are gathered)
