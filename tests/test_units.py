@@ -415,6 +415,14 @@ def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_ag
     assert choice.leave(other)
     assert choice.timed(lambda: "result", other)() == "result"
     assert not choice.leave(other)  # the loop has a time now, the caller's thread none
+    # Whether an op on the loop lends is a choice of its own, timed either way.
+    lending = SlowRingChoice.key("broadcast", 1 << 20, lending=True)
+    assert lending not in (key, SlowRingChoice.key("broadcast", 1 << 20))
+    assert choice.leave(lending)
+    assert choice.timed(lambda: 1, lending, True)() == 1
+    assert not choice.leave(lending)  # lent once: now copied through the ring
+    choice.timed(lambda: 2, lending, False)()
+    assert choice.leave(lending)  # one time each: lent again
     # Bounded: one entry per (kind, size class), the stalest forgotten.
     for size in range(1, 400):
         choice.leave(SlowRingChoice.key(f"op{size}", size))

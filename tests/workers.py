@@ -316,8 +316,20 @@ def slow_ring(arg: dict) -> None:
                         reference_reduce(ins, "Sum"), what)
     tr.barrier()
     lent = tr.transport_stats()["bodies_lent"]
+    # Broadcasts too big for the caller's thread, from rank 0: while the rings are slow
+    # each either lends its bodies or copies them through the ring, whichever has been
+    # faster, trying each twice first (scheduling/slow_rings.py).
+    ways = []
+    for i in range(4):
+        count = (5 << 20) // 8 + 3 * i + 1
+        ins = [data(100 + i, r, (count,), np.float64) for r in range(n)]
+        before = tr.transport_stats()["bodies_lent"]
+        assert_same(tr.broadcast(ins[rank], root_rank=0, name=f"big{i}"), ins[0],
+                    f"big broadcast {i}")
+        ways.append(tr.transport_stats()["bodies_lent"] > before)
+        tr.barrier()
     tr.shutdown()
-    report(lent=lent, direct=direct)
+    report(lent=lent, direct=direct, big_lent=ways)
 
 
 def lent_pieces_in_slices(arg: dict) -> None:

@@ -697,8 +697,15 @@ timed while the rings are slow, per kind of op and power-of-two size, and the fa
 taken (scheduling/slow_rings.py: each tried twice first, the slower again every 16th
 op). With every ring taken for slow (`--set SLOW_RING_GBPS=1000`, old and new tree
 alternated twice), 1 MiB alltoalls went from 0.52-0.75 to 0.34-0.39 ms and 4 MiB ones from
-1.9-2.4 to 1.07-1.21 ms there. Allgathers up to 2 MiB, reducescatters and
-allreduces stay on the caller's thread: on the general path 1 MiB allgathers took
+1.9-2.4 to 1.07-1.21 ms there. A blocking broadcast too big for the caller's thread
+(over 2 MiB) runs on the loop either way; there the choice, timed the same way, is whether
+it lends while the rings are slow. On a third VM of the kind (its kernel copying lent
+bodies at 4-7 GB/s) 4 MiB broadcasts took 1.39-1.88 ms lent against 0.83-1.31 ms through
+the ring, alternated within one job, in the slow state as in the fast one; with every ring
+taken for slow, 16 MiB broadcasts went from 4.6-5.2 ms (every one lent) to 2.7-2.8 ms (the
+ring, lent every 16th). Allreduces lend while the rings are slow without being timed: 16
+MiB ones took 7.2 ms lent against 9.0 through the ring there. Allgathers up to 2 MiB,
+reducescatters and allreduces stay on the caller's thread: on the general path 1 MiB allgathers took
 0.42-0.46 ms against 0.25-0.31 ms, reducescatters 0.42 against 0.19-0.25 ms. Where ranks
 outnumber cores the rule is off: a copy preempted halfway looks slow whatever the caches
 do, and at 4 ranks on 2 cores it made 1 MiB broadcasts, alltoalls and allreduces 1.3-3x

@@ -46,6 +46,10 @@ class OpSpec:
     # broadcast's root) the ring is faster: 6.7-7.7 ms against 10.8-11.3 ms for 64 MB at
     # 2 ranks.  Elsewhere the sender's core has copies or sums of its own to do.
     lend: bool = True
+    # Its bodies may be lent while a ring copies slowly (transport/copy_pace.py), whatever
+    # ``lend`` says; the scheduler turns it off where copying through the ring has been
+    # the faster way for ops of its kind and size (scheduling/slow_rings.py).
+    lend_slow: bool = True
 
 
 class OpFuture:

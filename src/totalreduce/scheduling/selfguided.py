@@ -320,7 +320,8 @@ class SelfGuided(GatheringOps):
         """Start ``spec``: on this thread to its end when it is small (``direct`` bytes at
         most; DIRECT_BYTES by default), this thread blocks on it and nothing else is in
         flight (engine/smallpath.py), else on the engine; so too one of ``slow_from``
-        bytes or more while the rings copy slowly (its bodies are then lent)."""
+        bytes or more while the rings copy slowly (its bodies are then lent) where that
+        has been faster, and a bigger one then lends its bodies only where that has."""
         direct = self._direct_bytes if direct is None else direct
         nbytes = spec.work.nbytes
         if direct and nbytes <= direct and self._engine.waits_here():
@@ -341,6 +342,14 @@ class SelfGuided(GatheringOps):
                 return DoneHandle(finish(), spec.label)
             if ran is not False:
                 return FutureHandle([ran], finish, spec.label)
+        elif (slow_from is not None and nbytes >= slow_from and self._engine.waits_here()
+              and self._engine.lends(self._peers)):
+            # On the loop, whether lending beats the ring's copies while the rings are
+            # slow depends on the host as well: timed.
+            slow = SlowRingChoice.key(spec.label.partition(" ")[0], nbytes, lending=True)
+            spec.lend_slow = self._slow_rings.leave(slow)
+            timed = self._slow_rings.timed(finish, slow, spec.lend_slow)
+            return FutureHandle([self._engine.submit(spec)], timed, spec.label)
         return FutureHandle([self._engine.submit(spec)], finish, spec.label)
 
     def _fresh_source(self, arr: np.ndarray, inplace: bool, direct: int

@@ -10,6 +10,14 @@ against 0.31 ms on the caller's thread, on another of the same kind, where the k
 copy ran at 2-7 GB/s instead of 11, it took 0.43 ms against 0.19-0.21 ms.  So each way is
 timed, per kind of op and power-of-two size, and the faster one taken; now and then the
 other, so that a change of the host's state is seen.
+
+An op too big for the caller's thread runs on the loop either way, and there the choice
+is whether it lends its bodies while the rings are slow or copies them through the ring
+all the same (OpSpec.lend_slow): on another VM, whose kernel copied lent bodies at 4-7
+GB/s, 4 MiB broadcasts took 1.39-1.88 ms lent against 0.83-1.31 ms through the ring
+(alternated in one job), in the slow state as in the fast one, while 16 MiB allreduces in
+the slow state took 7.2 ms lent against 9.0 ms.  Those choices are timed here too, under
+keys of their own (:meth:`SlowRingChoice.key` with ``lending=True``).
 """
 
 from __future__ import annotations
@@ -53,8 +61,10 @@ class SlowRingChoice:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(kind: str, nbytes: int) -> _Key:
-        return kind, nbytes.bit_length()
+    def key(kind: str, nbytes: int, lending: bool = False) -> _Key:
+        """``lending``: the choice is whether the op lends on the loop (``leave``: it
+        does), not whether it leaves the caller's thread."""
+        return (kind + " lending" if lending else kind), nbytes.bit_length()
 
     def leave(self, key: _Key) -> bool:
         """Whether an op of ``key`` should go to the loop: the way with fewer times while
@@ -81,13 +91,14 @@ class SlowRingChoice:
             if times is not None:
                 (times.loop if left else times.caller).append(seconds)
 
-    def timed(self, finish: Callable[[], T], key: _Key) -> Callable[[], T]:
-        """``finish`` for an op of ``key`` that left for the loop now, telling how long
-        it took once it ran (its caller blocks on it from the start)."""
+    def timed(self, finish: Callable[[], T], key: _Key, left: bool = True
+              ) -> Callable[[], T]:
+        """``finish`` for an op of ``key`` that starts now the way ``left`` says,
+        telling how long it took once it ran (its caller blocks on it from the start)."""
         start = time.perf_counter()
 
         def timed() -> T:
-            self.took(key, True, time.perf_counter() - start)
+            self.took(key, left, time.perf_counter() - start)
             return finish()
         return timed
 

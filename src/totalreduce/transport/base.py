@@ -54,6 +54,7 @@ class Outgoing(NamedTuple):
     body: memoryview | None
     token: object
     lend: bool = True  # the body may be lent instead of copied (OpSpec.lend)
+    lend_slow: bool = True  # ... while the ring copies slowly (OpSpec.lend_slow)
 
 
 class LaneEnd(Protocol):

@@ -205,10 +205,11 @@ class RingLink(Link):
             n = 0 if body is None else body.nbytes
             # An op's size decides (a big op's small tail pieces are lent too), or the
             # body's where the header carries none (an alltoall's count is 0); and any
-            # body while copies through this ring are slow (copy_pace.py).
+            # body its op lets be lent while copies through this ring are slow
+            # (copy_pace.py).
             if self._lend_bytes and n >= _LEND_MIN and (
                     (msg.lend and max(op_nbytes(msg.header), n) >= self._lend_bytes)
-                    or ring.pace.lend()):
+                    or (msg.lend_slow and ring.pace.lend())):
                 assert body is not None
                 lend = self._next_lend
                 desc = REMOTE_BODY.pack(cma.address_of(body), lend)
