@@ -219,11 +219,12 @@ def test_a_check_failing_on_one_rank_stops_every_rank_there(when: str) -> None:
     """Rank 1 fails check #1 of 4 (a wrong value after the collective, or an error before
     it while the others wait in it): the report names check #1 and rank 1, and no rank
     starts check #2."""
-    # "before" waits out the victim's agree_timeout; "after" never does (the others reach
-    # the agreement), so it keeps the generous default for a loaded machine.
+    # "before" waits out the victim's agree_timeout, which no load can shorten (the others
+    # wait in a collective it never joins); "after" never does (the others reach the
+    # agreement), so it keeps the generous default for a loaded machine.
     result = launch(3, "torch_workers:checks_teardown",
                     {"victim": 1, "fail_at": 1, "when": when,
-                     "agree_timeout": 5.0 if when == "before" else 20.0}, timeout=60)
+                     "agree_timeout": 2.0 if when == "before" else 20.0}, timeout=60)
     assert result.returncode != 0, result.explain()
     failed = result.report(1).get("failed_check")
     assert failed and failed["index"] == 1 and failed["check"] == "sum 1", result.explain()
