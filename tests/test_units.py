@@ -3,6 +3,7 @@ the world-of-one API including local misuse errors."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import socket
 import threading
@@ -88,6 +89,7 @@ def _pair(server_secret: bytes, client_secret: bytes) -> tuple[object, object]:
             out["server"] = server_handshake(a, server_secret, {"rank": 0}, 5)
         except Exception as exc:
             out["server"] = exc
+            a.close()  # as the acceptor closes a refused connection (mesh._authenticate)
 
     t = threading.Thread(target=serve)
     t.start()
@@ -98,7 +100,8 @@ def _pair(server_secret: bytes, client_secret: bytes) -> tuple[object, object]:
     finally:
         b.close()
     t.join()
-    a.close()
+    with contextlib.suppress(OSError):
+        a.close()
     return out["server"], client
 
 
