@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiprocess
 def test_init_again_after_shutdown_with_one_rank_late() -> None:
     # (Under srun and torchrun rank 0 serves a new store for each init(): test_units has
     # a client following its store to the new one.)
-    late = 2.5
+    late = 1.0
     result = run_ok(2, "workers:reinit_late", {"late": late}, timeout=90)
     for r in range(2):
         worlds = result.report(r).get("worlds")
