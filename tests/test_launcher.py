@@ -29,8 +29,9 @@ def test_max_restarts_restarts_only_the_dead_rank_with_the_same_rank() -> None:
 
 
 def test_a_rank_that_has_used_its_restarts_ends_the_job() -> None:
+    # --grace 1: the other rank never calls into totalreduce, so it waits out the grace.
     result = launch(2, "workers:die_on_early_lives", {"victim": 1, "deaths": 2}, timeout=60,
-                    launcher_args=("--max-restarts", "1"))
+                    launcher_args=("--max-restarts", "1", "--grace", "1"))
     assert result.returncode == 128 + signal.SIGKILL, result.explain()
     assert re.search(r"1\s+\d+\s+killed by SIGKILL\s+\(restarted\)", result.stderr), \
         result.explain()
