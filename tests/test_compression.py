@@ -18,15 +18,16 @@ WORD = 4
 ALGS = ["oktopk", "topka", "gtopk", "gtopk-exact"]
 
 # Parametrized cases that differ only in the algorithm and the input run in one job per
-# group (workers:sparse_allreduce_cases, each case its own algorithm object and tensor
-# name), started by the group's first test; each case is still judged by its own test.
+# group (sparse_workers:sparse_allreduce_cases, each case its own algorithm object and
+# tensor name), started by the group's first test; each case is still judged by its own
+# test.
 _JOBS: dict[str, Result] = {}
 
 
 def _job(group: str, n_ranks: int, cases: dict[str, dict], timeout: float) -> Result:
     if group not in _JOBS:
-        _JOBS[group] = launch(n_ranks, "workers:sparse_allreduce_cases", {"cases": cases},
-                              timeout=timeout)
+        _JOBS[group] = launch(n_ranks, "sparse_workers:sparse_allreduce_cases",
+                              {"cases": cases}, timeout=timeout)
     return _JOBS[group]
 
 
@@ -68,7 +69,7 @@ def test_identity_and_identical_outputs(alg: str, n_ranks: int) -> None:
 
 def test_oktopk_in_one_alltoall_keeps_the_identity() -> None:
     # pipeline=False: the split-and-reduce in one alltoall instead of P - 1 steps.
-    result = run_ok(3, "workers:sparse_allreduce",
+    result = run_ok(3, "sparse_workers:sparse_allreduce",
                     {"alg": "oktopk", "n": 20_011, "calls": 8, "density": 0.01, "seed": 4,
                      "kwargs": {"warmup": 1, "tau_local": 4, "pipeline": False}},
                     timeout=120)
@@ -79,7 +80,7 @@ def test_oktopk_in_one_alltoall_keeps_the_identity() -> None:
 @pytest.mark.parametrize("n_ranks", [2, 3, 4])
 def test_oktopk_volume_stays_under_6k(n_ranks: int) -> None:
     k_density, n = 0.01, 100_000
-    result = run_ok(n_ranks, "workers:sparse_allreduce",
+    result = run_ok(n_ranks, "sparse_workers:sparse_allreduce",
                     {"alg": "oktopk", "n": n, "calls": 12, "density": k_density, "seed": 5,
                      "kwargs": {"warmup": 1, "tau_local": 4, "tau_global": 4,
                                 "tau_region": 64}}, timeout=120)
@@ -97,7 +98,7 @@ def test_oktopk_volume_stays_under_6k(n_ranks: int) -> None:
 @pytest.mark.parametrize("n_ranks", [2, 4])
 def test_topka_volume_grows_with_ranks(n_ranks: int) -> None:
     n, density = 100_000, 0.01
-    result = run_ok(n_ranks, "workers:sparse_allreduce",
+    result = run_ok(n_ranks, "sparse_workers:sparse_allreduce",
                     {"alg": "topka", "n": n, "calls": 3, "density": density, "seed": 5},
                     timeout=120)
     k = n * density
@@ -121,7 +122,7 @@ def _gtopk_cases() -> dict[str, dict]:
 @pytest.mark.parametrize("case", ["f32", "f64"])
 def test_gtopk_is_the_published_tree_merge(case: str, n_ranks: int) -> None:
     """Output, residuals and the identity's gap equal a numpy tree merge of every rank's
-    input (workers._gtopk_reference, checked on every call inside the worker)."""
+    input (sparse_workers._gtopk_reference, checked on every call inside the worker)."""
     result = _job(f"gtopk-{n_ranks}", n_ranks, _gtopk_cases(), timeout=120)
     got = _case(result, case, n_ranks)
     assert got[0]["worst"] < 1e-5
