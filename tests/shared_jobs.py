@@ -14,8 +14,11 @@ EQUIVALENCE_CASES = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
                      {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
 SCRIPT = {"path": str(HERE / "horovod_script.py")}
 SPARSE_OPTIMIZER_ALGS = ["oktopk", "topka", "gtopk"]
+# Parts run in negotiated mode (test_negotiated), each in a world started with it.
+NEGOTIATED = {"coordination": "negotiated"}
+NEGOTIATED_CASES = [{}, {"momentum": True}, {"fp16": True}]
 
-# The Horovod script runs first, the joins last.
+# The Horovod script runs first, the joins last (of each coordination mode).
 PARTS = {
     1: [["script", "horovod_script", SCRIPT], ["misuse", "misuse", {}]],
     2: [["script", "horovod_script", SCRIPT], ["collectives", "collectives", {}],
@@ -26,9 +29,14 @@ PARTS = {
         ["sparse_optimizer", "sparse_optimizer", {"algs": SPARSE_OPTIMIZER_ALGS}],
         ["sparse_overlap", "overlap_matches_step", {}], ["sparse_hook", "sparse_ddp_hook", {}],
         ["sparse_small", "sparse_small_buckets_whole", {}],
-        ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}]],
+        ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}],
+        ["neg_script", "horovod_script", SCRIPT, NEGOTIATED],
+        ["neg_equivalence", "equivalence", {"cases": NEGOTIATED_CASES}, NEGOTIATED],
+        ["neg_unused_and_join", "unused_and_join", {}, NEGOTIATED],
+        ["neg_joined", "joined_rank_refuses", {}, NEGOTIATED]],
     3: [["collectives", "collectives", {}], ["parity", "horovod_parity", {}],
-        ["model_mismatch", "model_mismatch", {}], ["unused_and_join", "unused_and_join", {}]],
+        ["model_mismatch", "model_mismatch", {}], ["unused_and_join", "unused_and_join", {}],
+        ["neg_unused_and_join", "unused_and_join", {}, NEGOTIATED]],
     4: [["script", "horovod_script", SCRIPT],
         ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
         ["parity", "horovod_parity", {"only": ["adasum"]}],

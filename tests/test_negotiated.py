@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness import PROMPTLY, Result, launch, run_ok
+from shared_jobs import NEGOTIATED_CASES, shared_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -183,47 +184,43 @@ def test_stalled_cached_tensor_is_reported_too() -> None:
     assert "not (yet) by rank(s) [1]" in got["error"], got
 
 
-TRAINING_CASES = [{}, {"momentum": True}, {"fp16": True}]
-
-
 @pytest.fixture(scope="module")
 def torch_job() -> Result:
-    """The 2-rank torch checks in negotiated mode, in one job (torch_workers.shared: a
-    torch job's start is most of its cost); the Horovod script first, the joins last."""
+    """The 2-rank torch checks in negotiated mode: parts of the 2-rank torch job
+    (shared_jobs.py) that run in a world started in negotiated mode; a torch job's start
+    is most of its cost.  Named as their parts, less ``neg_``."""
     pytest.importorskip("torch")
-    script = {"path": str(Path(__file__).resolve().parent / "horovod_script.py")}
-    parts = [["script", "horovod_script", script],
-             ["equivalence", "equivalence", {"cases": TRAINING_CASES}],
-             ["unused_and_join", "unused_and_join", {}],
-             ["joined", "joined_rank_refuses", {}]]
-    return run_ok(2, "torch_workers:shared", {"parts": parts}, env=NEGOTIATED, timeout=240)
+    return shared_job(2)
+
+
+def _part(job: Result, name: str) -> Result:
+    return job.part(f"neg_{name}")
 
 
 def test_torch_training_matches_one_process_in_negotiated_mode(torch_job: Result) -> None:
-    result = torch_job.part("equivalence")
+    result = _part(torch_job, "equivalence")
     for r in range(2):
         done = [k for k in result.report(r) if k.startswith("equivalent")]
-        assert len(done) == len(TRAINING_CASES), result.explain()
+        assert len(done) == len(NEGOTIATED_CASES), result.explain()
 
 
 def test_horovod_script_runs_in_negotiated_mode(torch_job: Result) -> None:
-    assert any(ln.startswith("done: 2 ranks") for ln in torch_job.lines(0)), \
-        torch_job.explain()
+    result = _part(torch_job, "script")
+    for r in range(2):
+        assert result.report(r).get("script_ranks") == 2, result.explain()
+        assert result.report(r).get("coordination") == "negotiated", result.explain()
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_uneven_join_in_negotiated_mode(request: pytest.FixtureRequest, n: int) -> None:
+def test_uneven_join_in_negotiated_mode(n: int) -> None:
     pytest.importorskip("torch")
-    if n == 2:
-        result = request.getfixturevalue("torch_job").part("unused_and_join")
-    else:
-        result = run_ok(n, "torch_workers:unused_and_join", {}, env=NEGOTIATED, timeout=90)
+    result = _part(shared_job(n), "unused_and_join")
     for r in range(n):
         assert result.report(r).get("unused_and_join_ok") == n - 2, result.explain()
 
 
 def test_broadcast_after_join_fails_loudly_in_negotiated_mode(torch_job: Result) -> None:
-    result = torch_job.part("joined")
+    result = _part(torch_job, "joined")
     assert "join()" in result.report(1).get("refused", ""), result.explain()
 
 

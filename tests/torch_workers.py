@@ -257,7 +257,10 @@ def optimizer_state(arg: dict) -> None:
 def horovod_script(arg: dict) -> None:
     import runpy
 
+    from totalreduce import runtime
+
     runpy.run_path(arg["path"], run_name="__main__")
+    report(script_ranks=hvd.size(), coordination=runtime.current().config.coordination)
 
 
 def overlap(arg: dict) -> None:
@@ -774,20 +777,28 @@ def ddp_errors(arg: dict) -> None:
 
 def shared(arg: dict) -> None:
     """Several workers in turn in one job, ``arg["parts"]`` as [name, worker, its arg]
-    (a torch job's start, four seconds of imports a rank, is most of its cost): each
-    reports under its name (``Result.part``), in the one world they share (the workers'
-    own init() is a no-op here; after one that shuts down, the ranks start a new one),
-    and one that fails on a rank stops every rank there (checks.run_checks)."""
+    or [name, worker, its arg, settings] (a torch job's start, four seconds of imports a
+    rank, is most of its cost): each reports under its name (``Result.part``), in the one
+    world they share (the workers' own init() is a no-op here; after one that shuts down,
+    the ranks start a new one), and one that fails on a rank stops every rank there
+    (checks.run_checks).  A part with settings (``init()``'s keywords, as
+    ``{"coordination": "negotiated"}``) runs in a world of its own started with them."""
     import reporting
     from checks import run_checks
 
-    def part(name: str, worker: str, worker_arg: dict) -> tuple[str, Any]:
+    def part(name: str, worker: str, worker_arg: dict,
+             settings: dict | None = None) -> tuple[str, Any]:
         def run() -> None:
             reporting.section = name
+            if settings:
+                hvd.shutdown()
+                hvd.init(**settings)
             try:
                 globals()[worker](worker_arg)
             finally:
                 reporting.section = None
+                if settings and hvd.is_initialized():
+                    hvd.shutdown()
                 if not hvd.is_initialized():  # a worker that ends with shutdown()
                     hvd.init()
         return name, run
