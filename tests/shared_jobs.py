@@ -5,6 +5,11 @@ rank, most of what each check's own job took.  ``shared_job(n).part(name)`` is p
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
 from harness import HERE, Result, run_ok
 
 # 1 KiB buckets: gradients of 256 bytes and more are reduced in their own .grad
@@ -14,6 +19,10 @@ EQUIVALENCE_CASES = [{}, {"momentum": True}, {"passes": 2}, {"fp16": True},
                      {"bucket": 1024, "fp16": True}, {"bucket": 1024, "keep_grads": True}]
 SCRIPT = {"path": str(HERE / "horovod_script.py")}
 SPARSE_OPTIMIZER_ALGS = ["oktopk", "topka", "gtopk"]
+# Where the 2-rank job's autotuning part logs its trials.
+_LOGS = tempfile.mkdtemp(prefix="totalreduce-tests-")
+atexit.register(shutil.rmtree, _LOGS, ignore_errors=True)
+AUTOTUNE_LOG = str(Path(_LOGS) / "autotune.csv")
 # Parts run in negotiated mode (test_negotiated), each in a world started with it.
 NEGOTIATED = {"coordination": "negotiated"}
 NEGOTIATED_CASES = [{}, {"momentum": True}, {"fp16": True}]
@@ -29,6 +38,7 @@ PARTS = {
         ["sparse_optimizer", "sparse_optimizer", {"algs": SPARSE_OPTIMIZER_ALGS}],
         ["sparse_overlap", "overlap_matches_step", {}], ["sparse_hook", "sparse_ddp_hook", {}],
         ["sparse_small", "sparse_small_buckets_whole", {}],
+        ["autotune", "autotune_agrees", {"log": AUTOTUNE_LOG}, {"autotune_log": AUTOTUNE_LOG}],
         ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}],
         ["neg_script", "horovod_script", SCRIPT, NEGOTIATED],
         ["neg_equivalence", "equivalence", {"cases": NEGOTIATED_CASES}, NEGOTIATED],
@@ -36,7 +46,9 @@ PARTS = {
         ["neg_joined", "joined_rank_refuses", {}, NEGOTIATED]],
     3: [["collectives", "collectives", {}], ["parity", "horovod_parity", {}],
         ["model_mismatch", "model_mismatch", {}], ["unused_and_join", "unused_and_join", {}],
-        ["neg_unused_and_join", "unused_and_join", {}, NEGOTIATED]],
+        ["neg_unused_and_join", "unused_and_join", {}, NEGOTIATED],
+        # send/recv with 64 KiB segments: the 20,000-element tensors go in pieces.
+        ["messages", "messages", {}, {"segment_bytes": 65536}]],
     4: [["script", "horovod_script", SCRIPT],
         ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
         ["parity", "horovod_parity", {"only": ["adasum"]}],

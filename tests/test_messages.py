@@ -3,6 +3,7 @@
 import pytest
 
 from harness import TRANSPORTS, run_ok
+from shared_jobs import shared_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,7 +49,6 @@ def test_receive_from_a_rank_that_left_fails() -> None:
 
 def test_send_recv_tensors() -> None:
     pytest.importorskip("torch")
-    result = run_ok(3, "torch_workers:messages", {}, timeout=120,
-                    env={"TOTALREDUCE_SEGMENT_BYTES": "65536"})
+    result = shared_job(3).part("messages")
     assert all(result.report(r).get("ok") for r in range(3)), result.explain()
     assert result.report(0)["seen"] == [1, 2]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -41,11 +40,8 @@ def test_reduction_overlaps_backward() -> None:
     assert result.report(0).get("overlap_early") == 4, result.explain()
 
 
-def test_autotune_tries_bucket_sizes_and_overlap_and_every_rank_keeps_one(
-        tmp_path: Path) -> None:
-    log = tmp_path / "autotune.csv"
-    result = run_ok(2, "torch_workers:autotune_agrees", {"log": str(log)}, timeout=180,
-                    env={"TOTALREDUCE_AUTOTUNE_LOG": str(log)})
+def test_autotune_tries_bucket_sizes_and_overlap_and_every_rank_keeps_one() -> None:
+    result = shared_job(2).part("autotune")
     for r in range(2):
         assert result.report(r).get("autotune_ok"), result.explain()
     tried = [tuple(t) for t in result.report(0)["tried"]]
