@@ -133,7 +133,7 @@ def test_launcher_names_the_rank_that_raised_in_its_ddp_hook() -> None:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
 def parity(request: pytest.FixtureRequest) -> Result:
-    """The Horovod parity checks (torch_workers.horovod_parity) at each world size, 3 ranks
+    """The Horovod parity checks (parity_workers.horovod_parity) at each world size, 3 ranks
     catching what only an odd world shows (uneven splits, Adasum's folded rank)."""
     return shared_job(request.param).part("parity")
 
