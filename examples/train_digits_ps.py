@@ -17,10 +17,6 @@ import os
 import time
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
-from train_digits import model  # the same MLP as the allreduce example (this folder)
 
 import totalreduce as tr
 import totalreduce.ps as ps
@@ -56,13 +52,17 @@ def main(argv: list[str] | None = None) -> float | None:
     delay = None if args.max_delay.lower() == "none" else int(args.max_delay)
     ps.start(updater=args.updater, lr=args.lr, max_delay=delay)
     me, workers = ps.worker_rank(), ps.num_workers()
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-
-    # Here, not at the top: servers never come back from ps.start(), and scikit-learn's
-    # import takes 2 s of CPU a process.
+    # Here, not at the top: servers never come back from ps.start() and need neither
+    # (numpy applies the updates), and the imports take 4-6 s of CPU a process.
+    import torch
+    import torch.nn.functional as F
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    from train_digits import model  # the same MLP as the allreduce example (this folder)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
 
     digits = load_digits()
     x = digits.data.astype(np.float32) / 16.0
