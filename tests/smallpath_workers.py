@@ -273,6 +273,32 @@ def allreduces_by_size(arg: dict) -> None:
     report(direct=ran)
 
 
+def broadcasts_by_size(arg: dict) -> None:
+    """Blocking broadcasts of ``arg["sizes"]`` bytes (odd element counts, several dtypes
+    and roots, in place and not, one rank a little late): whether each ran on the
+    caller's thread, and what every rank got checked against the root's array."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    ran = []
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = (np.float64, np.float32, np.uint8)[i % 3]
+        count = nbytes // np.dtype(dtype).itemsize
+        inputs = _inputs(i, n, count, dtype)
+        root = (i + 1) % n
+        if rank == i % n:
+            time.sleep(0.002)
+        before = current().engine.stats()["direct_ops"]
+        if i % 2:
+            got = tr.broadcast(inputs[rank], root, name=f"bc.{i}")
+        else:
+            got = inputs[rank]
+            tr.broadcast_(got, root, name=f"bc.{i}")
+        ran.append(current().engine.stats()["direct_ops"] - before)
+        _close(got, inputs[root], f"broadcast of {count} {np.dtype(dtype)} from {root}")
+    tr.shutdown()
+    report(direct=ran)
+
+
 def alltoalls_by_size(arg: dict) -> None:
     """Blocking alltoalls of about ``arg["sizes"]`` bytes in all (rows split evenly, ranks
     sending different rows, several dtypes, one rank a little late), after ``arg["warm"]``

@@ -645,7 +645,15 @@ alternated); while the rings copy slowly they keep 2 MiB, and then lend. Alltoal
 send each peer 1 / n of theirs, take it too while the rings copy fast: at 2 ranks 3 MB took
 0.24 ms against 0.34-0.35 ms lent (`--ops alltoall --sizes 1M,2M,3M,4M,8M`, old and new
 tree alternated three times), 4 MB 0.33-0.36 ms against 0.35-0.40 ms; while the rings
-copy slowly their data leaves the caller's thread from 512 KiB (below).
+copy slowly their data leaves the caller's thread from 512 KiB (below). Broadcasts take
+the allreduce's bound, and past 2 MiB go in pieces of half a segment so that a rank
+copies one piece out while the one before it copies the next in (in two whole segments
+the copies ran one after the other, and the caller's thread gained nothing): with the old
+and the new tree alternated six times in separate jobs, 60 broadcasts each, 4 MB took
+0.50-0.78 ms against 0.55-1.54 ms on the loop and 3 MB 0.39-0.49 against 0.46-1.17 (one
+pair of each the other way round, in the host's slow state); at 3 ranks on 2 cores 3 MB
+took 1.2-2.7 against 2.0-3.9 ms, at 4 ranks 2.5 MB 2.6-3.6 against 3.8-7.3 ms. 16 MB, on
+the same path either way, did not move.
 
 Why gathers of 1 MiB and more lend their pieces, and reductions only from 32 MiB where
 every rank has a core of its own (cross-memory attach, transport/cma.py;

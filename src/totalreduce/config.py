@@ -49,9 +49,9 @@ TOTALREDUCE_HALVING_BYTES          allreduces above SMALL_BYTES and up to this  
 TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the         -1
                                    caller's thread when nothing else is in flight
                                    (engine/smallpath.py; 0 = never); -1 = auto:
-                                   2 MiB, and allreduces, allgathers and
-                                   alltoalls while what they send one peer fits
-                                   in its shared-memory ring (the last two only
+                                   2 MiB, and allreduces, allgathers, alltoalls
+                                   and broadcasts while what they send one peer
+                                   fits in its shared-memory ring (gathers only
                                    while the ring copies fast)
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
@@ -331,8 +331,8 @@ class Config:
     @property
     def direct_limit(self) -> int:
         """Bytes up to which a blocking op may run on the caller's thread (0: never);
-        allreduces, allgathers and alltoalls may go further where DIRECT_BYTES is auto
-        (scheduling/selfguided.py)."""
+        allreduces, allgathers, alltoalls and broadcasts may go further where
+        DIRECT_BYTES is auto (scheduling/selfguided.py)."""
         return 2 << 20 if self.direct_bytes < 0 else self.direct_bytes
 
     @property

@@ -489,7 +489,7 @@ class SelfGuided(GatheringOps):
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        return self._launch(spec, finish, slow_from=LENT_WHEN_SLOW)
+        return self._launch(spec, finish, self._direct_ring, slow_from=LENT_WHEN_SLOW)
 
     # --- reducescatter --------------------------------------------------------------
 

@@ -9,8 +9,8 @@ from ..config import RING_SMALL_ROOM
 
 
 def direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
-    """The largest blocking allreduce, allgather or alltoall the caller's thread runs
-    itself where DIRECT_BYTES is auto (``direct`` for the other ops).
+    """The largest blocking allreduce, allgather, alltoall or broadcast the caller's thread
+    runs itself where DIRECT_BYTES is auto (``direct`` for the other ops).
 
     Past DIRECT_BYTES the general path wins for ops that only move data: it lends their
     bodies, one kernel copy instead of two through a ring.  An allreduce reads each
