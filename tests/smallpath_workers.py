@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -247,28 +248,44 @@ def piecewise_broadcasts(arg: dict) -> None:
     report(calls=calls, direct=direct)
 
 
+def _by_size(sizes: list[int], dtypes: tuple[type, ...],
+             one: Callable[[int, list[np.ndarray]], tuple[np.ndarray, np.ndarray, str]]
+             ) -> list[int]:
+    """Op ``i`` of ``sizes[i]`` bytes (dtypes in turn, one rank a little late):
+    ``one(i, inputs)`` runs it on every rank's inputs and returns (what this rank got,
+    what it should have got, what it was); how many ops each ran on the caller's
+    thread."""
+    rank, n = tr.rank(), tr.size()
+    ran = []
+    for i, nbytes in enumerate(sizes):
+        dtype = dtypes[i % len(dtypes)]
+        inputs = _inputs(i, n, nbytes // np.dtype(dtype).itemsize, dtype)
+        if rank == i % n:
+            time.sleep(0.002)
+        before = current().engine.stats()["direct_ops"]
+        got, want, what = one(i, inputs)
+        ran.append(current().engine.stats()["direct_ops"] - before)
+        _close(got, want, what)
+    return ran
+
+
 def allreduces_by_size(arg: dict) -> None:
     """Blocking allreduces of ``arg["sizes"]`` bytes (odd element counts, several dtypes,
     in place and not, one rank a little late): whether each ran on the caller's thread,
     and its sum checked against numpy."""
     tr.init()
-    rank, n = tr.rank(), tr.size()
-    ran = []
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = (np.float64, np.float32, np.int32)[i % 3]
-        count = nbytes // np.dtype(dtype).itemsize
-        inputs = _inputs(i, n, count, dtype)
-        want = np.sum(np.stack(inputs), axis=0).astype(dtype)
-        if rank == i % n:
-            time.sleep(0.002)
-        before = current().engine.stats()["direct_ops"]
+    rank = tr.rank()
+
+    def one(i: int, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, str]:
+        want = np.sum(np.stack(inputs), axis=0).astype(inputs[0].dtype)
         if i % 2:
             got = tr.allreduce(inputs[rank], op=tr.Sum, name=f"ar.{i}")
         else:
             got = inputs[rank]
             tr.allreduce_(got, op=tr.Sum, name=f"ar.{i}")
-        ran.append(current().engine.stats()["direct_ops"] - before)
-        _close(got, want, f"allreduce of {count} {np.dtype(dtype)}")
+        return got, want, f"allreduce of {got.size} {got.dtype}"
+
+    ran = _by_size(arg["sizes"], (np.float64, np.float32, np.int32), one)
     tr.shutdown()
     report(direct=ran)
 
@@ -279,22 +296,17 @@ def broadcasts_by_size(arg: dict) -> None:
     caller's thread, and what every rank got checked against the root's array."""
     tr.init()
     rank, n = tr.rank(), tr.size()
-    ran = []
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = (np.float64, np.float32, np.uint8)[i % 3]
-        count = nbytes // np.dtype(dtype).itemsize
-        inputs = _inputs(i, n, count, dtype)
+
+    def one(i: int, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, str]:
         root = (i + 1) % n
-        if rank == i % n:
-            time.sleep(0.002)
-        before = current().engine.stats()["direct_ops"]
         if i % 2:
             got = tr.broadcast(inputs[rank], root, name=f"bc.{i}")
         else:
             got = inputs[rank]
             tr.broadcast_(got, root, name=f"bc.{i}")
-        ran.append(current().engine.stats()["direct_ops"] - before)
-        _close(got, inputs[root], f"broadcast of {count} {np.dtype(dtype)} from {root}")
+        return got, inputs[root], f"broadcast of {got.size} {got.dtype} from {root}"
+
+    ran = _by_size(arg["sizes"], (np.float64, np.float32, np.uint8), one)
     tr.shutdown()
     report(direct=ran)
 
