@@ -95,7 +95,8 @@ def messages(arg: dict) -> None:
         "buf": _failure(lambda: tr.recv([1, 2], left)),
     })
 
-    # A receive of another size: both ranks are told, naming both; the job goes on.
+    # A receive of another size: the receiver is told, naming both ranks; the send
+    # succeeds (its bytes left); the job goes on.
     if rank in (0, 1):
         peer = 1 - rank
         if rank == 0:

@@ -25,14 +25,14 @@ from totalreduce.engine.inbox import Inbox
 from totalreduce.engine.job import JobState
 from totalreduce.engine.ledger import CreditLedger
 from totalreduce.engine.loop import Loop
-from totalreduce.engine.mismatch_tracker import MismatchTracker
+from totalreduce.engine.mismatch_tracker import MismatchTracker, read_view
 from totalreduce.engine.opstate import FloatingBody, LiveOp
 from totalreduce.engine.optable import OpTable
 from totalreduce.engine.outbox import Outbox
 from totalreduce.engine.payload import OpFuture, OpSpec
 from totalreduce.engine.peers import PeerEvents
 from totalreduce.engine.reducer import ReduceThread, ScratchPool
-from totalreduce.engine.schedule import Schedule
+from totalreduce.engine.schedule import COPY, Recv, Schedule, Send
 from totalreduce.engine.serving import JoinServer
 from totalreduce.engine.starter import Starter
 from totalreduce.exceptions import (
@@ -332,6 +332,40 @@ def test_mismatch_due_after_the_grace_period_with_views_missing() -> None:
     assert tracker.due(0.0) == []
     [(due_op, error)] = tracker.due(float("inf"))
     assert due_op is op and "ranks [2]: not heard from" in str(error)
+
+
+def message_op(rank: int, count: int) -> LiveOp:
+    """Rank ``rank``'s side of a 2-rank message from rank 0 to rank 1 (tag 9)."""
+    work = np.zeros(count, np.float32)
+    if rank == 0:
+        schedule = Schedule((Send(1, 0, 0, 0, count),), {}, ())
+    else:
+        schedule = Schedule((), {(0, 0, 0): Recv(0, count, COPY, True, ())}, ())
+    spec = OpSpec(key=(21, 0), label="message", sig=5, dtype=dtype_code(work.dtype),
+                  count=count, describe={"kind": "message", "dtype": "float32",
+                                         "count": count, "tag": 9, "from": 0, "to": 1},
+                  schedule=schedule, work=work, ranks=(0, 1))
+    return LiveOp(spec, OpFuture())
+
+
+def test_a_message_of_another_size_fails_the_receive_at_once_and_never_the_send() -> None:
+    # The sender's header is all the receiver will learn of it; the sender ignores the
+    # word however far its send got, so which of the two fails never depends on timing.
+    ops, outbox = OpTable(), Fake()
+    receiver = MismatchTracker(1, 2, ops, outbox, grace=5.0)  # type: ignore[arg-type]
+    recv = message_op(1, 11)
+    ops.active[recv.spec.key] = recv
+    assert receiver.check(recv, 0, data_header(message_op(0, 10), src_step=0)) is None
+    text = str(recv.future.error())
+    assert "rank 0: dtype=float32, count=10 (as seen in its message header)" in text, text
+    assert "rank 1: kind=message, dtype=float32, count=11" in text, text
+    [(_header, body, _skip)] = outbox.named("tell_all")
+    sender_ops = OpTable()
+    sender = MismatchTracker(0, 2, sender_ops, Fake(), grace=5.0)  # type: ignore[arg-type]
+    send = message_op(0, 10)
+    sender_ops.active[send.spec.key] = send
+    sender.heard(1, send.spec.key, read_view(body))
+    assert not send.future.done() and len(sender) == 0
 
 
 # --- serving after join ----------------------------------------------------------------
