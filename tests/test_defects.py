@@ -39,8 +39,9 @@ def test_memory_stays_flat_under_random_sizes_kinds_and_names() -> None:
     # 2.5-3 MB.  1800 ops after it show a leak.  At 4 ranks, with the scratch pool's
     # eviction switched off every rank grew 7-11 MB, keeping each finished op's handle
     # 325 MB, and even 2 KiB kept per op took every rank past the bound (5.8-6.1 MB).  3
-    # ranks (a folded, non-power-of-two world) take 29 s here against 45-48: with a 1 GiB
-    # scratch pool every rank grew 5.5-9.4 MB, with the test's 4 MiB 1.9-2.5 MB.
+    # ranks (a folded, non-power-of-two world) take two thirds of 4's time and tell as
+    # much: with a 1 GiB scratch pool every rank grew 5.5-9.4 MB, with the test's 4 MiB
+    # 1.9-2.5 MB.
     ops, warmup, n = 3300, 1500, 3
     result = run_ok(n, "workers:soak", {"seed": 7, "ops": ops, "warmup": warmup},
                     env={"TOTALREDUCE_SCRATCH_BYTES": str(4 << 20),
