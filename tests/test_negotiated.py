@@ -30,6 +30,22 @@ def test_core_matrix_matches_numpy(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_a_blocking_op_begins_a_cycle_at_once_rather_than_at_the_tick(n: int) -> None:
+    # A ten-minute cycle: no op could end by a tick within the timeout, so each was begun
+    # by its own request.  No cycle ran but those, the one after each renegotiation (the
+    # broadcast's root moves every round after the first: its cache entry is evicted and
+    # every rank begins the next cycle at once), the first, and the one agreeing to stop.
+    rounds = 4
+    env = dict(NEGOTIATED, TOTALREDUCE_CYCLE_TIME_MS="600000")
+    result = run_ok(n, "workers:negotiated_lone_ops", {"rounds": rounds}, env=env,
+                    timeout=60)
+    for r in range(n):
+        got = result.report(r)
+        assert got.get("ok"), result.explain()
+        assert got["calls"] <= got["cycles"] <= got["calls"] + (rounds - 1) + 2, got
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_repeated_tensors_skip_the_coordinator_and_a_changed_shape_is_renegotiated(
         n: int) -> None:
     result = run_ok(n, "workers:negotiated_cache", {}, env=NEGOTIATED, timeout=90)

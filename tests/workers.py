@@ -1136,6 +1136,44 @@ def negotiated_cache(arg: dict) -> None:
     report(first=first, steady=steady, changed=changed)
 
 
+def negotiated_lone_ops(arg: dict) -> None:
+    """Blocking ops one at a time, each after a pause (so every rank's cycle thread is
+    idle when it comes), the ranks reaching each at different times: small and big
+    allreduces (named and not), a broadcast and a barrier, each against numpy.  Reports
+    how many cycles ran and how many calls were made."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    calls = 0
+
+    def pause(i: int) -> None:
+        time.sleep(0.01 + 0.01 * ((rank + i) % n))  # another rank arrives last each time
+
+    for i in range(arg["rounds"]):
+        pause(i)
+        small = np.arange(5, dtype=np.float64) + rank + i
+        got = tr.allreduce(small, op=tr.Sum, name="lone.small")
+        assert_same(got, sum(np.arange(5, dtype=np.float64) + r + i for r in range(n)),
+                    f"round {i} small")
+        pause(i + 1)
+        big = np.full(100_003, rank + i, np.float32)  # past what the cycle runs itself
+        got = tr.allreduce(big, op=tr.Sum)
+        assert_same(got, np.full(100_003, sum(r + i for r in range(n)), np.float32),
+                    f"round {i} big")
+        pause(i + 2)
+        root = i % n
+        got = tr.broadcast(np.full(3, rank * 10 + i, np.int32), root_rank=root,
+                           name="lone.bcast")
+        assert_same(got, np.full(3, root * 10 + i, np.int32), f"round {i} broadcast")
+        pause(i + 3)
+        tr.barrier()
+        calls += 4
+    cycles = current().collectives.stats()["cycles"]
+    tr.shutdown()
+    report(cycles=cycles, calls=calls, ok=True)
+
+
 def negotiated_fusion(arg: dict) -> None:
     """100 small tensors submitted at once travel as a few fused engine ops."""
     from totalreduce.runtime import current

@@ -221,6 +221,11 @@ class Engine:
         transport = self.transport
         return 2 * sum(map(transport.lends, peers)) > len(peers)
 
+    def idle(self) -> bool:
+        """Whether nothing is in flight here: no op submitted, running or waiting (read
+        without the lock: a hint that another thread may change at once)."""
+        return not self.loop.wanted()
+
     def waits_here(self) -> bool:
         """Whether this thread is inside :meth:`caller_waits` (it blocks on what it
         submits, so a small op may run to its end on it)."""

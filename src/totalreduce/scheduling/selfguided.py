@@ -128,6 +128,10 @@ class SelfGuided(GatheringOps):
     def close(self) -> None:
         """Nothing to stop: every op is the engine's."""
 
+    def idle(self) -> bool:
+        """Whether the engine has nothing in flight (a hint: see Engine.idle)."""
+        return self._engine.idle()
+
     def caller_waits(self) -> Any:
         """``with ops.caller_waits():`` this thread waits for what it submits inside, and
         drives the engine's loop itself meanwhile, so the progress thread is not woken."""
