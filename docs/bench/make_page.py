@@ -425,6 +425,13 @@ tensor whose dtype, op and shape were seen before skips the argument checks and 
 one new object); the cycle's classification, the fusion copies in and out and the
 completion take about as much again.
 
+**A lone blocking op**: the latency table's loop (8-byte allreduces, then barriers, back
+to back) in both modes. `{command("latency-neg")}` (`docs/bench/latency-neg.txt`):
+
+{table("latency-neg")[1]}
+
+LATENCY_NEG_PROSE
+
 **Skew** (as above, at 2 and 4 ranks). `{command("skew-neg")}` (`docs/bench/skew-neg.txt`):
 
 {table("skew-neg")[1]}

@@ -41,6 +41,8 @@ JOBS = (
         "--sizes 4,1K,64K,1M,4M,16M,64M --rounds 2 --plot collectives-4.png"),
     Job("latency", "python -m totalreduce.bench latency -n 2,4 --rounds 3"),
     Job("tiny-neg", "python -m totalreduce.bench tiny -n 2,4 --rounds 4 --reps 10"),
+    Job("latency-neg", "python -m totalreduce.bench latency -n 2,4 --backends "
+        "totalreduce-shm,totalreduce-neg,mpi --rounds 3"),
     Job("preempt-2", "python -m totalreduce.bench preempt -n 2 --rounds 2"),
     Job("replay-2-optimizer", "python -m totalreduce.bench replay -n 2 --models resnet50 "
         "--backends totalreduce-shm,mpi --buckets-mb 4,8,16,25 --rounds 2 --reps 15"),
