@@ -5,6 +5,7 @@ import pytest
 
 from harness import PROMPTLY, launch, run_ok
 from totalreduce.bench.simhosts import SimulatedHosts, unavailable
+from workers import WIDTHS
 
 WHY = unavailable()
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(WHY is not None, reason=str(WHY))]
@@ -17,8 +18,9 @@ def hosts():
 
 
 def test_every_collective_matches_numpy_across_hosts(hosts: SimulatedHosts) -> None:
-    result = run_ok(4, "workers:check_collectives", {}, hosts=hosts, timeout=240,
-                    env={"TOTALREDUCE_SEGMENT_BYTES": "4096"})
+    # As over TCP alone in test_collectives: a dtype of each width and kind.
+    result = run_ok(4, "workers:check_collectives", {"dtypes": WIDTHS}, hosts=hosts,
+                    timeout=240, env={"TOTALREDUCE_SEGMENT_BYTES": "4096"})
     for r in range(4):
         got = result.report(r)
         assert got.get("checked", 0) > 0, result.explain()
