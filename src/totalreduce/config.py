@@ -106,8 +106,8 @@ TOTALREDUCE_COORDINATION           selfguided: ops start at once and find each  
                                    (rank 0) says when every rank has asked for a
                                    tensor, as Horovod does (scheduling/)
 TOTALREDUCE_CYCLE_TIME_MS          negotiated: milliseconds between coordination   1
-                                   cycles (a request that finds none queued or
-                                   pending begins one at once)
+                                   cycles (a wait on a request not yet in one
+                                   begins one at once)
 TOTALREDUCE_CACHE_CAPACITY         negotiated: responses remembered, so repeated   1024
                                    tensors skip the coordinator (0 = off)
 TOTALREDUCE_FUSION_THRESHOLD       negotiated: allreduces ready in one cycle are   128 MiB

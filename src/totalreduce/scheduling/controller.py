@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..config import Config
+from ..engine.payload import OpFuture
 from ..exceptions import MismatchError, OpTimeoutError, ShutdownError, TotalReduceError
 from ..threads import start_daemon
 from ..timeline import Timeline
@@ -91,14 +92,14 @@ class Controller:
         self._pending: dict[str, Request] = {}
         self._negotiating: set[str] = set()
         self._stop = threading.Event()
-        # The cycle thread sleeps on this till its next tick; a request that comes while
-        # nothing waits here wakes it (see _run).
+        # The cycle thread sleeps on this till its next tick (_sleep); a thread that
+        # begins to wait on a request sets _wanted and wakes it.
         self._wake = threading.Event()
-        self._idle = False
+        self._asleep = False
+        self._wanted = False
         # Every rank evicted entries this cycle: their requests are negotiated afresh in
         # the next, which every rank then begins at once.
         self._again = False
-        self._empty = False  # the cycle running (or last run) began with nothing of ours
         self._error: TotalReduceError | None = None
         # join(): this rank's pending join request, and the cycle it was made in.
         self._join: Request | None = None
@@ -114,11 +115,20 @@ class Controller:
         if self._error is not None:
             request.resolve(self._error)
             return
+        # Waiting on it wakes the cycle thread (_waiting); submitting does not, so that
+        # async submissions made before the wait are gathered into one cycle.
+        request._waiter = self._waiting
         self._queue.append(request)
-        if self._idle:
-            self._wake.set()
         if self._error is not None and request in self._queue:  # lost a race with the end
             request.resolve(self._error)
+
+    def _waiting(self, request: OpFuture, timeout: float | None) -> bool:
+        """Wait for ``request`` (its OpFuture waiter), waking the cycle thread if it
+        sleeps: see _sleep."""
+        self._wanted = True
+        if self._asleep:
+            self._wake.set()
+        return request.wait_event(timeout)
 
     def stop(self, timeout: float) -> None:
         """Ask every rank to stop coordinating (at the next cycle), and wait for ours."""
@@ -141,9 +151,9 @@ class Controller:
         due = time.monotonic()
         while True:
             now = time.monotonic()
-            at_once = self._at_once()
-            if now < due and not at_once:
-                self._sleep(due - now)
+            again, self._again = self._again, False
+            if now < due and not again:
+                self._sleep(due)
                 now = time.monotonic()
             # Begun before the tick, the next is a cycle from now; otherwise the ticks keep
             # their cadence.
@@ -170,24 +180,22 @@ class Controller:
                 # on nothing, and only the cycle after it would run them.
                 due = now + self._cycle
 
-    def _at_once(self) -> bool:
-        """Whether the next cycle begins now rather than at the tick: every rank evicted
-        entries in the last one (their requests are negotiated afresh, every rank
-        beginning alike), or requests came during one that carried none of ours."""
-        again, self._again = self._again, False
-        return again or (self._empty and bool(self._queue))
-
-    def _sleep(self, wait: float) -> None:
-        """Wait ``wait`` seconds for the tick.  With nothing queued or pending, the first
-        request to come ends the wait: a lone blocking op would otherwise wait for the
-        tick of the last rank to reach it (1.5 cycles at the median).  Requests that come
-        while others wait here keep the tick, so a burst is still gathered into one
-        cycle."""
-        self._idle = not self._queue and not self._pending
-        if not (self._idle and self._queue):  # submit() saw _idle unset: look again
-            self._wake.wait(wait)
-        self._idle = False
-        self._wake.clear()
+    def _sleep(self, due: float) -> None:
+        """Sleep till the tick at ``due``, unless a thread waits on a request this rank
+        has not taken into a cycle yet: a blocking op would otherwise wait for the tick of
+        the last rank to reach it (1.5 cycles at the median).  Async submissions made
+        before that wait are taken together into the cycle it begins, so a burst is still
+        gathered into one cycle."""
+        self._asleep = True
+        try:
+            while not (self._wanted and self._queue) and not self._stop.is_set():
+                left = due - time.monotonic()
+                if left <= 0:
+                    return
+                self._wake.wait(left)
+                self._wake.clear()
+        finally:
+            self._asleep = False
 
     def _end(self, error: TotalReduceError) -> None:
         self._error = error
@@ -201,7 +209,7 @@ class Controller:
         """One cycle, the steps of the module's docstring; returns whether the ranks
         agreed to stop."""
         self.counts["cycles"] += 1
-        self._empty = not self._queue and not self._pending
+        self._wanted = False  # what waiters wait on is taken now, or resolved already
         joining = self._take_requests()
         hit_bits, invalid, uncached = self._classify()
         bits = self._vote(hit_bits, invalid, bool(uncached) or joining)
