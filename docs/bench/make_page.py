@@ -411,14 +411,14 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 153
-against 91 µs at 2 ranks). The cache cuts the cost another 4.7x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 167
+against 87 µs at 2 ranks). The cache cuts the cost another 5.0x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 8.8 µs per op at 2 ranks, 3.1x MPI's `Iallreduce`, and 25.7 µs at
-4 ranks (four processes on two cores), 5.2x. On an earlier VM of the same kind, whose
+cache and fusion, takes 7.9 µs per op at 2 ranks, 3.7x MPI's `Iallreduce`, and 22.2 µs at
+4 ranks (four processes on two cores), 6.3x. On an earlier VM of the same kind, whose
 interpreter ran 2.5-3x faster (see Environment), it took 3.7 and 10.1 µs, and on a 2-core
-Intel Xeon host 2.2 and 7.5 µs. It varies with the host more than MPI's does (5.6 to 11.5
+Intel Xeon host 2.2 and 7.5 µs. It varies with the host more than MPI's does (6.5 to 9.1
 µs between the 10th and 90th percentiles at 2 ranks): the whole cost is Python on the
 submitting thread and the cycle thread. Per tensor, the submit takes about 1 µs (a
 tensor whose dtype, op and shape were seen before skips the argument checks and makes
@@ -430,17 +430,26 @@ to back) in both modes. `{command("latency-neg")}` (`docs/bench/latency-neg.txt`
 
 {table("latency-neg")[1]}
 
-LATENCY_NEG_PROSE
+A negotiated op is agreed on before it runs: the application's thread hands the request
+to the cycle thread, which allreduces the cycle's bit vector with the other ranks, runs
+the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
+negotiated coordination) and hands the result back. That is two engine ops and four
+hand-offs between threads where self-guided mode runs one op on the caller's thread:
+393 and 352 µs for the allreduce and the barrier at 2 ranks, 7.3x and 5.7x self-guided
+mode's time. At 4 ranks on 2 cores each hand-off also waits for a core (1.37 and 1.32
+ms). A wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
+without that, a blocking op would wait for the tick of the last rank to reach it, a
+cycle and a half at the median.
 
 **Skew** (as above, at 2 and 4 ranks). `{command("skew-neg")}` (`docs/bench/skew-neg.txt`):
 
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.63x (2 ranks) and 1.12x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.15x and 1.42x). Without fusion, each of the 161
-tensors then runs as an engine op of its own behind that wait: 1.40x at 4 ranks, where
-the ops compete for two cores; at 2 ranks running each alone (1.09x) beat fusing the few
+so it finishes within 0.64x (2 ranks) and 0.88x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.27x and 1.39x). Without fusion, each of the 161
+tensors then runs as an engine op of its own behind that wait: 1.51x at 4 ranks, where
+the ops compete for two cores; at 2 ranks running each alone (1.00x) beat fusing the few
 that a cycle finds together.
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
@@ -450,15 +459,15 @@ that a cycle finds together.
 
 With all 102 MB ready at once, self-guided mode is faster in every mode. Fusing big
 tensors only adds a copy in and a copy out of every byte. At 2 ranks, negotiated mode
-with fusion off beats it with fusion on (per-tensor 108.5 ms against 118.4). At 4 ranks
-negotiated per-tensor takes 273.4 ms, self-guided grouped 213.3.
+with fusion off beats it with fusion on (per-tensor 111.6 ms against 124.9). At 4 ranks
+negotiated per-tensor takes 299.6 ms, self-guided grouped 244.2.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
 skewed ranks, and everything latency-bound. The digits example, one small bucket per
-step, trains about twice as fast self-guided as negotiated (2 ranks, the third of 3
-epochs, three interleaved runs of each: 19,500-36,500 samples/s against 13,100-20,300 on
-this noisy host): each step waits for a cycle.
+step, trains about 1.5 times as fast self-guided as negotiated (2 ranks, the third of 3
+epochs, three interleaved runs of each: 24,300-36,300 samples/s against 16,300-24,500 on
+this noisy host): each step's gradients wait for a cycle and its hand-offs.
 
 ## Sparse allreduce: Ok-Topk, TopkA, gTopk (totalreduce.compression)
 
