@@ -826,32 +826,6 @@ def first_use(arg: dict) -> None:
                prefix="first_use")
 
 
-def checks_teardown(arg: dict) -> None:
-    """Four checks of collectives; rank ``victim`` fails check ``fail_at``, after its
-    collective (a wrong value) or before it (the others wait in it): every rank must stop
-    there (checks.run_checks), and the report must name that check and that rank."""
-    from checks import run_checks
-
-    hvd.init()
-    r, n = hvd.rank(), hvd.size()
-
-    def check(i: int) -> None:
-        if r == arg["victim"] and i == arg["fail_at"] and arg["when"] == "before":
-            raise RuntimeError(f"rank {r} gives up before check {i}'s collective")
-        got = hvd.allreduce(torch.full((3,), float(r)), op=hvd.Sum, name=f"teardown{i}")
-        # Unnamed: matched by call order, so a rank that went on into the next check after
-        # a failure here would pair this with another rank's next op and fail there too,
-        # for no reason of its own.
-        hvd.allreduce(torch.ones(i + 1))
-        expected = float(sum(range(n)))
-        if r == arg["victim"] and i == arg["fail_at"]:
-            expected += 1  # this rank expects a wrong value
-        close(got, torch.full((3,), expected), f"check {i} sum")
-
-    run_checks([(f"sum {i}", lambda i=i: check(i)) for i in range(4)],
-               agree_timeout=arg.get("agree_timeout", 20.0), prefix="teardown")
-
-
 def process_set_training(arg: dict) -> None:
     """Two halves of the job train their own copies of a model with DistributedOptimizer
     on their own process sets, at once: within a set the weights agree and equal one

@@ -1143,6 +1143,32 @@ def negotiated_cache(arg: dict) -> None:
     report(first=first, steady=steady, changed=changed)
 
 
+def checks_teardown(arg: dict) -> None:
+    """Four checks of collectives; rank ``victim`` fails check ``fail_at``, after its
+    collective (a wrong value) or before it (the others wait in it): every rank must stop
+    there (checks.run_checks), and the report must name that check and that rank."""
+    from checks import run_checks
+
+    tr.init()
+    r, n = tr.rank(), tr.size()
+
+    def check(i: int) -> None:
+        if r == arg["victim"] and i == arg["fail_at"] and arg["when"] == "before":
+            raise RuntimeError(f"rank {r} gives up before check {i}'s collective")
+        got = tr.allreduce(np.full(3, float(r)), op=tr.Sum, name=f"teardown{i}")
+        # Unnamed: matched by call order, so a rank that went on into the next check after
+        # a failure here would pair this with another rank's next op and fail there too,
+        # for no reason of its own.
+        tr.allreduce(np.ones(i + 1))
+        expected = float(sum(range(n)))
+        if r == arg["victim"] and i == arg["fail_at"]:
+            expected += 1  # this rank expects a wrong value
+        assert_same(got, np.full(3, expected), f"check {i} sum")
+
+    run_checks([(f"sum {i}", lambda i=i: check(i)) for i in range(4)],
+               agree_timeout=arg.get("agree_timeout", 20.0), prefix="teardown")
+
+
 def negotiated_lone_ops(arg: dict) -> None:
     """Blocking ops one at a time, each after a pause (so every rank's cycle thread is
     idle when it comes), the ranks reaching each at different times: small and big
