@@ -68,8 +68,9 @@ def test_digits_through_a_parameter_server(delay: str) -> None:
 
 def test_digits_with_adasum_at_one_workers_learning_rate() -> None:
     """4 ranks (an effective batch of 128) combining gradients by Adasum with the lr of
-    one worker (0.05, not 4 x 0.05) still learn the digits (96.4% measured)."""
-    out = _totalrun(4, str(EXAMPLES / "train_digits.py"), "--epochs", "20", "--op", "adasum",
+    one worker (0.05, not 4 x 0.05) still learn the digits: 96.2% at epoch 10, the same in
+    every run (seeded; 94.9% at epoch 9 and 96.4% at 20 in a 20-epoch run)."""
+    out = _totalrun(4, str(EXAMPLES / "train_digits.py"), "--epochs", "10", "--op", "adasum",
                     timeout=150).stdout
     assert "adasum, lr 0.05" in out, out[-2000:]
     found = re.search(r"final test accuracy ([\d.]+)%", out)
