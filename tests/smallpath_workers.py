@@ -481,3 +481,50 @@ def repeated_gathers(arg: dict) -> None:
            broadcast_plans=after["broadcast_plans"] - before["broadcast_plans"],
            refused=refused, floating=current().engine.stats()["floating_bytes"])
     tr.shutdown()
+
+
+def lent_exchanges(arg: dict) -> None:
+    """Blocking allgathers and alltoalls whose pieces to each peer are 1 MiB or more (the
+    express lane lends those of an exchange), several dtypes, odd rows, ``same_shape``
+    and ``out=`` or not; the rank ``arg["late"]`` names (-1: none, else in turn) starts
+    each op late, by ``arg["pause"]`` seconds.  Right after each call every rank checks
+    its result against numpy and then scribbles over its input and result: a rank that
+    returned before its peers had copied what it lent them would hand them the
+    scribbles.  Reports, per op, whether this rank lent bodies and whether it ran the op
+    on its own thread."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    stats = current().engine.stats
+    lent, direct = [], []
+    for i in range(arg["ops"]):
+        dtype = (np.float64, np.float32, np.int32, np.float16)[i % 4]
+        rows = ((1 << 20) + (40 << 10) * (i % 3 + 1)) // np.dtype(dtype).itemsize // 3 + i
+        kind = ("allgather", "alltoall")[i % 2]
+        same = i % 4 < 2
+        late = arg["late"] if arg["late"] < 0 else (arg["late"] + i) % n
+        if rank == late:
+            time.sleep(arg["pause"])
+        lent0, direct0 = tr.transport_stats()["bodies_lent"], stats()["direct_ops"]
+        if kind == "allgather":
+            mine = [a.reshape(-1, 3) for a in _inputs(i, n, rows * 3, dtype)]
+            out = np.empty((rows * n, 3), dtype) if i % 3 else None
+            got = tr.allgather(mine[rank], name=f"lag.{i}", out=out, same_shape=same)
+            want = np.concatenate(mine)
+        else:
+            block = rows
+            mine = [a.reshape(-1, 3) for a in _inputs(i, n, block * n * 3, dtype)]
+            out = np.empty((block * n, 3), dtype) if i % 3 else None
+            got, splits = tr.alltoall(mine[rank], name=f"la2a.{i}", out=out,
+                                      same_shape=same)
+            assert list(splits) == [block] * n, splits
+            want = np.concatenate([a[rank * block:(rank + 1) * block] for a in mine])
+        lent.append(tr.transport_stats()["bodies_lent"] > lent0)
+        direct.append(stats()["direct_ops"] - direct0)
+        if out is not None:
+            assert got is out, "the result is not in out="
+        _close(got, want, f"{kind} {i} of {got.nbytes} bytes ({np.dtype(dtype).name})")
+        mine[rank][...] = 99
+        got[...] = 77
+    tr.barrier()
+    tr.shutdown()
+    report(lent=lent, direct=direct)

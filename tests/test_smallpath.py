@@ -148,3 +148,26 @@ def test_repeated_gathers_and_broadcasts_reuse_plans_and_still_refuse_bad_calls(
         # Sixty calls of one allgather, alltoall and broadcast made a plan each.
         assert got["gather_plans"] == 2 and got["broadcast_plans"] == 1, got
     assert result.report(0)["refused"] > 0, result.explain()
+
+
+@pytest.mark.parametrize(("late", "pause"), [(-1, 0.0), (0, 0.002), (1, 0.4)])
+def test_an_exchange_on_the_callers_thread_lends_its_big_pieces(late: int, pause: float
+                                                                 ) -> None:
+    # A 2-rank allgather or alltoall of 2 MiB or more, on the caller's thread, lends the
+    # peer its piece (the peer's kernel copies it straight into place) and returns only
+    # once the peer has: the ranks scribble over their arrays right after each call.  A
+    # rank 0.4 s late makes its peer hand an op of one phase (same_shape) to the general
+    # path with its piece lent and not yet copied; that op ends only once it has been.
+    result = run_ok(2, "smallpath_workers:lent_exchanges",
+                    {"ops": 8, "late": late, "pause": pause}, timeout=120)
+    for r in range(2):
+        got = result.report(r)
+        # An op that finds its peer's piece already copied aside (it came while the loop
+        # ran something else) runs on the small path, which sends through the ring.
+        assert sum(got["lent"]) >= 6, result.explain()
+        if pause < 0.25:  # a peer that answers in time: every op on the caller's thread
+            assert all(d >= 1 for d in got["direct"]), result.explain()
+        else:
+            handed = [(got["direct"][i], got["lent"][i]) for i in range(8)
+                      if i % 4 < 2 and (1 + i) % 2 != r]
+            assert handed == [(0, True), (0, True)], result.explain()

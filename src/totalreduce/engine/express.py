@@ -26,8 +26,9 @@ from collections.abc import Callable
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
 from ..transport.base import Transport
-from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind
+from ..transport.wire import FLAG_CREDITED, FLAG_READY, FLAG_REMOTE, Header, Kind
 from .ledger import CreditLedger, charge_of
+from .opstate import LentSend
 from .optable import OpTable
 from .payload import OpFuture, OpSpec
 from .reducer import reduce_into
@@ -44,12 +45,20 @@ _SPIN = 200e-6
 # lives): a job's small ops use a few schedules.
 _CHAINS = 256
 
+# The smallest body this lane lends (where the loop would lend it too: CMA_BYTES).  Both
+# ranks of a 2-rank exchange copying at once, the kernel's copy of 2 MiB out of the
+# peer took 260-290 us here, against 420-440 for the ring's two copies (in, out), and 4 MB
+# alltoalls ran about a third faster lent; at 512 KiB the two ways cost the same (80-110
+# against 105 us) and 1 MB allgathers lent were slower in some runs.
+_LEND_FROM = 1 << 20
+
 
 class Chain:
     """A schedule as one line: ``first`` sends, then the messages to wait for, each as
     (peer, step, piece, receive), whose receive's ``then`` sends follow it."""
 
-    __slots__ = ("first", "steps", "sources", "sends", "local_final", "tell_first")
+    __slots__ = ("first", "steps", "sources", "sends", "local_final", "tell_first",
+                 "lendable")
 
     def __init__(self, schedule: Schedule, steps: list[tuple[int, int, int, Recv]]) -> None:
         self.first = schedule.first
@@ -70,6 +79,17 @@ class Chain:
                 tell.append(peer)
             posted.update(s.peer for s in recv.then)
         self.tell_first = tuple(tell)
+        # Sends that may be lent (the peer's kernel copies the body out of ours): those of
+        # an exchange, where the peer sends us a piece in the same step, so both ranks
+        # copy at once, each one copy instead of the ring's two (a one-way send, as a
+        # broadcast's, is faster through the ring, where the two copies overlap); and
+        # never one whose bytes a later receive of the op changes (Recv.after), as the
+        # peer may read them after that receive.
+        exchanged = {(peer, step) for peer, step, *_k in steps}
+        guarded = {key for *_k, recv in steps for key in recv.after}
+        self.lendable = frozenset((s.peer, s.step, s.piece) for s in self.sends
+                                  if (s.peer, s.step) in exchanged
+                                  and (s.peer, s.step, s.piece) not in guarded)
 
 
 def chain_of(schedule: Schedule) -> Chain | None:
@@ -137,25 +157,32 @@ class Express:
         told: set[int] = set()
         sources = chain.sources
         posted = 0
+        work = spec.work
+        itemsize = work.itemsize
+        # Copies (a reduction would sum a lent piece after copying it: no gain) of an op
+        # big enough that the loop would lend its pieces (TOTALREDUCE_CMA_BYTES).
+        lendable = chain.lendable if spec.lend and spec.ufunc is None else None
+        lent: list[LentSend] = []
         for send in chain.first:
-            if not post_data(ledger, transport, spec, send, ready, told, sources):
+            token = self._lend(spec, send, lendable)
+            if not post_data(ledger, transport, spec, send, ready, told, sources, token):
                 if not posted:  # as it was: the general path starts it
                     for peer in ready:
                         ledger.early_ready(key, peer)
                     return False
-                return self._hand_over(spec, chain, ready, told, 0, posted, True)
+                return self._hand_over(spec, chain, ready, told, 0, posted, True, lent)
+            if token is not None:
+                lent.append(token)
             posted += 1
         self._serving.forget(key)
         if spec.finalize is not None or spec.fresh:
             finish_local(spec, chain.local_final)
         for peer in chain.tell_first:
             if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
-                return self._hand_over(spec, chain, ready, told, 0, posted, True)
+                return self._hand_over(spec, chain, ready, told, 0, posted, True, lent)
         peek = transport.peek
         take = transport.take
         sig, dtype, count = spec.sig, spec.dtype, spec.count
-        work = spec.work
-        itemsize = work.itemsize
         ufunc = spec.ufunc
         # A REDUCE piece with nothing to finalize (or to take from the source) is reduced
         # here, the rest by apply_piece: on this path every call saved is a share of the
@@ -164,25 +191,54 @@ class Express:
         unpark = self._unpark
         for done, (peer, step, piece, recv) in enumerate(chain.steps):
             record = peek(peer) or self._wait(peer)
-            while (record is not None and record[1] is None and record[0].kind == Kind.READY
-                   and record[0].name_key == key0 and record[0].seq == key1):
-                # The peer's READY for this op, ahead of its data (a peer we send to only
-                # later): as the inbox takes it (Inbox._header_news, PeerEvents.ready).
+            while record is not None and record[1] is None:
                 header = record[0]
-                self._credit(peer, header)
-                ready.add(peer)
-                take(peer, header)
+                if header.kind == Kind.READY and header.name_key == key0 \
+                        and header.seq == key1:
+                    # The peer's READY for this op, ahead of its data (a peer we send to
+                    # only later): as the inbox takes it (Inbox._header_news,
+                    # PeerEvents.ready).
+                    self._credit(peer, header)
+                    ready.add(peer)
+                    take(peer, header)
+                elif not (lent and header.kind == Kind.RING_ACK
+                          and transport.take_ack(peer, header)):
+                    break  # else: the peer has copied a body we lent it
                 record = peek(peer) or self._wait(peer)
             if record is None:
-                return self._hand_over(spec, chain, ready, told, done, posted, False)
+                return self._hand_over(spec, chain, ready, told, done, posted, False, lent)
             header, body = record
             lo, hi = recv.lo, recv.hi
-            if (body is None or header.name_key != key0 or header.seq != key1
+            if (header.name_key != key0 or header.seq != key1
                     or header.step != step or header.piece != piece or header.sig != sig
                     or header.dtype != dtype or header.count != count
-                    or header.nbytes != (hi - lo) * itemsize):  # smallpath.fits, inline
+                    or header.nbytes != (hi - lo) * itemsize  # smallpath.fits, inline
+                    or (body is None and not (lent and header.flags & FLAG_REMOTE
+                                              and recv.mode == COPY and hi > lo))):
                 # Not the message this step waits for: the small path looks at it again.
-                return self._hand_over(spec, chain, ready, told, done, posted, False)
+                return self._hand_over(spec, chain, ready, told, done, posted, False, lent)
+            if body is None:
+                # Lent to us: our kernel copies it out of the peer, straight into place.
+                if not transport.take_lent(peer, work[lo:hi].data.cast("B")):
+                    return self._hand_over(spec, chain, ready, told, done, posted, False,
+                                           lent)
+                self._credit(peer, header)
+                if header.flags & FLAG_CREDITED:
+                    ledger.owe(peer, charge_of(header.nbytes))
+                if header.flags & FLAG_READY:
+                    ready.add(peer)
+                if recv.final and spec.finalize is not None:
+                    spec.finalize(work[lo:hi])
+                for send in recv.then:
+                    token = self._lend(spec, send, lendable)
+                    if not post_data(ledger, transport, spec, send, ready, told, sources,
+                                     token):
+                        return self._hand_over(spec, chain, ready, told, done + 1, posted,
+                                               True, lent)
+                    if token is not None:
+                        lent.append(token)
+                    posted += 1
+                continue
             flags = header.flags
             credit = header.credit
             if credit:  # _credit, inline
@@ -199,14 +255,37 @@ class Express:
                 apply_piece(spec, recv, body)
             take(peer, header)
             for send in recv.then:
-                if not post_data(ledger, transport, spec, send, ready, told, sources):
-                    return self._hand_over(spec, chain, ready, told, done + 1, posted, True)
+                token = self._lend(spec, send, lendable)
+                if not post_data(ledger, transport, spec, send, ready, told, sources, token):
+                    return self._hand_over(spec, chain, ready, told, done + 1, posted, True,
+                                           lent)
+                if token is not None:
+                    lent.append(token)
                 posted += 1
+        for token in lent:  # each peer says it has copied what we lent it
+            peer = token.send.peer
+            while not token.acked:
+                record = peek(peer) or self._wait(peer)
+                if (record is None or record[1] is not None
+                        or record[0].kind != Kind.RING_ACK
+                        or not transport.take_ack(peer, record[0])):
+                    return self._hand_over(spec, chain, ready, told, len(chain.steps),
+                                           posted, False, lent)
         self.ran += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one
         # (the small path, which turns it, forgets those here).
         self._ops.ran(key)
         return True
+
+    def _lend(self, spec: OpSpec, send: Send, lendable: frozenset[tuple[int, int, int]] | None
+              ) -> LentSend | None:
+        """A token to lend ``send``'s body with, if it is to be lent."""
+        n = (send.hi - send.lo) * spec.work.itemsize
+        if (lendable is None or (send.peer, send.step, send.piece) not in lendable
+                or n < _LEND_FROM
+                or not self._transport.lends_body(send.peer, spec.work.nbytes, n)):
+            return None
+        return LentSend(send)
 
     def _credit(self, peer: int, header: Header) -> None:
         """The credit ``peer`` returned on ``header``, as the inbox takes it."""
@@ -231,19 +310,24 @@ class Express:
         return None
 
     def _hand_over(self, spec: OpSpec, chain: Chain, ready: set[int], told: set[int],
-                   done: int, posted: int, stuck: bool) -> OpFuture | bool:
+                   done: int, posted: int, stuck: bool, lent: list[LentSend]
+                   ) -> OpFuture | bool:
         """The small path goes on with the op: ``done`` steps applied, ``posted`` sends
-        gone; ``stuck``: the next send could not go (the general path sends it)."""
+        gone (``lent``: those lent); ``stuck``: the next send could not go (the general
+        path sends it)."""
         self.handed_over += 1
-        return self._small.go_on(progress(spec, chain, ready, told, done, posted), stuck)
+        return self._small.go_on(progress(spec, chain, ready, told, done, posted, lent),
+                                 stuck)
 
 
 def progress(spec: OpSpec, chain: Chain, ready: set[int], told: set[int], done: int,
-             posted: int) -> SmallOp:
+             posted: int, lent: list[LentSend]) -> SmallOp:
     """The small path's record of a chain run this far: ``done`` steps applied, ``posted``
-    sends gone, ``told`` peers told READY, ``ready`` peers that said it."""
+    sends gone (``lent``: those lent), ``told`` peers told READY, ``ready`` peers that
+    said it."""
     op = SmallOp(spec, ready)
     op.told = told
+    op.lent = lent
     applied = chain.steps[:done]
     unlocked = len(chain.first) + sum(len(recv.then) for *_k, recv in applied)
     op.sent = list(chain.sends[:posted])

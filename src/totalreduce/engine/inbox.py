@@ -68,10 +68,17 @@ class Inbox:
         charge = charged(header)
         key = header.op_key
         small = self.small
-        if small is not None and small.current is not None and \
-                key == (small.current.key0, small.current.key1):
-            # A body that does not arrive whole in a ring slot (lent, or in chunks): the
-            # general path takes the op over and routes it.
+        running = None if small is None else small.current
+        if running is not None and key == (running.key0, running.key1):
+            # A body that does not arrive whole in a ring slot (lent, or in chunks) of the
+            # op a caller's thread runs: straight into place if it can go there now (its
+            # peer lent an exchange's big piece: express.py), else the general path takes
+            # the op over and routes it.
+            assert small is not None
+            recv = small.placeable(running, peer, header)
+            if recv is not None:
+                self._routes[peer] = Route("small", recv=recv, charge=charge)
+                return running.spec.work[recv.lo:recv.hi].data.cast("B")
             small.hand_over()
         op = self._ops.active.get(key)
         if op is not None:
@@ -96,9 +103,12 @@ class Inbox:
         return buf
 
     def received(self, peer: int, header: Header, body: memoryview) -> None:
-        self._header_news(peer, header)
         route = self._routes.pop(peer)
         what = route.what
+        if what == "small":
+            self._placed(peer, header, route)
+            return
+        self._header_news(peer, header)
         if what in ("direct", "reduce"):
             self._ledger.owe(peer, route.charge)
             op = route.op
@@ -151,6 +161,27 @@ class Inbox:
         if body.nbytes:
             dest[:] = body
         self.received(peer, header, dest)
+
+    def _placed(self, peer: int, header: Header, route: Route) -> None:
+        """A body body_buffer put straight into place for the op a caller's thread runs."""
+        small = self.small
+        running = None if small is None else small.current
+        recv = route.recv
+        assert recv is not None
+        if running is not None and header.op_key == (running.key0, running.key1):
+            assert small is not None
+            if header.credit:
+                self._ledger.grant(peer, header.credit)
+                self._outbox.unpark(peer)
+            small.placed(running, peer, header, recv)
+            return
+        # The op went on on the general path while its body arrived (a lent body is
+        # copied in slices, over several turns): it is in place all the same.
+        self._header_news(peer, header)
+        self._ledger.owe(peer, route.charge)
+        op = self._ops.active.get(header.op_key)
+        if op is not None and not op.finished:
+            self._applier.applied(op, (peer, header.step, header.piece), recv)
 
     def can_defer(self, peer: int, header: Header) -> bool:
         # Only with no op in flight here: then nothing behind this message (another op's

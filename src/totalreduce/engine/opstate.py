@@ -108,6 +108,20 @@ class QueuedMsg:
         self.send = send
 
 
+class LentSend:
+    """A send lent from the caller's thread (express.py): the peer's kernel copies its
+    body out of this process, which must leave it as it is until the peer says so
+    (``acked``, set by Outbox.sent).  ``op``: the live op it is a send of, once the general
+    path has taken the op over before then (the op ends only after it)."""
+
+    __slots__ = ("send", "op", "acked")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.op: LiveOp | None = None
+        self.acked = False
+
+
 class Route:
     """Where the body of the message being received from one peer is going."""
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..transport.base import Outgoing
 from ..transport.wire import FLAG_CREDITED, FLAG_READY, Header, Kind, pack_header
 from .ledger import CreditLedger
-from .opstate import LiveOp, QueuedMsg
+from .opstate import LentSend, LiveOp, QueuedMsg
 from .payload import OpKey
 from .schedule import Send
 
@@ -176,9 +176,13 @@ class Outbox:
     def sent(self, token: object) -> LiveOp | None:
         """The transport has sent the message of ``token`` (``Outgoing.token``); returns
         its op if that is still running (a send of it has left)."""
-        if not isinstance(token, QueuedMsg) or token.op.finished:
+        if type(token) is LentSend:
+            token.acked = True
+        elif not isinstance(token, QueuedMsg):
             return None
         op = token.op
+        if op is None or op.finished:
+            return None
         op.sends_left -= 1
         send = token.send
         op.left.add((send.peer, send.step, send.piece))

@@ -225,5 +225,5 @@ class UrgentLane:
         # No longer this thread's: the loop must take its messages from the lane (the
         # thread may drive the loop itself next, inside Engine._adopt).
         self.running.pop(spec.key, None)
-        op = progress(spec, chain, ready, told, done, posted)
+        op = progress(spec, chain, ready, told, done, posted, [])  # the lane never lends
         return self._adopt((spec, ready, told, op.sent, op.unsent, op.applied, needs(op)))

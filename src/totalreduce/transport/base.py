@@ -194,6 +194,33 @@ class Transport(abc.ABC):
         READY), which the caller handled from its header alone."""
         raise NotImplementedError
 
+    # Lending from the thread that drives (engine/express.py), where :meth:`peek` works:
+    # the sender posts where its body is, the receiver's kernel copies it out, and the
+    # sender's op ends once the receiver says so.
+
+    def lends_body(self, peer: int, op_bytes: int, n: int) -> bool:
+        """Whether a body of ``n`` bytes of an op of ``op_bytes`` to ``peer`` would be
+        lent, by the size rule the loop's sends follow (TOTALREDUCE_CMA_BYTES)."""
+        return False
+
+    def lend_now(self, peer: int, header: bytes, body: memoryview, token: object) -> bool:
+        """Lend ``body`` to ``peer`` at once (as :meth:`post_now` sends one): ``token``
+        comes back through ``handler.sent`` once the peer has copied it, and ``body`` must
+        stay as it is until then.  False, nothing sent, if it cannot go now."""
+        return False
+
+    def take_lent(self, peer: int, dest: memoryview) -> bool:
+        """Copy the lent body of the DATA message :meth:`peek` showed from ``peer`` (its
+        header flagged FLAG_REMOTE, no body) into ``dest``, then free the message and
+        acknowledge the body.  False, nothing taken, if that cannot be done here."""
+        return False
+
+    def take_ack(self, peer: int, header: Header) -> bool:
+        """Take ``peer``'s acknowledgement :meth:`peek` showed (``header``, RING_ACK):
+        the body lent under its id has been copied (its token goes to ``handler.sent``).
+        False, nothing taken, if it cannot be taken here."""
+        return False
+
     # The lanes: a second channel each way to a peer (a small ring beside the ring, a
     # second connection, an MPI tag of its own), which a caller's thread reads and writes
     # itself while another thread drives the loop (engine/urgent.py).  Only such a

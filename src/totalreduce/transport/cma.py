@@ -46,7 +46,10 @@ _readv = _load()
 
 def address_of(buf: Any) -> int:
     """The address of a C-contiguous buffer's first byte (the buffer must outlive its use)."""
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    try:  # a writable buffer: a fifth of the time of numpy's way, which is on every lend
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):  # read-only, or empty
+        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 def read_into(pid: int, dest: memoryview, address: int) -> None:

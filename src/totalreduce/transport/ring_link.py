@@ -255,6 +255,34 @@ class RingLink(Link):
             self.doorbell()
         return True
 
+    def lends_body(self, op_bytes: int, n: int) -> bool:
+        """Whether a body of ``n`` bytes of an op of ``op_bytes`` is lent by the rule
+        :meth:`write` applies to a lendable one (its op's size decides)."""
+        return bool(self._lend_bytes) and n >= _LEND_MIN and max(op_bytes, n) >= \
+            self._lend_bytes
+
+    def lend_now(self, header: bytes, body: memoryview, token: object) -> bool:
+        """Lend ``body`` to the peer at once, as :meth:`write` lends one (``token`` comes
+        back through the handler's ``sent`` once the peer has copied it; ``body`` must
+        stay as it is until then); False, nothing posted, when it cannot go now."""
+        ring = self.ring_out
+        if (ring is None or not self._lend_bytes or self.blocked is not None or self._acks
+                or self.write_closed or self.closed):
+            return False
+        lend = self._next_lend
+        desc = REMOTE_BODY.pack(cma.address_of(body), lend)
+        if not ring.post(with_flag(header, FLAG_REMOTE), memoryview(desc)):
+            return False
+        self._next_lend += 1
+        self._lent[lend] = Outgoing(header, body, token)
+        counters = self.counters
+        counters.messages_sent += 1
+        counters.bytes_sent += HEADER_SIZE + body.nbytes
+        counters.bodies_lent += 1
+        if ring.reader_sleeping():
+            self.doorbell()
+        return True
+
     def _post_chunks(self, msg: Outgoing) -> int:
         """Post a body bigger than a ring record: the header, then as many CHUNK records as
         fit.  Leaves ``msg`` in ``blocked`` until the last one is in."""
@@ -429,6 +457,52 @@ class RingLink(Link):
         counters.bytes_received += HEADER_SIZE + header.nbytes
         if ring.release() and not self.closed:
             self.doorbell()  # its writer waits for room
+
+    def take_lent(self, dest: memoryview) -> bool:
+        """Copy the lent body :meth:`peek` showed (a FLAG_REMOTE DATA record) out of the
+        peer into ``dest``, its size, then free the record and acknowledge the body; False,
+        nothing taken, if it cannot be copied here now (the loop then reads it again and
+        reports a peer whose memory is gone)."""
+        ring = self.ring_in
+        if (ring is None or ring.lender_pid is None or self.body is not None
+                or self.lent_in is not None or self.closed):
+            return False
+        pid = ring.lender_pid
+        try:
+            record = ring.next()
+        except WireError:
+            return False
+        if record is None:
+            return False
+        header, desc = record
+        if not header.flags & FLAG_REMOTE or header.nbytes != dest.nbytes:
+            return False
+        address, lend = REMOTE_BODY.unpack_from(desc)
+        try:
+            cma.read_into(pid, dest, address)
+        except OSError:
+            return False
+        freed = ring.release()
+        self._acknowledge(lend)
+        counters = self.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+        if freed and not self.closed:
+            self.doorbell()
+        return True
+
+    def take_ack(self, header: Header) -> bool:
+        """Take the peer's RING_ACK :meth:`peek` showed (``header``): the body we lent
+        under its id has been copied, and its token goes back through the handler's
+        ``sent``.  False, nothing taken, for an id not lent (the loop reports it)."""
+        ring = self.ring_in
+        msg = self._lent.pop(header.seq, None)
+        if ring is None or msg is None:
+            return False
+        if ring.release() and not self.closed:
+            self.doorbell()
+        self.owner.handler.sent(self.peer, msg.token)
+        return True
 
     def read_ring(self, budget: int | None = READ_BUDGET) -> None:
         """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
@@ -607,16 +681,21 @@ class RingLink(Link):
         self.lent_in = None
         # Acknowledge before handing it on: the handler may reduce it (hundreds of us)
         # while the sender waits for this to finish its op.
-        ring = self.ring_out
-        if not self._acks and ring is not None and ring.post(
-                Header(Kind.RING_ACK, seq=lent.lend).pack()):
-            if ring.reader_sleeping():
-                self.doorbell()
-        else:
-            self._acks.append(lent.lend)
-            self.owner.again(self.peer)
+        self._acknowledge(lent.lend)
         counters = self.counters
         counters.messages_received += 1
         counters.bytes_received += HEADER_SIZE + header.nbytes
         handler.received(self.peer, header, dest)
         return False
+
+    def _acknowledge(self, lend: int) -> None:
+        """Tell the peer its body ``lend`` has been copied (now, or on the next write if
+        earlier acknowledgements wait or the ring is full)."""
+        ring = self.ring_out
+        if not self._acks and ring is not None and ring.post(
+                Header(Kind.RING_ACK, seq=lend).pack()):
+            if ring.reader_sleeping():
+                self.doorbell()
+        else:
+            self._acks.append(lend)
+            self.owner.again(self.peer)

@@ -157,6 +157,24 @@ class TcpTransport(Transport):
         assert type(link) is RingLink
         link.take(header)
 
+    def lends_body(self, peer: int, op_bytes: int, n: int) -> bool:
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.lends_body(op_bytes, n)
+
+    def lend_now(self, peer: int, header: bytes, body: memoryview, token: object) -> bool:
+        if peer in self._pending:
+            return False  # output of ours for it waits: this message must not pass it
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.lend_now(header, body, token)
+
+    def take_lent(self, peer: int, dest: memoryview) -> bool:
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.take_lent(dest)
+
+    def take_ack(self, peer: int, header: Header) -> bool:
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.take_ack(header)
+
     def lane_ended(self, lane: SocketLane) -> None:
         if lane in self._socket_lanes:
             self._socket_lanes.remove(lane)
