@@ -528,3 +528,64 @@ def lent_exchanges(arg: dict) -> None:
     tr.barrier()
     tr.shutdown()
     report(lent=lent, direct=direct)
+
+
+def repeated_scatters(arg: dict) -> None:
+    """Reducescatters under a few names, dtypes, shapes and ops, each repeated (a repeat
+    reuses the plan its first call made), blocking and async, contiguous or not, ranks
+    pausing at random, each against numpy; on rank 0 now and then a call the checks must
+    refuse (a 0-d array of a good call's dtype, op and name) between two good ones.
+    Reports how many calls were refused and how many plans were kept, before and after
+    60 calls of one."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    common = random.Random(31)
+    mine = random.Random(400 + rank)
+    refused = 0
+    for i in range(arg["steps"]):
+        name = common.choice(["s", "t", None])
+        dtype = common.choice([np.float32, np.float64, np.int32])
+        op = common.choice(["Sum", "Max", "Average"] if dtype != np.int32 else ["Sum", "Max"])
+        rows = common.choice([n, 2 * n + 1, 5 * n - 1])
+        tail = common.choice([(), (3,)])
+        strided = common.random() < 0.3
+        blocking = common.random() < 0.7
+        if mine.random() < 0.1:
+            time.sleep(mine.random() * 0.002)
+        width = int(np.prod(tail))
+        # Strided: every other row of a bigger array (not contiguous: read through a copy).
+        ins = [a.reshape(rows, 2, *tail)[:, 0] if strided
+               else a[:rows * width].reshape(rows, *tail)
+               for a in _inputs(i, n, rows * width * 2, dtype)]
+        total = reference_of(ins, op)
+        b = np.cumsum([0] + [rows // n + (1 if r < rows % n else 0) for r in range(n)])
+        want = total[b[rank]:b[rank + 1]]
+        if rank == 0 and mine.random() < 0.15:
+            try:
+                tr.reducescatter(np.zeros((), dtype), op=getattr(tr, op), name=name)
+            except ValueError as exc:
+                assert "reducescatter" in str(exc), exc
+                refused += 1
+            else:
+                raise AssertionError("a 0-d array was let through")
+        if blocking:
+            got = tr.reducescatter(ins[rank], op=getattr(tr, op), name=name)
+        else:
+            got = tr.reducescatter_async(ins[rank], op=getattr(tr, op), name=name).wait()
+        assert got.dtype == want.dtype and got.shape == want.shape, (i, got.shape, want.shape)
+        _close(got, want, f"step {i}: {op} {name} {np.dtype(dtype).name} {rows} {tail}")
+    before = current().collectives.stats()["scatter_plans"]
+    x = np.arange(4 * n, dtype=np.float32) + rank
+    for _ in range(60):
+        got = tr.reducescatter(x, op=tr.Sum, name="same")
+        _close(got, (n * np.arange(4 * n, dtype=np.float32) + n * (n - 1) / 2)[
+            4 * rank:4 * rank + 4], "repeat")
+    after = current().collectives.stats()["scatter_plans"]
+    tr.shutdown()
+    report(refused=refused, before=before, after=after)
+
+
+def reference_of(ins: list[np.ndarray], op: str) -> np.ndarray:
+    stack = np.stack([a.astype(np.float64) for a in ins])
+    got = {"Sum": stack.sum(0), "Max": stack.max(0), "Average": stack.mean(0)}[op]
+    return got.astype(ins[0].dtype)

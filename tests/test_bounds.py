@@ -155,3 +155,11 @@ def test_gathering_and_broadcast_plans_stay_bounded(small_world) -> None:
     assert stats["gather_plans"] == GATHER_PLANS, stats
     assert stats["same_shape_plans"] == GATHER_PLANS, stats
     assert stats["broadcast_plans"] <= 1024, stats
+
+
+def test_reducescatter_plans_stay_bounded(small_world) -> None:
+    rt = small_world
+    for rows in range(1, 1101):  # a new shape every call
+        x = np.arange(rows, dtype=np.float32)
+        assert tr.reducescatter(x, op=tr.Sum, name="r").tolist() == x.tolist()
+    assert rt.collectives.stats()["scatter_plans"] == 1024

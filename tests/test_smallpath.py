@@ -171,3 +171,13 @@ def test_an_exchange_on_the_callers_thread_lends_its_big_pieces(late: int, pause
             handed = [(got["direct"][i], got["lent"][i]) for i in range(8)
                       if i % 4 < 2 and (1 + i) % 2 != r]
             assert handed == [(0, True), (0, True)], result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_repeated_reducescatters_reuse_plans_and_still_refuse_bad_calls(n: int) -> None:
+    result = run_ok(n, "smallpath_workers:repeated_scatters", {"steps": 150}, timeout=150)
+    for r in range(n):
+        got = result.report(r)
+        # Sixty calls of one reducescatter made one plan.
+        assert got["after"] == got["before"] + 1, got
+    assert result.report(0)["refused"] > 0, result.explain()

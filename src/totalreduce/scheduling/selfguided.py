@@ -49,7 +49,9 @@ from .templates import (
     GatherPlan,
     OpTemplate,
     SamePlan,
+    ScatterPlan,
     broadcast_key,
+    scatter_key,
 )
 from .thresholds import LENT_WHEN_SLOW, REDUCE_LEND_BYTES, direct_ring_bytes
 from .views import with_algorithm
@@ -123,6 +125,8 @@ class SelfGuided(GatheringOps):
         self._broadcasts: LRU[tuple[Any, ...], tuple[OpTemplate, int]] = LRU(_SPEC_CACHE)
         self._gathers: LRU[tuple[Any, ...], GatherPlan] = LRU(GATHER_PLANS)
         self._same: LRU[tuple[Any, ...], SamePlan] = LRU(GATHER_PLANS)
+        # Reducescatters' plans, by scatter_key and whether the call reads its input.
+        self._scatters: LRU[tuple[Any, ...], ScatterPlan] = LRU(_SPEC_CACHE)
         self._slow_rings = SlowRingChoice()
 
     def close(self) -> None:
@@ -144,7 +148,8 @@ class SelfGuided(GatheringOps):
                     "specs": len(self._known), "sigs": len(self._sigs),
                     "small_plans": len(self._small), "gather_plans": len(self._gathers),
                     "same_shape_plans": len(self._same),
-                    "broadcast_plans": len(self._broadcasts)}
+                    "broadcast_plans": len(self._broadcasts),
+                    "scatter_plans": len(self._scatters)}
 
     # --- identity ---------------------------------------------------------------------
 
@@ -498,6 +503,14 @@ class SelfGuided(GatheringOps):
     # --- reducescatter --------------------------------------------------------------
 
     def reducescatter(self, x: Any, op: Any, name: str | None, priority: int) -> Handle:
+        key = scatter_key(x, op, name)
+        if key is not None:
+            # Read in place (below) or not: the algorithm may differ.
+            key = (*key, self._fresh_source(x, False, 0) is not None)
+            with self._lock:
+                plan = self._scatters.get(key)
+            if plan is not None:
+                return self._scatter_again(plan, x, name, priority)
         rop, arr = check_reducescatter(x, op, name)
         ident = self._ident("reducescatter", name)
         row = math.prod(arr.shape[1:])
@@ -525,6 +538,24 @@ class SelfGuided(GatheringOps):
                           fresh=source is not None, lend=self._reduction_lends(work.nbytes))
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
+        if key is not None:
+            with self._lock:
+                self._scatters.put(key, ScatterPlan(OpTemplate(spec), lo, hi, shape))
+        return self._launch(spec, lambda: work[lo:hi].reshape(shape))
+
+    def _scatter_again(self, plan: ScatterPlan, x: np.ndarray, name: str | None,
+                       priority: int) -> Handle:
+        """A reducescatter like one made before (scatter_key): its checks, bounds,
+        algorithm and signature are the plan's."""
+        key, label = self._call("reducescatter", name)
+        source = self._fresh_source(x, False, 0)
+        template = plan.template
+        if source is not None and template.fresh:
+            work = np.empty(x.size, x.dtype)
+        else:
+            work, source = np.array(x, copy=True, order="C").reshape(-1), None
+        spec = template.spec(key, label, work, priority, self._members, source)
+        lo, hi, shape = plan.lo, plan.hi, plan.shape
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))
 
     # --- join -----------------------------------------------------------------------

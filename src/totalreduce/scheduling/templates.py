@@ -16,6 +16,7 @@ import numpy as np
 
 from ..engine.payload import OpKey, OpSpec
 from ..lru import LRU
+from .ops import ReduceOp
 
 # Gathering ops' plans kept, and data-phase templates each keeps, by the ranks' rows: most
 # jobs send the same rows every call, some (a sparse exchange) rows that vary, which only
@@ -29,7 +30,7 @@ class OpTemplate:
     """An op's spec without its identity, buffers and priority."""
 
     __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
-                 "recipe", "lend")
+                 "recipe", "lend", "fresh")
 
     def __init__(self, spec: OpSpec, lend: bool | None = None) -> None:
         """``lend``: OpSpec.lend for the repeats (default: ``spec``'s)."""
@@ -42,14 +43,17 @@ class OpTemplate:
         self.finalize = spec.finalize
         self.recipe = spec.recipe
         self.lend = spec.lend if lend is None else lend
+        self.fresh = spec.fresh
 
     def spec(self, key: OpKey, label: str, work: np.ndarray, priority: int,
              members: tuple[int, ...] | None, source: np.ndarray | None = None) -> OpSpec:
         """This op again, under a call's own identity (``key``, ``label``), buffers and
-        priority."""
+        priority (``work`` left undefined for ``source`` to fill where the template's
+        op did so: OpSpec.fresh)."""
         return OpSpec(key, label, self.sig, self.code, self.count, self.describe,
                       self.schedule, work, source, self.ufunc, self.finalize, priority,
-                      self.recipe, -1, members, False, self.lend)
+                      self.recipe, -1, members, self.fresh and source is not None,
+                      self.lend)
 
 
 class GatherPlan:
@@ -116,6 +120,30 @@ def gather_key(kind: str, x: Any, name: Any, out: Any, splits: Any = None
     else:
         return None
     return (kind, x.dtype, x.shape, name, shown, rows)
+
+
+class ScatterPlan:
+    """A reducescatter call's template and what this rank keeps of the result: the flat
+    range [lo, hi) and its shape."""
+
+    __slots__ = ("template", "lo", "hi", "shape")
+
+    def __init__(self, template: OpTemplate, lo: int, hi: int, shape: tuple[int, ...]
+                 ) -> None:
+        self.template = template
+        self.lo = lo
+        self.hi = hi
+        self.shape = shape
+
+
+def scatter_key(x: Any, op: Any, name: Any) -> tuple[Any, ...] | None:
+    """What decides every check of a reducescatter call and its plan, as
+    :func:`gather_key` (an op of type ReduceOp only: a name or a number is checked
+    afresh)."""
+    if (type(x) is not np.ndarray or type(op) is not ReduceOp
+            or (name is not None and type(name) is not str)):
+        return None
+    return (x.dtype, x.shape, op, name, x.flags.c_contiguous)
 
 
 def broadcast_key(x: Any, root: Any, name: Any, inplace: bool) -> tuple[Any, ...] | None:
