@@ -161,10 +161,11 @@ class Express:
         itemsize = work.itemsize
         # Copies (a reduction would sum a lent piece after copying it: no gain) of an op
         # big enough that the loop would lend its pieces (TOTALREDUCE_CMA_BYTES).
-        lendable = chain.lendable if spec.lend and spec.ufunc is None else None
+        lendable = chain.lendable if (chain.lendable and spec.lend
+                                      and spec.ufunc is None) else None
         lent: list[LentSend] = []
         for send in chain.first:
-            token = self._lend(spec, send, lendable)
+            token = None if lendable is None else self._lend(spec, send, lendable)
             if not post_data(ledger, transport, spec, send, ready, told, sources, token):
                 if not posted:  # as it was: the general path starts it
                     for peer in ready:
@@ -230,7 +231,7 @@ class Express:
                 if recv.final and spec.finalize is not None:
                     spec.finalize(work[lo:hi])
                 for send in recv.then:
-                    token = self._lend(spec, send, lendable)
+                    token = None if lendable is None else self._lend(spec, send, lendable)
                     if not post_data(ledger, transport, spec, send, ready, told, sources,
                                      token):
                         return self._hand_over(spec, chain, ready, told, done + 1, posted,
@@ -255,7 +256,7 @@ class Express:
                 apply_piece(spec, recv, body)
             take(peer, header)
             for send in recv.then:
-                token = self._lend(spec, send, lendable)
+                token = None if lendable is None else self._lend(spec, send, lendable)
                 if not post_data(ledger, transport, spec, send, ready, told, sources, token):
                     return self._hand_over(spec, chain, ready, told, done + 1, posted, True,
                                            lent)
