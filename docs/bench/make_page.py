@@ -143,8 +143,7 @@ between the states.
   buffer).
 - Every rank's block has the same size, as MPI's `Allgather` and `Alltoall` and gloo's
   `all_gather_into_tensor` and `all_to_all_single` require; totalreduce's allgather and
-  alltoall are told so (`same_shape=True`) and skip the exchange of sizes. The 16-core
-  tables, from commits before that option, measured gathers that exchanged sizes first.
+  alltoall are told so (`same_shape=True`) and skip the exchange of sizes.
 
 ## Collectives, 2 ranks
 
@@ -172,10 +171,10 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 A virtual machine with 16 Intel Xeon cores and one rank per core; MPI is Open MPI 4.1.6
 (its `mpiexec`, mpi4py 4.1.2), gloo is torch 2.11's. The three tables below come from one
 run of `regenerate.py --cores16` at one commit (under each table). Such machines differ
-from one to the next: the same day, at an earlier commit (8750b53), another gave 141 us
-for the 16-rank 8-byte allreduce against this one's 92, and moved 1-16 MB cells by up to
-2x between two runs, MPI's too, so again compare within a table. Shared-memory rings carry
-all of totalreduce's traffic.
+from one to the next: at an earlier commit two of them gave 92 and 141 us for the 16-rank
+8-byte allreduce (this table's gave 133), and 1-16 MB cells moved by up to 2x between two
+runs, MPI's too, so again compare within a table. Shared-memory rings carry all of
+totalreduce's traffic.
 
 Allreduce:
 
@@ -807,34 +806,38 @@ either way, 3-13% behind in both.
   barrier takes 60.6 us. Async small allreduces, which the loop runs, cost about 91 us
   each self-guided (the `tiny` table). An allgather or alltoall whose ranks' rows may
   differ is two such exchanges, sizes then data (a 4-byte one about 0.14 ms here);
-  `same_shape=True` makes it one (0.088 and 0.096 ms in the 2-rank table, a broadcast
-  0.078 ms). A repeated one skips its checks and set-up (scheduling/templates.py).
+  `same_shape=True` makes it one (0.085 and 0.094 ms in the 2-rank table, a broadcast
+  0.084 ms). A repeated one skips its checks and set-up (scheduling/templates.py).
   Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
 - The 2-rank table's medians mix the host's states (see Environment), each backend in
-  its own proportion. Allreduce: 1.11x MPI at 1 MB, 0.97x at 4 MB, 0.84x at 16 MB,
-  2.39-2.63x from 64 MB (there MPICH's allreduce moves 1.3 GB/s, against 2.9-3.7 GB/s
-  at 1-16 MB; ours 3.2-3.5 GB/s).
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.84x at 1 MB, 0.94x
-  at 4 MB, 0.85-0.95x from 16 MB; alltoall 0.39-0.44x at 1-4 MB, 0.84-0.87x from 16 MB;
-  broadcast 0.63x at 1 MB, 0.50x at 4 MB, 0.74-0.90x from 16 MB; reducescatter 0.93x at
-  1 MB, 1.13x at 4 MB, 1.39x at 16 MB, 2.8-2.9x from 64 MB. Per op, Python costs tens of
-  µs, a large share of MPI's whole 1 MB call. The 16 MB alltoall lends its bodies (by
-  size), and in the bench's order its arrays come from glibc's heap (small pages) once
-  earlier ops have freed arrays that big: the kernel copied 2 MiB between two such
-  buffers at 1.3 GB/s, against 9.4-12.9 GB/s where either side was a fresh mmap'd array
-  with huge pages, so the same op took 4.0-4.6 ms in a fresh process and 7.4 ms after a
-  64 MB allreduce with new arrays. Without `out=` allgather and alltoall run at about
-  0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is fresh
-  memory, and the kernel faulting and zeroing it costs about as much as the copies (32 MB
-  into fresh pages: 8 ms; into reused ones: 4.6 ms).
+  its own proportion. Allreduce: 2.41x MPI at 1 MB and 2.16x at 4 MB, where MPICH's
+  allreduce ran at half the speed other runs here show (0.63 and 2.15 ms median, against
+  0.31 and 1.14 ms; ours 0.26 and 1.00 ms), 1.17x at 16 MB, 2.35-2.47x from 64 MB (there
+  MPICH's allreduce moves 1.2 GB/s; ours 2.9-3.0 GB/s).
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.15x at 1 MB, 1.57x
+  at 4 MB (its piece is lent from the caller's thread: one kernel copy on each rank
+  instead of two ring copies), 0.72-0.83x from 16 MB; alltoall 0.43x at 1 MB, 0.56x at
+  4 MB, 0.78-0.87x from 16 MB; broadcast 0.75x at 1 MB, 0.89x at 4 MB, 0.91-0.96x from
+  16 MB; reducescatter 1.05x at 1 MB, 0.97x at 4 MB, 1.69x at 16 MB, 2.8-2.9x from
+  64 MB. Per op, Python costs tens of µs, a large share of MPI's whole 1 MB call. The 16
+  MB alltoall lends its bodies (by size), and in the bench's order its arrays come from
+  glibc's heap (small pages) once earlier ops have freed arrays that big: the kernel
+  copied 2 MiB between two such buffers at 1.3 GB/s, against 9.4-12.9 GB/s where either
+  side was a fresh mmap'd array with huge pages, so the same op took 4.0-4.6 ms in a fresh
+  process and 7.4 ms after a 64 MB allreduce with new arrays. Without `out=` allgather and
+  alltoall run at about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's
+  new result is fresh memory, and the kernel faulting and zeroing it costs about as much
+  as the copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.19-0.92x), but for reducescatter from 64 MB (1.37-1.40x).
-- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.32-0.84x MPI (allreduce 0.32-0.80x,
-  allgather 0.46-0.73x, alltoall 0.36-0.53x, broadcast at 16 ranks 0.40-0.52x, reducescatter
-  0.35-0.56x at 1 MB), and a blocking 8-byte allreduce takes 2.5x its 2-rank time at 16
-  ranks and 15x MPI's in the table (3.5x and 21x on another machine of the kind the same
-  day): every step waits for the slowest of its ranks (see the latency table's notes). The
+  host (0.19-0.76x), but for allreduce and reducescatter from 64 MB (1.08-1.26x).
+- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.38-0.84x MPI (allreduce 0.38-0.84x,
+  allgather 0.38-0.59x, alltoall 0.48-0.59x, broadcast at 16 ranks 0.47-0.64x, reducescatter
+  0.69-0.76x but for 1.37x at 8 ranks and 4 MB); from 16 MB every op but three cells
+  (0.91-0.94x) is at 1.01-5.1x. A blocking 8-byte allreduce takes 3.5x its 2-rank time at
+  16 ranks and 19x MPI's in the table (2.5x and 15x on another machine of the kind at an
+  earlier commit): every step waits for the slowest of its ranks (see the latency table's
+  notes). The
   ring at 16 ranks runs 4 MB several times slower than its bytes call for (allgather 9.0 ms
   against 3.3 with recursive doubling). Timestamps show each lent 256 KiB piece taking about
   50 us to copy out of its sender (5 GB/s), one step after another, and the size exchange
