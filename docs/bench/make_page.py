@@ -172,7 +172,7 @@ A virtual machine with 16 Intel Xeon cores and one rank per core; MPI is Open MP
 (its `mpiexec`, mpi4py 4.1.2), gloo is torch 2.11's. The three tables below come from one
 run of `regenerate.py --cores16` at one commit (under each table). Such machines differ
 from one to the next: at an earlier commit two of them gave 92 and 141 us for the 16-rank
-8-byte allreduce (this table's gave 133), and 1-16 MB cells moved by up to 2x between two
+8-byte allreduce (this table's gave 118), and 1-16 MB cells moved by up to 2x between two
 runs, MPI's too, so again compare within a table. Shared-memory rings carry all of
 totalreduce's traffic.
 
@@ -831,13 +831,14 @@ either way, 3-13% behind in both.
   as the copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
   host (0.19-0.76x), but for allreduce and reducescatter from 64 MB (1.08-1.26x).
-- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.38-0.84x MPI (allreduce 0.38-0.84x,
-  allgather 0.38-0.59x, alltoall 0.48-0.59x, broadcast at 16 ranks 0.47-0.64x, reducescatter
-  0.69-0.76x but for 1.37x at 8 ranks and 4 MB); from 16 MB every op but three cells
-  (0.91-0.94x) is at 1.01-5.1x. A blocking 8-byte allreduce takes 3.5x its 2-rank time at
-  16 ranks and 19x MPI's in the table (2.5x and 15x on another machine of the kind at an
-  earlier commit): every step waits for the slowest of its ranks (see the latency table's
-  notes). The
+- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
+  allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
+  0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
+  but allgather at 16 ranks (0.80x), alltoall at 64 MB (0.97x at 8 ranks, 0.68x at 16)
+  and broadcast at 16 ranks and 16 MB (0.98x). A blocking 8-byte allreduce takes 3.8x its
+  2-rank time at 16 ranks and 20x MPI's in the table (2.5x and 15x on another machine of
+  the kind at an earlier commit): every step waits for the slowest of its ranks (see the
+  latency table's notes). The
   ring at 16 ranks runs 4 MB several times slower than its bytes call for (allgather 9.0 ms
   against 3.3 with recursive doubling). Timestamps show each lent 256 KiB piece taking about
   50 us to copy out of its sender (5 GB/s), one step after another, and the size exchange
