@@ -12,6 +12,7 @@ import numpy as np
 import totalreduce as tr
 from reporting import report
 from totalreduce.runtime import current
+from workers import reference_reduce
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.float16]
 
@@ -486,12 +487,12 @@ def repeated_gathers(arg: dict) -> None:
 def lent_exchanges(arg: dict) -> None:
     """Blocking allgathers and alltoalls whose pieces to each peer are 1 MiB or more (the
     express lane lends those of an exchange), several dtypes, odd rows, ``same_shape``
-    and ``out=`` or not; the rank ``arg["late"]`` names (-1: none, else in turn) starts
-    each op late, by ``arg["pause"]`` seconds.  Right after each call every rank checks
-    its result against numpy and then scribbles over its input and result: a rank that
-    returned before its peers had copied what it lent them would hand them the
-    scribbles.  Reports, per op, whether this rank lent bodies and whether it ran the op
-    on its own thread."""
+    and ``out=`` or not; one rank starts each op late, by ``arg["pause"]`` seconds: the
+    rank ``arg["late"]`` names for the first, the ranks in turn after it.  Right after
+    each call every rank checks its result against numpy and then scribbles over its
+    input and result: a rank that returned before its peers had copied what it lent them
+    would hand them the scribbles.  Reports, per op, whether this rank lent bodies and
+    whether it ran the op on its own thread."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     stats = current().engine.stats
@@ -501,7 +502,7 @@ def lent_exchanges(arg: dict) -> None:
         rows = ((1 << 20) + (40 << 10) * (i % 3 + 1)) // np.dtype(dtype).itemsize // 3 + i
         kind = ("allgather", "alltoall")[i % 2]
         same = i % 4 < 2
-        late = arg["late"] if arg["late"] < 0 else (arg["late"] + i) % n
+        late = (arg["late"] + i) % n
         if rank == late:
             time.sleep(arg["pause"])
         lent0, direct0 = tr.transport_stats()["bodies_lent"], stats()["direct_ops"]
@@ -557,7 +558,7 @@ def repeated_scatters(arg: dict) -> None:
         ins = [a.reshape(rows, 2, *tail)[:, 0] if strided
                else a[:rows * width].reshape(rows, *tail)
                for a in _inputs(i, n, rows * width * 2, dtype)]
-        total = reference_of(ins, op)
+        total = reference_reduce(ins, op)
         b = np.cumsum([0] + [rows // n + (1 if r < rows % n else 0) for r in range(n)])
         want = total[b[rank]:b[rank + 1]]
         if rank == 0 and mine.random() < 0.15:
@@ -584,8 +585,3 @@ def repeated_scatters(arg: dict) -> None:
     tr.shutdown()
     report(refused=refused, before=before, after=after)
 
-
-def reference_of(ins: list[np.ndarray], op: str) -> np.ndarray:
-    stack = np.stack([a.astype(np.float64) for a in ins])
-    got = {"Sum": stack.sum(0), "Max": stack.max(0), "Average": stack.mean(0)}[op]
-    return got.astype(ins[0].dtype)

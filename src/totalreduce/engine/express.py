@@ -223,23 +223,8 @@ class Express:
                 if not transport.take_lent(peer, work[lo:hi].data.cast("B")):
                     return self._hand_over(spec, chain, ready, told, done, posted, False,
                                            lent)
-                self._credit(peer, header)
-                if header.flags & FLAG_CREDITED:
-                    ledger.owe(peer, charge_of(header.nbytes))
-                if header.flags & FLAG_READY:
-                    ready.add(peer)
                 if recv.final and spec.finalize is not None:
                     spec.finalize(work[lo:hi])
-                for send in recv.then:
-                    token = None if lendable is None else self._lend(spec, send, lendable)
-                    if not post_data(ledger, transport, spec, send, ready, told, sources,
-                                     token):
-                        return self._hand_over(spec, chain, ready, told, done + 1, posted,
-                                               True, lent)
-                    if token is not None:
-                        lent.append(token)
-                    posted += 1
-                continue
             flags = header.flags
             credit = header.credit
             if credit:  # _credit, inline
@@ -249,12 +234,13 @@ class Express:
                 ledger.owe(peer, charge_of(header.nbytes))
             if flags & FLAG_READY:
                 ready.add(peer)
-            if plain and recv.mode != COPY:
-                assert ufunc is not None
-                reduce_into(ufunc, work[lo:hi], body)
-            else:
-                apply_piece(spec, recv, body)
-            take(peer, header)
+            if body is not None:
+                if plain and recv.mode != COPY:
+                    assert ufunc is not None
+                    reduce_into(ufunc, work[lo:hi], body)
+                else:
+                    apply_piece(spec, recv, body)
+                take(peer, header)
             for send in recv.then:
                 token = None if lendable is None else self._lend(spec, send, lendable)
                 if not post_data(ledger, transport, spec, send, ready, told, sources, token):
@@ -278,12 +264,11 @@ class Express:
         self._ops.ran(key)
         return True
 
-    def _lend(self, spec: OpSpec, send: Send, lendable: frozenset[tuple[int, int, int]] | None
+    def _lend(self, spec: OpSpec, send: Send, lendable: frozenset[tuple[int, int, int]]
               ) -> LentSend | None:
         """A token to lend ``send``'s body with, if it is to be lent."""
         n = (send.hi - send.lo) * spec.work.itemsize
-        if (lendable is None or (send.peer, send.step, send.piece) not in lendable
-                or n < _LEND_FROM
+        if ((send.peer, send.step, send.piece) not in lendable or n < _LEND_FROM
                 or not self._transport.lends_body(send.peer, spec.work.nbytes, n)):
             return None
         return LentSend(send)

@@ -368,9 +368,8 @@ class SmallPath:
         if not op.lent:
             # Only an exchange that lends takes its peers' lent pieces in place.  Others
             # get them from peers on the general path (which lend the pieces of ops from
-            # 1 MiB): at 16 ranks, 4 MB alltoalls that took them in place, in the
-            # chain's order, ran 15% slower than on the general path, which copies each
-            # as it comes.
+            # 1 MiB), and with every small-path op taking those in place, 4 MB alltoalls
+            # at 16 ranks ran 3.49-3.59 ms against 3.08-3.11 (16 cores, alternated).
             return None
         spec = op.spec
         rkey = (peer, header.step, header.piece)
@@ -473,9 +472,8 @@ class SmallPath:
                 header, body = record
                 if header.name_key != key0 or header.seq != key1 or body is None:
                     if not (body is None and self._take_aside(op, peer, header)):
-                        # Not this op's, or not one to take here: the loop takes it (and
-                        # reads on past it: a lent body of this op behind it would hand
-                        # the op to the general path, so what can be taken here is).
+                        # Not this op's, or not one to take here: the loop takes it
+                        # (what can be taken here is, to spare a turn of the loop).
                         resume()  # what waited in a ring for an op is read now
                         step(0, op)
                 else:  # as the inbox hands it over (Inbox.received_view)
