@@ -98,7 +98,8 @@ class SmallOp:
 
     def done(self) -> bool:
         """The driver's ``until``: over, or handed to the general path."""
-        return self.promoted or (self.to_come == 0 and all(t.acked for t in self.lent))
+        return self.promoted or (self.to_come == 0 and (
+            not self.lent or all(t.acked for t in self.lent)))
 
 
 def needs(op: SmallOp) -> set[int]:

@@ -210,19 +210,11 @@ class RingLink(Link):
             if self._lend_bytes and n >= _LEND_MIN and (
                     (msg.lend and max(op_nbytes(msg.header), n) >= self._lend_bytes)
                     or (msg.lend_slow and ring.pace.lend())):
-                assert body is not None
-                lend = self._next_lend
-                desc = REMOTE_BODY.pack(cma.address_of(body), lend)
-                if not ring.post(with_flag(msg.header, FLAG_REMOTE), memoryview(desc)):
+                if not self._post_lent(ring, msg):
                     self.blocked = msg
                     break
-                self._next_lend += 1
-                self._lent[lend] = msg  # sent() when the reader says it has copied it
                 self.blocked = None
                 posted += HEADER_SIZE
-                counters.messages_sent += 1
-                counters.bytes_sent += HEADER_SIZE + n
-                counters.bodies_lent += 1
                 continue
             if n <= ring.max_body:
                 if not ring.post(msg.header, body):
@@ -267,20 +259,29 @@ class RingLink(Link):
         stay as it is until then); False, nothing posted, when it cannot go now."""
         ring = self.ring_out
         if (ring is None or not self._lend_bytes or self.blocked is not None or self._acks
-                or self.write_closed or self.closed):
+                or self.write_closed or self.closed
+                or not self._post_lent(ring, Outgoing(header, body, token))):
             return False
+        if ring.reader_sleeping():
+            self.doorbell()
+        return True
+
+    def _post_lent(self, ring: RingWriter, msg: Outgoing) -> bool:
+        """Post ``msg``'s descriptor (where its body is, under a new lend id) instead of
+        its body; False, nothing posted, while the ring is full.  The handler's ``sent``
+        gets its token when the reader says it has copied the body."""
+        body = msg.body
+        assert body is not None
         lend = self._next_lend
         desc = REMOTE_BODY.pack(cma.address_of(body), lend)
-        if not ring.post(with_flag(header, FLAG_REMOTE), memoryview(desc)):
+        if not ring.post(with_flag(msg.header, FLAG_REMOTE), memoryview(desc)):
             return False
         self._next_lend += 1
-        self._lent[lend] = Outgoing(header, body, token)
+        self._lent[lend] = msg
         counters = self.counters
         counters.messages_sent += 1
         counters.bytes_sent += HEADER_SIZE + body.nbytes
         counters.bodies_lent += 1
-        if ring.reader_sleeping():
-            self.doorbell()
         return True
 
     def _post_chunks(self, msg: Outgoing) -> int:
