@@ -166,7 +166,8 @@ def repeated_calls(arg: dict) -> None:
     report(direct=stats["direct_ops"], caught_up=stats["direct_caught_up"],
            handed_over=stats["direct_handed_over"], floating=stats["floating_bytes"],
            plans=current().collectives.stats()["small_plans"],
-           express=stats["express_ops"])
+           express=stats["express_ops"],
+           repeats=stats["express_repeats"] + stats["express_repeats_handed_over"])
     tr.shutdown()
 
 
@@ -585,3 +586,42 @@ def repeated_scatters(arg: dict) -> None:
     tr.shutdown()
     report(refused=refused, before=before, after=after)
 
+
+
+def repeat_then_differ(arg: dict) -> None:
+    """Ranks repeat one small allreduce (from the second call on, each runs it from the
+    template's Repeat, engine/repeat.py), then rank 1 makes it differently (the op, the
+    dtype or the shape) while the others repeat it: every rank must raise a MismatchError,
+    and the job and the template go on.  Sums checked against numpy."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    stats = current().engine.stats
+    for what in arg["whats"]:
+        for i in range(arg["repeats"]):
+            inputs = _inputs(i, n, 3, np.float32)
+            mine = inputs[rank].copy()
+            assert tr.allreduce_(mine, op=tr.Sum, name="r") is mine
+            _close(mine, np.sum(np.stack(inputs), axis=0), f"{what} repeat {i}")
+        before = stats()
+        before = before["express_repeats"] + before["express_repeats_handed_over"]
+        x, op = np.ones(3, np.float32), tr.Sum
+        if rank == 1 and what == "op":
+            op = tr.Max
+        elif rank == 1 and what == "dtype":
+            x = np.ones(3, np.float64)
+        elif rank == 1 and what == "shape":
+            x = np.ones(4, np.float32)
+        start = time.monotonic()
+        try:
+            tr.allreduce_(x, op=op, name="r")
+        except tr.MismatchError as exc:
+            got: dict = {"mismatch": str(exc), "after_s": time.monotonic() - start}
+        else:
+            got = {"returned": x.tolist()}
+        got["repeats_before"] = before
+        y = tr.allreduce(np.full(3, rank, np.int64), op=tr.Sum, name="after")
+        got["after_ok"] = y.tolist() == [sum(range(n))] * 3
+        report(**{f"case:{what}": got})
+    report(repeats=stats()["express_repeats"],
+           repeats_handed_over=stats()["express_repeats_handed_over"])
+    tr.shutdown()

@@ -28,10 +28,28 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
     for r in range(n):
         got = result.report(r)
         assert got["floating"] == 0 and got["plans"] > 0, got
-        # Repeats took the express lane (at 4 ranks, with a READY ahead of the data).
-        assert got["express"] > 0, got
+        # Repeats took the express lane (at 4 ranks, with a READY ahead of the data),
+        # blocking allreduces from their template's Repeat (engine/repeat.py).
+        assert got["express"] > 0 and got["repeats"] > 0, got
     if n == 4:  # 4 ranks on 2 cores: some rank always runs ahead of another
         assert any(result.report(r)["caught_up"] > 0 for r in range(n)), result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(n: int) -> None:
+    whats = ["op", "dtype", "shape"]
+    result = run_ok(n, "smallpath_workers:repeat_then_differ",
+                    {"whats": whats, "repeats": 6}, timeout=150)
+    for r in range(n):
+        got = result.report(r)
+        # The repeats began from the template's Repeat (at 4 ranks on 2 cores most are
+        # handed over: a peer is slow to get a core).
+        assert got["case:op"]["repeats_before"] > 0, got
+        for what in whats:
+            case = got[f"case:{what}"]
+            assert "mismatch" in case, (r, what, case)
+            assert "'r'" in case["mismatch"], (r, what, case)
+            assert case["after_s"] < 30 and case["after_ok"], (r, what, case)
 
 
 def test_small_path_can_be_switched_off() -> None:

@@ -55,6 +55,7 @@ from .outbox import Outbox
 from .payload import OpFuture, OpSpec
 from .peers import PeerEvents
 from .reducer import ReduceThread, ScratchPool
+from .repeat import Repeat
 from .serving import JoinServer, Server
 from .smallpath import SmallPath
 from .starter import Starter
@@ -120,6 +121,7 @@ class Engine:
                                         self.wait, outbox.unpark)
         inbox.small = small
         self._express = Express(small, ops, ledger, serving, transport, outbox.unpark)
+        self._serving = serving
         self._urgent = UrgentLane(job, ops, floating, mismatches, departures, serving,
                                   transport, self._adopt, loop.ran_elsewhere)
         inbox.urgent = self._urgent.running
@@ -165,6 +167,21 @@ class Engine:
             # been woken to if the caller had waited through caller_waits().
             self._driver.nudge()
         return ran
+
+    def repeat(self, spec: OpSpec, label_of: Callable[[int], str]) -> Repeat | None:
+        """What runs calls like ``spec`` (a small blocking op's, priority 0) on this
+        thread with everything they share bound once (repeat.py), if they can run that
+        way here: their schedule a chain through rings this process reads, all sends from
+        the working buffer, no READY of their own.  ``label_of(seq)``: the label of the
+        call ``seq``."""
+        chain = self._express.chain(spec.schedule)
+        if (chain is None or chain.tell_first or spec.priority or spec.fresh
+                or spec.source is not None or any(s.from_source for s in chain.sends)):
+            return None
+        return Repeat(spec, chain, label_of, spec.ranks, self._driver, self.loop,
+                      self._small, self._express, self._ops, self._ledger,
+                      self._serving, self._floating, self.transport,
+                      self._outbox.unpark)
 
     def _adopt(self, state: Adopt) -> OpFuture:
         """The loop goes on with an op the urgent lane began (Starter.adopt)."""
@@ -298,8 +315,10 @@ class Engine:
                 "done_names": self._ops.done.names(),
                 "early_ready": self._ledger.early_count(),
                 "mismatch_records": len(self._mismatches),
-                "direct_ops": self._small.ran + self._express.ran,
-                "express_ops": self._express.ran,
+                "direct_ops": self._small.ran + self._express.ran + self._express.repeats,
+                "express_ops": self._express.ran + self._express.repeats,
+                "express_repeats": self._express.repeats,
+                "express_repeats_handed_over": self._express.repeats_handed_over,
                 "express_handed_over": self._express.handed_over,
                 "direct_handed_over": self._small.handed_over,
                 "direct_caught_up": self._small.caught_up,

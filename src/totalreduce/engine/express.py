@@ -127,6 +127,8 @@ class Express:
         self._transport = transport
         self._chains: LRU[int, tuple[Schedule, Chain | None]] = LRU(_CHAINS)
         self.ran = 0  # ops that ran to their end on this lane
+        self.repeats = 0  # ops a Repeat ran to their end on this lane (repeat.py)
+        self.repeats_handed_over = 0  # ops a Repeat began (counted in handed_over too)
         self.handed_over = 0  # ops the small path went on with
 
     def chain(self, schedule: Schedule) -> Chain | None:
@@ -174,7 +176,7 @@ class Express:
                     for peer in ready:
                         ledger.early_ready(key, peer)
                     return False
-                return self._hand_over(spec, chain, ready, told, 0, posted, True, lent)
+                return self.hand_over(spec, chain, ready, told, 0, posted, True, lent)
             if token is not None:
                 lent.append(token)
             posted += 1
@@ -183,7 +185,7 @@ class Express:
             finish_local(spec, chain.local_final)
         for peer in chain.tell_first:
             if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
-                return self._hand_over(spec, chain, ready, told, 0, posted, True, lent)
+                return self.hand_over(spec, chain, ready, told, 0, posted, True, lent)
         peek = transport.peek
         take = transport.take
         sig, dtype, count = spec.sig, spec.dtype, spec.count
@@ -194,7 +196,7 @@ class Express:
         plain = spec.finalize is None and not spec.fresh
         unpark = self._unpark
         for done, (peer, step, piece, recv) in enumerate(chain.steps):
-            record = peek(peer) or self._wait(peer)
+            record = peek(peer) or self.wait(peer)
             while record is not None and record[1] is None:
                 header = record[0]
                 if header.kind == Kind.READY and header.name_key == key0 \
@@ -208,9 +210,9 @@ class Express:
                 elif not (lent and header.kind == Kind.RING_ACK
                           and transport.take_ack(peer, header)):
                     break  # else: the peer has copied a body we lent it
-                record = peek(peer) or self._wait(peer)
+                record = peek(peer) or self.wait(peer)
             if record is None:
-                return self._hand_over(spec, chain, ready, told, done, posted, False, lent)
+                return self.hand_over(spec, chain, ready, told, done, posted, False, lent)
             header, body = record
             lo, hi = recv.lo, recv.hi
             if (header.name_key != key0 or header.seq != key1
@@ -220,11 +222,11 @@ class Express:
                     or (body is None and not (lent and header.flags & FLAG_REMOTE
                                               and recv.mode == COPY and hi > lo))):
                 # Not the message this step waits for: the small path looks at it again.
-                return self._hand_over(spec, chain, ready, told, done, posted, False, lent)
+                return self.hand_over(spec, chain, ready, told, done, posted, False, lent)
             if body is None:
                 # Lent to us: our kernel copies it out of the peer, straight into place.
                 if not transport.take_lent(peer, work[lo:hi].data.cast("B")):
-                    return self._hand_over(spec, chain, ready, told, done, posted, False,
+                    return self.hand_over(spec, chain, ready, told, done, posted, False,
                                            lent)
                 if recv.final and spec.finalize is not None:
                     spec.finalize(work[lo:hi])
@@ -247,7 +249,7 @@ class Express:
             for send in recv.then:
                 token = None if lendable is None else self._lend(spec, send, lendable)
                 if not post_data(ledger, transport, spec, send, ready, told, sources, token):
-                    return self._hand_over(spec, chain, ready, told, done + 1, posted, True,
+                    return self.hand_over(spec, chain, ready, told, done + 1, posted, True,
                                            lent)
                 if token is not None:
                     lent.append(token)
@@ -255,11 +257,11 @@ class Express:
         for token in lent:  # each peer says it has copied what we lent it
             peer = token.send.peer
             while not token.acked:
-                record = peek(peer) or self._wait(peer)
+                record = peek(peer) or self.wait(peer)
                 if (record is None or record[1] is not None
                         or record[0].kind != Kind.RING_ACK
                         or not transport.take_ack(peer, record[0])):
-                    return self._hand_over(spec, chain, ready, told, len(chain.steps),
+                    return self.hand_over(spec, chain, ready, told, len(chain.steps),
                                            posted, False, lent)
         self.ran += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one
@@ -282,7 +284,7 @@ class Express:
             self._ledger.grant(peer, header.credit)
             self._unpark(peer)
 
-    def _wait(self, peer: int) -> tuple[Header, memoryview | None] | None:
+    def wait(self, peer: int) -> tuple[Header, memoryview | None] | None:
         """The next record from ``peer``, or None if none came within the spin."""
         peek = self._transport.peek
         relax = os.sched_yield if self._transport.crowded() else None
@@ -298,7 +300,7 @@ class Express:
                 break
         return None
 
-    def _hand_over(self, spec: OpSpec, chain: Chain, ready: set[int], told: set[int],
+    def hand_over(self, spec: OpSpec, chain: Chain, ready: set[int], told: set[int],
                    done: int, posted: int, stuck: bool, lent: list[LentSend]
                    ) -> OpFuture | bool:
         """The small path goes on with the op: ``done`` steps applied, ``posted`` sends

@@ -68,6 +68,10 @@ class Floating:
         self.bytes -= item.charge
         self._ledger.owe(item.src, item.charge)
 
+    def empty(self) -> bool:
+        """Whether no body floats here, none arriving."""
+        return not self._bodies and not self.bytes
+
     def only(self, key: OpKey) -> bool:
         """Whether every body here (none arriving) is op ``key``'s, or none is."""
         bodies = self._bodies

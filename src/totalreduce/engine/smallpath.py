@@ -44,7 +44,7 @@ from .loop import Awaited
 from .mismatch_tracker import MismatchTracker
 from .opstate import LentSend, LiveOp
 from .optable import OpTable
-from .payload import OpFuture, OpSpec
+from .payload import OpFuture, OpKey, OpSpec
 from .reducer import reduce_into
 from .schedule import COPY, Recv, Send
 from .serving import JoinServer
@@ -223,15 +223,20 @@ class SmallPath:
     def eligible(self, spec: OpSpec) -> bool:
         """Whether ``spec`` can run here now: nothing else runs or waits to (the caller
         holds the drive lock and has checked the loop's queues)."""
+        # A schedule whose receives wait on others (Recv.wait) is a large op's: this path
+        # does not hold pieces back for them.  Bodies of this very op may have floated in
+        # (a peer ahead of us sent them while we ran the op before): run() applies them
+        # first.
+        key = spec.key
+        return (not spec.schedule.waits and self._floating.only(key)
+                and self.quiet(key))
+
+    def quiet(self, key: OpKey) -> bool:
+        """Whether nothing but op ``key`` (which is not over here) runs or waits to, all
+        but floating bodies (the caller looks at those)."""
         job = self._job
         ops = self._ops
-        # A schedule whose receives wait on others (Recv.wait) is a large op's: this path
-        # does not hold pieces back for them.
-        key = spec.key
-        # Bodies of this very op may have floated in (a peer ahead of us sent them while
-        # we ran the op before): run() applies them first.
         if (ops.active or job.broken is not None or job.closing or ops.tracing()
-                or spec.schedule.waits or not self._floating.only(key)
                 or len(self._mismatches) or self._departures.any()):
             return False
         # OpTable.known, inline (nothing is active here).

@@ -12,6 +12,7 @@ so later calls cannot overtake them.  A caller that says every rank passes the s
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -167,6 +168,10 @@ class SelfGuided(GatheringOps):
         of its own): its key, (name hash, call count), and its label for messages."""
         h, seq = self._names.next_call((_UNNAMED if name is None else name) + phase
                                        + self._tag)
+        return (h, seq), self._label(kind, name, seq)
+
+    def _label(self, kind: str, name: str | None, seq: int) -> str:
+        """The label of call ``seq`` of ``name``, for messages."""
         if name is None:
             label = f"{kind} (unnamed) (call #{seq})"
         elif seq:
@@ -175,7 +180,7 @@ class SelfGuided(GatheringOps):
             label = f"{kind} '{name}'"
         if self._set_id:
             label += f" in process set {self._set_id} (ranks {list(self._members or ())})"
-        return (h, seq), label
+        return label
 
     def _spec(self, ident: Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
               dtype: np.dtype, count: int, schedule: Schedule, work: np.ndarray,
@@ -301,9 +306,29 @@ class SelfGuided(GatheringOps):
             plan = self._small.get(key)
         if plan is None:
             return None
-        spec, result = self._small_spec(plan, x, name, priority, inplace)
-        self._run_blocking(spec)
-        return result
+        repeat = plan.repeat
+        if repeat is None or priority:
+            spec, result = self._small_spec(plan, x, name, priority, inplace)
+            if not plan.repeat_tried and not priority:
+                plan.repeat_tried = True
+                plan.repeat = self._engine.repeat(
+                    spec, functools.partial(self._label, "allreduce", name))
+            self._run_blocking(spec)
+            return result
+        # Only the buffer and the identity are the call's own (engine/repeat.py).
+        work = x.ravel() if inplace else x.flatten()
+        ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
+        ran = repeat.run(work, ident)
+        if ran is True:
+            if ctrl_c.pending:
+                ctrl_c.raise_if_pending()
+        elif ran is False:
+            self._run_blocking(repeat.spec(work, ident))
+        else:
+            with self._caller_waits:
+                FutureHandle([ran], _nothing,
+                             self._label("allreduce", name, ident[1])).wait()
+        return x if inplace else work.reshape(x.shape)
 
     def barrier_now(self) -> bool:
         """A barrier run to its end on this thread, as :meth:`allreduce_now`: False, with

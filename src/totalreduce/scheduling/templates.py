@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.payload import OpKey, OpSpec
+from ..engine.repeat import Repeat
 from ..lru import LRU
 from .ops import ReduceOp
 
@@ -30,7 +31,7 @@ class OpTemplate:
     """An op's spec without its identity, buffers and priority."""
 
     __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
-                 "recipe", "lend", "fresh")
+                 "recipe", "lend", "fresh", "repeat", "repeat_tried")
 
     def __init__(self, spec: OpSpec, lend: bool | None = None) -> None:
         """``lend``: OpSpec.lend for the repeats (default: ``spec``'s)."""
@@ -44,6 +45,10 @@ class OpTemplate:
         self.recipe = spec.recipe
         self.lend = spec.lend if lend is None else lend
         self.fresh = spec.fresh
+        # What runs blocking calls of it at priority 0 (engine/repeat.py), once asked
+        # for (None where they cannot run that way).
+        self.repeat: Repeat | None = None
+        self.repeat_tried = False
 
     def spec(self, key: OpKey, label: str, work: np.ndarray, priority: int,
              members: tuple[int, ...] | None, source: np.ndarray | None = None) -> OpSpec:

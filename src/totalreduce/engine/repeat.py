@@ -1,0 +1,236 @@
+"""A small blocking op made again and again, run down its chain with everything that does
+not change between calls bound once.
+
+A training loop repeats the same few small ops (a loss, a metric, a flag): the same name,
+dtype, shape and reduction every step.  The express lane (express.py) runs each call from
+a spec of its own, and at 2 ranks building that spec and its label, finding the chain
+again, asking each part of the engine whether it is idle and calling through the
+transport's dispatch took three quarters of an 8-byte allreduce's time (30 us of it,
+where posting the record, waiting for the peer's and summing it took 8).  A
+:class:`Repeat` is made once per template; a call gives it only its buffer and identity.
+
+The messages are the express lane's, header for header.  Anything out of the ordinary (a
+message that is not the awaited one, a full ring, no credit, a peer slow to answer)
+builds the call's spec there and then and hands the op to the small path at the position
+reached, as the express lane does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..transport.base import Transport
+from ..transport.wire import (
+    FLAG_CREDITED,
+    FLAG_READY,
+    HEADER_SIZE,
+    KIND_DATA,
+    Kind,
+    pack_header,
+)
+from .driving import Driver
+from .express import Chain, Express
+from .floating import Floating
+from .ledger import CreditLedger
+from .loop import Loop
+from .optable import OpTable
+from .payload import OpFuture, OpKey, OpSpec
+from .reducer import reduce_into
+from .schedule import COPY, Send
+from .serving import JoinServer
+from .smallpath import SmallPath
+
+_KIND_READY = Kind.READY
+
+# A send as Repeat keeps it: (peer, lo, hi, step, piece, bytes, to a source).
+_Send = tuple[int, int, int, int, int, int, bool]
+
+
+class Repeat:
+    """One template's calls on the express lane (see the module docstring).  Made by
+    :meth:`.Engine.repeat`, only for a chain whose sends all read the working buffer and
+    that tells no peer READY on its own (the first data to each source says it)."""
+
+    __slots__ = ("_template", "_chain", "_label_of", "_members", "_driver", "_loop",
+                 "_small", "_express", "_ops", "_ledger", "_serving", "_transport",
+                 "_floating", "_unpark",
+                 "_first", "_steps", "_sig", "_code", "_count", "_recipe", "_ufunc",
+                 "_finalize", "_sources", "_run_held")
+
+    def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
+                 members: tuple[int, ...] | None, driver: Driver, loop: Loop,
+                 small: SmallPath, express: Express, ops: OpTable, ledger: CreditLedger,
+                 serving: JoinServer, floating: Floating, transport: Transport,
+                 unpark: Callable[[int], None]) -> None:
+        """``template``: a call's spec (its identity, buffers and priority unused);
+        ``label_of(seq)``: the label of the call ``seq`` of it, for a spec built late;
+        ``unpark(peer)``: the outbox's, told when a peer returns credit."""
+        self._template = template
+        self._chain = chain
+        self._label_of = label_of
+        self._members = members
+        self._driver = driver
+        self._loop = loop
+        self._small = small
+        self._express = express
+        self._ops = ops
+        self._ledger = ledger
+        self._serving = serving
+        self._transport = transport
+        self._floating = floating
+        self._unpark = unpark
+        itemsize = template.work.itemsize
+        # Each send as (peer, lo, hi, step, piece, bytes, whether the peer is a source, so
+        # that its first data says READY); each step as (peer, step, piece, its receive,
+        # the receive's bytes, the sends it unlocks).
+        sources = chain.sources
+
+        def sends(of: tuple[Send, ...]) -> tuple[_Send, ...]:
+            return tuple((s.peer, s.lo, s.hi, s.step, s.piece, (s.hi - s.lo) * itemsize,
+                          s.peer in sources) for s in of)
+
+        self._first = sends(chain.first)
+        self._steps = tuple((peer, step, piece, recv, (recv.hi - recv.lo) * itemsize,
+                             sends(recv.then)) for peer, step, piece, recv in chain.steps)
+        self._sig, self._code, self._count = template.sig, template.dtype, template.count
+        self._recipe = template.recipe
+        self._ufunc = template.ufunc
+        self._finalize = template.finalize
+        self._sources = sources
+        self._run_held = self._run
+
+    def run(self, work: np.ndarray, key: OpKey) -> OpFuture | bool:
+        """The call ``key`` on ``work`` (flat, contiguous, the template's dtype and size)
+        to its end, as :meth:`.Engine.run_now` returns: True once done, False if it did
+        not begin (nothing sent: build its spec and go the usual way), or the future of the
+        op it became on the general path."""
+        return self._driver.exclusive(self._run_held, (work, key))
+
+    def spec(self, work: np.ndarray, key: OpKey) -> OpSpec:
+        """The call's spec, as the scheduler would have built it."""
+        t = self._template
+        return OpSpec(key, self._label_of(key[1]), t.sig, t.dtype, t.count, t.describe,
+                      t.schedule, work, None, t.ufunc, t.finalize, 0, t.recipe, -1,
+                      self._members, False, t.lend)
+
+    def _run(self, call: tuple[np.ndarray, OpKey]) -> OpFuture | bool:
+        work, key = call
+        loop = self._loop
+        if (loop.commands or loop.completions or not self._floating.empty()
+                or not self._small.quiet(key)):
+            return False
+        ledger = self._ledger
+        ready = ledger.pop_early(key)
+        epoch = self._serving.epoch
+        told: set[int] = set()
+        chain = self._chain
+        post = self._post
+        posted = 0
+        for send in self._first:
+            if not post(work, send, key, epoch, ready, told):
+                if not posted:  # as it was: the general path starts it
+                    for peer in ready:
+                        ledger.early_ready(key, peer)
+                    return False
+                return self._hand_over(work, key, epoch, ready, told, 0, posted, True)
+            posted += 1
+        self._serving.forget(key)
+        finalize = self._finalize
+        if finalize is not None:
+            for lo, hi in chain.local_final:
+                if hi > lo:
+                    finalize(work[lo:hi])
+        transport = self._transport
+        peek = transport.peek
+        take = transport.take
+        wait = self._express.wait
+        key0, key1 = key
+        sig, code, count = self._sig, self._code, self._count
+        ufunc = self._ufunc
+        for done, (peer, step, piece, recv, nbytes, then) in enumerate(self._steps):
+            record = peek(peer) or wait(peer)
+            while record is not None and record[1] is None:
+                header = record[0]
+                if not (header.kind == _KIND_READY and header.name_key == key0
+                        and header.seq == key1):
+                    break
+                # The peer's READY for this op, ahead of its data (Express.run).
+                if header.credit:
+                    ledger.grant(peer, header.credit)
+                    self._unpark(peer)
+                ready.add(peer)
+                take(peer, header)
+                record = peek(peer) or wait(peer)
+            if record is None:
+                return self._hand_over(work, key, epoch, ready, told, done, posted, False)
+            header, body = record
+            if (body is None or header.name_key != key0 or header.seq != key1
+                    or header.step != step or header.piece != piece or header.sig != sig
+                    or header.dtype != code or header.count != count
+                    or header.nbytes != nbytes):
+                # Not the message this step waits for: the small path looks at it again.
+                return self._hand_over(work, key, epoch, ready, told, done, posted, False)
+            credit = header.credit
+            if credit:
+                ledger.grant(peer, credit)
+                self._unpark(peer)
+            flags = header.flags
+            if flags & FLAG_CREDITED:
+                ledger.owe(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)  # charge_of
+            if flags & FLAG_READY:
+                ready.add(peer)
+            lo, hi = recv.lo, recv.hi
+            if recv.mode == COPY:
+                if nbytes:
+                    work[lo:hi].data.cast("B")[:] = body
+            else:
+                assert ufunc is not None
+                reduce_into(ufunc, work[lo:hi], body)
+            if recv.final and finalize is not None and hi > lo:
+                finalize(work[lo:hi])
+            take(peer, header)
+            for send in then:
+                if not post(work, send, key, epoch, ready, told):
+                    return self._hand_over(work, key, epoch, ready, told, done + 1, posted,
+                                           True)
+                posted += 1
+        self._express.repeats += 1
+        # The loop never turned meanwhile, so no READY of this op was kept as an early one.
+        self._ops.ran(key)
+        return True
+
+    def _post(self, work: np.ndarray, send: _Send,
+              key: OpKey, epoch: int, ready: set[int], told: set[int]) -> bool:
+        """:func:`.smallpath.post_data` for this template's send."""
+        peer, lo, hi, step, piece, nbytes, source = send
+        ledger = self._ledger
+        flags = 0
+        if peer not in ready:
+            if not ledger.spend(peer, nbytes):
+                return False
+            flags = FLAG_CREDITED
+        tell = source and peer not in told
+        if tell:
+            flags |= FLAG_READY
+        credit = ledger.take_owed(peer)
+        header = pack_header(KIND_DATA, self._code, flags, step, key[0], key[1], self._sig,
+                             piece, nbytes, self._count, credit, self._recipe, epoch)
+        if not self._transport.post_now(peer, header,
+                                        work[lo:hi].data.cast("B") if nbytes else None):
+            if flags & FLAG_CREDITED:
+                ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
+            ledger.restore_owed(peer, credit)
+            return False
+        if tell:
+            told.add(peer)
+        return True
+
+    def _hand_over(self, work: np.ndarray, key: OpKey, epoch: int, ready: set[int],
+                   told: set[int], done: int, posted: int, stuck: bool) -> OpFuture | bool:
+        self._express.repeats_handed_over += 1
+        spec = self.spec(work, key)
+        spec.epoch = epoch
+        return self._express.hand_over(spec, self._chain, ready, told, done, posted, stuck,
+                                       [])
