@@ -62,6 +62,7 @@ class _Owner:
                  ) -> None:
         self.counters = Counters()
         self.shm_counters = Counters()
+        self.pending: set[int] = set()
         self.handler = self
         self.events: list[tuple[str, int, bytes]] = []
         self.dest = bytearray(0)

@@ -37,7 +37,7 @@ from ..config import Config
 from ..exceptions import ShutdownError
 from ..interrupts import deferred as ctrl_c
 from ..timeline import Timeline
-from ..transport.base import Transport
+from ..transport.base import Port, Transport
 from ..transport.wire import Header
 from .applier import Applier
 from .departures import Departures
@@ -178,10 +178,15 @@ class Engine:
         if (chain is None or chain.tell_first or spec.priority or spec.fresh
                 or spec.source is not None or any(s.from_source for s in chain.sends)):
             return None
+        ports: dict[int, Port] = {}
+        for peer in {*chain.sources, *(s.peer for s in chain.sends)}:
+            port = self.transport.port(peer)
+            if port is None:
+                return None
+            ports[peer] = port
         return Repeat(spec, chain, label_of, spec.ranks, self._driver, self.loop,
-                      self._small, self._express, self._ops, self._ledger,
-                      self._serving, self._floating, self.transport,
-                      self._outbox.unpark)
+                      self._small, self._express, self._ops, self._ledger, self._serving,
+                      self._floating, ports, self._outbox.unpark)
 
     def _adopt(self, state: Adopt) -> OpFuture:
         """The loop goes on with an op the urgent lane began (Starter.adopt)."""

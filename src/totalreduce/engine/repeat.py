@@ -21,12 +21,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..transport.base import Transport
+from ..transport.base import Port
 from ..transport.wire import (
     FLAG_CREDITED,
     FLAG_READY,
     HEADER_SIZE,
     KIND_DATA,
+    Header,
     Kind,
     pack_header,
 )
@@ -44,8 +45,12 @@ from .smallpath import SmallPath
 
 _KIND_READY = Kind.READY
 
-# A send as Repeat keeps it: (peer, lo, hi, step, piece, bytes, to a source).
-_Send = tuple[int, int, int, int, int, int, bool]
+# The fields Repeat._run compares by position (a header reordered must fail here).
+assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbytes",
+                                "count") and Header._fields[1] == "dtype"
+
+# A send as Repeat keeps it: (port, peer, lo, hi, step, piece, bytes, to a source).
+_Send = tuple[Port, int, int, int, int, int, int, bool]
 
 
 class Repeat:
@@ -54,7 +59,7 @@ class Repeat:
     that tells no peer READY on its own (the first data to each source says it)."""
 
     __slots__ = ("_template", "_chain", "_label_of", "_members", "_driver", "_loop",
-                 "_small", "_express", "_ops", "_ledger", "_serving", "_transport",
+                 "_small", "_express", "_ops", "_ledger", "_serving",
                  "_floating", "_unpark",
                  "_first", "_steps", "_sig", "_code", "_count", "_recipe", "_ufunc",
                  "_finalize", "_sources", "_run_held")
@@ -62,11 +67,12 @@ class Repeat:
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
                  small: SmallPath, express: Express, ops: OpTable, ledger: CreditLedger,
-                 serving: JoinServer, floating: Floating, transport: Transport,
+                 serving: JoinServer, floating: Floating, ports: dict[int, Port],
                  unpark: Callable[[int], None]) -> None:
         """``template``: a call's spec (its identity, buffers and priority unused);
         ``label_of(seq)``: the label of the call ``seq`` of it, for a spec built late;
-        ``unpark(peer)``: the outbox's, told when a peer returns credit."""
+        ``ports``: the transport's, of every peer the chain involves; ``unpark(peer)``:
+        the outbox's, told when a peer returns credit."""
         self._template = template
         self._chain = chain
         self._label_of = label_of
@@ -78,22 +84,22 @@ class Repeat:
         self._ops = ops
         self._ledger = ledger
         self._serving = serving
-        self._transport = transport
         self._floating = floating
         self._unpark = unpark
         itemsize = template.work.itemsize
-        # Each send as (peer, lo, hi, step, piece, bytes, whether the peer is a source, so
-        # that its first data says READY); each step as (peer, step, piece, its receive,
-        # the receive's bytes, the sends it unlocks).
+        # Each send as (its peer's port, peer, lo, hi, step, piece, bytes, whether the
+        # peer is a source, so that its first data says READY); each step as (peer, its
+        # port, step, piece, its receive, the receive's bytes, the sends it unlocks).
         sources = chain.sources
 
         def sends(of: tuple[Send, ...]) -> tuple[_Send, ...]:
-            return tuple((s.peer, s.lo, s.hi, s.step, s.piece, (s.hi - s.lo) * itemsize,
-                          s.peer in sources) for s in of)
+            return tuple((ports[s.peer], s.peer, s.lo, s.hi, s.step, s.piece,
+                          (s.hi - s.lo) * itemsize, s.peer in sources) for s in of)
 
         self._first = sends(chain.first)
-        self._steps = tuple((peer, step, piece, recv, (recv.hi - recv.lo) * itemsize,
-                             sends(recv.then)) for peer, step, piece, recv in chain.steps)
+        self._steps = tuple((peer, ports[peer], step, piece, recv,
+                             (recv.hi - recv.lo) * itemsize, sends(recv.then))
+                            for peer, step, piece, recv in chain.steps)
         self._sig, self._code, self._count = template.sig, template.dtype, template.count
         self._recipe = template.recipe
         self._ufunc = template.ufunc
@@ -142,15 +148,15 @@ class Repeat:
             for lo, hi in chain.local_final:
                 if hi > lo:
                     finalize(work[lo:hi])
-        transport = self._transport
-        peek = transport.peek
-        take = transport.take
         wait = self._express.wait
         key0, key1 = key
         sig, code, count = self._sig, self._code, self._count
         ufunc = self._ufunc
-        for done, (peer, step, piece, recv, nbytes, then) in enumerate(self._steps):
-            record = peek(peer) or wait(peer)
+        for done, (peer, port, step, piece, recv, nbytes, then) in enumerate(self._steps):
+            # Header[3:10] and [1]: what a DATA message of this step must say, compared
+            # as one tuple (the express lane's nine comparisons, in a share of the time).
+            expected = (step, key0, key1, sig, piece, nbytes, count)
+            record = port.peek() or wait(peer)
             while record is not None and record[1] is None:
                 header = record[0]
                 if not (header.kind == _KIND_READY and header.name_key == key0
@@ -161,15 +167,12 @@ class Repeat:
                     ledger.grant(peer, header.credit)
                     self._unpark(peer)
                 ready.add(peer)
-                take(peer, header)
-                record = peek(peer) or wait(peer)
+                port.take(header)
+                record = port.peek() or wait(peer)
             if record is None:
                 return self._hand_over(work, key, epoch, ready, told, done, posted, False)
             header, body = record
-            if (body is None or header.name_key != key0 or header.seq != key1
-                    or header.step != step or header.piece != piece or header.sig != sig
-                    or header.dtype != code or header.count != count
-                    or header.nbytes != nbytes):
+            if body is None or header[3:10] != expected or header[1] != code:
                 # Not the message this step waits for: the small path looks at it again.
                 return self._hand_over(work, key, epoch, ready, told, done, posted, False)
             credit = header.credit
@@ -190,7 +193,7 @@ class Repeat:
                 reduce_into(ufunc, work[lo:hi], body)
             if recv.final and finalize is not None and hi > lo:
                 finalize(work[lo:hi])
-            take(peer, header)
+            port.take(header)
             for send in then:
                 if not post(work, send, key, epoch, ready, told):
                     return self._hand_over(work, key, epoch, ready, told, done + 1, posted,
@@ -204,7 +207,7 @@ class Repeat:
     def _post(self, work: np.ndarray, send: _Send,
               key: OpKey, epoch: int, ready: set[int], told: set[int]) -> bool:
         """:func:`.smallpath.post_data` for this template's send."""
-        peer, lo, hi, step, piece, nbytes, source = send
+        port, peer, lo, hi, step, piece, nbytes, source = send
         ledger = self._ledger
         flags = 0
         if peer not in ready:
@@ -217,8 +220,7 @@ class Repeat:
         credit = ledger.take_owed(peer)
         header = pack_header(KIND_DATA, self._code, flags, step, key[0], key[1], self._sig,
                              piece, nbytes, self._count, credit, self._recipe, epoch)
-        if not self._transport.post_now(peer, header,
-                                        work[lo:hi].data.cast("B") if nbytes else None):
+        if not port.post_now(header, work[lo:hi].data.cast("B") if nbytes else None):
             if flags & FLAG_CREDITED:
                 ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
             ledger.restore_owed(peer, credit)

@@ -124,6 +124,18 @@ class MessageHandler(Protocol):
         """The link to ``peer`` ended.  ``orderly`` is True after the peer said goodbye."""
 
 
+class Port(Protocol):
+    """One peer's messages as the thread that drives posts and reads them
+    (:meth:`Transport.port`): :meth:`Transport.post_now`, :meth:`Transport.peek` and
+    :meth:`Transport.take` for that peer, without the transport's dispatch by peer."""
+
+    def post_now(self, header: bytes, body: memoryview | None) -> bool: ...
+
+    def peek(self) -> tuple[Header, memoryview | None] | None: ...
+
+    def take(self, header: Header) -> None: ...
+
+
 class Transport(abc.ABC):
     """Abstract base of tcp (and later shm/mpi) transports."""
 
@@ -176,6 +188,12 @@ class Transport(abc.ABC):
     def peeks(self, peer: int) -> bool:
         """Whether :meth:`peek` can show ``peer``'s messages (it comes through a ring)."""
         return False
+
+    def port(self, peer: int) -> Port | None:
+        """``peer``'s :class:`Port`, where :meth:`peeks`; None elsewhere.  The same object
+        for the transport's life: a caller running the same small op again and again
+        keeps it."""
+        return None
 
     def ring_room(self, peer: int) -> int:
         """Bytes of messages the ring to ``peer`` holds at once, headers included (0: no

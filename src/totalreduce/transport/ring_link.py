@@ -85,6 +85,7 @@ class RingLink(Link):
                  ring_out: RingWriter, ring_in: RingReader, lend_bytes: int) -> None:
         super().__init__(owner, peer, sock)
         self.counters = owner.shm_counters
+        self._pending = owner.pending
         self.ring_out: RingWriter | None = ring_out
         self.ring_in: RingReader | None = ring_in
         self._lend_bytes = lend_bytes if ring_out.lend else 0
@@ -237,7 +238,8 @@ class RingLink(Link):
         False, nothing written, when it cannot go now."""
         ring = self.ring_out
         if (ring is None or self.blocked is not None or self._acks or self.write_closed
-                or self.closed or (body is not None and body.nbytes > ring.max_body)
+                or self.closed or self.peer in self._pending
+                or (body is not None and body.nbytes > ring.max_body)
                 or not ring.post(header, body)):
             return False
         counters = self.counters

@@ -42,6 +42,7 @@ class LinkOwner(Protocol):
     handler: MessageHandler
     counters: Counters
     shm_counters: Counters  # what goes through shared-memory rings
+    pending: set[int]  # peers with output of ours waiting: no message may pass it
 
     def again(self, peer: int) -> None:
         """Write more to ``peer`` on the next turn (its budget ran out, or it must retry)."""

@@ -16,7 +16,7 @@ import socket
 from typing import Protocol
 
 from . import cma
-from .base import Counters, MessageHandler, Transport
+from .base import Counters, MessageHandler, Port, Transport
 from .poller import WAIT_SLOT, Poller
 from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
@@ -47,6 +47,7 @@ class TcpTransport(Transport):
         self.hosts = hosts
         self.counters = Counters()  # socket links'
         self.shm_counters = Counters()
+        self.pending: set[int] = set()
         self._links: dict[int, Link] = {}
         rings = rings or {}
         for peer, sock in socks.items():
@@ -74,7 +75,6 @@ class TcpTransport(Transport):
         for ring_link in self._ring_links:
             ring_link.yields = self._poller.own_core
             ring_link.watch_copies(slow_ring_rate)
-        self._pending: set[int] = set()
         self.handler: MessageHandler
         for link in self._links.values():
             self._poller.selector.register(link.sock, selectors.EVENT_READ, link)
@@ -96,7 +96,7 @@ class TcpTransport(Transport):
         self.handler = handler
 
     def want_send(self, peer: int) -> None:
-        self._pending.add(peer)
+        self.pending.add(peer)
 
     def resume(self) -> None:
         for link in self._ring_links:
@@ -131,8 +131,6 @@ class TcpTransport(Transport):
         return sorted(link.peer for link in self._ring_links)
 
     def post_now(self, peer: int, header: bytes, body: memoryview | None) -> bool:
-        if peer in self._pending:
-            return False  # output of ours for it waits: this message must not pass it
         link = self._links.get(peer)
         return type(link) is RingLink and link.post_now(header, body)
 
@@ -142,6 +140,10 @@ class TcpTransport(Transport):
 
     def peeks(self, peer: int) -> bool:
         return type(self._links.get(peer)) is RingLink
+
+    def port(self, peer: int) -> Port | None:
+        link = self._links.get(peer)
+        return link if type(link) is RingLink else None
 
     def ring_room(self, peer: int) -> int:
         link = self._links.get(peer)
@@ -162,7 +164,7 @@ class TcpTransport(Transport):
         return type(link) is RingLink and link.lends_body(op_bytes, n)
 
     def lend_now(self, peer: int, header: bytes, body: memoryview, token: object) -> bool:
-        if peer in self._pending:
+        if peer in self.pending:
             return False  # output of ours for it waits: this message must not pass it
         link = self._links.get(peer)
         return type(link) is RingLink and link.lend_now(header, body, token)
@@ -198,23 +200,23 @@ class TcpTransport(Transport):
         return True
 
     def has_backlog(self) -> bool:
-        return bool(self._pending) or self._ring_blocked()
+        return bool(self.pending) or self._ring_blocked()
 
     def wait(self, timeout: float) -> None:
-        if self._pending:
+        if self.pending:
             return
         if self._ring_blocked():
             timeout = min(timeout, _RING_RETRY)
         try:
-            self._poller.select(timeout, WAIT_SLOT, self._pending)
+            self._poller.select(timeout, WAIT_SLOT, self.pending)
         except (OSError, ValueError):
             return  # closed under us by the thread that holds the lock
 
     def poll(self, timeout: float | None) -> None:
         blocked = self._retry_blocked()
-        if self._pending:
+        if self.pending:
             self._flush_pending()
-        if self._pending:
+        if self.pending:
             timeout = 0
         elif blocked and self._ring_blocked():
             timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
@@ -225,7 +227,7 @@ class TcpTransport(Transport):
                 timeout = 0
                 for lane in lanes:
                     lane.read()
-        for key, mask in self._poller.select(timeout, pending=self._pending):
+        for key, mask in self._poller.select(timeout, pending=self.pending):
             link = key.data
             if link is None:
                 self._poller.woken()
@@ -238,8 +240,8 @@ class TcpTransport(Transport):
             if not ring_link.closed:
                 ring_link.read_ring()
                 if ring_link.room_freed():
-                    self._pending.add(ring_link.peer)
-        if self._pending:
+                    self.pending.add(ring_link.peer)
+        if self.pending:
             self._flush_pending()
 
     def close_writes(self) -> bool:
@@ -271,7 +273,7 @@ class TcpTransport(Transport):
     # --- what links ask of us (socket_link.LinkOwner) --------------------------------
 
     def again(self, peer: int) -> None:
-        self._pending.add(peer)
+        self.pending.add(peer)
 
     def set_writing(self, link: Link, on: bool) -> None:
         if link.writing == on or link.closed:
@@ -312,13 +314,13 @@ class TcpTransport(Transport):
         found = False
         for link in self._ring_links:  # only ring writes leave a message blocked
             if link.blocked is not None:
-                self._pending.add(link.peer)
+                self.pending.add(link.peer)
                 found = True
         return found
 
     def _flush_pending(self, budget: int = WRITE_BUDGET) -> None:
-        peers = list(self._pending)
-        self._pending.clear()  # a link whose write budget runs out puts itself back
+        peers = list(self.pending)
+        self.pending.clear()  # a link whose write budget runs out puts itself back
         for peer in peers:
             link = self._links.get(peer)
             if link is not None and not link.closed and not link.writing:
