@@ -625,3 +625,36 @@ def repeat_then_differ(arg: dict) -> None:
     report(repeats=stats()["express_repeats"],
            repeats_handed_over=stats()["express_repeats_handed_over"])
     tr.shutdown()
+
+
+def repeat_beside_a_busy_peer(arg: dict) -> None:
+    """Barriers and small allreduces repeated while one rank at a time (``busy`` by turn)
+    has an async op in flight that its peers submit only after: the busy rank runs its
+    call on the urgent lane or the general path, the idle ones from the template's Repeat
+    (engine/repeat.py) through the rings.  Each call must end on every rank, and every
+    sum match numpy."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    for _ in range(3):  # templates, then Repeats
+        tr.barrier()
+        tr.allreduce_(np.ones(2, np.float32), op=tr.Sum, name="small")
+    for turn in range(arg["turns"]):
+        busy = turn % n
+        inputs = _inputs(turn, n, 1000, np.float64)
+        pending = None
+        if rank == busy:
+            pending = tr.allreduce_async(inputs[rank], op=tr.Sum, name="pending")
+        tr.barrier()
+        small = _inputs(10_000 + turn, n, 2, np.float32)
+        mine = small[rank].copy()
+        tr.allreduce_(mine, op=tr.Sum, name="small")
+        _close(mine, np.sum(np.stack(small), axis=0), f"turn {turn}: small")
+        if rank != busy:
+            pending = tr.allreduce_async(inputs[rank], op=tr.Sum, name="pending")
+        assert pending is not None
+        _close(tr.synchronize(pending), np.sum(np.stack(inputs), axis=0),
+               f"turn {turn}: pending")
+    stats = current().engine.stats()
+    report(repeats=stats["express_repeats"] + stats["express_repeats_handed_over"],
+           urgent=stats["urgent_ops"] + stats["urgent_handed_over"])
+    tr.shutdown()

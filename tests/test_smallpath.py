@@ -52,6 +52,17 @@ def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(n: int
             assert case["after_s"] < 30 and case["after_ok"], (r, what, case)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_repeats_beside_a_peer_with_an_op_in_flight_end_everywhere(n: int) -> None:
+    # Sums checked in the worker; a hang is the defect (the run's timeout).
+    result = run_ok(n, "smallpath_workers:repeat_beside_a_busy_peer", {"turns": 12},
+                    timeout=120)
+    for r in range(n):
+        # Both ways ran on every rank: busy, its barriers took the urgent lane.
+        got = result.report(r)
+        assert got["repeats"] > 0 and got["urgent"] > 0, (r, got)
+
+
 def test_small_path_can_be_switched_off() -> None:
     result = run_ok(2, "smallpath_workers:mixed_paths", {"steps": 60}, timeout=150,
                     env={"TOTALREDUCE_DIRECT_BYTES": "0"})

@@ -118,8 +118,12 @@ class Repeat:
         """The call's spec, as the scheduler would have built it."""
         t = self._template
         return OpSpec(key, self._label_of(key[1]), t.sig, t.dtype, t.count, t.describe,
-                      t.schedule, work, None, t.ufunc, t.finalize, 0, t.recipe, -1,
-                      self._members, False, t.lend)
+                      t.schedule, work, None, t.ufunc, t.finalize, t.priority, t.recipe,
+                      -1, self._members, False, t.lend)
+
+    def label(self, seq: int) -> str:
+        """The label of the call ``seq``, for messages."""
+        return self._label_of(seq)
 
     def _run(self, call: tuple[np.ndarray, OpKey]) -> OpFuture | bool:
         work, key = call

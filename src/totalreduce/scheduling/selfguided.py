@@ -26,6 +26,7 @@ from ..config import Config
 from ..engine.algorithms import Algorithms
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
+from ..engine.repeat import Repeat
 from ..engine.schedule import Schedule, even_bounds
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
@@ -315,8 +316,14 @@ class SelfGuided(GatheringOps):
                     spec, functools.partial(self._label, "allreduce", name))
             self._run_blocking(spec)
             return result
-        # Only the buffer and the identity are the call's own (engine/repeat.py).
         work = x.ravel() if inplace else x.flatten()
+        self._repeat(repeat, work, name)
+        return x if inplace else work.reshape(x.shape)
+
+    def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None) -> None:
+        """Run the next call of ``name`` on ``work`` from ``repeat`` (engine/repeat.py: the
+        buffer and the identity are all the call's own), or the usual way where the engine
+        is not idle; raises its error."""
         ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
         ran = repeat.run(work, ident)
         if ran is True:
@@ -326,16 +333,25 @@ class SelfGuided(GatheringOps):
             self._run_blocking(repeat.spec(work, ident))
         else:
             with self._caller_waits:
-                FutureHandle([ran], _nothing,
-                             self._label("allreduce", name, ident[1])).wait()
-        return x if inplace else work.reshape(x.shape)
+                FutureHandle([ran], _nothing, repeat.label(ident[1])).wait()
 
     def barrier_now(self) -> bool:
         """A barrier run to its end on this thread, as :meth:`allreduce_now`: False, with
         nothing done, where it cannot be (the first one): call :meth:`barrier`."""
-        if self._barrier is None or self._direct_bytes <= 0:
+        plan = self._barrier
+        if plan is None or self._direct_bytes <= 0:
             return False
-        self._run_blocking(self._barrier_spec())
+        if plan.repeat is not None:
+            # While the engine is idle; else (Repeat.run refuses) on the urgent lane, past
+            # whatever is in flight, as every barrier ran before.
+            self._repeat(plan.repeat, np.zeros(1, np.uint8), None)
+            return True
+        spec = self._barrier_spec()
+        if not plan.repeat_tried:
+            plan.repeat_tried = True
+            plan.repeat = self._engine.repeat(
+                spec, functools.partial(self._label, "barrier", None))
+        self._run_blocking(spec)
         return True
 
     def _run_blocking(self, spec: OpSpec) -> None:
