@@ -230,6 +230,11 @@ def misuse_like_horovod(r: int, n: int) -> None:
         raise AssertionError("a broadcast under a name in flight was accepted")
     except ValueError as exc:
         assert "still in flight" in str(exc), exc
+    try:  # blocking, like the op in flight (the scheduler has its template)
+        hvd.allreduce(torch.ones(2), name=f"dup{r}", op=hvd.Sum)
+        raise AssertionError("a blocking allreduce under a name in flight was accepted")
+    except ValueError as exc:
+        assert f"an op named 'dup{r}' is still in flight" in str(exc), exc
     hvd.barrier()
     for q in range(n):
         if q != r:

@@ -19,6 +19,7 @@ either lane.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -286,14 +287,18 @@ class Express:
 
     def wait(self, peer: int) -> tuple[Header, memoryview | None] | None:
         """The next record from ``peer``, or None if none came within the spin."""
-        peek = self._transport.peek
+        return self.wait_on(functools.partial(self._transport.peek, peer))
+
+    def wait_on(self, peek: Callable[[], tuple[Header, memoryview | None] | None]
+                ) -> tuple[Header, memoryview | None] | None:
+        """:meth:`wait`, looking with ``peek()`` (a peer's Port.peek, say)."""
         relax = os.sched_yield if self._transport.crowded() else None
         now = time.perf_counter
         deadline = now() + _SPIN
         while not ctrl_c.pending:
             if relax is not None:
                 relax()
-            record = peek(peer)
+            record = peek()
             if record is not None:
                 return record
             if now() >= deadline:

@@ -152,7 +152,7 @@ class Repeat:
             for lo, hi in chain.local_final:
                 if hi > lo:
                     finalize(work[lo:hi])
-        wait = self._express.wait
+        wait = self._express.wait_on
         key0, key1 = key
         sig, code, count = self._sig, self._code, self._count
         ufunc = self._ufunc
@@ -160,7 +160,7 @@ class Repeat:
             # Header[3:10] and [1]: what a DATA message of this step must say, compared
             # as one tuple (the express lane's nine comparisons, in a share of the time).
             expected = (step, key0, key1, sig, piece, nbytes, count)
-            record = port.peek() or wait(peer)
+            record = port.peek() or wait(port.peek)
             while record is not None and record[1] is None:
                 header = record[0]
                 if not (header.kind == _KIND_READY and header.name_key == key0
@@ -172,7 +172,7 @@ class Repeat:
                     self._unpark(peer)
                 ready.add(peer)
                 port.take(header)
-                record = port.peek() or wait(peer)
+                record = port.peek() or wait(port.peek)
             if record is None:
                 return self._hand_over(work, key, epoch, ready, told, done, posted, False)
             header, body = record

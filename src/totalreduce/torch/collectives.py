@@ -20,7 +20,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -66,6 +66,16 @@ class _LiveNames:
     def submit(self, name: str | None, what: str, start: Callable[[], Any]) -> Any:
         if name is None:
             return start()
+        self.check(name, what)
+        handle = start()
+        with self._lock:
+            self._live[name] = handle
+        # Outside the lock: the callback runs at once if the op is done already.
+        handle.add_done_callback(lambda h: self._release(name, h))
+        return handle
+
+    def check(self, name: str, what: str) -> None:
+        """Raise if an op named ``name`` is in flight here."""
         with self._lock:
             held = self._live.get(name)
             # A finished handle whose done-callback has not run yet is no longer in flight.
@@ -73,12 +83,6 @@ class _LiveNames:
                 raise ValueError(
                     f"rank {_tr.rank()}: {what}: an op named '{name}' is still in flight on "
                     "this rank; synchronize() its handle first or use another name")
-        handle = start()
-        with self._lock:
-            self._live[name] = handle
-        # Outside the lock: the callback runs at once if the op is done already.
-        handle.add_done_callback(lambda h: self._release(name, h))
-        return handle
 
     def _release(self, name: str, handle: Any) -> None:
         with self._lock:
@@ -233,16 +237,51 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
 def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
                prescale: float, postscale: float, process_set: ProcessSet, priority: int,
                inplace: bool) -> TorchHandle:
+    return _allreduce_call(tensor, average, name, op, prescale, postscale, process_set,
+                           priority, inplace, False)
+
+
+def _blocking_allreduce(tensor: torch.Tensor, average: bool | None, name: str | None,
+                        op: Any, prescale: float, postscale: float, process_set: ProcessSet,
+                        inplace: bool) -> torch.Tensor:
+    return _allreduce_call(tensor, average, name, op, prescale, postscale, process_set, 0,
+                           inplace, True)
+
+
+@overload
+def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
+                    prescale: float, postscale: float, process_set: ProcessSet,
+                    priority: int, inplace: bool, blocking: Literal[False]) -> TorchHandle:
+    ...
+
+
+@overload
+def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
+                    prescale: float, postscale: float, process_set: ProcessSet,
+                    priority: int, inplace: bool, blocking: Literal[True]) -> torch.Tensor:
+    ...
+
+
+def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
+                    prescale: float, postscale: float, process_set: ProcessSet,
+                    priority: int, inplace: bool, blocking: bool
+                    ) -> TorchHandle | torch.Tensor:
+    """The async allreduce's handle; ``blocking``: its result, run to its end on this
+    thread where the scheduler can (a small one like one made before: no handle and no
+    hand-off, as the numpy API's blocking allreduce), else waited for."""
     what = ("allreduce_" if inplace else "allreduce") + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     rop = resolve_op(op, average, what)
+    ops = _ops(process_set, what)
+    if blocking and rop is Adasum:
+        with ops.caller_waits():
+            return _allreduce_call(tensor, average, name, op, prescale, postscale,
+                                   process_set, priority, inplace, False).wait()
     staged, source = _scaled_stage(tensor, prescale, postscale, inplace, what)
     if rop is Adasum:
         _whole_job(process_set, what)
         return _adasum_allreduce([staged], [source], name, postscale, priority, inplace,
                                  what, grouped=False)
-    handle = _live_names.submit(name, what, lambda: _ops(process_set, what).allreduce(
-        source, rop, name, priority, inplace=inplace))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if inplace:
@@ -254,7 +293,19 @@ def _allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op:
             _scale(result, postscale)
         return staged.result(result)
 
-    return TorchHandle(handle, finish)
+    def start() -> TorchHandle:
+        return TorchHandle(_live_names.submit(name, what, lambda: ops.allreduce(
+            source, rop, name, priority, inplace=inplace)), finish)
+
+    if not blocking:
+        return start()
+    if name is not None:
+        _live_names.check(name, what)
+    done = ops.allreduce_now(source, rop, name, priority, inplace)
+    if done is not None:
+        return finish(done)
+    with ops.caller_waits():
+        return start().wait()
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -277,9 +328,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         out = _grads.AllreduceFn.apply(compressed, name, rop, prescale_factor, postscale_factor,
                                  process_set)
     else:
-        out = _blocking(lambda: allreduce_async(compressed, average, name, op,
-                                                prescale_factor, postscale_factor,
-                                                process_set))
+        out = _blocking_allreduce(compressed, average, name, op, prescale_factor,
+                                  postscale_factor, process_set, inplace=False)
     return compression.decompress(out, ctx)
 
 
@@ -287,8 +337,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return _blocking(lambda: allreduce_async_(tensor, average, name, op, prescale_factor,
-                                              postscale_factor, process_set))
+    return _blocking_allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                               process_set, inplace=True)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
