@@ -236,9 +236,11 @@ a training loop makes them), each call timed alone; a call's time is the slowest
 op with nothing else in flight runs to its end on the caller's thread, which reads its
 peers' messages straight out of the shared-memory rings; one whose schedule is a chain
 (recursive doubling: every small allreduce and barrier) takes the express lane
-(engine/express.py), which keeps only its position in that chain.  What is left is
-Python per call (checks, identity, the header, the ring, the reduction), many times MPI's
-C. The host switches between a fast and a slow state for seconds at a
+(engine/express.py), which keeps only its position in that chain, and a call like one
+made before runs from its template's Repeat (engine/repeat.py), which binds everything
+the calls share, so a call brings only its buffer and identity.  What is left is Python
+per call (about 1,500 bytecodes at 2 ranks: checks, identity, the engine's idleness, the
+credit, the header, the ring, the reduction), many times MPI's C. The host switches between a fast and a slow state for seconds at a
 time, which moves our medians by up to 2x (the p10 column is the fast state) and MPI's
 hardly at all. At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
@@ -434,9 +436,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-393 and 352 µs for the allreduce and the barrier at 2 ranks, 7.3x and 5.7x self-guided
-mode's time. At 4 ranks on 2 cores each hand-off also waits for a core (1.37 and 1.32
-ms). A wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
+329 and 338 µs for the allreduce and the barrier at 2 ranks, 10x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (1.12 and 1.06 ms). A wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
 
@@ -800,10 +801,10 @@ either way, 3-13% behind in both.
 - The interpreter: this VM runs Python 2.5-3x slower than an earlier VM of the same kind
   (see Environment), and the small-op rows follow it, while MPI's C barely moves: at
   commit f1aa753 the blocking 8-byte allreduce took 32-36 us here against 12.6 us there.
-- Small messages: a blocking allreduce of a few bytes costs 52.5 us at 2 ranks in the
-  latency table (MPI: 4.1 us), nearly all of it Python per op, even on the express lane;
-  over the MPI transport or sockets, which have no express lane, 168 and 191 us. A
-  barrier takes 60.6 us. Async small allreduces, which the loop runs, cost about 91 us
+- Small messages: a blocking allreduce of a few bytes costs 41.1 us at 2 ranks in the
+  latency table (MPI: 5.2 us, 7.9x), nearly all of it Python per op, even from a Repeat;
+  over the MPI transport or sockets, which have no express lane, 168 and 212 us. A
+  barrier takes 38.1 us (6.95x). Async small allreduces, which the loop runs, cost about 91 us
   each self-guided (the `tiny` table). An allgather or alltoall whose ranks' rows may
   differ is two such exchanges, sizes then data (a 4-byte one about 0.14 ms here);
   `same_shape=True` makes it one (0.085 and 0.094 ms in the 2-rank table, a broadcast
@@ -850,7 +851,7 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.4 ms (7.8x and 9.3x MPI's
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.3 ms (10.0x and 9.2x MPI's
   8-byte allreduce and barrier in the latency table; 0.09-0.18x in the 4-rank table,
   where every call follows a barrier), and allreduces run at 1.07x MPI at 1 MB, 0.71x at
   4 MB, 0.96x at 16 MB and 1.83x at 64 MB. Every hop waits for a peer to get a core;
