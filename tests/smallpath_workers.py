@@ -658,3 +658,24 @@ def repeat_beside_a_busy_peer(arg: dict) -> None:
     report(repeats=stats["express_repeats"] + stats["express_repeats_handed_over"],
            urgent=stats["urgent_ops"] + stats["urgent_handed_over"])
     tr.shutdown()
+
+
+def repeat_keeps_no_buffer(arg: dict) -> None:
+    """Blocking 1 MiB allreduces of arrays made afresh each call: the template's Repeat
+    (engine/repeat.py), made from one call's spec, must keep no call's array alive (a
+    thousand templates of a few MiB each would pin gigabytes)."""
+    import weakref
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    refs = []
+    for i in range(4):
+        x = np.full(1 << 18, rank + i, np.float32)
+        tr.allreduce_(x, op=tr.Sum, name="fresh")
+        assert np.all(x == sum(range(n)) + n * i), i
+        refs.append(weakref.ref(x))
+        del x
+    stats = current().engine.stats()
+    report(alive=sum(ref() is not None for ref in refs),
+           repeats=stats["express_repeats"] + stats["express_repeats_handed_over"])
+    tr.shutdown()

@@ -63,6 +63,13 @@ def test_repeats_beside_a_peer_with_an_op_in_flight_end_everywhere(n: int) -> No
         assert got["repeats"] > 0 and got["urgent"] > 0, (r, got)
 
 
+def test_a_repeat_keeps_no_calls_array_alive() -> None:
+    result = run_ok(2, "smallpath_workers:repeat_keeps_no_buffer", {}, timeout=120)
+    for r in range(2):
+        got = result.report(r)
+        assert got["repeats"] > 0 and got["alive"] == 0, (r, got)
+
+
 def test_small_path_can_be_switched_off() -> None:
     result = run_ok(2, "smallpath_workers:mixed_paths", {"steps": 60}, timeout=150,
                     env={"TOTALREDUCE_DIRECT_BYTES": "0"})

@@ -240,9 +240,10 @@ peers' messages straight out of the shared-memory rings; one whose schedule is a
 made before runs from its template's Repeat (engine/repeat.py), which binds everything
 the calls share, so a call brings only its buffer and identity.  What is left is Python
 per call (about 1,500 bytecodes at 2 ranks: checks, identity, the engine's idleness, the
-credit, the header, the ring, the reduction), many times MPI's C. The host switches between a fast and a slow state for seconds at a
-time, which moves our medians by up to 2x (the p10 column is the fast state) and MPI's
-hardly at all. At 4 ranks on 2 cores every hop waits for a peer to get a core.
+credit, the header, the ring, the reduction), many times MPI's C. The host switches
+between a fast and a slow state for seconds at a time, which moves our medians by up to
+2x (the p10 column is the fast state) and MPI's hardly at all. At 4 ranks on 2 cores
+every hop waits for a peer to get a core.
 
 {table("latency")[1]}
 
@@ -437,7 +438,8 @@ the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
 329 and 338 µs for the allreduce and the barrier at 2 ranks, 10x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (1.12 and 1.06 ms). A wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
+time. At 4 ranks on 2 cores each hand-off also waits for a core (1.12 and 1.06 ms). A
+wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
 
@@ -804,8 +806,8 @@ either way, 3-13% behind in both.
 - Small messages: a blocking allreduce of a few bytes costs 41.1 us at 2 ranks in the
   latency table (MPI: 5.2 us, 7.9x), nearly all of it Python per op, even from a Repeat;
   over the MPI transport or sockets, which have no express lane, 168 and 212 us. A
-  barrier takes 38.1 us (6.95x). Async small allreduces, which the loop runs, cost about 91 us
-  each self-guided (the `tiny` table). An allgather or alltoall whose ranks' rows may
+  barrier takes 38.1 us (6.95x). Async small allreduces, which the loop runs, cost about
+  91 us each self-guided (the `tiny` table). An allgather or alltoall whose ranks' rows may
   differ is two such exchanges, sizes then data (a 4-byte one about 0.14 ms here);
   `same_shape=True` makes it one (0.085 and 0.094 ms in the 2-rank table, a broadcast
   0.084 ms). A repeated one skips its checks and set-up (scheduling/templates.py).

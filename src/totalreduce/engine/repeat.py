@@ -58,11 +58,10 @@ class Repeat:
     :meth:`.Engine.repeat`, only for a chain whose sends all read the working buffer and
     that tells no peer READY on its own (the first data to each source says it)."""
 
-    __slots__ = ("_template", "_chain", "_label_of", "_members", "_driver", "_loop",
-                 "_small", "_express", "_ops", "_ledger", "_serving",
-                 "_floating", "_unpark",
-                 "_first", "_steps", "_sig", "_code", "_count", "_recipe", "_ufunc",
-                 "_finalize", "_sources", "_run_held")
+    __slots__ = ("_describe", "_schedule", "_priority", "_lend", "_chain", "_label_of",
+                 "_members", "_driver", "_loop", "_small", "_express", "_ops", "_ledger",
+                 "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
+                 "_count", "_recipe", "_ufunc", "_finalize", "_sources", "_run_held")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -73,7 +72,12 @@ class Repeat:
         ``label_of(seq)``: the label of the call ``seq`` of it, for a spec built late;
         ``ports``: the transport's, of every peer the chain involves; ``unpark(peer)``:
         the outbox's, told when a peer returns credit."""
-        self._template = template
+        # The template's fields, not the spec: its buffers are a call's own, and the
+        # templates that keep Repeats (up to a few MiB each) must not keep those alive.
+        self._describe = template.describe
+        self._schedule = template.schedule
+        self._priority = template.priority
+        self._lend = template.lend
         self._chain = chain
         self._label_of = label_of
         self._members = members
@@ -116,10 +120,10 @@ class Repeat:
 
     def spec(self, work: np.ndarray, key: OpKey) -> OpSpec:
         """The call's spec, as the scheduler would have built it."""
-        t = self._template
-        return OpSpec(key, self._label_of(key[1]), t.sig, t.dtype, t.count, t.describe,
-                      t.schedule, work, None, t.ufunc, t.finalize, t.priority, t.recipe,
-                      -1, self._members, False, t.lend)
+        return OpSpec(key, self._label_of(key[1]), self._sig, self._code, self._count,
+                      self._describe, self._schedule, work, None, self._ufunc,
+                      self._finalize, self._priority, self._recipe, -1, self._members,
+                      False, self._lend)
 
     def label(self, seq: int) -> str:
         """The label of the call ``seq``, for messages."""
