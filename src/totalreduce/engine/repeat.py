@@ -61,7 +61,7 @@ class Repeat:
     __slots__ = ("_describe", "_schedule", "_priority", "_lend", "_chain", "_label_of",
                  "_members", "_driver", "_loop", "_small", "_express", "_ops", "_ledger",
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
-                 "_count", "_recipe", "_ufunc", "_finalize", "_sources", "_run_held")
+                 "_count", "_recipe", "_ufunc", "_finalize", "_run_held")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -108,7 +108,6 @@ class Repeat:
         self._recipe = template.recipe
         self._ufunc = template.ufunc
         self._finalize = template.finalize
-        self._sources = sources
         self._run_held = self._run
 
     def run(self, work: np.ndarray, key: OpKey) -> OpFuture | bool:
@@ -162,7 +161,7 @@ class Repeat:
         ufunc = self._ufunc
         for done, (peer, port, step, piece, recv, nbytes, then) in enumerate(self._steps):
             # Header[3:10] and [1]: what a DATA message of this step must say, compared
-            # as one tuple (the express lane's nine comparisons, in a share of the time).
+            # as one slice where the express lane makes nine comparisons of fields.
             expected = (step, key0, key1, sig, piece, nbytes, count)
             record = port.peek() or wait(port.peek)
             while record is not None and record[1] is None:
