@@ -35,7 +35,7 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
         assert any(result.report(r)["caught_up"] > 0 for r in range(n)), result.explain()
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(n: int) -> None:
     whats = ["op", "dtype", "shape"]
     result = run_ok(n, "smallpath_workers:repeat_then_differ",
@@ -52,7 +52,7 @@ def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(n: int
             assert case["after_s"] < 30 and case["after_ok"], (r, what, case)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_repeats_beside_a_peer_with_an_op_in_flight_end_everywhere(n: int) -> None:
     # Sums checked in the worker; a hang is the defect (the run's timeout).
     result = run_ok(n, "smallpath_workers:repeat_beside_a_busy_peer", {"turns": 12},

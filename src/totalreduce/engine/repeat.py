@@ -55,13 +55,12 @@ _Send = tuple[Port, int, int, int, int, int, int, bool]
 
 class Repeat:
     """One template's calls on the express lane (see the module docstring).  Made by
-    :meth:`.Engine.repeat`, only for a chain whose sends all read the working buffer and
-    that tells no peer READY on its own (the first data to each source says it)."""
+    :meth:`.Engine.repeat`, only for a chain whose sends all read the working buffer."""
 
     __slots__ = ("_describe", "_schedule", "_priority", "_lend", "_chain", "_label_of",
                  "_members", "_driver", "_loop", "_small", "_express", "_ops", "_ledger",
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
-                 "_count", "_recipe", "_ufunc", "_finalize", "_run_held")
+                 "_count", "_recipe", "_ufunc", "_finalize", "_tell_first", "_run_held")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -101,6 +100,7 @@ class Repeat:
                           (s.hi - s.lo) * itemsize, s.peer in sources) for s in of)
 
         self._first = sends(chain.first)
+        self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
         self._steps = tuple((peer, ports[peer], step, piece, recv,
                              (recv.hi - recv.lo) * itemsize, sends(recv.then))
                             for peer, step, piece, recv in chain.steps)
@@ -155,9 +155,19 @@ class Repeat:
             for lo, hi in chain.local_final:
                 if hi > lo:
                     finalize(work[lo:hi])
-        wait = self._express.wait_on
         key0, key1 = key
         sig, code, count = self._sig, self._code, self._count
+        for port, peer in self._tell_first:
+            if peer in told:
+                continue
+            # smallpath.tell_ready: a source waited for before any data of ours goes to it
+            credit = ledger.take_owed(peer)
+            if not port.post_now(pack_header(_KIND_READY, code, 0, 0, key0, key1, sig, 0, 0,
+                                             count, credit, self._recipe, epoch), None):
+                ledger.restore_owed(peer, credit)
+                return self._hand_over(work, key, epoch, ready, told, 0, posted, True)
+            told.add(peer)
+        wait = self._express.wait_on
         ufunc = self._ufunc
         for done, (peer, port, step, piece, recv, nbytes, then) in enumerate(self._steps):
             # Header[3:10] and [1]: what a DATA message of this step must say, compared
