@@ -41,7 +41,7 @@ from .payload import OpFuture, OpKey, OpSpec
 from .reducer import reduce_into
 from .schedule import COPY, Send
 from .serving import JoinServer
-from .smallpath import SmallPath
+from .smallpath import SmallPath, post_ready
 
 _KIND_READY = Kind.READY
 
@@ -157,16 +157,10 @@ class Repeat:
                     finalize(work[lo:hi])
         key0, key1 = key
         sig, code, count = self._sig, self._code, self._count
-        for port, peer in self._tell_first:
-            if peer in told:
-                continue
-            # smallpath.tell_ready: a source waited for before any data of ours goes to it
-            credit = ledger.take_owed(peer)
-            if not port.post_now(pack_header(_KIND_READY, code, 0, 0, key0, key1, sig, 0, 0,
-                                             count, credit, self._recipe, epoch), None):
-                ledger.restore_owed(peer, credit)
+        for port, peer in self._tell_first:  # sources waited for before data goes to them
+            if peer not in told and not post_ready(ledger, port.post_now, peer, told, key,
+                                                   code, sig, count, self._recipe, epoch):
                 return self._hand_over(work, key, epoch, ready, told, 0, posted, True)
-            told.add(peer)
         wait = self._express.wait_on
         ufunc = self._ufunc
         for done, (peer, port, step, piece, recv, nbytes, then) in enumerate(self._steps):

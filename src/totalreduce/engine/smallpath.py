@@ -20,6 +20,7 @@ within ``PROMOTE_AFTER`` (so stall warnings and op timeouts work as for any op).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Collection
@@ -178,12 +179,19 @@ def post_data(ledger: CreditLedger, transport: Transport, spec: OpSpec, send: Se
 def tell_ready(ledger: CreditLedger, transport: Transport, spec: OpSpec, peer: int,
                told: set[int]) -> bool:
     """Send ``peer`` a READY for ``spec`` now (then it is ``told``); False if it cannot go."""
+    return post_ready(ledger, functools.partial(transport.post_now, peer), peer, told,
+                      spec.key, spec.dtype, spec.sig, spec.count, spec.recipe, spec.epoch)
+
+
+def post_ready(ledger: CreditLedger,
+               post_now: Callable[[bytes, memoryview | None], bool], peer: int,
+               told: set[int], key: OpKey, dtype: int, sig: int, count: int, recipe: int,
+               epoch: int) -> bool:
+    """:func:`tell_ready` of an op given by its fields, through ``post_now(header, body)``
+    (the transport's for ``peer``, or its Port's)."""
     credit = ledger.take_owed(peer)
-    key0, key1 = spec.key
-    header = Header(Kind.READY, spec.dtype, name_key=key0, seq=key1, sig=spec.sig,
-                    count=spec.count, recipe=spec.recipe, epoch=spec.epoch,
-                    credit=credit).pack()
-    if not transport.post_now(peer, header, None):
+    if not post_now(pack_header(Kind.READY, dtype, 0, 0, key[0], key[1], sig, 0, 0, count,
+                                credit, recipe, epoch), None):
         ledger.restore_owed(peer, credit)
         return False
     told.add(peer)
