@@ -51,6 +51,7 @@ def horovod_parity(arg: dict) -> None:
         ("capabilities", lambda: capabilities(r, n)),
         ("integers", lambda: integers(r, n)),
         ("misuse", lambda: misuse_like_horovod(r, n)),
+        ("repeated broadcasts", lambda: repeated_broadcasts(r, n)),
         ("optimizer state broadcast", lambda: optimizer_state({})),
         ("optimizer", lambda: optimizer_like_horovod(r, n)),
         ("more gradients", lambda: more_gradients(r, n)),
@@ -235,6 +236,11 @@ def misuse_like_horovod(r: int, n: int) -> None:
         raise AssertionError("a blocking allreduce under a name in flight was accepted")
     except ValueError as exc:
         assert f"an op named 'dup{r}' is still in flight" in str(exc), exc
+    try:
+        hvd.broadcast_(torch.ones(2), root_rank=0, name=f"dup{r}")
+        raise AssertionError("a blocking broadcast under a name in flight was accepted")
+    except ValueError as exc:
+        assert f"an op named 'dup{r}' is still in flight" in str(exc), exc
     hvd.barrier()
     for q in range(n):
         if q != r:
@@ -248,6 +254,29 @@ def misuse_like_horovod(r: int, n: int) -> None:
     assert [h_.wait().tolist() for h_ in hs] == [[sum(range(n))] * 2,
                                                  [n + sum(range(n))] * 2]
     report(parity_d=True)
+
+
+def repeated_broadcasts(r: int, n: int) -> None:
+    """Blocking broadcasts repeated under one name, in place and not, of a float and an
+    integer tensor, the root changing from call to call: from a template's second call
+    on they run from its Repeat (engine/repeat.py).  Each result checked, and
+    broadcast()'s input left as it was."""
+    from totalreduce.runtime import current
+
+    stats = current().engine.stats
+    before = stats()
+    for i in range(12):
+        root = i % n
+        f = torch.arange(5, dtype=torch.float32) + 10 * r + i
+        assert hvd.broadcast_(f, root_rank=root, name="rep_f") is f
+        close(f, torch.arange(5, dtype=torch.float32) + 10 * root + i, f"broadcast_ {i}")
+        k = torch.full((2, 3), 7 * r + i, dtype=torch.int64)
+        close(hvd.broadcast(k, root_rank=root, name="rep_i"),
+              torch.full((2, 3), 7 * root + i, dtype=torch.int64), f"broadcast {i}")
+        close(k, torch.full((2, 3), 7 * r + i, dtype=torch.int64), f"broadcast {i} input")
+    after = stats()
+    report(parity_f=sum(after[key] - before[key] for key in (
+        "express_repeats", "express_repeats_handed_over")))
 
 
 def optimizer_like_horovod(r: int, n: int) -> None:

@@ -457,6 +457,7 @@ def repeated_gathers(arg: dict) -> None:
         _close(got, want, f"step {i}: {kind} {name} {dtype} {tail}")
     # The same calls again and again: one plan each, however many calls.
     before = current().collectives.stats()
+    engine_before = current().engine.stats()
     x = np.arange(2 * n, dtype=np.float32) + rank
     for _ in range(20):
         assert tr.allgather(x, name="same").tolist() == np.concatenate(
@@ -466,6 +467,7 @@ def repeated_gathers(arg: dict) -> None:
         assert tr.broadcast(x, root_rank=n - 1, name="same").tolist() == \
             (np.arange(2 * n) + n - 1).tolist()
     after = current().collectives.stats()
+    engine_after = current().engine.stats()
     # An out= of the same shape as a good call's, overlapping the input, finds that call's
     # plan: it must be refused all the same.
     into = np.empty_like(x)
@@ -481,6 +483,9 @@ def repeated_gathers(arg: dict) -> None:
                 raise AssertionError("an alltoall into its own input was let through")
     report(gather_plans=after["gather_plans"] - before["gather_plans"],
            broadcast_plans=after["broadcast_plans"] - before["broadcast_plans"],
+           # Of those calls only the blocking broadcasts run from a Repeat.
+           broadcast_repeats=sum(engine_after[k] - engine_before[k] for k in (
+               "express_repeats", "express_repeats_handed_over")),
            refused=refused, floating=current().engine.stats()["floating_bytes"])
     tr.shutdown()
 
@@ -589,39 +594,52 @@ def repeated_scatters(arg: dict) -> None:
 
 
 def repeat_then_differ(arg: dict) -> None:
-    """Ranks repeat one small allreduce (from the second call on, each runs it from the
-    template's Repeat, engine/repeat.py), then rank 1 makes it differently (the op, the
-    dtype or the shape) while the others repeat it: every rank must raise a MismatchError,
-    and the job and the template go on.  Sums checked against numpy."""
+    """Ranks repeat one small blocking allreduce or broadcast (``arg["kind"]``; from the
+    second call on, each runs it from the template's Repeat, engine/repeat.py), then
+    rank 1 makes it differently (the op or the root, the dtype, the shape) while the
+    others repeat it: every rank must raise a MismatchError, and the job and the template
+    go on.  Results checked against numpy."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     stats = current().engine.stats
+    kind = arg["kind"]
     for what in arg["whats"]:
         for i in range(arg["repeats"]):
             inputs = _inputs(i, n, 3, np.float32)
             mine = inputs[rank].copy()
-            assert tr.allreduce_(mine, op=tr.Sum, name="r") is mine
-            _close(mine, np.sum(np.stack(inputs), axis=0), f"{what} repeat {i}")
+            if kind == "allreduce":
+                assert tr.allreduce_(mine, op=tr.Sum, name="r") is mine
+                _close(mine, np.sum(np.stack(inputs), axis=0), f"{what} repeat {i}")
+            else:
+                # Two roots, three calls each: the third runs from its Repeat.
+                assert tr.broadcast_(mine, root_rank=i % 2, name="r") is mine
+                _close(mine, inputs[i % 2], f"{what} repeat {i}")
+                root = (i + 1) % n  # broadcast(): a new array, the input unchanged
+                got = tr.broadcast(inputs[rank], root_rank=root, name="r2")
+                _close(got, inputs[root], f"{what} repeat {i} (broadcast)")
         before = stats()
         before = before["express_repeats"] + before["express_repeats_handed_over"]
-        x, op = np.ones(3, np.float32), tr.Sum
-        if rank == 1 and what == "op":
-            op = tr.Max
+        x, op, root = np.ones(3, np.float32), tr.Sum, 0
+        if rank == 1 and what in ("op", "root"):
+            op, root = tr.Max, 1
         elif rank == 1 and what == "dtype":
             x = np.ones(3, np.float64)
         elif rank == 1 and what == "shape":
             x = np.ones(4, np.float32)
         start = time.monotonic()
         try:
-            tr.allreduce_(x, op=op, name="r")
+            if kind == "allreduce":
+                tr.allreduce_(x, op=op, name="r")
+            else:
+                tr.broadcast_(x, root_rank=root, name="r")
         except tr.MismatchError as exc:
-            got: dict = {"mismatch": str(exc), "after_s": time.monotonic() - start}
+            got_: dict = {"mismatch": str(exc), "after_s": time.monotonic() - start}
         else:
-            got = {"returned": x.tolist()}
-        got["repeats_before"] = before
+            got_ = {"returned": x.tolist()}
+        got_["repeats_before"] = before
         y = tr.allreduce(np.full(3, rank, np.int64), op=tr.Sum, name="after")
-        got["after_ok"] = y.tolist() == [sum(range(n))] * 3
-        report(**{f"case:{what}": got})
+        got_["after_ok"] = y.tolist() == [sum(range(n))] * 3
+        report(**{f"case:{what}": got_})
     report(repeats=stats()["express_repeats"],
            repeats_handed_over=stats()["express_repeats_handed_over"])
     tr.shutdown()

@@ -35,16 +35,19 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
         assert any(result.report(r)["caught_up"] > 0 for r in range(n)), result.explain()
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(n: int) -> None:
-    whats = ["op", "dtype", "shape"]
+@pytest.mark.parametrize(("kind", "n"), [("allreduce", 2), ("allreduce", 3),
+                                        ("allreduce", 4), ("broadcast", 2),
+                                        ("broadcast", 3)])
+def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(kind: str,
+                                                                           n: int) -> None:
+    whats = ["op" if kind == "allreduce" else "root", "dtype", "shape"]
     result = run_ok(n, "smallpath_workers:repeat_then_differ",
-                    {"whats": whats, "repeats": 6}, timeout=150)
+                    {"kind": kind, "whats": whats, "repeats": 6}, timeout=150)
     for r in range(n):
         got = result.report(r)
         # The repeats began from the template's Repeat (at 4 ranks on 2 cores most are
         # handed over: a peer is slow to get a core).
-        assert got["case:op"]["repeats_before"] > 0, got
+        assert got[f"case:{whats[0]}"]["repeats_before"] > 0, got
         for what in whats:
             case = got[f"case:{what}"]
             assert "mismatch" in case, (r, what, case)
@@ -181,8 +184,10 @@ def test_repeated_gathers_and_broadcasts_reuse_plans_and_still_refuse_bad_calls(
     for r in range(n):
         got = result.report(r)
         assert got["floating"] == 0, got
-        # Sixty calls of one allgather, alltoall and broadcast made a plan each.
+        # Sixty calls of one allgather, alltoall and broadcast made a plan each, and the
+        # broadcasts ran from its template's Repeat.
         assert got["gather_plans"] == 2 and got["broadcast_plans"] == 1, got
+        assert got["broadcast_repeats"] > 0, got
     assert result.report(0)["refused"] > 0, result.explain()
 
 

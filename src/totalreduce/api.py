@@ -289,6 +289,9 @@ def broadcast(x: Any, root_rank: int, name: str | None = None,
               priority: int = 0,
     process_set: ProcessSet = global_process_set) -> np.ndarray:
     ops = _ops(process_set, "broadcast")
+    done = ops.broadcast_now(x, root_rank, name, priority, False)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return ops.broadcast(x, root_rank, name, priority, inplace=False).wait()
 
@@ -297,6 +300,9 @@ def broadcast_(x: np.ndarray, root_rank: int, name: str | None = None,
                priority: int = 0,
     process_set: ProcessSet = global_process_set) -> np.ndarray:
     ops = _ops(process_set, "broadcast_")
+    done = ops.broadcast_now(x, root_rank, name, priority, True)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return ops.broadcast(x, root_rank, name, priority, inplace=True).wait()
 

@@ -32,6 +32,10 @@ class Scheduler(Protocol):
                       inplace: bool) -> Any:
         """A blocking allreduce's result if it ran to its end at once (a repeated small
         one); None, nothing done, otherwise: call :meth:`allreduce` and wait."""
+    def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
+                      inplace: bool) -> Any:
+        """A blocking broadcast's result if it ran to its end at once (a repeated small
+        one); None, nothing done, otherwise: call :meth:`broadcast` and wait."""
     def barrier_now(self) -> bool:
         """A barrier run to its end at once: True; False, nothing done: call
         :meth:`barrier` and wait."""

@@ -517,7 +517,13 @@ class SelfGuided(GatheringOps):
         else:
             work, writeback = np.empty(arr.size, arr.dtype), False
         if kept is not None:
-            spec = kept[0].spec(call_key, label, work, priority, self._members)
+            template = kept[0]
+            spec = template.spec(call_key, label, work, priority, self._members)
+            if not template.repeat_tried and not priority:
+                template.repeat_tried = True
+                if self._repeats_broadcast(work.nbytes):
+                    template.repeat = self._engine.repeat(
+                        spec, functools.partial(self._label, "broadcast", name))
         else:
             schedule, algorithm = self._algorithms.broadcast(root, work.size, arr.dtype)
 
@@ -540,6 +546,34 @@ class SelfGuided(GatheringOps):
             return arr if inplace else work.reshape(arr.shape)
 
         return self._launch(spec, finish, self._direct_ring, slow_from=LENT_WHEN_SLOW)
+
+    def _repeats_broadcast(self, nbytes: int) -> bool:
+        """Whether blocking broadcasts of ``nbytes`` may run from a Repeat: those that
+        :meth:`_launch` runs on the caller's thread whatever the rings' pace."""
+        return self._direct_bytes > 0 and nbytes <= self._direct_ring \
+            and nbytes < LENT_WHEN_SLOW
+
+    def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
+                      inplace: bool) -> np.ndarray | None:
+        """A blocking broadcast like one made before, small enough to run on this thread
+        from its template's Repeat: its result, as :meth:`allreduce_now`.  None, with
+        nothing done, where it is not one: call :meth:`broadcast` and wait."""
+        key = broadcast_key(x, root_rank, name, inplace)
+        if key is None or priority:
+            return None
+        with self._lock:
+            kept = self._broadcasts.get(key)
+        if kept is None or kept[0].repeat is None:
+            return None
+        arr: np.ndarray = x
+        if self.rank == kept[1] or inplace:
+            work, writeback = self._working_copy(arr, inplace)
+        else:
+            work, writeback = np.empty(arr.size, arr.dtype), False
+        self._repeat(kept[0].repeat, work, name)
+        if writeback:
+            arr[...] = work.reshape(arr.shape)
+        return arr if inplace else work.reshape(arr.shape)
 
     # --- reducescatter --------------------------------------------------------------
 

@@ -507,26 +507,13 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     Raises:
         ValueError: ``root_rank`` is not a rank of the job.
     """
-    what = "broadcast" + (f" '{name}'" if name else "")
-    _check_process_set(process_set, what)
-    staged = stage(tensor, what)
-    return TorchHandle(_live_names.submit(name, what, lambda: _ops(process_set, what).broadcast(
-        staged.array, root_rank, name, 0, inplace=False)), staged.result)
+    return _broadcast_call(tensor, root_rank, name, process_set, False, False)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> TorchHandle:
     """In-place :func:`broadcast_async`: ``tensor`` receives the root's values."""
-    what = "broadcast_" + (f" '{name}'" if name else "")
-    _check_process_set(process_set, what)
-    staged = stage(tensor, what)
-
-    def finish(_result: np.ndarray) -> torch.Tensor:
-        staged.write_back()
-        return tensor
-
-    return TorchHandle(_live_names.submit(name, what, lambda: _ops(process_set, what).broadcast(
-        staged.array, root_rank, name, 0, inplace=True)), finish)
+    return _broadcast_call(tensor, root_rank, name, process_set, True, False)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -534,12 +521,58 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """Every rank gets ``root_rank``'s ``tensor`` as a new tensor."""
     if _grads.differentiable([tensor]):
         return _grads.BroadcastFn.apply(tensor, root_rank, name, process_set)
-    return _blocking(lambda: broadcast_async(tensor, root_rank, name, process_set))
+    return _broadcast_call(tensor, root_rank, name, process_set, False, True)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    return _blocking(lambda: broadcast_async_(tensor, root_rank, name, process_set))
+    return _broadcast_call(tensor, root_rank, name, process_set, True, True)
+
+
+@overload
+def _broadcast_call(tensor: torch.Tensor, root_rank: int, name: str | None,
+                    process_set: ProcessSet, inplace: bool, blocking: Literal[False]
+                    ) -> TorchHandle:
+    ...
+
+
+@overload
+def _broadcast_call(tensor: torch.Tensor, root_rank: int, name: str | None,
+                    process_set: ProcessSet, inplace: bool, blocking: Literal[True]
+                    ) -> torch.Tensor:
+    ...
+
+
+def _broadcast_call(tensor: torch.Tensor, root_rank: int, name: str | None,
+                    process_set: ProcessSet, inplace: bool, blocking: bool
+                    ) -> TorchHandle | torch.Tensor:
+    """The async broadcast's handle; ``blocking``: its result, from the scheduler's
+    broadcast_now where it can (a small one like one made before), as
+    :func:`_allreduce_call`."""
+    what = ("broadcast_" if inplace else "broadcast") + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    staged = stage(tensor, what)
+    ops = _ops(process_set, what)
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        if inplace:
+            staged.write_back()
+            return tensor
+        return staged.result(result)
+
+    def start() -> TorchHandle:
+        return TorchHandle(_live_names.submit(name, what, lambda: ops.broadcast(
+            staged.array, root_rank, name, 0, inplace=inplace)), finish)
+
+    if not blocking:
+        return start()
+    if name is not None:
+        _live_names.check(name, what)
+    done = ops.broadcast_now(staged.array, root_rank, name, 0, inplace)
+    if done is not None:
+        return finish(done)
+    with ops.caller_waits():
+        return start().wait()
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
