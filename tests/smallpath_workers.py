@@ -594,11 +594,11 @@ def repeated_scatters(arg: dict) -> None:
 
 
 def repeat_then_differ(arg: dict) -> None:
-    """Ranks repeat one small blocking allreduce or broadcast (``arg["kind"]``; from the
-    second call on, each runs it from the template's Repeat, engine/repeat.py), then
-    rank 1 makes it differently (the op or the root, the dtype, the shape) while the
-    others repeat it: every rank must raise a MismatchError, and the job and the template
-    go on.  Results checked against numpy."""
+    """Ranks repeat one small blocking allreduce, broadcast or same-shape allgather
+    (``arg["kind"]``; from the second call on, each runs it from the template's Repeat,
+    engine/repeat.py), then rank 1 makes it differently (the op or the root, the dtype,
+    the shape) while the others repeat it: every rank must raise a MismatchError, and the
+    job and the template go on.  Results checked against numpy."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     stats = current().engine.stats
@@ -610,6 +610,14 @@ def repeat_then_differ(arg: dict) -> None:
             if kind == "allreduce":
                 assert tr.allreduce_(mine, op=tr.Sum, name="r") is mine
                 _close(mine, np.sum(np.stack(inputs), axis=0), f"{what} repeat {i}")
+            elif kind == "allgather":
+                # Three calls of each form (into out= or a new array): the third runs
+                # from its template's Repeat.
+                out = np.full((3 * n,), np.nan, np.float32) if i % 2 else None
+                got = tr.allgather(mine, name="r", out=out, same_shape=True)
+                assert out is None or got is out, i
+                _close(got, np.concatenate(inputs), f"{what} repeat {i}")
+                _close(mine, inputs[rank], f"{what} repeat {i} input")
             else:
                 # Two roots, three calls each: the third runs from its Repeat.
                 assert tr.broadcast_(mine, root_rank=i % 2, name="r") is mine
@@ -630,6 +638,8 @@ def repeat_then_differ(arg: dict) -> None:
         try:
             if kind == "allreduce":
                 tr.allreduce_(x, op=op, name="r")
+            elif kind == "allgather":
+                tr.allgather(x, name="r", same_shape=True)
             else:
                 tr.broadcast_(x, root_rank=root, name="r")
         except tr.MismatchError as exc:

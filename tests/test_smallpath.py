@@ -37,10 +37,12 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
 
 @pytest.mark.parametrize(("kind", "n"), [("allreduce", 2), ("allreduce", 3),
                                         ("allreduce", 4), ("broadcast", 2),
-                                        ("broadcast", 3)])
+                                        ("broadcast", 3), ("allgather", 2),
+                                        ("allgather", 3)])
 def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(kind: str,
                                                                            n: int) -> None:
-    whats = ["op" if kind == "allreduce" else "root", "dtype", "shape"]
+    whats = {"allreduce": ["op"], "broadcast": ["root"], "allgather": []}[kind] + [
+        "dtype", "shape"]
     result = run_ok(n, "smallpath_workers:repeat_then_differ",
                     {"kind": kind, "whats": whats, "repeats": 6}, timeout=150)
     for r in range(n):

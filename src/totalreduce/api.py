@@ -264,6 +264,9 @@ def allgather(x: Any, name: str | None = None, priority: int = 0,
     process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
               same_shape: bool = False) -> np.ndarray:
     ops = _ops(process_set, "allgather")
+    done = ops.allgather_now(x, name, priority, out, same_shape)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return ops.allgather(x, name, priority, out, same_shape).wait()
 

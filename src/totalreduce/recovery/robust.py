@@ -244,6 +244,11 @@ class Robust:
         """Never: every op is logged for replay (_call)."""
         return None
 
+    def allgather_now(self, x: Any, name: str | None, priority: int, out: Any,
+                      same_shape: bool) -> None:
+        """Never: every op is logged for replay (_call)."""
+        return None
+
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> None:
         """Never: every op is logged for replay (_call)."""

@@ -7,6 +7,7 @@ repeated call takes its plan (templates.py) instead of the checks and set-up.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import numpy as np
 from ..engine.algorithms import Algorithms
 from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
+from ..engine.repeat import Repeat
 from ..engine.schedule import Schedule
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
@@ -87,6 +89,10 @@ class GatheringOps:
                     direct: int | None = None, slow_from: int | None = None
                     ) -> Handle: ...
 
+        def _label(self, kind: str, name: str | None, seq: int) -> str: ...
+
+        def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None) -> None: ...
+
     def _two_phase(self, first: OpFuture, then: Callable[[], OpFuture]) -> OpFuture:
         """A future for ``then()``'s op, started once ``first`` succeeds."""
         outer = OpFuture(self._engine.wait)  # resolved by the loop: waiters drive it
@@ -111,6 +117,30 @@ class GatheringOps:
 
         first.add_done_callback(start_second)
         return outer
+
+    def allgather_now(self, x: Any, name: str | None, priority: int,
+                      out: np.ndarray | None, same_shape: bool) -> np.ndarray | None:
+        """A blocking allgather with ``same_shape`` like one made before, small enough to
+        run on this thread from its template's Repeat (engine/repeat.py): its result.
+        None, with nothing done, where it is not one: call :meth:`allgather` and wait."""
+        if not same_shape or priority:
+            return None
+        key = gather_key("allgather\x00same", x, name, out, None)
+        if key is None:
+            return None
+        with self._lock:
+            plan = self._same.get(key)
+        if plan is None or plan.template.repeat is None:
+            return None
+        arr: np.ndarray = x
+        check_apart(out, arr, "allgather", name)
+        rank, bounds = self.rank, plan.recv
+        rows = self.size * int(plan.recv_rows[0])
+        buf = _result_buffer(out, rows, bounds[-1], arr.dtype)
+        buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
+        self._repeat(plan.template.repeat, buf, name)
+        check_out_rows(out, rows, rank, "allgather", name)
+        return buf.reshape((rows, *arr.shape[1:])) if out is None else out
 
     def _gather_plan(self, key: tuple[Any, ...] | None) -> GatherPlan | None:
         if key is None:
@@ -311,8 +341,17 @@ class GatheringOps:
             buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
             source = flat
         if plan is not None:
-            spec = plan.template.spec(ident.key, ident.label, buf, priority, self._members,
-                                      source)
+            template = plan.template
+            spec = template.spec(ident.key, ident.label, buf, priority, self._members,
+                                 source)
+            if not template.repeat_tried and not priority:
+                template.repeat_tried = True
+                # An allgather the caller's thread runs whatever the rings' pace (an
+                # alltoall's sends read its input, which Repeats do not).
+                if kind == "allgather" and 0 < buf.nbytes <= min(self._direct_ring,
+                                                                 self._direct_bytes):
+                    template.repeat = self._engine.repeat(
+                        spec, functools.partial(self._label, kind, name))
         else:
             def view() -> dict[str, Any]:
                 return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),

@@ -144,6 +144,11 @@ class Negotiated:
         """Never: every op is negotiated first."""
         return None
 
+    def allgather_now(self, x: Any, name: str | None, priority: int, out: Any,
+                      same_shape: bool) -> None:
+        """Never: every op is negotiated first."""
+        return None
+
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> None:
         """Never: every op is negotiated first."""

@@ -32,6 +32,10 @@ class Scheduler(Protocol):
                       inplace: bool) -> Any:
         """A blocking allreduce's result if it ran to its end at once (a repeated small
         one); None, nothing done, otherwise: call :meth:`allreduce` and wait."""
+    def allgather_now(self, x: Any, name: str | None, priority: int, out: Any,
+                      same_shape: bool) -> Any:
+        """A blocking allgather's result if it ran to its end at once (a repeated small
+        one of ``same_shape``); None, nothing done, otherwise: call :meth:`allgather`."""
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> Any:
         """A blocking broadcast's result if it ran to its end at once (a repeated small
