@@ -594,11 +594,11 @@ def repeated_scatters(arg: dict) -> None:
 
 
 def repeat_then_differ(arg: dict) -> None:
-    """Ranks repeat one small blocking allreduce, broadcast or same-shape allgather
-    (``arg["kind"]``; from the second call on, each runs it from the template's Repeat,
-    engine/repeat.py), then rank 1 makes it differently (the op or the root, the dtype,
-    the shape) while the others repeat it: every rank must raise a MismatchError, and the
-    job and the template go on.  Results checked against numpy."""
+    """Ranks repeat one small blocking allreduce, broadcast, reducescatter, or same-shape
+    allgather or alltoall (``arg["kind"]``; from the second call on, each runs it from
+    the template's Repeat, engine/repeat.py), then rank 1 makes it differently (the op or
+    the root, the dtype, the shape) while the others repeat it: every rank must raise a
+    MismatchError, and the job and the template go on.  Results checked against numpy."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     stats = current().engine.stats
@@ -611,15 +611,40 @@ def repeat_then_differ(arg: dict) -> None:
                 assert tr.allreduce_(mine, op=tr.Sum, name="r") is mine
                 _close(mine, np.sum(np.stack(inputs), axis=0), f"{what} repeat {i}")
             elif kind == "allgather":
-                # Three calls of each form (into out= or a new array): the third runs
-                # from its template's Repeat.
+                # Into out= or a new array, every other call: from the third call of
+                # each form on, the calls run from its Repeat where the engine is idle.
                 out = np.full((3 * n,), np.nan, np.float32) if i % 2 else None
                 got = tr.allgather(mine, name="r", out=out, same_shape=True)
                 assert out is None or got is out, i
                 _close(got, np.concatenate(inputs), f"{what} repeat {i}")
                 _close(mine, inputs[rank], f"{what} repeat {i} input")
+            elif kind == "reducescatter":
+                # Odd rows (the lower ranks take one more), read in place or, every
+                # other call, copied (a strided input): a template each.
+                rows = 2 * n + 1
+                full = _inputs(i, n, 2 * rows, np.float32)
+                mine = full[rank][::2] if i % 2 else full[rank][:rows].copy()
+                got = tr.reducescatter(mine, op=tr.Average, name="r")
+                base, extra = divmod(rows, n)
+                lo = rank * base + min(rank, extra)
+                hi = lo + base + (rank < extra)
+                want = np.mean(np.stack([f[::2] if i % 2 else f[:rows] for f in full]),
+                               axis=0)
+                _close(got, want[lo:hi], f"{what} repeat {i}")
+            elif kind == "alltoall":
+                blocks = _inputs(i, n, 2 * n, np.float32)
+                out = np.full((2 * n,), np.nan, np.float32) if i % 2 else None
+                got, got_rows = tr.alltoall(blocks[rank], name="r", out=out,
+                                            same_shape=True)
+                assert out is None or got is out, i
+                assert got_rows.tolist() == [2] * n, got_rows
+                _close(got, np.concatenate([b[2 * rank:2 * rank + 2] for b in blocks]),
+                       f"{what} repeat {i}")
+                _close(blocks[rank], _inputs(i, n, 2 * n, np.float32)[rank],
+                       f"{what} repeat {i} input")
             else:
-                # Two roots, three calls each: the third runs from its Repeat.
+                # Two roots, each called every other time: from the third call of each
+                # on, the calls run from its Repeat where the engine is idle.
                 assert tr.broadcast_(mine, root_rank=i % 2, name="r") is mine
                 _close(mine, inputs[i % 2], f"{what} repeat {i}")
                 root = (i + 1) % n  # broadcast(): a new array, the input unchanged
@@ -640,6 +665,15 @@ def repeat_then_differ(arg: dict) -> None:
                 tr.allreduce_(x, op=op, name="r")
             elif kind == "allgather":
                 tr.allgather(x, name="r", same_shape=True)
+            elif kind == "reducescatter":
+                x = np.ones(2 * n + (2 if rank == 1 and what == "shape" else 1),
+                            np.float64 if rank == 1 and what == "dtype" else np.float32)
+                tr.reducescatter(x, op=tr.Max if rank == 1 and what == "op" else tr.Average,
+                                 name="r")
+            elif kind == "alltoall":
+                x = np.ones(2 * n + (2 if rank == 1 and what == "shape" else 0),
+                            np.float64 if rank == 1 and what == "dtype" else np.float32)
+                tr.alltoall(x, name="r", same_shape=True)
             else:
                 tr.broadcast_(x, root_rank=root, name="r")
         except tr.MismatchError as exc:

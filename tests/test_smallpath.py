@@ -38,13 +38,16 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
 @pytest.mark.parametrize(("kind", "n"), [("allreduce", 2), ("allreduce", 3),
                                         ("allreduce", 4), ("broadcast", 2),
                                         ("broadcast", 3), ("allgather", 2),
-                                        ("allgather", 3)])
+                                        ("allgather", 3), ("alltoall", 2),
+                                        ("alltoall", 3), ("reducescatter", 2),
+                                        ("reducescatter", 3)])
 def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(kind: str,
                                                                            n: int) -> None:
-    whats = {"allreduce": ["op"], "broadcast": ["root"], "allgather": []}[kind] + [
+    whats = {"allreduce": ["op"], "broadcast": ["root"], "reducescatter": ["op"]
+             }.get(kind, []) + [
         "dtype", "shape"]
     result = run_ok(n, "smallpath_workers:repeat_then_differ",
-                    {"kind": kind, "whats": whats, "repeats": 6}, timeout=150)
+                    {"kind": kind, "whats": whats, "repeats": 10}, timeout=150)
     for r in range(n):
         got = result.report(r)
         # The repeats began from the template's Repeat (at 4 ranks on 2 cores most are

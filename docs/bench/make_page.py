@@ -811,8 +811,9 @@ either way, 3-13% behind in both.
   differ is two such exchanges, sizes then data (a 4-byte one about 0.14 ms here);
   `same_shape=True` makes it one (0.085 and 0.094 ms in the 2-rank table, a broadcast
   0.084 ms). A repeated one skips its checks and set-up (scheduling/templates.py); a
-  repeated blocking broadcast or same-shape allgather runs from a Repeat as an
-  allreduce does (back to back at 2 ranks, 4 bytes: 25-45 us against 40-85 without).
+  repeated blocking broadcast, reducescatter or same-shape allgather or alltoall runs
+  from a Repeat as an allreduce does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us
+  against 40-85 without).
   Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
 - The 2-rank table's medians mix the host's states (see Environment), each backend in

@@ -335,6 +335,9 @@ def alltoall(x: Any, splits: Any = None, name: str | None = None,
     process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
              same_shape: bool = False) -> tuple[np.ndarray, np.ndarray]:
     ops = _ops(process_set, "alltoall")
+    done = ops.alltoall_now(x, splits, name, priority, out, same_shape)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return ops.alltoall(x, splits, name, priority, out, same_shape).wait()
 
@@ -353,6 +356,9 @@ def reducescatter(x: Any, op: ReduceOp = Average, name: str | None = None,
                   priority: int = 0,
     process_set: ProcessSet = global_process_set) -> np.ndarray:
     ops = _ops(process_set, "reducescatter")
+    done = ops.reducescatter_now(x, op, name, priority)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return ops.reducescatter(x, op, name, priority).wait()
 

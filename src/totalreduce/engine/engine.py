@@ -171,13 +171,12 @@ class Engine:
     def repeat(self, spec: OpSpec, label_of: Callable[[int], str]) -> Repeat | None:
         """What runs calls like ``spec`` (a small blocking op's) on this thread with
         everything they share bound once (repeat.py), while the engine is idle, if they
-        can run that way here: their schedule a chain through rings this process reads,
-        all sends from the working buffer.  ``label_of(seq)``: the label of the call
+        can run that way here: their schedule a chain through rings this process reads.
+        ``label_of(seq)``: the label of the call
         ``seq``.  Its calls keep ``spec``'s priority where they go on
         on the general path; while the engine is idle no other op is there to pass."""
         chain = self._express.chain(spec.schedule)
-        if (chain is None or spec.fresh
-                or spec.source is not None or any(s.from_source for s in chain.sends)):
+        if chain is None:
             return None
         ports: dict[int, Port] = {}
         for peer in {*chain.sources, *(s.peer for s in chain.sends)}:

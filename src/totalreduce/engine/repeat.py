@@ -49,18 +49,20 @@ _KIND_READY = Kind.READY
 assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbytes",
                                 "count") and Header._fields[1] == "dtype"
 
-# A send as Repeat keeps it: (port, peer, lo, hi, step, piece, bytes, to a source).
-_Send = tuple[Port, int, int, int, int, int, int, bool]
+# A send as Repeat keeps it: (port, peer, lo, hi, step, piece, bytes, to a source,
+# from the call's source).
+_Send = tuple[Port, int, int, int, int, int, int, bool, bool]
 
 
 class Repeat:
     """One template's calls on the express lane (see the module docstring).  Made by
-    :meth:`.Engine.repeat`, only for a chain whose sends all read the working buffer."""
+    :meth:`.Engine.repeat` for a chain."""
 
     __slots__ = ("_describe", "_schedule", "_priority", "_lend", "_chain", "_label_of",
                  "_members", "_driver", "_loop", "_small", "_express", "_ops", "_ledger",
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
-                 "_count", "_recipe", "_ufunc", "_finalize", "_tell_first", "_run_held")
+                 "_count", "_recipe", "_ufunc", "_finalize", "_tell_first", "_run_held",
+                 "_fresh", "_needs_source")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -91,13 +93,15 @@ class Repeat:
         self._unpark = unpark
         itemsize = template.work.itemsize
         # Each send as (its peer's port, peer, lo, hi, step, piece, bytes, whether the
-        # peer is a source, so that its first data says READY); each step as (peer, its
-        # port, step, piece, its receive, the receive's bytes, the sends it unlocks).
+        # peer is a source, so that its first data says READY, whether it reads the
+        # call's source); each step as (peer, its port, step, piece, its receive, the
+        # receive's bytes, the sends it unlocks).
         sources = chain.sources
 
         def sends(of: tuple[Send, ...]) -> tuple[_Send, ...]:
             return tuple((ports[s.peer], s.peer, s.lo, s.hi, s.step, s.piece,
-                          (s.hi - s.lo) * itemsize, s.peer in sources) for s in of)
+                          (s.hi - s.lo) * itemsize, s.peer in sources, s.from_source)
+                         for s in of)
 
         self._first = sends(chain.first)
         self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
@@ -108,28 +112,37 @@ class Repeat:
         self._recipe = template.recipe
         self._ufunc = template.ufunc
         self._finalize = template.finalize
+        # The working buffer starts undefined, each region taken from the call's source
+        # with its first (only) reduction or copied from it (OpSpec.fresh).
+        self._fresh = template.fresh
+        self._needs_source = template.fresh or any(s.from_source for s in chain.sends)
         self._run_held = self._run
 
-    def run(self, work: np.ndarray, key: OpKey) -> OpFuture | bool:
+    def run(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
+            ) -> OpFuture | bool:
         """The call ``key`` on ``work`` (flat, contiguous, the template's dtype and size)
         to its end, as :meth:`.Engine.run_now` returns: True once done, False if it did
         not begin (nothing sent: build its spec and go the usual way), or the future of the
-        op it became on the general path."""
-        return self._driver.exclusive(self._run_held, (work, key))
+        op it became on the general path.  ``source``: the call's input (OpSpec.source),
+        where the template's op has one (without it such a call goes the usual way)."""
+        if source is None and self._needs_source:
+            return False
+        return self._driver.exclusive(self._run_held, (work, source, key))
 
-    def spec(self, work: np.ndarray, key: OpKey) -> OpSpec:
+    def spec(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
+             ) -> OpSpec:
         """The call's spec, as the scheduler would have built it."""
         return OpSpec(key, self._label_of(key[1]), self._sig, self._code, self._count,
-                      self._describe, self._schedule, work, None, self._ufunc,
+                      self._describe, self._schedule, work, source, self._ufunc,
                       self._finalize, self._priority, self._recipe, -1, self._members,
-                      False, self._lend)
+                      self._fresh and source is not None, self._lend)
 
     def label(self, seq: int) -> str:
         """The label of the call ``seq``, for messages."""
         return self._label_of(seq)
 
-    def _run(self, call: tuple[np.ndarray, OpKey]) -> OpFuture | bool:
-        work, key = call
+    def _run(self, call: tuple[np.ndarray, np.ndarray | None, OpKey]) -> OpFuture | bool:
+        work, source, key = call
         loop = self._loop
         if (loop.commands or loop.completions or not self._floating.empty()
                 or not self._small.quiet(key)):
@@ -142,25 +155,32 @@ class Repeat:
         post = self._post
         posted = 0
         for send in self._first:
-            if not post(work, send, key, epoch, ready, told):
+            if not post(work, source, send, key, epoch, ready, told):
                 if not posted:  # as it was: the general path starts it
                     for peer in ready:
                         ledger.early_ready(key, peer)
                     return False
-                return self._hand_over(work, key, epoch, ready, told, 0, posted, True)
+                return self._hand_over(work, source, key, epoch, ready, told, 0, posted,
+                                       True)
             posted += 1
         self._serving.forget(key)
         finalize = self._finalize
-        if finalize is not None:
+        fresh = self._fresh
+        if finalize is not None or fresh:  # starter.finish_local
             for lo, hi in chain.local_final:
                 if hi > lo:
-                    finalize(work[lo:hi])
+                    if fresh:
+                        assert source is not None
+                        work[lo:hi] = source[lo:hi]
+                    if finalize is not None:
+                        finalize(work[lo:hi])
         key0, key1 = key
         sig, code, count = self._sig, self._code, self._count
         for port, peer in self._tell_first:  # sources waited for before data goes to them
             if peer not in told and not post_ready(ledger, port.post_now, peer, told, key,
                                                    code, sig, count, self._recipe, epoch):
-                return self._hand_over(work, key, epoch, ready, told, 0, posted, True)
+                return self._hand_over(work, source, key, epoch, ready, told, 0, posted,
+                                       True)
         wait = self._express.wait_on
         ufunc = self._ufunc
         for done, (peer, port, step, piece, recv, nbytes, then) in enumerate(self._steps):
@@ -181,11 +201,13 @@ class Repeat:
                 port.take(header)
                 record = port.peek() or wait(port.peek)
             if record is None:
-                return self._hand_over(work, key, epoch, ready, told, done, posted, False)
+                return self._hand_over(work, source, key, epoch, ready, told, done, posted,
+                                       False)
             header, body = record
             if body is None or header[3:10] != expected or header[1] != code:
                 # Not the message this step waits for: the small path looks at it again.
-                return self._hand_over(work, key, epoch, ready, told, done, posted, False)
+                return self._hand_over(work, source, key, epoch, ready, told, done, posted,
+                                       False)
             credit = header.credit
             if credit:
                 ledger.grant(peer, credit)
@@ -201,36 +223,42 @@ class Repeat:
                     work[lo:hi].data.cast("B")[:] = body
             else:
                 assert ufunc is not None
-                reduce_into(ufunc, work[lo:hi], body)
+                # A fresh buffer's region takes its left operand from the source: the
+                # chains that start one reduce into each region once (apply_piece).
+                reduce_into(ufunc, work[lo:hi], body,
+                            None if source is None or not fresh else source[lo:hi])
             if recv.final and finalize is not None and hi > lo:
                 finalize(work[lo:hi])
             port.take(header)
             for send in then:
-                if not post(work, send, key, epoch, ready, told):
-                    return self._hand_over(work, key, epoch, ready, told, done + 1, posted,
-                                           True)
+                if not post(work, source, send, key, epoch, ready, told):
+                    return self._hand_over(work, source, key, epoch, ready, told, done + 1,
+                                           posted, True)
                 posted += 1
         self._express.repeats += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one.
         self._ops.ran(key)
         return True
 
-    def _post(self, work: np.ndarray, send: _Send,
+    def _post(self, work: np.ndarray, source: np.ndarray | None, send: _Send,
               key: OpKey, epoch: int, ready: set[int], told: set[int]) -> bool:
         """:func:`.smallpath.post_data` for this template's send."""
-        port, peer, lo, hi, step, piece, nbytes, source = send
+        port, peer, lo, hi, step, piece, nbytes, to_source, from_source = send
         ledger = self._ledger
         flags = 0
         if peer not in ready:
             if not ledger.spend(peer, nbytes):
                 return False
             flags = FLAG_CREDITED
-        tell = source and peer not in told
+        tell = to_source and peer not in told
         if tell:
             flags |= FLAG_READY
         credit = ledger.take_owed(peer)
         header = pack_header(KIND_DATA, self._code, flags, step, key[0], key[1], self._sig,
                              piece, nbytes, self._count, credit, self._recipe, epoch)
+        if from_source:
+            assert source is not None
+            work = source
         if not port.post_now(header, work[lo:hi].data.cast("B") if nbytes else None):
             if flags & FLAG_CREDITED:
                 ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
@@ -240,10 +268,11 @@ class Repeat:
             told.add(peer)
         return True
 
-    def _hand_over(self, work: np.ndarray, key: OpKey, epoch: int, ready: set[int],
-                   told: set[int], done: int, posted: int, stuck: bool) -> OpFuture | bool:
+    def _hand_over(self, work: np.ndarray, source: np.ndarray | None, key: OpKey,
+                   epoch: int, ready: set[int], told: set[int], done: int, posted: int,
+                   stuck: bool) -> OpFuture | bool:
         self._express.repeats_handed_over += 1
-        spec = self.spec(work, key)
+        spec = self.spec(work, key, source)
         spec.epoch = epoch
         return self._express.hand_over(spec, self._chain, ready, told, done, posted, stuck,
                                        [])

@@ -91,7 +91,8 @@ class GatheringOps:
 
         def _label(self, kind: str, name: str | None, seq: int) -> str: ...
 
-        def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None) -> None: ...
+        def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None,
+                    source: np.ndarray | None = None) -> None: ...
 
     def _two_phase(self, first: OpFuture, then: Callable[[], OpFuture]) -> OpFuture:
         """A future for ``then()``'s op, started once ``first`` succeeds."""
@@ -125,7 +126,21 @@ class GatheringOps:
         None, with nothing done, where it is not one: call :meth:`allgather` and wait."""
         if not same_shape or priority:
             return None
-        key = gather_key("allgather\x00same", x, name, out, None)
+        return self._same_now("allgather", x, None, name, out)
+
+    def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int,
+                     out: np.ndarray | None, same_shape: bool
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`allgather_now` for an alltoall: its result and splits."""
+        if not same_shape or priority or splits is not None:
+            return None
+        return self._same_now("alltoall", x, None, name, out)
+
+    def _same_now(self, kind: str, x: Any, splits: Any, name: str | None,
+                  out: np.ndarray | None) -> Any:
+        """:meth:`_gather_same`'s call from its plan's Repeat, if it has one (else None,
+        nothing done)."""
+        key = gather_key(kind + "\x00same", x, name, out, splits)
         if key is None:
             return None
         with self._lock:
@@ -133,14 +148,21 @@ class GatheringOps:
         if plan is None or plan.template.repeat is None:
             return None
         arr: np.ndarray = x
-        check_apart(out, arr, "allgather", name)
+        check_apart(out, arr, kind, name)
         rank, bounds = self.rank, plan.recv
         rows = self.size * int(plan.recv_rows[0])
         buf = _result_buffer(out, rows, bounds[-1], arr.dtype)
-        buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
-        self._repeat(plan.template.repeat, buf, name)
-        check_out_rows(out, rows, rank, "allgather", name)
-        return buf.reshape((rows, *arr.shape[1:])) if out is None else out
+        flat = arr.reshape(-1)
+        if kind == "allgather":
+            buf[bounds[rank]:bounds[rank + 1]] = flat
+            self._repeat(plan.template.repeat, buf, name)
+        else:
+            flat = np.ascontiguousarray(flat)  # its sends read it (the op's source)
+            buf[bounds[rank]:bounds[rank + 1]] = flat[plan.send[rank]:plan.send[rank + 1]]
+            self._repeat(plan.template.repeat, buf, name, flat)
+        check_out_rows(out, rows, rank, kind, name)
+        got = buf.reshape((rows, *arr.shape[1:])) if out is None else out
+        return got if kind == "allgather" else (got, plan.recv_rows.copy())
 
     def _gather_plan(self, key: tuple[Any, ...] | None) -> GatherPlan | None:
         if key is None:
@@ -346,10 +368,10 @@ class GatheringOps:
                                  source)
             if not template.repeat_tried and not priority:
                 template.repeat_tried = True
-                # An allgather the caller's thread runs whatever the rings' pace (an
-                # alltoall's sends read its input, which Repeats do not).
-                if kind == "allgather" and 0 < buf.nbytes <= min(self._direct_ring,
-                                                                 self._direct_bytes):
+                # One the caller's thread runs whatever the rings' pace (_launch below).
+                if 0 < buf.nbytes <= self._direct_ring and (
+                        buf.nbytes <= self._direct_bytes if kind == "allgather"
+                        else buf.nbytes < LENT_WHEN_SLOW):
                     template.repeat = self._engine.repeat(
                         spec, functools.partial(self._label, kind, name))
         else:

@@ -149,6 +149,16 @@ class Negotiated:
         """Never: every op is negotiated first."""
         return None
 
+    def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int,
+                     out: Any, same_shape: bool) -> None:
+        """Never: every op is negotiated first."""
+        return None
+
+    def reducescatter_now(self, x: Any, op: Any, name: str | None, priority: int
+                          ) -> None:
+        """Never: every op is negotiated first."""
+        return None
+
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> None:
         """Never: every op is negotiated first."""

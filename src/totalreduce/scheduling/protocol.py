@@ -36,6 +36,11 @@ class Scheduler(Protocol):
                       same_shape: bool) -> Any:
         """A blocking allgather's result if it ran to its end at once (a repeated small
         one of ``same_shape``); None, nothing done, otherwise: call :meth:`allgather`."""
+    def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int, out: Any,
+                     same_shape: bool) -> Any:
+        """As :meth:`allgather_now`, for an alltoall (its result and splits)."""
+    def reducescatter_now(self, x: Any, op: Any, name: str | None, priority: int) -> Any:
+        """As :meth:`allreduce_now`, for a reducescatter (its result)."""
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> Any:
         """A blocking broadcast's result if it ran to its end at once (a repeated small

@@ -320,17 +320,18 @@ class SelfGuided(GatheringOps):
         self._repeat(repeat, work, name)
         return x if inplace else work.reshape(x.shape)
 
-    def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None) -> None:
-        """Run the next call of ``name`` on ``work`` from ``repeat`` (engine/repeat.py: the
-        buffer and the identity are all the call's own), or the usual way where the engine
-        is not idle; raises its error."""
+    def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None,
+                source: np.ndarray | None = None) -> None:
+        """Run the next call of ``name`` on ``work`` (and ``source``, where its op reads
+        one) from ``repeat`` (engine/repeat.py: the buffers and the identity are all the
+        call's own), or the usual way where the engine is not idle; raises its error."""
         ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
-        ran = repeat.run(work, ident)
+        ran = repeat.run(work, ident, source)
         if ran is True:
             if ctrl_c.pending:
                 ctrl_c.raise_if_pending()
         elif ran is False:
-            self._run_blocking(repeat.spec(work, ident))
+            self._run_blocking(repeat.spec(work, ident, source))
         else:
             with self._caller_waits:
                 FutureHandle([ran], _nothing, repeat.label(ident[1])).wait()
@@ -630,8 +631,35 @@ class SelfGuided(GatheringOps):
         else:
             work, source = np.array(x, copy=True, order="C").reshape(-1), None
         spec = template.spec(key, label, work, priority, self._members, source)
+        if not template.repeat_tried and not priority:
+            template.repeat_tried = True
+            if 0 < work.nbytes <= self._direct_bytes:  # _launch's direct bound
+                template.repeat = self._engine.repeat(
+                    spec, functools.partial(self._label, "reducescatter", name))
         lo, hi, shape = plan.lo, plan.hi, plan.shape
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))
+
+    def reducescatter_now(self, x: Any, op: Any, name: str | None, priority: int
+                          ) -> np.ndarray | None:
+        """A blocking reducescatter like one made before, small enough to run on this
+        thread from its template's Repeat: its result, as :meth:`allreduce_now`.  None,
+        with nothing done, where it is not one: call :meth:`reducescatter` and wait."""
+        key = scatter_key(x, op, name)
+        if key is None or priority:
+            return None
+        # As reducescatter's key for a caller that waits: it reads a contiguous input.
+        contiguous = key[-1]
+        with self._lock:
+            plan = self._scatters.get((*key, contiguous))
+        if plan is None or plan.template.repeat is None:
+            return None
+        arr: np.ndarray = x
+        if contiguous and plan.template.fresh:  # as _scatter_again
+            work, source = np.empty(arr.size, arr.dtype), arr.reshape(-1)
+        else:
+            work, source = np.array(arr, copy=True, order="C").reshape(-1), None
+        self._repeat(plan.template.repeat, work, name, source)
+        return work[plan.lo:plan.hi].reshape(plan.shape)
 
     # --- join -----------------------------------------------------------------------
 
