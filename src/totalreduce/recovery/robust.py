@@ -47,7 +47,7 @@ from ..exceptions import PeerFailureError, TotalReduceError
 from ..lru import LRU
 from ..scheduling.handle import Handle
 from ..scheduling.ops import ReduceOp
-from ..scheduling.protocol import Scheduler
+from ..scheduling.protocol import NothingAtOnce, Scheduler
 from .codec import blanks, copy_state, decode, encode, join, split
 from .log import PRELUDE, ResultLog
 from .plan import OpId, Plan, Statement, decide, wanted
@@ -158,7 +158,7 @@ class RobustHandle(Handle):
         return self._to_arrays(self._value)
 
 
-class Robust:
+class Robust(NothingAtOnce):
     """The numpy API's collectives, with recovery (see the module docstring)."""
 
     def __init__(self, scheduler: Scheduler, rank: int, size: int, attempt: int,
@@ -238,34 +238,6 @@ class Robust:
 
     def barrier(self) -> Handle:
         return self._call("barrier", None, lambda s: s.barrier(), nothing=True)
-
-    def allreduce_now(self, x: Any, op: Any, name: str | None, priority: int,
-                      inplace: bool) -> None:
-        """Never: every op is logged for replay (_call)."""
-        return None
-
-    def allgather_now(self, x: Any, name: str | None, priority: int, out: Any,
-                      same_shape: bool) -> None:
-        """Never: every op is logged for replay (_call)."""
-        return None
-
-    def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int,
-                     out: Any, same_shape: bool) -> None:
-        """Never: every op is logged for replay (_call)."""
-        return None
-
-    def reducescatter_now(self, x: Any, op: Any, name: str | None, priority: int
-                          ) -> None:
-        """Never: every op is logged for replay (_call)."""
-        return None
-
-    def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
-                      inplace: bool) -> None:
-        """Never: every op is logged for replay (_call)."""
-        return None
-
-    def barrier_now(self) -> bool:
-        return False
 
     # --- checkpoints --------------------------------------------------------------------
 

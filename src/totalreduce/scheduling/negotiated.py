@@ -35,6 +35,7 @@ from .checks import (
 from .controller import Controller
 from .handle import FutureHandle, Handle
 from .ops import ReduceOp
+from .protocol import NothingAtOnce
 from .requests import ParamsTable, Request, params_of
 from .selfguided import SelfGuided
 
@@ -42,7 +43,7 @@ _PARAMS_ENTRIES = 4096
 _BARRIER = "barrier.noname"
 
 
-class Negotiated:
+class Negotiated(NothingAtOnce):
     def __init__(self, engine: Engine, config: Config, timeline: Timeline | None = None
                  ) -> None:
         self._engine = engine
@@ -138,34 +139,6 @@ class Negotiated:
         # One name for every barrier (the API's barrier blocks, so two are never pending
         # on a rank): after the first, each is a cache hit, not a trip to the coordinator.
         return self._request("barrier", _BARRIER, None)
-
-    def allreduce_now(self, x: Any, op: Any, name: str | None, priority: int,
-                      inplace: bool) -> None:
-        """Never: every op is negotiated first."""
-        return None
-
-    def allgather_now(self, x: Any, name: str | None, priority: int, out: Any,
-                      same_shape: bool) -> None:
-        """Never: every op is negotiated first."""
-        return None
-
-    def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int,
-                     out: Any, same_shape: bool) -> None:
-        """Never: every op is negotiated first."""
-        return None
-
-    def reducescatter_now(self, x: Any, op: Any, name: str | None, priority: int
-                          ) -> None:
-        """Never: every op is negotiated first."""
-        return None
-
-    def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
-                      inplace: bool) -> None:
-        """Never: every op is negotiated first."""
-        return None
-
-    def barrier_now(self) -> bool:
-        return False
 
     def join(self) -> int:
         """Stand in for this rank in every allreduce the others run (with the op's

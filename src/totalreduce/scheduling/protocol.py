@@ -55,3 +55,32 @@ class Scheduler(Protocol):
         """``with caller_waits():`` this thread waits for what it submits inside."""
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
+
+
+class NothingAtOnce:
+    """The ``*_now`` methods of a scheduler whose every op takes a step of its own before
+    it runs (a negotiation, a log for replay): none runs at once, so the API submits each
+    and waits."""
+
+    def allreduce_now(self, x: Any, op: Any, name: str | None, priority: int,
+                      inplace: bool) -> None:
+        return None
+
+    def allgather_now(self, x: Any, name: str | None, priority: int, out: Any,
+                      same_shape: bool) -> None:
+        return None
+
+    def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int,
+                     out: Any, same_shape: bool) -> None:
+        return None
+
+    def reducescatter_now(self, x: Any, op: Any, name: str | None, priority: int
+                          ) -> None:
+        return None
+
+    def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
+                      inplace: bool) -> None:
+        return None
+
+    def barrier_now(self) -> bool:
+        return False
