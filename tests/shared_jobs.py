@@ -27,9 +27,15 @@ AUTOTUNE_LOG = str(Path(_LOGS) / "autotune.csv")
 NEGOTIATED = {"coordination": "negotiated"}
 NEGOTIATED_CASES = [{}, {"momentum": True}, {"fp16": True}]
 
+# examples/train_digits.py's runs (test_examples), each as its main() with these
+# arguments; a run launched on its own spent most of its time starting the ranks.
+DIGITS_10_EPOCHS = ["--epochs", "10"]
+DIGITS_CALM = {"argv": ["--epochs", "2", "--print-digest"]}
+
 # The Horovod script runs first, the joins last (of each coordination mode).
 PARTS = {
-    1: [["script", "horovod_script", SCRIPT], ["misuse", "misuse", {}]],
+    1: [["script", "horovod_script", SCRIPT], ["misuse", "misuse", {}],
+        ["digits", "digits", {"argv": DIGITS_10_EPOCHS}]],
     2: [["script", "horovod_script", SCRIPT], ["collectives", "collectives", {}],
         ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
         ["overlap", "overlap", {}], ["first_use", "first_use", {}],
@@ -39,6 +45,7 @@ PARTS = {
         ["sparse_overlap", "overlap_matches_step", {}], ["sparse_hook", "sparse_ddp_hook", {}],
         ["sparse_small", "sparse_small_buckets_whole", {}],
         ["autotune", "autotune_agrees", {"log": AUTOTUNE_LOG}, {"autotune_log": AUTOTUNE_LOG}],
+        ["digits", "digits", DIGITS_CALM],
         ["unused_and_join", "unused_and_join", {}], ["joined", "joined_rank_refuses", {}],
         ["neg_script", "horovod_script", SCRIPT, NEGOTIATED],
         ["neg_equivalence", "equivalence", {"cases": NEGOTIATED_CASES}, NEGOTIATED],
@@ -53,6 +60,9 @@ PARTS = {
         ["equivalence", "equivalence", {"cases": EQUIVALENCE_CASES}],
         ["parity", "parity_workers:horovod_parity", {"only": ["adasum"]}],
         ["averaging", "averaging", {}], ["process_sets", "process_set_training", {}],
+        ["digits", "digits", {"argv": DIGITS_10_EPOCHS}],
+        ["digits_average", "digits", {"argv": [*DIGITS_10_EPOCHS, "--average-period", "4"]}],
+        ["digits_adasum", "digits", {"argv": [*DIGITS_10_EPOCHS, "--op", "adasum"]}],
         ["unused_and_join", "unused_and_join", {}]],
 }
 

@@ -1,4 +1,8 @@
-"""The examples run as the README says and do what they claim."""
+"""The examples run as the README says and do what they claim.
+
+train_digits.py's runs without a launcher option of their own are its main() with the
+README's arguments, each a part of the shared torch job of its world size (shared_jobs.py);
+the killed-worker run starts the script itself, under totalrun, as the README does."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import sys
 import pytest
 
 from harness import HERE
+from shared_jobs import DIGITS_CALM, shared_job
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
 # Only the examples' own processes import scikit-learn (2 s of CPU): here, that it is there.
@@ -30,14 +35,23 @@ def _totalrun(n: int, *args: str, timeout: float, launcher_args: tuple[str, ...]
     return proc
 
 
+def _digits(n: int, part: str) -> str:
+    """What rank 0 printed in a run of train_digits.py's main() on ``n`` ranks: part
+    ``part`` of the shared torch job of that size (shared_jobs.py), whose start, torch's
+    imports on every rank, took most of the time of a run launched on its own."""
+    result = shared_job(n).part(part)
+    assert "out" in result.report(0), result.explain()
+    return result.report(0)["out"]
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_digits_reaches_95_percent_in_10_epochs(n: int) -> None:
     # The first 10 epochs of the README's 20 (nothing in the run depends on --epochs but
     # where it stops, and it is seeded): 95% is first reached at epoch 5-6 at 1, 2 and 4
     # ranks, and epoch 10 has 96.0-96.9% (97-98% at 20).  One rank (no communication at
     # all) and the README's four; two ranks train in the killed-worker test below.
-    out = _totalrun(n, str(EXAMPLES / "train_digits.py"), "--epochs", "10",
-                    timeout=150).stdout
+    out = _digits(n, "digits")
+    assert f"digits: {n} rank(s)" in out, out[-2000:]
     found = re.search(r"final test accuracy ([\d.]+)%", out)
     assert found and float(found.group(1)) >= 95.0, out[-2000:]
 
@@ -45,8 +59,7 @@ def test_digits_reaches_95_percent_in_10_epochs(n: int) -> None:
 def test_digits_with_parameters_averaged_every_4_steps() -> None:
     """Local SGD at 4 ranks, the parameters averaged every 4 steps: 97.8% after 20
     epochs measured (gradient averaging 97.6%), 96.4% at epoch 10."""
-    out = _totalrun(4, str(EXAMPLES / "train_digits.py"), "--epochs", "10",
-                    "--average-period", "4", timeout=150).stdout
+    out = _digits(4, "digits_average")
     assert "parameters averaged every 4 step(s)" in out, out[-2000:]
     found = re.search(r"final test accuracy ([\d.]+)%", out)
     assert found and float(found.group(1)) >= 95.0, out[-2000:]
@@ -70,8 +83,7 @@ def test_digits_with_adasum_at_one_workers_learning_rate() -> None:
     """4 ranks (an effective batch of 128) combining gradients by Adasum with the lr of
     one worker (0.05, not 4 x 0.05) still learn the digits: 96.2% at epoch 10, the same in
     every run (seeded; 94.9% at epoch 9 and 96.4% at 20 in a 20-epoch run)."""
-    out = _totalrun(4, str(EXAMPLES / "train_digits.py"), "--epochs", "10", "--op", "adasum",
-                    timeout=150).stdout
+    out = _digits(4, "digits_adasum")
     assert "adasum, lr 0.05" in out, out[-2000:]
     found = re.search(r"final test accuracy ([\d.]+)%", out)
     assert found and float(found.group(1)) >= 95.0, out[-2000:]
@@ -79,10 +91,11 @@ def test_digits_with_adasum_at_one_workers_learning_rate() -> None:
 
 def test_digits_survives_a_killed_worker_with_the_same_weights() -> None:
     """A worker SIGKILLed in the middle of epoch 2 is restarted, catches up from the
-    others, and the job ends with the weights of a run without the kill, bit for bit."""
-    args = (str(EXAMPLES / "train_digits.py"), "--epochs", "2", "--print-digest")
-    calm = _totalrun(2, *args, timeout=150).stdout
-    hit = _totalrun(2, *args, timeout=150, launcher_args=("--max-restarts", "1"),
+    others, and the job ends with the weights of a run without the kill, bit for bit
+    (the run without it: the shared 2-rank job's, main() with the same arguments)."""
+    calm = _digits(2, "digits")
+    hit = _totalrun(2, str(EXAMPLES / "train_digits.py"), *DIGITS_CALM["argv"], timeout=150,
+                    launcher_args=("--max-restarts", "1"),
                     env={"TOTALREDUCE_MOCK_DEATH": "1,1,6,0"})
     digests = [re.search(r"final weights sha256 (\w+)", out) for out in (calm, hit.stdout)]
     assert digests[0] and digests[1], calm[-2000:] + hit.stdout[-2000:]

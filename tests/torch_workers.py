@@ -815,6 +815,34 @@ def shared(arg: dict) -> None:
     hvd.barrier()
 
 
+def digits(arg: dict) -> None:
+    """examples/train_digits.py's ``main(arg["argv"])`` in this job's world, as a part of
+    the shared job (test_examples: one start of the ranks, their torch imports, for the
+    runs of each world size): reports its return value, the final accuracy, and what the
+    rank printed (``out``; rank 0's is the example's output).  Only ``skipped`` where
+    scikit-learn, the examples extra, is not installed."""
+    import contextlib
+    import importlib.util
+    import io
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("sklearn") is None:
+        report(skipped="scikit-learn is not installed")
+        return
+    example = sys.modules.get("train_digits")
+    if example is None:
+        path = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
+        spec = importlib.util.spec_from_file_location("train_digits", path)
+        assert spec is not None and spec.loader is not None, path
+        example = sys.modules["train_digits"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        accuracy = example.main(arg["argv"])
+    report(accuracy=accuracy, out=out.getvalue())
+
+
 def first_use(arg: dict) -> None:
     """One job for the checks above that share it: gradients and 0-d tensors, then DDP
     with buckets that differ between ranks."""
