@@ -27,6 +27,7 @@ WIDTHS = ["bool", "float16", "int32", "float32", "int64", "float64"]
 OPS = {"Sum": tr.Sum, "Average": tr.Average, "Min": tr.Min, "Max": tr.Max,
        "Product": tr.Product}
 TOL = {np.dtype(np.float16): 2e-2, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+_SLICE = 1 << 16  # values compared at a time within a tolerance (assert_same)
 
 
 def data(seed: int, rank: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
@@ -35,7 +36,9 @@ def data(seed: int, rank: int, shape: tuple[int, ...], dtype: type) -> np.ndarra
     if dt.kind == "b":
         return np.array(rng.random(shape) < 0.5)
     if dt.kind == "f":
-        return np.array(rng.random(shape) + 0.5, dtype=dt)
+        values = rng.random(shape)
+        values += 0.5  # in place: a second float64 array of millions of values is slow
+        return values.astype(dt)
     info = np.iinfo(dt)
     # Values spread over the whole range, so sums and products overflow and wrap.
     return np.array(rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True))
@@ -61,12 +64,16 @@ def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     if tol is None:
         assert np.array_equal(got, want), f"{what}: values differ\n{got}\n{want}"
     elif not np.array_equal(got, want):
-        # Equal values are within any tolerance: the float64 copies and the comparison
-        # below (most of a soak's checking, its sums of small integers being exact) are
-        # only for values that differ.
+        # Equal values are within any tolerance: only values that differ are compared in
+        # float64 (most of a soak's checking, its sums of small integers being exact),
+        # and a slice at a time: float64 copies of arrays of millions of values cost more
+        # in fresh pages than the comparison.
+        flat_got, flat_want = got.reshape(-1), want.reshape(-1)
         with np.errstate(over="ignore", invalid="ignore"):
-            ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
-                             atol=tol, equal_nan=True)
+            ok = all(np.allclose(flat_got[i:i + _SLICE].astype(np.float64),
+                                 flat_want[i:i + _SLICE].astype(np.float64), rtol=tol,
+                                 atol=tol, equal_nan=True)
+                     for i in range(0, flat_got.size, _SLICE))
         assert ok, f"{what}: values differ beyond {tol}\n{got}\n{want}"
 
 
