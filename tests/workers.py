@@ -741,8 +741,10 @@ def op_timeout(arg: dict) -> None:
         report(timeout=str(exc), after_s=time.monotonic() - start)
     else:
         raise AssertionError("no OpTimeoutError")
-    # Leaving now would fail the late rank's op (PeerFailureError) before it times out.
-    time.sleep(arg["late"] + 0.5)
+    # Leaving now would fail the late rank's op (PeerFailureError) before it times out:
+    # each rank leaves once every other rank's op has timed out too.
+    for r in range(tr.size()):
+        wait_for_report(r, "timeout", 30.0)
     tr.shutdown()
 
 
@@ -1254,7 +1256,8 @@ def timeline_run(arg: dict) -> None:
 
 
 def stall_cached(arg: dict) -> None:
-    """'step' runs three times everywhere (cached); then rank 1 stops submitting it."""
+    """'step' runs three times everywhere (cached); then rank 1 stops submitting it, and
+    stays (leaving would be another error) until rank 0's op has failed."""
     tr.init()
     for _ in range(3):
         tr.allreduce(np.ones(3), name="step")
@@ -1264,8 +1267,10 @@ def stall_cached(arg: dict) -> None:
             tr.allreduce(np.ones(3), name="step")
         except tr.TotalReduceError as exc:
             report(error=str(exc), kind=type(exc).__name__, after_s=time.monotonic() - start)
+        else:
+            report(returned=True, kind=None)
     else:
-        time.sleep(4.0)
+        wait_for_report(0, "kind", 40.0)
     tr.shutdown()
 
 
