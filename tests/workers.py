@@ -887,6 +887,15 @@ def _soak_input(i: int, rank: int, size: int, dtype: type) -> np.ndarray:
     return pattern[:size] + dtype(rank + i % 3)
 
 
+def _sum(arrays: list[np.ndarray]) -> np.ndarray:
+    """A new array: the sum of the ranks' arrays in their dtype, added one rank after
+    another (what np.sum over a stacked copy of them computes, without the copy)."""
+    total = np.add(arrays[0], arrays[1]) if len(arrays) > 1 else arrays[0].copy()
+    for a in arrays[2:]:
+        np.add(total, a, out=total)
+    return total
+
+
 def _soak_op(i: int, ops: random.Random, rank: int, n: int,
              unique: bool = False) -> tuple[object, object]:
     """Submit op ``i`` of the soak; returns its handle and the check of its result.  (A
@@ -901,36 +910,37 @@ def _soak_op(i: int, ops: random.Random, rank: int, n: int,
         # Negotiated mode, as Horovod, refuses a name already in flight: reuse each name
         # only after more ops than can be in flight, with its shape changing meanwhile.
         name = f"{name}.{i % 8}"
-    xs = [_soak_input(i, r, size, dtype) for r in range(n)]
-    x = xs[rank]
+    if kind == "allgather":  # inputs of sizes of their own
+        rows = [(size + 3 * r) % 1000 for r in range(n)]
+        h = tr.allgather_async(_soak_input(i, rank, rows[rank], dtype), name=name)
+        want = np.concatenate([_soak_input(i, r, rows[r], dtype) for r in range(n)])
+        return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+    x = _soak_input(i, rank, size, dtype)
+    if kind == "broadcast":  # only the root's input besides this rank's
+        root = ops.randrange(n)
+        h = tr.broadcast_async(x, root_rank=root, name=name)
+        want = x if root == rank else _soak_input(i, root, size, dtype)
+        return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
+    xs = [x if r == rank else _soak_input(i, r, size, dtype) for r in range(n)]
     if kind == "allreduce":
-        want = np.sum(xs, axis=0, dtype=dtype)
+        want = _sum(xs)
         h = tr.allreduce_async(x, op=tr.Sum, name=name)
         return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
     if kind == "grouped":
         parts = [xs[rank][: size // 2], xs[rank][size // 2:].astype(np.float64)]
-        want_g = [np.sum([a[: size // 2] for a in xs], axis=0, dtype=dtype),
-                  np.sum([a[size // 2:] for a in xs], axis=0, dtype=np.float64)]
+        want_g = [_sum([a[: size // 2] for a in xs]),
+                  _sum([a[size // 2:].astype(np.float64) for a in xs])]
         h = tr.grouped_allreduce_async(parts, op=tr.Sum, name=name)
 
         def check_grouped(got: list) -> None:
             for g, w in zip(got, want_g, strict=True):
                 assert_same(g, w, f"#{i} grouped")
         return h, check_grouped
-    if kind == "allgather":
-        rows = [(size + 3 * r) % 1000 for r in range(n)]
-        h = tr.allgather_async(_soak_input(i, rank, rows[rank], dtype), name=name)
-        want = np.concatenate([_soak_input(i, r, rows[r], dtype) for r in range(n)])
-        return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
-    if kind == "broadcast":
-        root = ops.randrange(n)
-        h = tr.broadcast_async(x, root_rank=root, name=name)
-        return h, functools.partial(assert_same, want=xs[root], what=f"#{i} {kind}")
     if kind == "reducescatter":
         b = [0]
         for r in range(n):
             b.append(b[-1] + size // n + (1 if r < size % n else 0))
-        want = np.sum(xs, axis=0, dtype=dtype)[b[rank]:b[rank + 1]]
+        want = _sum([a[b[rank]:b[rank + 1]] for a in xs])
         h = tr.reducescatter_async(x, op=tr.Sum, name=name)
         return h, functools.partial(assert_same, want=want, what=f"#{i} {kind}")
     splits = [np.random.default_rng([i, r]).multinomial(size, [1 / n] * n) for r in range(n)]
