@@ -749,9 +749,22 @@ def op_timeout(arg: dict) -> None:
 
 
 def stall(arg: dict) -> None:
+    """Rank 1 submits 'slowpoke' 2.5 s late, or as soon as rank 0 has logged a stall
+    warning (its logger calls report ``warned``; the warning is logged as before)."""
     tr.init()
-    if tr.rank() == 1:
-        time.sleep(2.5)
+    if tr.rank() == 0:
+        import logging
+
+        def warned(record: logging.LogRecord) -> bool:
+            if "has waited" in record.getMessage():
+                report(warned=True)
+            return True  # a filter that lets everything through
+
+        for logger in list(logging.Logger.manager.loggerDict.values()):
+            if isinstance(logger, logging.Logger) and logger.name.startswith("totalreduce"):
+                logger.addFilter(warned)
+    else:
+        wait_for_report(0, "warned", 2.5)
     tr.allreduce(np.ones(3), name="slowpoke")
     tr.shutdown()
 
