@@ -838,9 +838,12 @@ def digits(arg: dict) -> None:
         example = sys.modules["train_digits"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(example)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        accuracy = example.main(arg["argv"])
-    report(accuracy=accuracy, out=out.getvalue())
+    try:
+        with contextlib.redirect_stdout(out):
+            accuracy = example.main(arg["argv"])
+    finally:
+        report(out=out.getvalue())  # what it printed before it failed, if it did
+    report(accuracy=accuracy)
 
 
 def first_use(arg: dict) -> None:
