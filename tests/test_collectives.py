@@ -99,6 +99,21 @@ def test_lent_bodies_match_numpy(n: int) -> None:
             assert lent > 10, lent
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_chunked_bodies_are_never_interrupted(n: int) -> None:
+    # Pieces of 256 KiB in a 64 KiB ring go as chunks, while lent bodies come back with
+    # acknowledgements on the same ring, and a ring judged slow (any ring is, at 1e6
+    # GB/s) starts lending bodies it was copying: no record may land between a body's
+    # chunks, not an acknowledgement and not the rest of that body lent instead.
+    result = run_ok(n, "workers:lent_bodies", {},
+                    env={"TOTALREDUCE_CMA_BYTES": "1", "TOTALREDUCE_SLOW_RING_GBPS": "1e6",
+                         "TOTALREDUCE_SHM_BYTES": str(64 << 10),
+                         "TOTALREDUCE_SEGMENT_BYTES": str(256 << 10)}, timeout=150)
+    for r in range(n):
+        if cma_works():
+            assert result.report(r)["lent"] > 10, result.explain()
+
+
 def test_a_broadcast_root_copies_through_the_ring_and_other_ops_lend() -> None:
     # The root's core has nothing else to do: a memcpy on each side beats one kernel copy
     # on the receiver's (OpSpec.lend), while the ring copies as fast as it can here (the

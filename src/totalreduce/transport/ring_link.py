@@ -187,13 +187,17 @@ class RingLink(Link):
         handler = self.owner.handler
         counters = self.counters
         posted = 0
-        while self._acks:
-            if not ring.post(Header(Kind.RING_ACK, seq=self._acks[0]).pack()):
-                self.owner.again(self.peer)  # retried on the next turn: the reader is busy
-                break
-            self._acks.popleft()
-            posted += HEADER_SIZE
-        while not self._acks:
+        while True:
+            # Acknowledgements go first, but never between a chunked body's records.
+            if self._acks and self._chunk_off < 0:
+                while self._acks:
+                    if not ring.post(Header(Kind.RING_ACK, seq=self._acks[0]).pack()):
+                        self.owner.again(self.peer)  # retried next turn: the reader is busy
+                        break
+                    self._acks.popleft()
+                    posted += HEADER_SIZE
+                if self._acks:
+                    break
             msg = self.blocked
             if msg is None:
                 if budget - posted <= 0:
@@ -207,8 +211,8 @@ class RingLink(Link):
             # An op's size decides (a big op's small tail pieces are lent too), or the
             # body's where the header carries none (an alltoall's count is 0); and any
             # body its op lets be lent while copies through this ring are slow
-            # (copy_pace.py).
-            if self._lend_bytes and n >= _LEND_MIN and (
+            # (copy_pace.py).  Not one whose chunks have begun to go through the ring.
+            if self._lend_bytes and n >= _LEND_MIN and self._chunk_off < 0 and (
                     (msg.lend and max(op_nbytes(msg.header), n) >= self._lend_bytes)
                     or (msg.lend_slow and ring.pace.lend())):
                 if not self._post_lent(ring, msg):
@@ -695,7 +699,7 @@ class RingLink(Link):
         """Tell the peer its body ``lend`` has been copied (now, or on the next write if
         earlier acknowledgements wait or the ring is full)."""
         ring = self.ring_out
-        if not self._acks and ring is not None and ring.post(
+        if not self._acks and self._chunk_off < 0 and ring is not None and ring.post(
                 Header(Kind.RING_ACK, seq=lend).pack()):
             if ring.reader_sleeping():
                 self.doorbell()
