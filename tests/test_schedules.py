@@ -543,3 +543,38 @@ def test_log_step_algorithms_are_chosen_where_they_won() -> None:
     for n, want in ((2, "ring"), (3, "ring"), (4, "doubling-small"), (12, "doubling-small")):
         assert Algorithms(0, n, 2 << 20, -1).allgather(tuple(range(n + 1)))[1] == want
     assert across.allgather(tuple(range(9)))[1] == "doubling-small"
+
+
+def test_lent_pieces_at_two_ranks_are_whole_and_agreed_by_both_ranks() -> None:
+    f32 = np.dtype(np.float32)
+    seg = 2 << 20
+
+    def pieces(schedule: Schedule) -> tuple[list[int], list[int]]:
+        return ([s.hi - s.lo for s in schedule.first],
+                [r.hi - r.lo for _k, r in sorted(schedule.recvs.items())])
+
+    lent = [Algorithms(r, 2, seg, -1, lent_pieces=True) for r in range(2)]
+    plain = Algorithms(0, 2, seg, -1)
+    # A 16 MiB allgather: each rank's 8 MiB block in one piece, not four.
+    bounds = (0, 2 << 20, 4 << 20)
+    schedule, algorithm = lent[0].allgather(bounds, f32)
+    assert algorithm == "ring, lent pieces" and pieces(schedule) == ([2 << 20], [2 << 20])
+    schedule, algorithm = plain.allgather(bounds, f32)
+    assert algorithm == "ring" and pieces(schedule) == ([seg // 4] * 4, [seg // 4] * 4)
+    # Up to two segments, and past two ranks, nothing changes.
+    assert lent[0].allgather((0, seg // 4, seg // 2), f32)[1] == "ring"
+    assert Algorithms(0, 3, seg, -1, lent_pieces=True).allgather(
+        (0, 4 << 20, 8 << 20, 12 << 20), f32)[1] == "ring"
+    assert lent[0].broadcast(0, 16 << 20, f32)[1] == "chain"
+    # An alltoall with uneven splits: each rank counts what crosses between the two
+    # (not its own block), so both choose alike, and what one sends the other expects.
+    sends = [(0, 100, 5_000_100), (0, 7_000_000, 7_000_050)]
+    recvs = [(0, 100, 100 + 7_000_000), (0, 5_000_000, 5_000_050)]
+    got = [lent[r].alltoall(sends[r], recvs[r], f32) for r in range(2)]
+    assert [g[1] for g in got] == ["pairwise, lent pieces"] * 2
+    assert pieces(got[0][0])[0] == pieces(got[1][0])[1] == [5_000_000]
+    assert pieces(got[1][0])[0] == pieces(got[0][0])[1] == [7_000_000]
+    sends = [(0, 100, 300), (0, 50, 250)]
+    recvs = [(0, 100, 150), (0, 200, 400)]
+    assert [lent[r].alltoall(sends[r], recvs[r], f32)[1] for r in range(2)] == \
+        ["pairwise"] * 2

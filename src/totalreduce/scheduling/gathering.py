@@ -280,7 +280,7 @@ class GatheringOps:
             unit = tuple(range(n + 1))
             first = self._spec(Ident(splits_key, name, label),
                                lambda: dict(view(), phase="splits"), recv_rows.dtype, 0,
-                               self._algorithms.alltoall(unit, unit), recv_rows, priority,
+                               self._algorithms.alltoall(unit, unit)[0], recv_rows, priority,
                                ("alltoall", arr.dtype, arr.shape, 0), shown,
                                source=send_rows)
             plan = GatherPlan(OpTemplate(first), send_rows)
@@ -304,10 +304,11 @@ class GatheringOps:
             if kept is not None:
                 return kept[0].spec(data_key, data_label, buf, priority, self._members, flat)
             view, shown = gathering_views("alltoall", arr)
+            schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype)
             spec = self._spec(Ident(data_key, name, data_label),
-                              view, arr.dtype, 0, self._algorithms.alltoall(sb, rb, arr.dtype),
-                              buf, priority, ("alltoall", arr.dtype, arr.shape, 1), shown,
-                              source=flat)
+                              with_algorithm(view, algorithm), arr.dtype, 0, schedule,
+                              buf, priority, ("alltoall", arr.dtype, arr.shape, 1, algorithm),
+                              with_algorithm(shown, algorithm), source=flat)
             with self._lock:
                 exchanged.keep(rows, OpTemplate(spec), sb, rb)
             return spec
@@ -385,9 +386,10 @@ class GatheringOps:
                                   schedule, buf, priority,
                                   (kind, arr.dtype, arr.shape, "same", algorithm))
             else:
-                spec = self._spec(ident, view, arr.dtype, 0,
-                                  self._algorithms.alltoall(sb, rb, arr.dtype), buf,
-                                  priority, (kind, arr.dtype, arr.shape, "same"),
+                schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype)
+                spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, 0,
+                                  schedule, buf, priority,
+                                  (kind, arr.dtype, arr.shape, "same", algorithm),
                                   source=source)
             if key is not None:
                 with self._lock:

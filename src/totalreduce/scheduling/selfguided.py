@@ -109,9 +109,13 @@ class SelfGuided(GatheringOps):
         hosts = engine.hosts
         if members is not None and hosts is not None:
             hosts = tuple(hosts[m] for m in members)
+        # Whether the ranks lend each other big bodies, from what every rank knows alike
+        # (its schedules depend on it): one host, shared-memory rings, lending allowed.
+        lent = (config.transport in ("auto", "shm") and config.ring_bytes > 0
+                and config.lend_bytes > 0 and hosts is not None and len(set(hosts)) == 1)
         self._algorithms = Algorithms(self.rank, self.size, config.segment_bytes,
                                       config.small_bytes, hosts, config.hierarchical, members,
-                                      config.halving_bytes)
+                                      config.halving_bytes, lent)
         self._lock = threading.Lock()
         self._names = CallNames(config.name_capacity, engine.forget_name)
         self._join_rounds = 0
@@ -685,7 +689,7 @@ class SelfGuided(GatheringOps):
         # ever serves it in place of its own join() call.
         unit = tuple(range(n + 1))
         spec = self._spec(ident, {"kind": "join"}, got.dtype, 0,
-                          self._algorithms.alltoall(unit, unit), got, -(1 << 30),
+                          self._algorithms.alltoall(unit, unit)[0], got, -(1 << 30),
                           source=times, epoch=self._join_rounds + 1)
         self._engine.begin_join(serve)
         try:
