@@ -155,6 +155,17 @@ def test_a_slow_ring_lends_what_it_would_copy(n: int, gbps: str) -> None:
         assert True in root and False in root, result.explain()
 
 
+def test_big_broadcasts_are_copied_with_two_threads_or_through_the_ring() -> None:
+    # At 2 ranks a big broadcast goes in one piece; its root either lends it and sits
+    # idle while the receiver copies it with two threads, or copies it through the ring,
+    # each way tried twice before the faster is taken.  Results against numpy.
+    result = run_ok(2, "workers:spread_broadcasts", {}, timeout=120)
+    root, receiver = result.report(0), result.report(1)
+    assert root["spread"] == 0, result.explain()
+    if cma_works() and len(os.sched_getaffinity(0)) >= 2:
+        assert receiver["spread"] >= 2 and root["lent"] >= 2, result.explain()
+
+
 @pytest.mark.parametrize("segment", [256 << 10, 1 << 20])
 def test_urgent_ops_overtake_the_lent_pieces_of_a_big_one(segment: int) -> None:
     # The big op's lent pieces are read in order, each a copy out of the peer's memory;

@@ -349,6 +349,34 @@ def slow_ring(arg: dict) -> None:
     report(lent=lent, direct=direct, big_lent=ways)
 
 
+def spread_broadcasts(arg: dict) -> None:
+    """Blocking broadcasts of 9-12 MiB from rank 0 (lent bodies big enough for a receiver
+    to copy with two threads: transport/spread_copy.py), into new arrays and in place,
+    several dtypes, odd sizes, the receiver a little late now and then; each against
+    numpy.  The root times each way (spread, through the ring) and takes the faster, so
+    both run.  Reports how many bodies this rank copied with two threads."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    for i in range(6):
+        dtype = (np.float32, np.float64, np.int16)[i % 3]
+        count = ((9 << 20) + (1 << 20) * (i % 4)) // np.dtype(dtype).itemsize + 2 * i + 1
+        ins = [data(300 + i, r, (count,), dtype) for r in range(n)]
+        if rank and i % 2:
+            time.sleep(0.003)
+        what = f"broadcast {i} of {count} {np.dtype(dtype)}"
+        if i % 3 == 2:
+            buf = ins[rank].copy()
+            tr.broadcast_(buf, root_rank=0, name=f"spread{i}")
+            assert_same(buf, ins[0], what)
+        else:
+            assert_same(tr.broadcast(ins[rank], root_rank=0, name=f"spread{i}"), ins[0],
+                        what)
+            assert_same(ins[rank], data(300 + i, rank, (count,), dtype), what + " (input)")
+    stats = tr.transport_stats()
+    tr.shutdown()
+    report(spread=stats["bodies_spread"], lent=stats["bodies_lent"])
+
+
 def lent_pieces_in_slices(arg: dict) -> None:
     """Allreduces and a reducescatter whose lent pieces (2 MiB) are copied in several
     slices: blocking ones reading the caller's array (OpSpec.fresh) and async in-place

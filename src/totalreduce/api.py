@@ -102,8 +102,9 @@ def local_size() -> int:
 def transport_stats() -> dict[str, int]:
     """What this rank's transport has moved since ``init()``: ``messages_sent``,
     ``bytes_sent``, ``messages_received``, ``bytes_received`` (whole messages, 64-byte
-    headers included, as they left or arrived) and ``bodies_lent`` (bodies a same-host
-    peer copied straight out of this process's memory instead of through a ring)."""
+    headers included, as they left or arrived), ``bodies_lent`` (bodies a same-host
+    peer copied straight out of this process's memory instead of through a ring) and
+    ``bodies_spread`` (lent bodies this rank copied with two threads)."""
     return _runtime.current().transport.stats()
 
 

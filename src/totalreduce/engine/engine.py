@@ -38,6 +38,7 @@ from ..exceptions import ShutdownError
 from ..interrupts import deferred as ctrl_c
 from ..timeline import Timeline
 from ..transport.base import Port, Transport
+from ..transport.spread_copy import SPREAD_MIN
 from ..transport.wire import Header
 from .applier import Applier
 from .departures import Departures
@@ -242,6 +243,14 @@ class Engine:
         ms, against 0.86-1.07 ms on the caller's thread)."""
         transport = self.transport
         return 2 * sum(map(transport.lends, peers)) > len(peers)
+
+    def spreads(self, peers: Collection[int], nbytes: int) -> bool:
+        """Whether ``peers`` would copy a body of ``nbytes`` this rank lends them, while it
+        sits idle, with two threads each (transport/spread_copy.py): such a body is lent
+        to each, is big enough, and every rank of the host has a core of its own."""
+        transport = self.transport
+        return nbytes >= SPREAD_MIN and bool(peers) and not transport.crowded() and all(
+            transport.lends_body(p, nbytes, nbytes) for p in peers)
 
     def idle(self) -> bool:
         """Whether nothing is in flight here: no op submitted, running or waiting (read

@@ -167,7 +167,7 @@ class Outbox:
             header = pack_header(Kind.DATA, spec.dtype, flags, send.step, key[0], key[1],
                                  spec.sig, send.piece, body.nbytes, spec.count,
                                  ledger.take_owed(peer), spec.recipe, spec.epoch)
-            return Outgoing(header, body, msg, spec.lend, spec.lend_slow)
+            return Outgoing(header, body, msg, spec.lend, spec.lend_slow, spec.spread)
         if ledger.due(peer):
             return Outgoing(Header(Kind.CREDIT, credit=ledger.take_owed(peer)).pack(), None,
                             None)

@@ -550,6 +550,18 @@ class SelfGuided(GatheringOps):
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
+        if (self.rank == root and work.nbytes > self._direct_ring
+                and self._engine.waits_here() and self._engine.spreads(self._peers,
+                                                                       work.nbytes)):
+            # The root lends its bodies and sits idle while each peer copies them with two
+            # threads, or copies them through the rings as it does elsewhere: the faster
+            # way here, timed (a host whose kernel copies slowly may prefer the rings).
+            key = SlowRingChoice.key("broadcast spread", work.nbytes)
+            spread = self._slow_rings.leave(key)
+            spec.lend = spec.spread = spread
+            spec.lend_slow = spread
+            timed = self._slow_rings.timed(finish, key, spread)  # submit() may run it
+            return FutureHandle([self._engine.submit(spec)], timed, spec.label)
         return self._launch(spec, finish, self._direct_ring, slow_from=LENT_WHEN_SLOW)
 
     def _repeats_broadcast(self, nbytes: int) -> bool:

@@ -28,12 +28,13 @@ LANE_DRAIN_TIME = 1.0
 
 class Counters:
     """What a transport moved: whole messages (header included) in each direction, bodies
-    lent rather than copied, and messages read ahead of slower ones (ring links).  Counted
+    lent rather than copied, lent bodies copied out with two threads, and messages read
+    ahead of slower ones (ring links).  Counted
     where each message leaves or arrives, so a benchmark reads volume from here rather
     than from formulas."""
 
     __slots__ = ("messages_sent", "bytes_sent", "messages_received", "bytes_received",
-                 "bodies_lent", "overtaken")
+                 "bodies_lent", "bodies_spread", "overtaken")
 
     def __init__(self) -> None:
         self.messages_sent = 0
@@ -41,6 +42,7 @@ class Counters:
         self.messages_received = 0
         self.bytes_received = 0
         self.bodies_lent = 0
+        self.bodies_spread = 0
         self.overtaken = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -55,6 +57,7 @@ class Outgoing(NamedTuple):
     token: object
     lend: bool = True  # the body may be lent instead of copied (OpSpec.lend)
     lend_slow: bool = True  # ... while the ring copies slowly (OpSpec.lend_slow)
+    spread: bool = False  # a lent body may be copied by two threads (OpSpec.spread)
 
 
 class LaneEnd(Protocol):

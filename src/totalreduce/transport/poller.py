@@ -120,8 +120,13 @@ class Poller:
         events = self._look_at_sockets()
         if events or timeout == 0 or self.rings_ready():
             return events
-        # The thread in wait() spins briefly only: the application may want the GIL.
-        spin_until = time.monotonic() + (self.spin if slot == POLL_SLOT else _SPIN)
+        # The thread in wait() spins briefly only: the application may want the GIL.  So
+        # does one whose peers copy its lent bodies with both their threads: the core is
+        # theirs (spread_copy.py).
+        spin = self.spin if slot == POLL_SLOT else _SPIN
+        if spin > _SPIN and any(link.spreading for link in rings):
+            spin = _SPIN
+        spin_until = time.monotonic() + spin
         relax = os.sched_yield if slot == POLL_SLOT and self.crowded else None
         while time.monotonic() < spin_until and not pending:
             if self.rings_ready():

@@ -22,9 +22,11 @@ from . import cma
 from .base import Outgoing
 from .shmring import NOT_INLINE, RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
+from .spread_copy import SPREAD_MIN, SpreadCopy
 from .wire import (
     FLAG_CHUNKED,
     FLAG_REMOTE,
+    FLAG_SPREAD,
     HEADER_SIZE,
     KIND_DATA,
     REMOTE_BODY,
@@ -64,16 +66,20 @@ class _Scan:
 
 
 class _LentCopy:
-    """A body the peer lent us, partly copied (``done`` bytes) into ``dest``."""
+    """A body the peer lent us, partly copied (``done`` bytes) into ``dest``; ``spread``:
+    its front may go to the second thread (``helped``: it went)."""
 
-    __slots__ = ("header", "address", "lend", "dest", "done")
+    __slots__ = ("header", "address", "lend", "dest", "done", "spread", "helped")
 
-    def __init__(self, header: Header, address: int, lend: int, dest: memoryview) -> None:
+    def __init__(self, header: Header, address: int, lend: int, dest: memoryview,
+                 spread: bool = False) -> None:
         self.header = header
         self.address = address
         self.lend = lend
         self.dest = dest
         self.done = 0
+        self.spread = spread
+        self.helped = False
 
 
 class _LendFailed(Exception):
@@ -88,10 +94,16 @@ class RingLink(Link):
         self._pending = owner.pending
         self.ring_out: RingWriter | None = ring_out
         self.ring_in: RingReader | None = ring_in
+        # The transport's second thread for a lent body the peer sits idle through (None:
+        # none, or we cannot read the peer's memory).
+        self.spread: SpreadCopy | None = None
         self._lend_bytes = lend_bytes if ring_out.lend else 0
         self.blocked: Outgoing | None = None  # waiting for room in ring_out
         self._chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
         self._lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
+        # The lend ids among them whose copy we sit out idle (FLAG_SPREAD): the poller
+        # does not spin meanwhile, as the peer copies them with both cores.
+        self.spreading: set[int] = set()
         self._next_lend = 0
         self._acks: deque[int] = deque()  # lend ids of the peer's bodies we have copied
         # A lent body whose copy stopped between two slices; it goes on before any later
@@ -124,6 +136,7 @@ class RingLink(Link):
         super().drop_output()
         self.blocked = None
         self._lent.clear()
+        self.spreading.clear()
         self._acks.clear()
         self.lent_in = None
 
@@ -280,10 +293,14 @@ class RingLink(Link):
         assert body is not None
         lend = self._next_lend
         desc = REMOTE_BODY.pack(cma.address_of(body), lend)
-        if not ring.post(with_flag(msg.header, FLAG_REMOTE), memoryview(desc)):
+        spread = msg.spread and body.nbytes >= SPREAD_MIN
+        flags = FLAG_REMOTE | FLAG_SPREAD if spread else FLAG_REMOTE
+        if not ring.post(with_flag(msg.header, flags), memoryview(desc)):
             return False
         self._next_lend += 1
         self._lent[lend] = msg
+        if spread:
+            self.spreading.add(lend)
         counters = self.counters
         counters.messages_sent += 1
         counters.bytes_sent += HEADER_SIZE + body.nbytes
@@ -304,7 +321,7 @@ class RingLink(Link):
             self._chunk_off = 0
             posted += HEADER_SIZE
         while self._chunk_off < body.nbytes:
-            piece = body[self._chunk_off:self._chunk_off + ring.max_body]
+            piece = body[self._chunk_off:self._chunk_off + ring.chunk_bytes]
             if not ring.post(Header(Kind.RING_CHUNK, nbytes=piece.nbytes).pack(), piece):
                 self.blocked = msg
                 return posted
@@ -506,6 +523,7 @@ class RingLink(Link):
         msg = self._lent.pop(header.seq, None)
         if ring is None or msg is None:
             return False
+        self.spreading.discard(header.seq)
         if ring.release() and not self.closed:
             self.doorbell()
         self.owner.handler.sent(self.peer, msg.token)
@@ -562,6 +580,7 @@ class RingLink(Link):
                     msg = self._lent.pop(header.seq, None)
                     if msg is None:
                         raise WireError(f"acknowledgement of unknown lent body {header.seq}")
+                    self.spreading.discard(header.seq)
                     freed |= ring.release()
                     handler.sent(peer, msg.token)
                 elif header.kind == Kind.RING_TAKEN:
@@ -572,11 +591,12 @@ class RingLink(Link):
                         break  # this turn's caller may be waiting for what they finished
                     address, lend = REMOTE_BODY.unpack_from(body)
                     freed |= ring.release()
-                    header = header._replace(flags=header.flags & ~FLAG_REMOTE)
+                    spread = bool(header.flags & FLAG_SPREAD)
+                    header = header._replace(flags=header.flags & ~(FLAG_REMOTE | FLAG_SPREAD))
                     dest = handler.body_buffer(peer, header)
                     if dest.nbytes != header.nbytes:
                         raise AssertionError("body_buffer returned a buffer of the wrong size")
-                    self.lent_in = _LentCopy(header, address, lend, dest)
+                    self.lent_in = _LentCopy(header, address, lend, dest, spread)
                     if self._copy_on(self.lent_in, budget is not None, urgent):
                         break
                 elif header.flags & FLAG_CHUNKED:
@@ -666,6 +686,13 @@ class RingLink(Link):
         pressing = handler.pressing
         if may_stop and urgent is not None and self._overtake(urgent):
             return True
+        spreader = self.spread
+        if lent.spread and spreader is not None and not lent.done and not lent.helped:
+            # The lender sits idle: the second thread copies the front meanwhile.
+            front = (n // 2) & ~4095
+            if spreader.start(pid, dest[:front], address):
+                lent.helped = True
+                lent.done = front
         try:
             while lent.done < n:
                 at = lent.done
@@ -683,6 +710,11 @@ class RingLink(Link):
                         os.sched_yield()
                     if pressing() or (urgent is not None and self._overtake(urgent)):
                         return True
+            if lent.helped:
+                assert spreader is not None
+                lent.helped = False
+                spreader.wait()
+                self.counters.bodies_spread += 1
         except OSError as exc:
             raise _LendFailed(f"cannot copy a body out of rank {self.peer}: {exc}") from None
         self.lent_in = None

@@ -22,6 +22,7 @@ from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
 from .socket_lane import SocketLane
 from .socket_link import BATCH_BYTES, WRITE_BUDGET, Link
+from .spread_copy import SpreadCopy
 from .wire import Header
 
 _RING_RETRY = 0.001  # safety-net poll while a ring is full (a doorbell normally wakes us)
@@ -72,6 +73,12 @@ class TcpTransport(Transport):
             slow_ring_rate = 0.0
         elif slow_ring_rate < 0:  # auto: slower than a lent body's copy here
             slow_ring_rate = cma.read_rate() if lend_bytes and self._ring_links else 0.0
+        readers = [link for link in self._ring_links
+                   if link.ring_in is not None and link.ring_in.lender_pid is not None]
+        # A second thread for lent bodies our peers sit idle through, where cores allow.
+        self._spread = SpreadCopy() if readers and self._poller.own_core else None
+        for ring_link in readers:
+            ring_link.spread = self._spread
         for ring_link in self._ring_links:
             ring_link.yields = self._poller.own_core
             ring_link.watch_copies(slow_ring_rate)
@@ -263,6 +270,8 @@ class TcpTransport(Transport):
             with contextlib.suppress(OSError):
                 link.sock.close()
         self._poller.close()
+        if self._spread is not None:
+            self._spread.close()
         for ring_link in self._ring_links:
             ring_link.close_rings()
         self._ring_links.clear()

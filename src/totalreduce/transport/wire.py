@@ -32,6 +32,9 @@ FLAG_READY = 4  # on DATA: the sender has submitted the op too (stands in for a 
 # Shared-memory ring only: the body stays in the sender's memory; the record carries a
 # REMOTE_BODY descriptor (address, lend id) instead and ``nbytes`` is the real length.
 FLAG_REMOTE = 8
+# Shared-memory ring only, with FLAG_REMOTE: the lender sits idle while the body is copied
+# (a broadcast's root), so the reader may copy it with two threads (spread_copy.py).
+FLAG_SPREAD = 16
 REMOTE_BODY = struct.Struct("<QQ")
 
 

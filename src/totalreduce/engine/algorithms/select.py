@@ -67,12 +67,12 @@ _SMALL_BROADCAST_PIECE = 512 << 10
 # out of the sender's memory, in slices that let urgent messages pass), a piece buys no
 # overlap: nothing pipelines through a ring, and at 2 ranks nothing is forwarded.  What
 # a piece still costs is a turn of the loop on each side (the lend, its acknowledgement,
-# the receive's bookkeeping: 50-70 us at 2 ranks).  So allgathers and alltoalls past two
-# segments go in pieces of up to this size there: at 2 ranks (old and new alternated in
-# one sitting, medians of 4) 16 MiB allgathers took 1.9 ms against 2.3 in 2 MiB pieces,
-# 64 MiB ones 13.0 against 14.3, 256 MiB alltoalls 41.7 against 45.8.  A broadcast keeps
-# its pieces: its root copies them through the ring (OpSpec.lend), whose reader starts on
-# a piece as soon as it is in, and whole bodies gained nothing there.
+# the receive's bookkeeping: 50-70 us at 2 ranks).  So broadcasts, allgathers and
+# alltoalls past two segments go in pieces of up to this size there: at 2 ranks (old and
+# new alternated in one sitting, medians of 4) 16 MiB allgathers took 1.9 ms against 2.3
+# in 2 MiB pieces, 64 MiB ones 13.0 against 14.3, 256 MiB alltoalls 41.7 against 45.8.
+# A broadcast's root copies such a piece through the ring in chunks (shmring.py) as fast
+# as in pieces, or lends it whole to be copied with two threads (spread_copy.py).
 LENT_PIECE_BYTES = 32 << 20
 
 
@@ -107,7 +107,8 @@ class Algorithms:
         process set, which this instance's ``rank`` and ``size`` then count within
         (``hosts`` too); its schedules name the job's ranks.  ``lent_pieces``: the
         ranks' big bodies are lent to each other (every rank must be told the same):
-        at 2 ranks, big allgathers and alltoalls go in pieces of LENT_PIECE_BYTES."""
+        at 2 ranks, big broadcasts, allgathers and alltoalls go in pieces of
+        LENT_PIECE_BYTES."""
         self.rank = rank
         self.size = size
         self._members = members
@@ -203,6 +204,10 @@ class Algorithms:
             return (self._job(scatter_allgather_broadcast(self.rank, self.size, root, count,
                                                           seg)), "scatter-allgather")
         nbytes = count * itemsize
+        lent = self._moved_piece(nbytes, itemsize)
+        if lent:
+            return (self._job(chain_broadcast(self.rank, self.size, root, count, lent)),
+                    "chain, lent pieces")
         if nbytes <= self._small_bytes:
             seg = min(seg, max(1, _SMALL_BROADCAST_PIECE // itemsize))
         elif nbytes <= 2 * seg * itemsize:
