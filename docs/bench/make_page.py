@@ -100,10 +100,10 @@ A virtual machine with 2 cores and no GPU; every rank on the same host, so same-
 transports (shared-memory rings, MPICH's shared memory) carry all traffic. Every table
 but the 16-core ones and the 2-rank collectives table comes from one run of
 `regenerate.py` at one commit on such a machine with AMD EPYC cores; the 2-rank
-collectives table from `regenerate.py --only collectives-2` on the same machine, at the
-commit its bench printed (below); the 16-core tables come from machines with 16 Intel
-Xeon cores, at the commits named under them. Compare ratios within a table, not absolute
-times across tables. The 2-rank collectives table's bench printed:
+collectives table from `regenerate.py --only collectives-2` on a 2-core VM with Intel Xeon
+cores, at the commit its bench printed (below); the 16-core tables come from machines with
+16 Intel Xeon cores, at the commits named under them. Compare ratios within a table, not
+absolute times across tables. The 2-rank collectives table's bench printed:
 
     {env.removeprefix("environment: ")}
 
@@ -122,7 +122,9 @@ run at 25-30 GB/s; between two buffers in glibc's heap it copied 2 MiB at 1.3 GB
 totalreduce's rings time their copies and lend what they would copy while the copies run
 slower than the kernel's copy measured at start (`TOTALREDUCE_SLOW_RING_GBPS`, see "Why
 the defaults are what they are"). A table's p10-p90 column shows how much a run was split
-between the states.
+between the states. On the Intel VM of the 2-rank collectives table MPI runs small ops
+about twice as fast as on the AMD one (a 4-byte allreduce in 4-5 us), and plain copies
+and the kernel's copy of a lent body are closer (about 12 and 10 GB/s for 16 MiB).
 
 ## Method
 
@@ -247,7 +249,8 @@ every hop waits for a peer to get a core.
 
 {table("latency")[1]}
 
-The same ops inside the 2-rank collectives table (each call after a barrier):
+The same ops inside the 2-rank collectives table (on its Intel VM, where MPI's small ops
+run about twice as fast; each call after a barrier):
 
 {small2}
 
@@ -692,7 +695,12 @@ cores reductions lend from 1 MiB too. Ops of up to 2 MiB that run on the caller'
 a broadcast's root does not lend (OpSpec.lend). Its core has nothing else to do, and a
 memcpy into the ring on its side plus one out on the receiver's beat one kernel copy on
 the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead of
-10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Broadcasts up to 2 MiB go
+10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Unless the receiver copies
+with two threads: at 2 ranks, where each rank has a core, a blocking broadcast of 8 MiB or
+more from its root times that way (lent in 32 MiB pieces, the receiver copying each
+piece's front on a second thread, transport/spread_copy.py) against the ring and takes
+the faster; on the Intel VM, alternated with the tree before it, 16 MiB took 1.96 ms
+against 2.48 and 64 MiB 5.8 against 10.2 (medians of three runs). Broadcasts up to 2 MiB go
 in 512 KiB pieces, so that the receiver copies one out while the root copies the next in
 (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 
@@ -809,34 +817,38 @@ either way, 3-13% behind in both.
   barrier takes 38.1 us (6.95x). Async small allreduces, which the loop runs, cost about
   91 us each self-guided (the `tiny` table). An allgather or alltoall whose ranks' rows may
   differ is two such exchanges, sizes then data (a 4-byte one about 0.14 ms here);
-  `same_shape=True` makes it one (0.085 and 0.094 ms in the 2-rank table, a broadcast
-  0.084 ms). A repeated one skips its checks and set-up (scheduling/templates.py); a
+  `same_shape=True` makes it one (0.030 and 0.035 ms in the 2-rank table, on the Intel
+  VM, a broadcast 0.031 ms). A repeated one skips its checks and set-up (scheduling/templates.py); a
   repeated blocking broadcast, reducescatter or same-shape allgather or alltoall runs
   from a Repeat as an allreduce does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us
   against 40-85 without).
   Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank table's medians mix the host's states (see Environment), each backend in
-  its own proportion. Allreduce: 2.41x MPI at 1 MB and 2.16x at 4 MB, where MPICH's
-  allreduce ran at half the speed other runs here show (0.63 and 2.15 ms median, against
-  0.31 and 1.14 ms; ours 0.26 and 1.00 ms), 1.17x at 16 MB, 2.35-2.47x from 64 MB (there
-  MPICH's allreduce moves 1.2 GB/s; ours 2.9-3.0 GB/s).
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.15x at 1 MB, 1.57x
-  at 4 MB (its piece is lent from the caller's thread: one kernel copy on each rank
-  instead of two ring copies), 0.72-0.83x from 16 MB; alltoall 0.43x at 1 MB, 0.56x at
-  4 MB, 0.78-0.87x from 16 MB; broadcast 0.75x at 1 MB, 0.89x at 4 MB, 0.91-0.96x from
-  16 MB; reducescatter 1.05x at 1 MB, 0.97x at 4 MB, 1.69x at 16 MB, 2.8-2.9x from
-  64 MB. Per op, Python costs tens of µs, a large share of MPI's whole 1 MB call. The 16
-  MB alltoall lends its bodies (by size), and in the bench's order its arrays come from
-  glibc's heap (small pages) once earlier ops have freed arrays that big: the kernel
-  copied 2 MiB between two such buffers at 1.3 GB/s, against 9.4-12.9 GB/s where either
-  side was a fresh mmap'd array with huge pages, so the same op took 4.0-4.6 ms in a fresh
-  process and 7.4 ms after a 64 MB allreduce with new arrays. Without `out=` allgather and
-  alltoall run at about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's
-  new result is fresh memory, and the kernel faulting and zeroing it costs about as much
-  as the copies (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms).
+- The 2-rank collectives table (the Intel VM): allreduce 1.12x MPI at 1 MB, 0.94x at
+  4 MB and 0.77x at 16 MB, 1.57-1.59x from 64 MB; reducescatter 0.78-0.89x from 1 to
+  16 MB, 1.50-1.52x from 64 MB. MPICH's shared memory moves 1-16 MB at 4-5 GB/s here
+  (about twice its speed on the AMD VM) and its small ops take 2-17 us: the 8-byte ops
+  run at 0.08-0.20x, about 30 us each, nearly all of it Python per op.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.56x at 1 MB,
+  0.66-0.70x at 4-16 MB, 0.87x from 64 MB; alltoall 0.35x at 1 MB, 0.68-0.72x at 4-16
+  MB, 0.88-0.90x from 64 MB; broadcast 0.35x at 1 MB, 0.61x at 4 MB, 0.94x at 16 MB and
+  1.10-1.17x from 64 MB, where the receiver copies the root's lent 32 MiB pieces with
+  two threads (transport/spread_copy.py). An allgather or alltoall moves the same bytes
+  as MPI's with both cores busy (each rank copies its own block and the peer's out of
+  the peer): two processes doing just that with no library took 1.6-1.9 ms for 16 MB,
+  MPI's 1.6; what is left is Python per op (about 0.1 ms at 1 MB, a third of the call)
+  and per lent piece. The 16 MB alltoall lends its bodies (by size), and in the bench's
+  order its arrays may come from glibc's heap (small pages) once earlier ops have freed
+  arrays that big: on the AMD VM the kernel copied 2 MiB between two such buffers at 1.3
+  GB/s, against 9.4-12.9 GB/s where either side was a fresh mmap'd array with huge pages.
+  Without `out=` allgather and alltoall run at about 0.5x from 64 MB: above glibc's mmap
+  threshold (32 MB) every call's new result is fresh memory, and the kernel faulting and
+  zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
+  reused ones: 4.6 ms).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.19-0.76x), but for allreduce and reducescatter from 64 MB (1.08-1.26x).
+  host (0.21-0.52x), and from 64 MB reaches 0.87-0.92x for allreduce and reducescatter;
+  `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own allreduce and
+  reducescatter from 64 MB (1.44-1.72x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
