@@ -60,12 +60,19 @@ def run_checks(checks: Sequence[Check], *, agree_timeout: float = 20.0,
         if not failed.any():
             continue
         messages = tr.allgather_object(error, name=f"{prefix}.errors.{index}")
-        _fail(index, label, {q: m for q, m in enumerate(messages) if m is not None}, "")
+        _fail(index, label, {q: m for q, m in enumerate(messages) if m is not None}, "",
+              everyone=True)
 
 
-def _fail(index: int, label: str, errors: dict[int, str], note: str) -> None:
+def _fail(index: int, label: str, errors: dict[int, str], note: str,
+          everyone: bool = False) -> None:
+    """Report and raise; with ``everyone`` (every rank is here too), only once every rank
+    has reported, since a rank that raised and left first would fail
+    the op the others are still finishing (a peer's exit fails its ops in flight)."""
     report(failed_check={"index": index, "check": label,
                          "errors": {str(q): m for q, m in errors.items()}})
+    if everyone:
+        tr.barrier()
     shown = "; ".join(f"rank {q}: {m}" for q, m in sorted(errors.items()))
     raise CheckFailed(f"check #{index} '{label}' failed on rank(s) "
                       f"{', '.join(map(str, sorted(errors)))}: {shown}"
