@@ -89,7 +89,6 @@ from .collectives import (
     poll,
     reducescatter,
     reducescatter_async,
-    sparse_allreduce_async,
     synchronize,
 )
 from .compression import Compression, Compressor
@@ -97,6 +96,7 @@ from .ddp import ddp_comm_hook, gtopk_hook, oktopk_hook, topka_hook
 from .join import join
 from .messages import recv, recv_async, send, send_async
 from .optimizer import DistributedOptimizer, StepTimings
+from .sparse_tensors import sparse_allreduce_async
 from .state import broadcast_optimizer_state, broadcast_parameters
 from .sync_batch_norm import SyncBatchNorm
 

@@ -44,9 +44,9 @@ from .collectives import (
     ProcessSet,
     TorchHandle,
     global_process_set,
-    sparse_allreduce_async,
 )
 from .compression import Compression, Compressor, SparseCompressor
+from .sparse_tensors import sparse_allreduce_async
 from .sparse_worker import SparseWorker
 from .tensors import stage
 
