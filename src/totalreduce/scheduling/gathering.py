@@ -126,7 +126,7 @@ class GatheringOps:
         None, with nothing done, where it is not one: call :meth:`allgather` and wait."""
         if not same_shape or priority:
             return None
-        return self._same_now("allgather", x, None, name, out)
+        return self._same_now("allgather", x, name, out)
 
     def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int,
                      out: np.ndarray | None, same_shape: bool
@@ -134,13 +134,13 @@ class GatheringOps:
         """:meth:`allgather_now` for an alltoall: its result and splits."""
         if not same_shape or priority or splits is not None:
             return None
-        return self._same_now("alltoall", x, None, name, out)
+        return self._same_now("alltoall", x, name, out)
 
-    def _same_now(self, kind: str, x: Any, splits: Any, name: str | None,
-                  out: np.ndarray | None) -> Any:
+    def _same_now(self, kind: str, x: Any, name: str | None, out: np.ndarray | None
+                  ) -> Any:
         """:meth:`_gather_same`'s call from its plan's Repeat, if it has one (else None,
         nothing done)."""
-        key = gather_key(kind + "\x00same", x, name, out, splits)
+        key = gather_key(kind + "\x00same", x, name, out, None)  # splits: none given
         if key is None:
             return None
         with self._lock:
