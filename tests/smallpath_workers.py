@@ -741,3 +741,55 @@ def repeat_keeps_no_buffer(arg: dict) -> None:
     report(alive=sum(ref() is not None for ref in refs),
            repeats=stats["express_repeats"] + stats["express_repeats_handed_over"])
     tr.shutdown()
+
+
+def same_shape_alltoalls(arg: dict) -> None:
+    """Blocking same_shape alltoalls of about ``arg["sizes"]`` bytes per rank, each size
+    called six times under one name (the third and the sixth run from the plan's Repeat
+    where it has one), three dtypes, new data each call, into ``out=`` from the fourth
+    call, one rank late now and then; each result against numpy and the input unchanged.
+    The op copies each rank's own block itself once its messages are out.  With
+    ``arg["refuse"]``, the second block's post of every other call fails once, as a full
+    ring would (at 3 ranks, the second send of the op's first ones): the op goes on on
+    the general path after its first send, and its own block must still be there."""
+    from totalreduce.transport.ring_link import RingLink
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    refuse = {"armed": False, "done": 0}
+    if arg.get("refuse"):
+        post_now = RingLink.post_now
+
+        def failing(self: RingLink, header: bytes, body: memoryview | None) -> bool:
+            if refuse["armed"] and self.peer == (rank + 2) % n and body is not None:
+                refuse["armed"] = False
+                refuse["done"] += 1
+                return False
+            return post_now(self, header, body)
+        RingLink.post_now = failing  # type: ignore[method-assign]
+    mine = random.Random(50 + rank)
+    before = current().engine.stats()["express_repeats"]
+    calls = 0
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = (np.float32, np.int64, np.uint8)[i % 3]
+        rows = nbytes // np.dtype(dtype).itemsize // n
+        out = np.full((rows * n, 1), 7, dtype)
+        for call in range(6):
+            inputs = [a.reshape(-1, 1) for a in _inputs(10 * i + call, n, rows * n, dtype)]
+            kept = inputs[rank].copy()
+            if mine.random() < 0.3:
+                time.sleep(mine.random() * 0.002)
+            refuse["armed"] = bool(arg.get("refuse")) and call % 2 == 1
+            into = out if call >= 3 else None
+            got, splits = tr.alltoall(inputs[rank], name=f"same.{i}", out=into,
+                                      same_shape=True)
+            refuse["armed"] = False
+            assert into is None or got is into, (i, call)
+            want = np.concatenate([a[rank * rows:(rank + 1) * rows] for a in inputs])
+            _close(got, want, f"alltoall of {rows * n} {np.dtype(dtype)} call {call}")
+            assert np.array_equal(inputs[rank], kept), "the input changed"
+            assert list(splits) == [rows] * n, splits
+            calls += 1
+    repeats = current().engine.stats()["express_repeats"] - before
+    tr.shutdown()
+    report(calls=calls, repeats=repeats, refused=refuse["done"])

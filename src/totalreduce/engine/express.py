@@ -177,6 +177,10 @@ class Express:
                     for peer in ready:
                         ledger.early_ready(key, peer)
                     return False
+                # The general path goes on from here, past where the local regions are
+                # finished: they are now.
+                if spec.finalize is not None or spec.fresh:
+                    finish_local(spec, chain.local_final)
                 return self.hand_over(spec, chain, ready, told, 0, posted, True, lent)
             if token is not None:
                 lent.append(token)

@@ -42,6 +42,7 @@ from .payload import OpFuture, OpKey, OpSpec
 from .schedule import Recv, Schedule, Send
 from .serving import JoinServer
 from .smallpath import apply_piece, fits, needs
+from .starter import finish_local
 
 # How long a step busy-polls the lane for the peer's message: it holds this process's
 # GIL meanwhile, which the thread that drives the loop (the big op's copies) may want.
@@ -93,7 +94,9 @@ class UrgentLane:
         schedule = spec.schedule
         hit = self._chains.get(id(schedule))
         if hit is None or hit[0] is not schedule:
-            chain = None if spec.fresh else chain_of(schedule)
+            # Reductions into a fresh buffer (OpSpec.fresh) are left to the loop; a fresh
+            # copy, an alltoall's own block, is a local region (finish_local in run()).
+            chain = None if spec.fresh and spec.ufunc is not None else chain_of(schedule)
             if chain is not None and not chain.steps:
                 chain = None
             longest = 0
@@ -134,12 +137,11 @@ class UrgentLane:
                 if not self._post(spec, send, told, sources):
                     if not posted:
                         return False
+                    # The loop goes on past where the local regions are finished.
+                    finish_local(spec, chain.local_final)
                     return self._hand_over(spec, chain, ready, told, 0, posted)
                 posted += 1
-            if spec.finalize is not None:
-                for lo, hi in chain.local_final:
-                    if hi > lo:
-                        spec.finalize(spec.work[lo:hi])
+            finish_local(spec, chain.local_final)
             for i, (peer, step, piece, recv) in enumerate(chain.steps):
                 if not self._receive(spec, peer, step, piece, recv, ready):
                     return self._hand_over(spec, chain, ready, told, i, posted)

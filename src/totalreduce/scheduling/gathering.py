@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from .checks import (
     check_same_shape_splits,
 )
 from .handle import DoneHandle, FutureHandle, Handle
+from .slow_rings import SlowRingChoice
 from .templates import GatherPlan, OpTemplate, SamePlan, gather_key
 from .thresholds import LENT_WHEN_SLOW
 from .views import gathering_views, with_algorithm
@@ -47,6 +49,13 @@ def _bounds(counts: np.ndarray, scale: int) -> tuple[int, ...]:
         total += c * scale
         out.append(total)
     return tuple(out)
+
+
+def _own_in_place(send: tuple[int, ...], recv: tuple[int, ...], rank: int) -> bool:
+    """Whether an alltoall's own block lies at the same place in its input and its result
+    (always where every rank sends each the same): the op then copies it itself, once its
+    messages are out (pairwise_alltoallv's ``own``), instead of before them."""
+    return send[rank] == recv[rank] and send[rank + 1] == recv[rank + 1]
 
 
 def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtype
@@ -70,6 +79,8 @@ class GatheringOps:
     _algorithms: Algorithms
     _direct_ring: int
     _direct_bytes: int
+    _peers: list[int]
+    _slow_rings: SlowRingChoice
     _gathers: LRU[tuple[Any, ...], GatherPlan]
     _same: LRU[tuple[Any, ...], SamePlan]
 
@@ -148,6 +159,15 @@ class GatheringOps:
         if plan is None or plan.template.repeat is None:
             return None
         arr: np.ndarray = x
+        slow = None
+        if (kind == "alltoall" and arr.nbytes >= LENT_WHEN_SLOW
+                and self._engine.lends(self._peers)):
+            # The rings copy slowly: this thread's way, here through the Repeat, is timed
+            # against the loop's lending as _launch times it (which asks the same).
+            slow = SlowRingChoice.key(kind, arr.nbytes)
+            if self._slow_rings.leave(slow):
+                return None
+        start = time.perf_counter()
         check_apart(out, arr, kind, name)
         rank, bounds = self.rank, plan.recv
         rows = self.size * int(plan.recv_rows[0])
@@ -158,8 +178,12 @@ class GatheringOps:
             self._repeat(plan.template.repeat, buf, name)
         else:
             flat = np.ascontiguousarray(flat)  # its sends read it (the op's source)
-            buf[bounds[rank]:bounds[rank + 1]] = flat[plan.send[rank]:plan.send[rank + 1]]
+            if not plan.template.fresh:
+                buf[bounds[rank]:bounds[rank + 1]] = \
+                    flat[plan.send[rank]:plan.send[rank + 1]]
             self._repeat(plan.template.repeat, buf, name, flat)
+            if slow is not None:
+                self._slow_rings.took(slow, False, time.perf_counter() - start)
         check_out_rows(out, rows, rank, kind, name)
         got = buf.reshape((rows, *arr.shape[1:])) if out is None else out
         return got if kind == "allgather" else (got, plan.recv_rows.copy())
@@ -299,16 +323,18 @@ class GatheringOps:
             else:
                 sb, rb = kept[1], kept[2]
             buf = _result_buffer(out, sum(rows), rb[-1], arr.dtype)
-            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
+            own = _own_in_place(sb, rb, rank)
+            if not own:
+                buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
             state["out"] = buf
             if kept is not None:
                 return kept[0].spec(data_key, data_label, buf, priority, self._members, flat)
             view, shown = gathering_views("alltoall", arr)
-            schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype)
+            schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype, own)
             spec = self._spec(Ident(data_key, name, data_label),
                               with_algorithm(view, algorithm), arr.dtype, 0, schedule,
                               buf, priority, ("alltoall", arr.dtype, arr.shape, 1, algorithm),
-                              with_algorithm(shown, algorithm), source=flat)
+                              with_algorithm(shown, algorithm), source=flat, fresh=own)
             with self._lock:
                 exchanged.keep(rows, OpTemplate(spec), sb, rb)
             return spec
@@ -357,22 +383,24 @@ class GatheringOps:
             sb, rb = plan.send, plan.recv
         rows = n * int(recv_rows[0])
         buf = _result_buffer(out, rows, rb[-1], arr.dtype)
+        own = False
         if kind == "allgather":  # the whole input is this rank's block
             buf[rb[rank]:rb[rank + 1]] = flat
             source = None
         else:
-            buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
             source = flat
+            own = _own_in_place(sb, rb, rank)
+            if not own:
+                buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
         if plan is not None:
             template = plan.template
             spec = template.spec(ident.key, ident.label, buf, priority, self._members,
                                  source)
             if not template.repeat_tried and not priority:
                 template.repeat_tried = True
-                # One the caller's thread runs whatever the rings' pace (_launch below).
-                if 0 < buf.nbytes <= self._direct_ring and (
-                        buf.nbytes <= self._direct_bytes if kind == "allgather"
-                        else buf.nbytes < LENT_WHEN_SLOW):
+                # One the caller's thread runs (_launch below): an allgather's whatever
+                # the rings' pace, an alltoall's while they copy fast (_same_now).
+                if 0 < buf.nbytes <= min(self._direct_ring, self._direct_bytes):
                     template.repeat = self._engine.repeat(
                         spec, functools.partial(self._label, kind, name))
         else:
@@ -386,11 +414,11 @@ class GatheringOps:
                                   schedule, buf, priority,
                                   (kind, arr.dtype, arr.shape, "same", algorithm))
             else:
-                schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype)
+                schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype, own)
                 spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, 0,
                                   schedule, buf, priority,
                                   (kind, arr.dtype, arr.shape, "same", algorithm),
-                                  source=source)
+                                  source=source, fresh=own)
             if key is not None:
                 with self._lock:
                     self._same.put(key, SamePlan(OpTemplate(spec), sb, rb, recv_rows))

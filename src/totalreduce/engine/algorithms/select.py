@@ -268,11 +268,12 @@ class Algorithms:
         return self._job(ring_allgatherv(self.rank, self.size, bounds, seg)), "ring"
 
     def alltoall(self, send_bounds: tuple[int, ...], recv_bounds: tuple[int, ...],
-                 dtype: np.dtype | None = None) -> tuple[Schedule, str]:
-        """The schedule and its algorithm ("pairwise", or "pairwise, lent pieces")."""
+                 dtype: np.dtype | None = None, own: bool = False) -> tuple[Schedule, str]:
+        """The schedule and its algorithm ("pairwise", or "pairwise, lent pieces");
+        ``own``: the op copies this rank's block itself (pairwise_alltoallv)."""
         if dtype is None:
             return self._job(pairwise_alltoallv(self.rank, self.size, send_bounds,
-                                                recv_bounds, 1)), "pairwise"
+                                                recv_bounds, 1, own)), "pairwise"
         itemsize = dtype.itemsize
         seg = self.segment(dtype)
         if self._lent_piece:
@@ -283,7 +284,7 @@ class Algorithms:
             lent = self._moved_piece(crossed * itemsize, itemsize)
             if lent:
                 return self._job(pairwise_alltoallv(self.rank, self.size, send_bounds,
-                                                    recv_bounds, lent)), \
+                                                    recv_bounds, lent, own)), \
                     "pairwise, lent pieces"
         return self._job(pairwise_alltoallv(self.rank, self.size, send_bounds, recv_bounds,
-                                            seg)), "pairwise"
+                                            seg, own)), "pairwise"
