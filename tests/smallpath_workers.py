@@ -743,28 +743,33 @@ def repeat_keeps_no_buffer(arg: dict) -> None:
     tr.shutdown()
 
 
-def same_shape_alltoalls(arg: dict) -> None:
-    """Blocking same_shape alltoalls of about ``arg["sizes"]`` bytes per rank, each size
-    called six times under one name (the third and the sixth run from the plan's Repeat
-    where it has one), three dtypes, new data each call, into ``out=`` from the fourth
-    call, one rank late now and then; each result against numpy and the input unchanged.
-    The op copies each rank's own block itself once its messages are out.  With
-    ``arg["refuse"]``, the second block's post of every other call fails once, as a full
-    ring would (at 3 ranks, the second send of the op's first ones): the op goes on on
-    the general path after its first send, and its own block must still be there."""
+def same_shape_gathers_by_size(arg: dict) -> None:
+    """Same_shape ``arg["kind"]``s (allgather or alltoall) of about ``arg["sizes"]`` bytes
+    per rank, each size called six times under one name (the third and the sixth run from
+    the plan's Repeat where it has one), blocking but every fifth call, three dtypes, new
+    data each call, into ``out=`` from the fourth call, one rank late now and then; each
+    result against numpy and the input unchanged.  An alltoall's op copies the rank's
+    own block itself once its messages are out.  With
+    ``arg["refuse"]``, every other call's second post with a body fails once, as a full
+    ring would (at 3 ranks an alltoall's second first send, an allgather's first block
+    passed on): the op goes on on the general path, and its own block must still be
+    there."""
     from totalreduce.transport.ring_link import RingLink
 
     tr.init()
     rank, n = tr.rank(), tr.size()
-    refuse = {"armed": False, "done": 0}
+    kind = arg["kind"]
+    refuse = {"armed": False, "posts": 0, "done": 0}
     if arg.get("refuse"):
         post_now = RingLink.post_now
 
         def failing(self: RingLink, header: bytes, body: memoryview | None) -> bool:
-            if refuse["armed"] and self.peer == (rank + 2) % n and body is not None:
-                refuse["armed"] = False
-                refuse["done"] += 1
-                return False
+            if refuse["armed"] and body is not None:
+                refuse["posts"] += 1
+                if refuse["posts"] == 2:
+                    refuse["armed"] = False
+                    refuse["done"] += 1
+                    return False
             return post_now(self, header, body)
         RingLink.post_now = failing  # type: ignore[method-assign]
     mine = random.Random(50 + rank)
@@ -775,20 +780,35 @@ def same_shape_alltoalls(arg: dict) -> None:
         rows = nbytes // np.dtype(dtype).itemsize // n
         out = np.full((rows * n, 1), 7, dtype)
         for call in range(6):
-            inputs = [a.reshape(-1, 1) for a in _inputs(10 * i + call, n, rows * n, dtype)]
+            size = rows * n if kind == "alltoall" else rows
+            inputs = [a.reshape(-1, 1) for a in _inputs(10 * i + call, n, size, dtype)]
             kept = inputs[rank].copy()
             if mine.random() < 0.3:
                 time.sleep(mine.random() * 0.002)
             refuse["armed"] = bool(arg.get("refuse")) and call % 2 == 1
+            refuse["posts"] = 0
             into = out if call >= 3 else None
-            got, splits = tr.alltoall(inputs[rank], name=f"same.{i}", out=into,
-                                      same_shape=True)
+            if kind == "alltoall":
+                if call == 4:
+                    got, splits = tr.alltoall_async(inputs[rank], name=f"same.{i}",
+                                                    out=into, same_shape=True).wait()
+                else:
+                    got, splits = tr.alltoall(inputs[rank], name=f"same.{i}", out=into,
+                                              same_shape=True)
+                want = np.concatenate([a[rank * rows:(rank + 1) * rows] for a in inputs])
+                assert list(splits) == [rows] * n, splits
+            else:
+                if call == 4:
+                    got = tr.allgather_async(inputs[rank], name=f"same.{i}", out=into,
+                                             same_shape=True).wait()
+                else:
+                    got = tr.allgather(inputs[rank], name=f"same.{i}", out=into,
+                                       same_shape=True)
+                want = np.concatenate(inputs)
             refuse["armed"] = False
             assert into is None or got is into, (i, call)
-            want = np.concatenate([a[rank * rows:(rank + 1) * rows] for a in inputs])
-            _close(got, want, f"alltoall of {rows * n} {np.dtype(dtype)} call {call}")
+            _close(got, want, f"{kind} of {got.size} {np.dtype(dtype)} call {call}")
             assert np.array_equal(inputs[rank], kept), "the input changed"
-            assert list(splits) == [rows] * n, splits
             calls += 1
     repeats = current().engine.stats()["express_repeats"] - before
     tr.shutdown()

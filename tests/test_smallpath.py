@@ -174,30 +174,34 @@ def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ri
         assert result.report(r)["direct"] == want, result.explain()
 
 
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_same_shape_alltoalls_copy_their_own_block_after_sending(n: int) -> None:
-    # From 512 KiB to DIRECT_BYTES an alltoall runs from its plan's Repeat too while the
-    # rings copy fast, and the op copies the rank's own block once its messages are out;
-    # smaller and bigger ones (the loop), odd sizes, empty blocks.
+def test_same_shape_gathers_by_size_blocking_async_and_repeated(kind: str, n: int) -> None:
+    # An alltoall's op copies the rank's own block once its messages are out.  Up to
+    # DIRECT_BYTES same-shape alltoalls and allgathers run from their plan's Repeat while
+    # the rings copy fast; smaller and bigger ones (the loop, lent pieces at 2 ranks),
+    # odd sizes, empty blocks, an async call among them.
     sizes = [0, 40 * n + 8, (1 << 18) + 24 * n, (1 << 20) + 56 * n, (3 << 20) + 8 * n]
-    result = run_ok(n, "smallpath_workers:same_shape_alltoalls", {"sizes": sizes},
-                    timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
-    for r in range(n):
-        got = result.report(r)
-        assert got["calls"] == 6 * len(sizes), got
-        # Two calls of each size up to DIRECT_BYTES (not the empty one) may run from a
-        # Repeat: not where a peer ahead has sent its bodies already (the usual way
-        # takes those), as at 3 ranks on two cores nearly always.
-        assert n > 2 or got["repeats"] > 0, got
+    result = run_ok(n, "smallpath_workers:same_shape_gathers_by_size",
+                    {"kind": kind, "sizes": sizes}, timeout=120,
+                    env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
+    reports = [result.report(r) for r in range(n)]
+    assert all(got["calls"] == 6 * len(sizes) for got in reports), reports
+    # A Repeat runs a call where no peer ahead has sent its bodies already (the usual
+    # way takes those): on some rank or other, some calls.
+    assert sum(got["repeats"] for got in reports) > 0, reports
 
 
-def test_an_alltoall_whose_second_send_cannot_go_finishes_on_the_general_path() -> None:
-    # At 3 ranks an alltoall's first messages go to two peers: the second refused (a full
-    # ring) hands the op to the general path after the first, past where the op copies
-    # its own block, which must be copied all the same.
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_a_gather_whose_second_post_cannot_go_finishes_on_the_general_path(
+        kind: str) -> None:
+    # At 3 ranks an alltoall's first messages go to two peers, and an allgather passes
+    # the first block it gets on: the second post refused (a full ring) hands the op to
+    # the general path, for an alltoall past where the op copies its own block, which
+    # must be copied all the same.
     sizes = [48, (1 << 18) + 72, (1 << 20) + 168]
-    result = run_ok(3, "smallpath_workers:same_shape_alltoalls",
-                    {"sizes": sizes, "refuse": True}, timeout=120,
+    result = run_ok(3, "smallpath_workers:same_shape_gathers_by_size",
+                    {"kind": kind, "sizes": sizes, "refuse": True}, timeout=120,
                     env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
     for r in range(3):
         got = result.report(r)
