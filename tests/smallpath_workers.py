@@ -813,3 +813,32 @@ def same_shape_gathers_by_size(arg: dict) -> None:
     repeats = current().engine.stats()["express_repeats"] - before
     tr.shutdown()
     report(calls=calls, repeats=repeats, refused=refuse["done"])
+
+
+def repeated_big_broadcasts(arg: dict) -> None:
+    """Blocking broadcasts of ``arg["sizes"]`` bytes (odd element counts, three dtypes,
+    each from its own root), each size called five times under one name, in place or
+    not by size, new data each call, one rank late now and then; every result against
+    the root's array.  Reports how many calls ran from a Repeat."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    mine = random.Random(70 + rank)
+    before = current().engine.stats()["express_repeats"]
+    calls = 0
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = (np.float32, np.int64, np.uint8)[i % 3]
+        root = i % n
+        for call in range(5):
+            inputs = _inputs(10 * i + call, n, nbytes // np.dtype(dtype).itemsize, dtype)
+            if mine.random() < 0.3:
+                time.sleep(mine.random() * 0.002)
+            if i % 2:
+                got = tr.broadcast(inputs[rank], root, name=f"big.{i}")
+            else:
+                got = inputs[rank]
+                tr.broadcast_(got, root, name=f"big.{i}")
+            _close(got, inputs[root], f"broadcast of {got.size} {got.dtype} call {call}")
+            calls += 1
+    repeats = current().engine.stats()["express_repeats"] - before
+    tr.shutdown()
+    report(calls=calls, repeats=repeats)

@@ -151,6 +151,19 @@ def test_broadcasts_run_on_the_callers_thread_while_they_fit_the_ring(n: int) ->
         assert result.report(r)["direct"] == [1, 1, 0, 0], result.explain()
 
 
+@pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
+def test_repeated_broadcasts_to_the_rings_bound_run_from_a_repeat(n: int, gbps: str) -> None:
+    # A broadcast made again runs from its template's Repeat up to the ring's bound;
+    # from 512 KiB only while the rings copy fast, or (every ring slow, 1e6 GB/s) where
+    # that has been the faster way: each way is tried, the Repeat among them.
+    sizes = [(600 << 10) + 8, (1 << 20) + 24, (3 << 20) - 8 * 3 * n]
+    result = run_ok(n, "smallpath_workers:repeated_big_broadcasts", {"sizes": sizes},
+                    timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
+    reports = [result.report(r) for r in range(n)]
+    assert all(got["calls"] == 5 * len(sizes) for got in reports), reports
+    assert sum(got["repeats"] for got in reports) > 0, reports
+
+
 @pytest.mark.parametrize("kind", ["allgathers", "alltoalls"])
 @pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
 def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(

@@ -566,9 +566,9 @@ class SelfGuided(GatheringOps):
 
     def _repeats_broadcast(self, nbytes: int) -> bool:
         """Whether blocking broadcasts of ``nbytes`` may run from a Repeat: those that
-        :meth:`_launch` runs on the caller's thread whatever the rings' pace."""
-        return self._direct_bytes > 0 and nbytes <= self._direct_ring \
-            and nbytes < LENT_WHEN_SLOW
+        :meth:`_launch` runs on the caller's thread (from LENT_WHEN_SLOW, only while the
+        rings copy fast, or where that has been faster: :meth:`broadcast_now`)."""
+        return self._direct_bytes > 0 and nbytes <= self._direct_ring
 
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> np.ndarray | None:
@@ -583,11 +583,21 @@ class SelfGuided(GatheringOps):
         if kept is None or kept[0].repeat is None:
             return None
         arr: np.ndarray = x
+        slow = None
+        if arr.nbytes >= LENT_WHEN_SLOW and self._engine.lends(self._peers):
+            # The rings copy slowly: this thread's way, here through the Repeat, is timed
+            # against the loop's lending as _launch times it (which asks the same).
+            slow = SlowRingChoice.key("broadcast", arr.nbytes)
+            if self._slow_rings.leave(slow):
+                return None
+        start = time.perf_counter()
         if self.rank == kept[1] or inplace:
             work, writeback = self._working_copy(arr, inplace)
         else:
             work, writeback = np.empty(arr.size, arr.dtype), False
         self._repeat(kept[0].repeat, work, name)
+        if slow is not None:
+            self._slow_rings.took(slow, False, time.perf_counter() - start)
         if writeback:
             arr[...] = work.reshape(arr.shape)
         return arr if inplace else work.reshape(arr.shape)
