@@ -824,16 +824,19 @@ either way, 3-13% behind in both.
   against 40-85 without).
   Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table (the Intel VM): allreduce 1.12x MPI at 1 MB, 0.94x at
-  4 MB and 0.77x at 16 MB, 1.57-1.59x from 64 MB; reducescatter 0.78-0.89x from 1 to
-  16 MB, 1.50-1.52x from 64 MB. MPICH's shared memory moves 1-16 MB at 4-5 GB/s here
+- The 2-rank collectives table (the Intel VM): allreduce 1.24x MPI at 1 MB, 0.99x at
+  4 MB and 0.77x at 16 MB, 1.52-1.53x from 64 MB; reducescatter 0.83-0.84x from 1 to
+  16 MB, 1.30-1.37x from 64 MB. MPICH's shared memory moves 1-16 MB at 4-5 GB/s here
   (about twice its speed on the AMD VM) and its small ops take 2-17 us: the 8-byte ops
   run at 0.08-0.20x, about 30 us each, nearly all of it Python per op.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.56x at 1 MB,
-  0.66-0.70x at 4-16 MB, 0.87x from 64 MB; alltoall 0.35x at 1 MB, 0.68-0.72x at 4-16
-  MB, 0.88-0.90x from 64 MB; broadcast 0.35x at 1 MB, 0.61x at 4 MB, 0.94x at 16 MB and
-  1.10-1.17x from 64 MB, where the receiver copies the root's lent 32 MiB pieces with
-  two threads (transport/spread_copy.py). An allgather or alltoall moves the same bytes
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.64x at 1 MB,
+  0.66-0.67x at 4-16 MB, 0.74-0.83x from 64 MB; alltoall 0.34x at 1 MB (0.24 ms against
+  MPI's 0.08), 0.59-0.68x at 4-16 MB, 0.78-0.83x from 64 MB; broadcast 0.57x at 1 MB,
+  0.82x at 4 MB, 0.77x at 16 MB and 1.24-1.28x from 64 MB, where the receiver copies the
+  root's lent 32 MiB pieces with two threads (transport/spread_copy.py). Repeated
+  same-shape alltoalls up to 2 MiB and broadcasts up to the ring's bound run from a
+  Repeat, and an alltoall copies its own block once its messages are out; from run to
+  run on this host the 64-256 MB cells move by 10-15%. An allgather or alltoall moves the same bytes
   as MPI's with both cores busy (each rank copies its own block and the peer's out of
   the peer): two processes doing just that with no library took 1.6-1.9 ms for 16 MB,
   MPI's 1.6; what is left is Python per op (about 0.1 ms at 1 MB, a third of the call)
