@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -250,124 +249,6 @@ def piecewise_broadcasts(arg: dict) -> None:
     report(calls=calls, direct=direct)
 
 
-def _by_size(sizes: list[int], dtypes: tuple[type, ...],
-             one: Callable[[int, list[np.ndarray]], tuple[np.ndarray, np.ndarray, str]]
-             ) -> list[int]:
-    """Op ``i`` of ``sizes[i]`` bytes (dtypes in turn, one rank a little late):
-    ``one(i, inputs)`` runs it on every rank's inputs and returns (what this rank got,
-    what it should have got, what it was); how many ops each ran on the caller's
-    thread."""
-    rank, n = tr.rank(), tr.size()
-    ran = []
-    for i, nbytes in enumerate(sizes):
-        dtype = dtypes[i % len(dtypes)]
-        inputs = _inputs(i, n, nbytes // np.dtype(dtype).itemsize, dtype)
-        if rank == i % n:
-            time.sleep(0.002)
-        before = current().engine.stats()["direct_ops"]
-        got, want, what = one(i, inputs)
-        ran.append(current().engine.stats()["direct_ops"] - before)
-        _close(got, want, what)
-    return ran
-
-
-def allreduces_by_size(arg: dict) -> None:
-    """Blocking allreduces of ``arg["sizes"]`` bytes (odd element counts, several dtypes,
-    in place and not, one rank a little late): whether each ran on the caller's thread,
-    and its sum checked against numpy."""
-    tr.init()
-    rank = tr.rank()
-
-    def one(i: int, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, str]:
-        want = np.sum(np.stack(inputs), axis=0).astype(inputs[0].dtype)
-        if i % 2:
-            got = tr.allreduce(inputs[rank], op=tr.Sum, name=f"ar.{i}")
-        else:
-            got = inputs[rank]
-            tr.allreduce_(got, op=tr.Sum, name=f"ar.{i}")
-        return got, want, f"allreduce of {got.size} {got.dtype}"
-
-    ran = _by_size(arg["sizes"], (np.float64, np.float32, np.int32), one)
-    tr.shutdown()
-    report(direct=ran)
-
-
-def broadcasts_by_size(arg: dict) -> None:
-    """Blocking broadcasts of ``arg["sizes"]`` bytes (odd element counts, several dtypes
-    and roots, in place and not, one rank a little late): whether each ran on the
-    caller's thread, and what every rank got checked against the root's array."""
-    tr.init()
-    rank, n = tr.rank(), tr.size()
-
-    def one(i: int, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, str]:
-        root = (i + 1) % n
-        if i % 2:
-            got = tr.broadcast(inputs[rank], root, name=f"bc.{i}")
-        else:
-            got = inputs[rank]
-            tr.broadcast_(got, root, name=f"bc.{i}")
-        return got, inputs[root], f"broadcast of {got.size} {got.dtype} from {root}"
-
-    ran = _by_size(arg["sizes"], (np.float64, np.float32, np.uint8), one)
-    tr.shutdown()
-    report(direct=ran)
-
-
-def alltoalls_by_size(arg: dict) -> None:
-    """Blocking alltoalls of about ``arg["sizes"]`` bytes in all (rows split evenly, ranks
-    sending different rows, several dtypes, one rank a little late), after ``arg["warm"]``
-    of 1 MiB: how many of each one's two ops (splits, then data) ran on the caller's
-    thread, and the result checked against numpy."""
-    tr.init()
-    rank, n = tr.rank(), tr.size()
-    for i in range(arg["warm"]):
-        part = np.full((1 << 20) // 8 // n * n, rank, np.float64)
-        got, _splits = tr.alltoall(part, name=f"warm.{i}")
-        _close(got, np.repeat(np.arange(n, dtype=np.float64), part.size // n), "warm-up")
-    ran = []
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = (np.float64, np.float32, np.int32)[i % 3]
-        block = nbytes // np.dtype(dtype).itemsize // n // 3
-        inputs = [a.reshape(-1, 3) for a in _inputs(i, n, block * n * 3, dtype)]
-        if rank == i % n:
-            time.sleep(0.002)
-        before = current().engine.stats()["direct_ops"]
-        got, splits = tr.alltoall(inputs[rank], name=f"a2a.{i}")
-        ran.append(current().engine.stats()["direct_ops"] - before)
-        want = np.concatenate([a[rank * block:(rank + 1) * block] for a in inputs])
-        _close(got, want, f"alltoall of {got.nbytes} bytes")
-        assert list(splits) == [block] * n, splits
-    tr.shutdown()
-    report(direct=ran)
-
-
-def allgathers_by_size(arg: dict) -> None:
-    """Blocking allgathers of about ``arg["sizes"]`` bytes in all (each rank's rows a little
-    different, several dtypes, one rank a little late), after ``arg["warm"]`` of 1 MiB:
-    how many of each one's two ops (sizes, then data) ran on the caller's thread, and the
-    result checked against numpy."""
-    tr.init()
-    rank, n = tr.rank(), tr.size()
-    for i in range(arg["warm"]):
-        part = np.full((1 << 20) // 8 // n, rank, np.float64)
-        got = tr.allgather(part, name=f"warm.{i}")
-        _close(got, np.repeat(np.arange(n, dtype=np.float64), part.size), "warm-up")
-    ran = []
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = (np.float64, np.float32, np.int32)[i % 3]
-        rows = nbytes // np.dtype(dtype).itemsize // n
-        inputs = _inputs(i, n, rows + 1, dtype)
-        parts = [a[: rows + 1 - (r % 2)] for r, a in enumerate(inputs)]
-        if rank == i % n:
-            time.sleep(0.002)
-        before = current().engine.stats()["direct_ops"]
-        got = tr.allgather(parts[rank], name=f"ag.{i}")
-        ran.append(current().engine.stats()["direct_ops"] - before)
-        _close(got, np.concatenate(parts), f"allgather of {got.nbytes} bytes")
-    tr.shutdown()
-    report(direct=ran)
-
-
 def repeated_gathers(arg: dict) -> None:
     """Allgathers, alltoalls and broadcasts under a few names, dtypes and shapes, each
     repeated (a repeat reuses the plan its first call made), with each rank's rows and
@@ -592,7 +473,6 @@ def repeated_scatters(arg: dict) -> None:
     report(refused=refused, before=before, after=after)
 
 
-
 def repeat_then_differ(arg: dict) -> None:
     """Ranks repeat one small blocking allreduce, broadcast, reducescatter, or same-shape
     allgather or alltoall (``arg["kind"]``; from the second call on, each runs it from
@@ -741,104 +621,3 @@ def repeat_keeps_no_buffer(arg: dict) -> None:
     report(alive=sum(ref() is not None for ref in refs),
            repeats=stats["express_repeats"] + stats["express_repeats_handed_over"])
     tr.shutdown()
-
-
-def same_shape_gathers_by_size(arg: dict) -> None:
-    """Same_shape ``arg["kind"]``s (allgather or alltoall) of about ``arg["sizes"]`` bytes
-    per rank, each size called six times under one name (the third and the sixth run from
-    the plan's Repeat where it has one), blocking but every fifth call, three dtypes, new
-    data each call, into ``out=`` from the fourth call, one rank late now and then; each
-    result against numpy and the input unchanged.  An alltoall's op copies the rank's
-    own block itself once its messages are out.  With
-    ``arg["refuse"]``, every other call's second post with a body fails once, as a full
-    ring would (at 3 ranks an alltoall's second first send, an allgather's first block
-    passed on): the op goes on on the general path, and its own block must still be
-    there."""
-    from totalreduce.transport.ring_link import RingLink
-
-    tr.init()
-    rank, n = tr.rank(), tr.size()
-    kind = arg["kind"]
-    refuse = {"armed": False, "posts": 0, "done": 0}
-    if arg.get("refuse"):
-        post_now = RingLink.post_now
-
-        def failing(self: RingLink, header: bytes, body: memoryview | None) -> bool:
-            if refuse["armed"] and body is not None:
-                refuse["posts"] += 1
-                if refuse["posts"] == 2:
-                    refuse["armed"] = False
-                    refuse["done"] += 1
-                    return False
-            return post_now(self, header, body)
-        RingLink.post_now = failing  # type: ignore[method-assign]
-    mine = random.Random(50 + rank)
-    before = current().engine.stats()["express_repeats"]
-    calls = 0
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = (np.float32, np.int64, np.uint8)[i % 3]
-        rows = nbytes // np.dtype(dtype).itemsize // n
-        out = np.full((rows * n, 1), 7, dtype)
-        for call in range(6):
-            size = rows * n if kind == "alltoall" else rows
-            inputs = [a.reshape(-1, 1) for a in _inputs(10 * i + call, n, size, dtype)]
-            kept = inputs[rank].copy()
-            if mine.random() < 0.3:
-                time.sleep(mine.random() * 0.002)
-            refuse["armed"] = bool(arg.get("refuse")) and call % 2 == 1
-            refuse["posts"] = 0
-            into = out if call >= 3 else None
-            if kind == "alltoall":
-                if call == 4:
-                    got, splits = tr.alltoall_async(inputs[rank], name=f"same.{i}",
-                                                    out=into, same_shape=True).wait()
-                else:
-                    got, splits = tr.alltoall(inputs[rank], name=f"same.{i}", out=into,
-                                              same_shape=True)
-                want = np.concatenate([a[rank * rows:(rank + 1) * rows] for a in inputs])
-                assert list(splits) == [rows] * n, splits
-            else:
-                if call == 4:
-                    got = tr.allgather_async(inputs[rank], name=f"same.{i}", out=into,
-                                             same_shape=True).wait()
-                else:
-                    got = tr.allgather(inputs[rank], name=f"same.{i}", out=into,
-                                       same_shape=True)
-                want = np.concatenate(inputs)
-            refuse["armed"] = False
-            assert into is None or got is into, (i, call)
-            _close(got, want, f"{kind} of {got.size} {np.dtype(dtype)} call {call}")
-            assert np.array_equal(inputs[rank], kept), "the input changed"
-            calls += 1
-    repeats = current().engine.stats()["express_repeats"] - before
-    tr.shutdown()
-    report(calls=calls, repeats=repeats, refused=refuse["done"])
-
-
-def repeated_big_broadcasts(arg: dict) -> None:
-    """Blocking broadcasts of ``arg["sizes"]`` bytes (odd element counts, three dtypes,
-    each from its own root), each size called five times under one name, in place or
-    not by size, new data each call, one rank late now and then; every result against
-    the root's array.  Reports how many calls ran from a Repeat."""
-    tr.init()
-    rank, n = tr.rank(), tr.size()
-    mine = random.Random(70 + rank)
-    before = current().engine.stats()["express_repeats"]
-    calls = 0
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = (np.float32, np.int64, np.uint8)[i % 3]
-        root = i % n
-        for call in range(5):
-            inputs = _inputs(10 * i + call, n, nbytes // np.dtype(dtype).itemsize, dtype)
-            if mine.random() < 0.3:
-                time.sleep(mine.random() * 0.002)
-            if i % 2:
-                got = tr.broadcast(inputs[rank], root, name=f"big.{i}")
-            else:
-                got = inputs[rank]
-                tr.broadcast_(got, root, name=f"big.{i}")
-            _close(got, inputs[root], f"broadcast of {got.size} {got.dtype} call {call}")
-            calls += 1
-    repeats = current().engine.stats()["express_repeats"] - before
-    tr.shutdown()
-    report(calls=calls, repeats=repeats)

@@ -131,7 +131,7 @@ def test_allreduces_run_on_the_callers_thread_while_their_sends_fit_the_ring(n: 
     # that it sends one peer fits in the default ring's two 2 MiB segments.
     bound = 2 * (2 << 20) * n // (2 * (n - 1))
     sizes = [(2 << 20) + 24, bound - 8, bound + 4096, 6 << 20]
-    result = run_ok(n, "smallpath_workers:allreduces_by_size", {"sizes": sizes},
+    result = run_ok(n, "by_size_workers:allreduces_by_size", {"sizes": sizes},
                     timeout=120)
     for r in range(n):
         assert result.report(r)["direct"] == [1, 1, 0, 0], result.explain()
@@ -145,7 +145,7 @@ def test_broadcasts_run_on_the_callers_thread_while_they_fit_the_ring(n: int) ->
     # slowly, broadcasts this big may leave the caller's thread to be lent.
     bound = 2 * (2 << 20) * n // (2 * (n - 1))
     sizes = [(2 << 20) + 24, bound - 8, bound + 4096, 6 << 20]
-    result = run_ok(n, "smallpath_workers:broadcasts_by_size", {"sizes": sizes},
+    result = run_ok(n, "by_size_workers:broadcasts_by_size", {"sizes": sizes},
                     timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
     for r in range(n):
         assert result.report(r)["direct"] == [1, 1, 0, 0], result.explain()
@@ -157,7 +157,7 @@ def test_repeated_broadcasts_to_the_rings_bound_run_from_a_repeat(n: int, gbps: 
     # from 512 KiB only while the rings copy fast, or (every ring slow, 1e6 GB/s) where
     # that has been the faster way: each way is tried, the Repeat among them.
     sizes = [(600 << 10) + 8, (1 << 20) + 24, (3 << 20) - 8 * 3 * n]
-    result = run_ok(n, "smallpath_workers:repeated_big_broadcasts", {"sizes": sizes},
+    result = run_ok(n, "by_size_workers:repeated_big_broadcasts", {"sizes": sizes},
                     timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
     reports = [result.report(r) for r in range(n)]
     assert all(got["calls"] == 5 * len(sizes) for got in reports), reports
@@ -179,7 +179,7 @@ def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ri
     # small and always runs there.
     bound = 2 * (2 << 20) * n // (2 * (n - 1))
     sizes = [(2 << 20) + 24 * n, bound - 64 * n, bound + 4096 * n, 6 << 20]
-    result = run_ok(n, f"smallpath_workers:{kind}_by_size", {"sizes": sizes, "warm": 12},
+    result = run_ok(n, f"by_size_workers:{kind}_by_size", {"sizes": sizes, "warm": 12},
                     timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
     fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
     for r in range(n):
@@ -195,7 +195,7 @@ def test_same_shape_gathers_by_size_blocking_async_and_repeated(kind: str, n: in
     # the rings copy fast; smaller and bigger ones (the loop, lent pieces at 2 ranks),
     # odd sizes, empty blocks, an async call among them.
     sizes = [0, 40 * n + 8, (1 << 18) + 24 * n, (1 << 20) + 56 * n, (3 << 20) + 8 * n]
-    result = run_ok(n, "smallpath_workers:same_shape_gathers_by_size",
+    result = run_ok(n, "by_size_workers:same_shape_gathers_by_size",
                     {"kind": kind, "sizes": sizes}, timeout=120,
                     env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
     reports = [result.report(r) for r in range(n)]
@@ -213,7 +213,7 @@ def test_a_gather_whose_second_post_cannot_go_finishes_on_the_general_path(
     # the general path, for an alltoall past where the op copies its own block, which
     # must be copied all the same.
     sizes = [48, (1 << 18) + 72, (1 << 20) + 168]
-    result = run_ok(3, "smallpath_workers:same_shape_gathers_by_size",
+    result = run_ok(3, "by_size_workers:same_shape_gathers_by_size",
                     {"kind": kind, "sizes": sizes, "refuse": True}, timeout=120,
                     env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
     for r in range(3):
@@ -223,7 +223,7 @@ def test_a_gather_whose_second_post_cannot_go_finishes_on_the_general_path(
 
 
 def test_a_set_direct_bytes_bounds_allreduces_too() -> None:
-    result = run_ok(2, "smallpath_workers:allreduces_by_size",
+    result = run_ok(2, "by_size_workers:allreduces_by_size",
                     {"sizes": [(2 << 20) - 8, (3 << 20) + 8]}, timeout=120,
                     env={"TOTALREDUCE_DIRECT_BYTES": str(2 << 20)})
     for r in range(2):
