@@ -83,6 +83,7 @@ def capabilities(r: int, n: int) -> None:
     reducescatter, sparse_allreduce_async and the timeline switched on from the program."""
     import importlib.util
     import os
+    import shutil
     import tempfile
 
     answers = {q: getattr(hvd, q)() for q in (
@@ -156,6 +157,7 @@ def capabilities(r: int, n: int) -> None:
         events = json.load(f)
     names = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
     assert "traced" in names and "untraced" not in names, names
+    shutil.rmtree(folder)
     report(capabilities=answers, parity_b=True)
 
 

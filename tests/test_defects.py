@@ -182,7 +182,8 @@ def test_ctrl_c_reaches_every_rank_as_keyboard_interrupt(coordination: str) -> N
 
 def test_no_worker_outlives_a_killed_launcher(tmp_path: Path) -> None:
     # The workers sit below a shell script: the parent-death signal reaches only the
-    # script, so it is the watchdog that must end them.
+    # script, so it is the watchdog that must end them, and remove the folder where
+    # failing workers leave notes for totalrun.
     script = tmp_path / "train.sh"
     script.write_text("#!/bin/sh\n" + " ".join(_worker_cmd("workers:sleep_forever")[:-1])
                       + " '{}'\necho script-done\n")
@@ -193,13 +194,17 @@ def test_no_worker_outlives_a_killed_launcher(tmp_path: Path) -> None:
     try:
         lines = _wait_for_lines(proc, r"PID \d+", 2, 30)
         pids = [int(re.search(r"PID (\d+)", ln).group(1)) for ln in lines]
-        assert len(pids) == 2
+        notes = {re.search(r"NOTES (\S+)", ln).group(1) for ln in lines}
+        assert len(pids) == 2 and len(notes) == 1
+        assert all(os.path.isdir(folder) for folder in notes)
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 8
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while (any(_alive(p) for p in pids) or any(map(os.path.exists, notes))) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in pids if _alive(p)], "workers outlived the killed launcher"
+        assert not [f for f in notes if os.path.exists(f)], "the notes folder outlived it"
     finally:
         for p in pids if "pids" in locals() else []:
             if _alive(p):

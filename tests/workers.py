@@ -820,7 +820,8 @@ def stall_shutdown(arg: dict) -> None:
 
 
 def sleep_forever(arg: dict) -> None:
-    print(f"PID {os.getpid()}", flush=True)
+    print(f"PID {os.getpid()} NOTES {os.environ.get('TOTALREDUCE_FAILURE_DIR', '')}",
+          flush=True)
     if arg and arg.get("ignore_term"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(300)

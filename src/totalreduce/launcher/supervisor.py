@@ -245,6 +245,7 @@ class Supervisor:
         cannot_start: _CannotStart | None = None
         try:
             self._start_watchdog()
+            self._tell_watchdog(f"notes {self._notes}\n")  # gone with us, even killed
             try:
                 self._start()
             except _CannotStart as exc:

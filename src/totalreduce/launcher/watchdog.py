@@ -5,9 +5,11 @@ interpreter).  The Linux parent-death signal covers only its direct children, an
 command such as ``totalrun -np 4 ./train.sh`` puts the Python workers one level deeper.
 So totalrun starts this small process first, in a session of its own, and keeps the
 write end of a pipe to it; it writes each worker's process group id as it starts it,
-and ``done`` when it has ended them itself.  If the pipe ends without ``done``, totalrun
-is gone: every group it named gets SIGTERM (so workers can remove their shared memory)
-and, ``_KILL_AFTER`` seconds later, SIGKILL.
+``notes PATH`` for the folder where failing workers leave their notes, and ``done`` when
+it has ended them itself.  If the pipe ends without ``done``, totalrun is gone: every
+group it named gets SIGTERM (so workers can remove their shared memory) and,
+``_KILL_AFTER`` seconds later, SIGKILL; then the notes folder goes, which totalrun
+would have removed on its way out.
 
 It is run as a script by path (``python -I watchdog.py FD``) and uses the standard
 library only, so it starts in milliseconds and imports nothing of the package.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,6 +35,7 @@ def _signal(groups: list[int], sig: int) -> None:
 
 def watch(fd: int) -> int:
     groups: list[int] = []
+    notes: list[str] = []
     pending = b""
     while True:
         try:
@@ -45,10 +49,15 @@ def watch(fd: int) -> int:
         for line in lines:
             if line == b"done":
                 return 0
-            groups.append(int(line))
+            if line.startswith(b"notes "):
+                notes.append(os.fsdecode(line[6:]))
+            else:
+                groups.append(int(line))
     _signal(groups, signal.SIGTERM)
     time.sleep(_KILL_AFTER)
     _signal(groups, signal.SIGKILL)
+    for path in notes:
+        shutil.rmtree(path, ignore_errors=True)
     return 0
 
 
