@@ -237,10 +237,13 @@ def test_repeated_gathers_and_broadcasts_reuse_plans_and_still_refuse_bad_calls(
     for r in range(n):
         got = result.report(r)
         assert got["floating"] == 0, got
-        # Sixty calls of one allgather, alltoall and broadcast made a plan each, and the
-        # broadcasts ran from its template's Repeat.
+        # Sixty calls of one allgather, alltoall and broadcast made a plan each.
         assert got["gather_plans"] == 2 and got["broadcast_plans"] == 1, got
-        assert got["broadcast_repeats"] > 0, got
+    # The broadcasts ran from its template's Repeat, on some rank: one behind its peers
+    # at every call runs none that way (their bodies float in first; at 3 ranks on two
+    # cores a rank did in about one run in three).
+    assert sum(result.report(r)["broadcast_repeats"] for r in range(n)) > 0, \
+        result.explain()
     assert result.report(0)["refused"] > 0, result.explain()
 
 
