@@ -177,11 +177,8 @@ class Express:
                     for peer in ready:
                         ledger.early_ready(key, peer)
                     return False
-                # The general path goes on from here, past where the local regions are
-                # finished: they are now.
-                if spec.finalize is not None or spec.fresh:
-                    finish_local(spec, chain.local_final)
-                return self.hand_over(spec, chain, ready, told, 0, posted, True, lent)
+                return self.hand_over(spec, chain, ready, told, 0, posted, True, lent,
+                                      local=True)
             if token is not None:
                 lent.append(token)
             posted += 1
@@ -310,11 +307,14 @@ class Express:
         return None
 
     def hand_over(self, spec: OpSpec, chain: Chain, ready: set[int], told: set[int],
-                   done: int, posted: int, stuck: bool, lent: list[LentSend]
-                   ) -> OpFuture | bool:
+                   done: int, posted: int, stuck: bool, lent: list[LentSend],
+                   local: bool = False) -> OpFuture | bool:
         """The small path goes on with the op: ``done`` steps applied, ``posted`` sends
         gone (``lent``: those lent); ``stuck``: the next send could not go (the general
-        path sends it)."""
+        path sends it); ``local``: before the local regions were finished, which the
+        general path never does once an op has begun (Starter.adopt): they are now."""
+        if local:
+            finish_local(spec, chain.local_final)
         self.handed_over += 1
         return self._small.go_on(progress(spec, chain, ready, told, done, posted, lent),
                                  stuck)

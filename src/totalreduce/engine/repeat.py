@@ -42,7 +42,6 @@ from .reducer import reduce_into
 from .schedule import COPY, Send
 from .serving import JoinServer
 from .smallpath import SmallPath, post_ready
-from .starter import finish_local
 
 _KIND_READY = Kind.READY
 
@@ -272,12 +271,9 @@ class Repeat:
     def _hand_over(self, work: np.ndarray, source: np.ndarray | None, key: OpKey,
                    epoch: int, ready: set[int], told: set[int], done: int, posted: int,
                    stuck: bool, local: bool = False) -> OpFuture | bool:
-        """``local``: before the local regions were finished (the general path goes on
-        past that point: they are now)."""
+        """``local``: as Express.hand_over's."""
         self._express.repeats_handed_over += 1
         spec = self.spec(work, key, source)
         spec.epoch = epoch
-        if local and (spec.finalize is not None or spec.fresh):
-            finish_local(spec, self._chain.local_final)
         return self._express.hand_over(spec, self._chain, ready, told, done, posted, stuck,
-                                       [])
+                                       [], local)

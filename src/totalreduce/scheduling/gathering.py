@@ -147,6 +147,15 @@ class GatheringOps:
             return None
         return self._same_now("alltoall", x, name, out)
 
+    def _repeat_way(self, kind: str, nbytes: int) -> tuple[bool, tuple[str, int] | None]:
+        """Whether a blocking call of ``kind`` and ``nbytes`` runs from its Repeat now; and,
+        while the rings copy slowly, the key to time it under as the caller's-thread way
+        against the loop's lending (as _launch times it, asking the same)."""
+        if nbytes < LENT_WHEN_SLOW or not self._engine.lends(self._peers):
+            return True, None
+        slow = SlowRingChoice.key(kind, nbytes)
+        return not self._slow_rings.leave(slow), slow
+
     def _same_now(self, kind: str, x: Any, name: str | None, out: np.ndarray | None
                   ) -> Any:
         """:meth:`_gather_same`'s call from its plan's Repeat, if it has one (else None,
@@ -160,12 +169,9 @@ class GatheringOps:
             return None
         arr: np.ndarray = x
         slow = None
-        if (kind == "alltoall" and arr.nbytes >= LENT_WHEN_SLOW
-                and self._engine.lends(self._peers)):
-            # The rings copy slowly: this thread's way, here through the Repeat, is timed
-            # against the loop's lending as _launch times it (which asks the same).
-            slow = SlowRingChoice.key(kind, arr.nbytes)
-            if self._slow_rings.leave(slow):
+        if kind == "alltoall":  # an allgather's Repeat runs whatever the rings' pace
+            here, slow = self._repeat_way(kind, arr.nbytes)
+            if not here:
                 return None
         start = time.perf_counter()
         check_apart(out, arr, kind, name)

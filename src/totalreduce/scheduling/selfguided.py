@@ -583,13 +583,9 @@ class SelfGuided(GatheringOps):
         if kept is None or kept[0].repeat is None:
             return None
         arr: np.ndarray = x
-        slow = None
-        if arr.nbytes >= LENT_WHEN_SLOW and self._engine.lends(self._peers):
-            # The rings copy slowly: this thread's way, here through the Repeat, is timed
-            # against the loop's lending as _launch times it (which asks the same).
-            slow = SlowRingChoice.key("broadcast", arr.nbytes)
-            if self._slow_rings.leave(slow):
-                return None
+        here, slow = self._repeat_way("broadcast", arr.nbytes)
+        if not here:
+            return None
         start = time.perf_counter()
         if self.rank == kept[1] or inplace:
             work, writeback = self._working_copy(arr, inplace)
