@@ -165,6 +165,30 @@ def test_latency_is_each_calls_time_against_mpis_for_the_same_op(
     assert "6.00x" in capsys.readouterr().out
 
 
+def test_preempt_sets_each_op_during_the_big_one_against_itself_after_the_same_delay(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def job(backend: str, results: list[tuple[str, list[float]]]) -> dict:
+        return {"backend": backend, "ranks": 2, "round": 0, "per_rank": [
+            {"rank": r, "results": [{"mode": m, "times": t} for m, t in results]}
+            for r in range(2)]}
+
+    raw = [job("mpi", [("small alone", [1e-5] * 3), ("small alone after the delay", [5e-5] * 3),
+                       ("during big (no priorities)", [2e-2] * 3)]),
+           job("totalreduce-shm", [("small alone", [3e-5] * 3),
+                                   ("small alone after the delay", [1e-4, 2e-4, 1e-4]),
+                                   ("during big, priority on", [3e-4] * 3),
+                                   ("during big, priority off", [1.5e-2] * 3)])]
+    rows = {(r["backend"], r["mode"]): r for r in summarize("preempt", raw)}
+    assert rows[("mpi", "during big (no priorities)")]["time_vs_alone"] == pytest.approx(400)
+    ours = rows[("totalreduce-shm", "during big, priority on")]
+    assert ours["time_vs_alone"] == pytest.approx(3.0)  # the median alone: 100 us
+    assert rows[("totalreduce-shm", "during big, priority off")]["time_vs_alone"] == (
+        pytest.approx(150))
+    assert "time_vs_alone" not in rows[("totalreduce-shm", "small alone")]
+    print_table("preempt", list(rows.values()))
+    assert "3.00x" in capsys.readouterr().out
+
+
 def test_tiny_shows_both_scheduling_modes_by_default(capsys: pytest.CaptureFixture[str]
                                                      ) -> None:
     """What ``python -m totalreduce.bench tiny`` runs and prints without --backends: the

@@ -41,9 +41,10 @@ class Backend:
         after ``t0``), in this rank's own order; return when all are reduced."""
         raise NotImplementedError
 
-    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+    def preempt(self, big: np.ndarray | None, small: np.ndarray, delay: float,
                 priorities: bool) -> float:
-        """Latency (s) of ``small``'s allreduce, issued ``delay`` s after ``big``'s."""
+        """Latency (s) of ``small``'s allreduce, issued ``delay`` s after ``big``'s (after
+        ``delay`` s of nothing where ``big`` is None)."""
         raise NotImplementedError
 
     def tiny(self, count: int) -> Step:
@@ -158,17 +159,19 @@ class TotalReduceBackend(Backend):
         for h in handles:
             h.wait()
 
-    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+    def preempt(self, big: np.ndarray | None, small: np.ndarray, delay: float,
                 priorities: bool) -> float:
         import time
 
         tr = self.tr
-        hbig = tr.allreduce_async_(big, op=tr.Sum, name="big", priority=0)
+        hbig = None if big is None else tr.allreduce_async_(big, op=tr.Sum, name="big",
+                                                            priority=0)
         time.sleep(delay)
         t = time.perf_counter()
         tr.allreduce_(small, op=tr.Sum, name="small", priority=10 if priorities else 0)
         latency = time.perf_counter() - t
-        hbig.wait()
+        if hbig is not None:
+            hbig.wait()
         return latency
 
     def tiny(self, count: int) -> Step:
@@ -244,17 +247,18 @@ class MpiBackend(Backend):
             reqs.append(comm.Iallreduce(MPI.IN_PLACE, grads[i], MPI.SUM))
         MPI.Request.Waitall(reqs)
 
-    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+    def preempt(self, big: np.ndarray | None, small: np.ndarray, delay: float,
                 priorities: bool) -> float:
         import time
 
         MPI, comm = self.MPI, self.comm
-        rbig = comm.Iallreduce(MPI.IN_PLACE, big, MPI.SUM)
+        rbig = None if big is None else comm.Iallreduce(MPI.IN_PLACE, big, MPI.SUM)
         time.sleep(delay)
         t = time.perf_counter()
         comm.Iallreduce(MPI.IN_PLACE, small, MPI.SUM).Wait()
         latency = time.perf_counter() - t
-        rbig.Wait()
+        if rbig is not None:
+            rbig.Wait()
         return latency
 
     def tiny(self, count: int) -> Step:
@@ -330,17 +334,18 @@ class GlooBackend(Backend):
         for w in works:
             w.wait()
 
-    def preempt(self, big: np.ndarray, small: np.ndarray, delay: float,
+    def preempt(self, big: np.ndarray | None, small: np.ndarray, delay: float,
                 priorities: bool) -> float:
         import time
 
         torch, dist = self.torch, self.dist
-        wbig = dist.all_reduce(torch.from_numpy(big), async_op=True)
+        wbig = None if big is None else dist.all_reduce(torch.from_numpy(big), async_op=True)
         time.sleep(delay)
         t = time.perf_counter()
         dist.all_reduce(torch.from_numpy(small))
         latency = time.perf_counter() - t
-        wbig.wait()
+        if wbig is not None:
+            wbig.wait()
         return latency
 
     def tiny(self, count: int) -> Step:

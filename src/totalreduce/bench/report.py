@@ -147,6 +147,13 @@ def _add_ratios(test: str, rows: list[Row]) -> None:
         for r in rows:
             if r["ranks"] in mpi and "median" in r:
                 r["speed_vs_mpi"] = mpi[r["ranks"]] / r["median"]
+    elif test == "preempt":
+        alone = {(r["ranks"], r["backend"]): r["median"] for r in rows
+                 if r["mode"] == "small alone after the delay" and "median" in r}
+        for r in rows:
+            ref = alone.get((r["ranks"], r["backend"]))
+            if ref and "median" in r and r["mode"].startswith("during"):
+                r["time_vs_alone"] = r["median"] / ref
     elif test == "skew":
         mpi_flat = {r["ranks"]: r["flat_median"] for r in rows if r["backend"] == "mpi"}
         for r in rows:
@@ -231,9 +238,11 @@ def print_table(test: str, rows: list[Row]) -> None:
                  _ratio(r["speed_vs_mpi"]) if "speed_vs_mpi" in r else "")
                 for r in sorted(rows, key=lambda r: (r["ranks"], r["median"]))]
     else:
-        head = ("n", "backend", "small allreduce", "median ms", "p10-p90 ms")
+        head = ("n", "backend", "small allreduce", "median ms", "p10-p90 ms",
+                "time / alone after the delay")
         body = [(r["ranks"], r["backend"], r["mode"], _ms(r["median"]),
-                 f"{_ms(r['p10'])}-{_ms(r['p90'])}")
+                 f"{_ms(r['p10'])}-{_ms(r['p90'])}",
+                 _ratio(r["time_vs_alone"]) if "time_vs_alone" in r else "")
                 for r in sorted(rows, key=lambda r: (r["ranks"], r["backend"], r["mode"]))]
     table = [tuple(str(c) for c in head)] + [tuple(str(c) for c in row) for row in body]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
