@@ -18,12 +18,16 @@ def _needs(transport: str) -> None:
 
 
 @pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (4, "shm"),
-                                              (2, "tcp"), (3, "tcp"), (2, "mpi")])
+                                              (2, "tcp"), (3, "tcp"), (2, "mpi"),
+                                              (2, "mpi-tags")])
 def test_urgent_ops_match_numpy_alone_and_during_a_big_op(n: int, transport: str) -> None:
-    _needs(transport)
+    """``mpi-tags``: the MPI transport's lanes as tags of their own, not shared-memory
+    rings (TOTALREDUCE_SHM_BYTES=0)."""
+    _needs(transport.partition("-")[0])
+    env = {"TOTALREDUCE_SHM_BYTES": "0"} if transport == "mpi-tags" else None
     steps = 40
     result = run_ok(n, "urgent_workers:urgent_calls", {"steps": steps, "big": BIG},
-                    timeout=150, transport=transport)
+                    timeout=150, transport=transport.partition("-")[0], env=env)
     for r in range(n):
         got = result.report(r)
         assert got["checked"] == steps, result.explain()
@@ -86,3 +90,21 @@ def test_urgent_ops_called_in_another_order_on_a_peer_finish(transport: str) -> 
         got = result.report(r)
         assert len(got["results"]) == 20, result.explain()
         assert set(got["results"].values()) == {got["want"]}, got
+
+
+@pytest.mark.parametrize(("n", "none"), [(2, -1), (3, -1), (3, 1)])
+def test_mpi_lane_rings_carry_messages_both_ways_and_leave_no_files(n: int, none: int
+                                                                    ) -> None:
+    """The MPI transport's set-up of shared-memory lanes (transport/mpi.py): every pair
+    that both want them gets a ring each way; a rank that wants none (``none``) leaves its
+    peers without, and nobody waits for it."""
+    _needs("mpi")
+    result = run_ok(n, "urgent_workers:lane_rings", {"none": none}, timeout=60,
+                    transport="mpi")
+    for r in range(n):
+        got = result.report(r)
+        peers = [p for p in range(n) if p != r and none not in (p, r)]
+        assert got["peers"] == peers, result.explain()
+        assert got["got"] == {str(p): [p, 10 * p + r, 10 * p + r, 10 * p + r]
+                              for p in peers}, got
+        assert got["left"] == [], got

@@ -190,3 +190,41 @@ def urgent_in_another_order(arg: dict) -> None:
         tr.barrier()
     report(results=results, want=float(n * (n + 1) // 2))
     tr.shutdown()
+
+
+def lane_rings(arg: dict) -> None:
+    """Under mpiexec, no engine: the shared-memory lane rings the MPI transport sets up
+    with peers on its host (transport/mpi.py _share_lanes), with rank ``arg["none"]``
+    asking for none.  Each rank posts a message to every peer it has rings with and reads
+    theirs back; the ring files must be gone from /dev/shm once set up."""
+    import os
+
+    from totalreduce.transport.mpi import _share_lanes, import_mpi
+    from totalreduce.transport.ring_lane import RingLane
+    from totalreduce.transport.shmring import _SHM_DIR
+    from totalreduce.transport.wire import Header, Kind
+
+    mpi = import_mpi()
+    comm = mpi.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    wants = [] if rank == arg["none"] else [p for p in range(n) if p != rank]
+    pairs = _share_lanes(comm, mpi, wants)
+    comm.Barrier()  # every rank past its set-up
+    left = sorted(f for f in os.listdir(_SHM_DIR) if f.startswith("totalreduce-"))
+    lanes = {p: RingLane(p, w, r, lambda: None) for p, (w, r) in pairs.items()}
+    for p, lane in lanes.items():
+        body = np.full(3, 10 * rank + p, np.int64)
+        header = Header(Kind.DATA, nbytes=body.nbytes, seq=rank).pack()
+        assert lane.lane_post(header, memoryview(body).cast("B"))
+    comm.Barrier()
+    got = {}
+    for p, lane in lanes.items():
+        with lane.lane_lock:
+            record = lane.lane_peek()
+            assert record is not None, f"rank {rank}: nothing from rank {p}"
+            header, body = record
+            got[str(p)] = [header.seq, *np.frombuffer(body, np.int64).tolist()]
+            lane.lane_take(header)
+            assert lane.lane_peek() is None
+        lane.close()
+    report(peers=sorted(lanes), got=got, left=left)

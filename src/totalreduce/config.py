@@ -68,7 +68,9 @@ TOTALREDUCE_HIERARCHICAL           allreduce across hosts: on (1) reduce within 
                                    the op would take the ring
 TOTALREDUCE_SHM_BYTES              shared-memory ring per direction between two    -1
                                    ranks on one host (shm transport; 0 = off,
-                                   -1 = auto: two segments plus 128 KiB)
+                                   -1 = auto: two segments plus 128 KiB); under
+                                   the mpi transport 0 also keeps urgent ops'
+                                   lanes to such ranks in MPI (a tag of their own)
 TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to      -1
                                    ring peers: the receiver's kernel copies them
                                    out of the sender's memory (0 = never); -1 =

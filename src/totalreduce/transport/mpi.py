@@ -25,12 +25,15 @@ import time
 from typing import Any
 
 from .base import Counters, MessageHandler, Transport
+from .ring_lane import LANE_RING_BYTES, RingLane
+from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .socket_lane import LANE_BODY
-from .wire import HEADER_SIZE, Header, Kind, unpack_header
+from .wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
 
 _HEADER_TAG = 1
 _BODY_TAG = 2
 _LANE_TAG = 3  # the urgent lane's messages (engine/urgent.py), header and body in one
+_RING_NAME = 64  # bytes per peer in the exchange of lane ring names (_share_lanes)
 _INLINE = 16 << 10
 _MAX_SENDS_PER_PEER = 16  # messages in flight to one peer before we stop pulling
 # ... or body bytes: what MPI holds to a peer is a queue that a more urgent message waits
@@ -85,7 +88,8 @@ class _Send:
 
 
 class _Lane:
-    """The urgent lane to one peer: its own tag, which no big op's bytes queue on.  Read
+    """The urgent lane to a peer on another host (or any, with TOTALREDUCE_SHM_BYTES=0;
+    a peer on this host has a RingLane): its own tag, which no big op's bytes queue on.  Read
     and written from any thread (MPI_THREAD_MULTIPLE): a caller's thread runs an urgent
     op through it while another drives the loop, which reads the messages its ops need
     (MessageHandler.lane_claims).  A message read is held here until one of them takes
@@ -198,7 +202,10 @@ class _Lane:
 
 
 class MpiTransport(Transport):
-    def __init__(self, comm: Any, hosts: tuple[int, ...] | None = None) -> None:
+    def __init__(self, comm: Any, hosts: tuple[int, ...] | None = None,
+                 shm_lanes: bool = True) -> None:
+        """``shm_lanes``: a lane to a peer on this host may be a pair of shared-memory
+        rings (ring_lane.py) rather than a tag (``TOTALREDUCE_SHM_BYTES=0``: never)."""
         self._mpi = import_mpi()
         self._comm = comm.Dup()
         self.rank = self._comm.Get_rank()
@@ -219,11 +226,24 @@ class MpiTransport(Transport):
         # host's ranks outnumber its cores they cost more than they give: a caller
         # probing its lane takes turns at MPI's lock and the cores with ranks it waits
         # for (a 4-rank barrier on 2 cores went from 0.67 to 0.97 ms).
-        self._lane_ends: dict[int, _Lane] = {}
+        self._lane_ends: dict[int, _Lane | RingLane] = {}
+        self._tag_lanes: dict[int, _Lane] = {}
+        self._ring_lanes: list[RingLane] = []
         local = hosts.count(hosts[self.rank]) if hosts else 1
-        if (self._mpi.Query_thread() >= self._mpi.THREAD_MULTIPLE
-                and local <= (os.cpu_count() or 1)):
-            self._lane_ends = {p: _Lane(self, p) for p in range(self.size) if p != self.rank}
+        lanes = (self._mpi.Query_thread() >= self._mpi.THREAD_MULTIPLE
+                 and local <= (os.cpu_count() or 1))
+        here = [p for p in range(self.size) if p != self.rank and hosts is not None
+                and hosts[p] == hosts[self.rank]] if lanes and shm_lanes else []
+        # Every rank takes part, lanes or not: the exchange is a collective.
+        rings = _share_lanes(self._comm, self._mpi, here)
+        if lanes:
+            for p in range(self.size):
+                if p in rings:
+                    lane = RingLane(p, *rings[p], self.wake)
+                    self._ring_lanes.append(lane)
+                    self._lane_ends[p] = lane
+                elif p != self.rank:
+                    self._lane_ends[p] = self._tag_lanes[p] = _Lane(self, p)
 
     def start(self, handler: MessageHandler) -> None:
         self._handler = handler
@@ -290,6 +310,8 @@ class MpiTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        for lane in self._ring_lanes:
+            lane.close()
         for req, (what, data) in zip(self._reqs, self._what, strict=True):
             if what == "send":
                 # MPI may still read a send's buffer (a large one moves only when the
@@ -313,7 +335,9 @@ class MpiTransport(Transport):
 
     def _progress(self) -> bool:
         did = self._pull_sends()
-        if self._lane_ends:
+        if self._ring_lanes:
+            did |= self._read_ring_lanes()
+        if self._tag_lanes:
             did |= self._read_lanes()
         if not self._reqs:
             return did
@@ -340,22 +364,43 @@ class MpiTransport(Transport):
                 self._post_header(peer)
         return True
 
+    def _read_ring_lanes(self) -> bool:
+        """Hand over what the shared-memory lanes with news hold for the loop; returns
+        whether anything was.  A lane that holds garbage loses its peer."""
+        assert self._handler is not None
+        did = False
+        for lane in self._ring_lanes:
+            if not lane.news():
+                continue
+            before = lane.lane_counts["messages_received"]
+            try:
+                lane.read(self._handler)
+            except WireError as exc:
+                self._ring_lanes.remove(lane)
+                del self._lane_ends[lane.peer]
+                lane.close()
+                self._handler.peer_lost(lane.peer, f"corrupt shared-memory lane: {exc}",
+                                        orderly=False)
+                return True
+            did |= lane.lane_counts["messages_received"] > before
+        return did
+
     def _read_lanes(self) -> bool:
-        """Look at the lanes that have news: one a message came into (one probe for all
-        of them), or one whose held message may be the loop's now.  Returns whether any
-        message was handed over."""
+        """Look at the tag lanes that have news: one a message came into (one probe for
+        all of them), or one whose held message may be the loop's now.  Returns whether
+        any message was handed over."""
         assert self._handler is not None
         status = self._mpi.Status()
-        lanes = [lane for lane in self._lane_ends.values() if lane.recheck]
-        if any(lane.holds() for lane in self._lane_ends.values()):
+        lanes = [lane for lane in self._tag_lanes.values() if lane.recheck]
+        if any(lane.holds() for lane in self._tag_lanes.values()):
             # A lane's next message, still in MPI behind one held for a caller's thread,
             # would match the probe below every time, hiding the other lanes' news.
-            lanes = list(self._lane_ends.values())
+            lanes = list(self._tag_lanes.values())
         else:
             try:
                 if self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_LANE_TAG,
                                      status=status):
-                    lane = self._lane_ends.get(status.Get_source())
+                    lane = self._tag_lanes.get(status.Get_source())
                     if lane is not None and lane not in lanes:
                         lanes.append(lane)
             except self._mpi.Exception:
@@ -436,6 +481,55 @@ class MpiTransport(Transport):
         for peer in range(self.size):
             if peer != self.rank:
                 self._handler.peer_lost(peer, reason, orderly=False)
+
+
+def _share_lanes(comm: Any, mpi: Any, peers: list[int]
+                 ) -> dict[int, tuple[RingWriter, RingReader]]:
+    """A pair of lane rings with each of ``peers`` (on this host) that both ends could
+    set up: ours to write, theirs to read.  Collective over ``comm`` (every rank calls
+    it, with no peers if it wants none), in two rounds: the names of the rings each rank
+    made for each other, then whether each could open the one named for it.  The writer
+    unlinks its file after the second round whatever happened, so nothing outlives the
+    set-up in /dev/shm; the names go only to the peers they are for, through MPI."""
+    size = comm.Get_size()
+    capacity = ring_capacity(LANE_RING_BYTES)
+    writers: dict[int, RingWriter] = {}
+    readers: dict[int, RingReader] = {}
+    names = bytearray(_RING_NAME * size)
+    opened = bytearray(size)
+    theirs = bytearray(size)
+    try:
+        for peer in peers if shm_available() else []:
+            try:
+                writers[peer] = RingWriter(capacity)
+            except OSError:
+                continue
+            name = writers[peer].name.encode()
+            names[peer * _RING_NAME:peer * _RING_NAME + len(name)] = name
+        got = bytearray(_RING_NAME * size)
+        comm.Alltoall([names, mpi.BYTE], [got, mpi.BYTE])
+        for peer in writers:
+            name = bytes(got[peer * _RING_NAME:(peer + 1) * _RING_NAME]).rstrip(b"\0")
+            if name:
+                try:
+                    readers[peer] = RingReader(name.decode("ascii"), capacity)
+                    opened[peer] = 1
+                except (OSError, ValueError, UnicodeDecodeError):
+                    pass
+        comm.Alltoall([opened, mpi.BYTE], [theirs, mpi.BYTE])
+    finally:
+        for writer in writers.values():
+            writer.unlink()
+    pairs: dict[int, tuple[RingWriter, RingReader]] = {}
+    for peer, writer in writers.items():
+        reader = readers.get(peer)
+        if reader is not None and theirs[peer]:
+            pairs[peer] = (writer, reader)
+            continue
+        writer.close()
+        if reader is not None:
+            reader.close()
+    return pairs
 
 
 def mpi_world() -> tuple[Any, int, int, tuple[int, ...]]:

@@ -51,7 +51,8 @@ def _mpi(config: Config, world: int | str, cancelled: Cancelled | None) -> Conne
     from .mpi import MpiTransport, mpi_world
 
     world, local_rank, local_size, hosts = mpi_world()
-    return Connected(MpiTransport(world, hosts), local_rank, local_size)
+    return Connected(MpiTransport(world, hosts, shm_lanes=config.ring_bytes != 0), local_rank,
+                     local_size)
 
 
 def _inproc(config: Config, world: int | str, cancelled: Cancelled | None) -> Connected:
