@@ -43,7 +43,7 @@ JOBS = (
     Job("tiny-neg", "python -m totalreduce.bench tiny -n 2,4 --rounds 4 --reps 10"),
     Job("latency-neg", "python -m totalreduce.bench latency -n 2,4 --backends "
         "totalreduce-shm,totalreduce-neg,mpi --rounds 3"),
-    Job("preempt-2", "python -m totalreduce.bench preempt -n 2 --rounds 2"),
+    Job("preempt-2", "python -m totalreduce.bench preempt -n 2 --rounds 2 --reps 40"),
     Job("replay-2-optimizer", "python -m totalreduce.bench replay -n 2 --models resnet50 "
         "--backends totalreduce-shm,mpi --buckets-mb 4,8,16,25 --rounds 2 --reps 15"),
     Job("replay-neg", f"python -m totalreduce.bench replay -n 2,4 --models resnet50 "
