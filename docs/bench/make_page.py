@@ -96,35 +96,31 @@ the experiments behind the defaults, are in `docs/dev/perf-log.md`.
 
 ## Environment
 
-A virtual machine with 2 cores and no GPU; every rank on the same host, so same-host
-transports (shared-memory rings, MPICH's shared memory) carry all traffic. Every table
-but the 16-core ones and the 2-rank collectives table comes from one run of
-`regenerate.py` at one commit on such a machine with AMD EPYC cores; the 2-rank
-collectives table from `regenerate.py --only collectives-2` on a 2-core VM with Intel Xeon
-cores, at the commit its bench printed (below); the 16-core tables come from machines with
-16 Intel Xeon cores, at the commits named under them. Compare ratios within a table, not
-absolute times across tables. The 2-rank collectives table's bench printed:
+A virtual machine with 2 Intel Xeon cores and no GPU; every rank on the same host, so
+same-host transports (shared-memory rings, MPICH's shared memory) carry all traffic.
+Every table but the 16-core ones comes from one run of `regenerate.py` at one commit on
+this machine (named under each table); the 16-core tables come from machines with 16
+Intel Xeon cores, at the commits named under them. The bench printed:
 
     {env.removeprefix("environment: ")}
 
-The AMD host switches, for seconds to minutes at a time, between two states that look
-like two placements of its two virtual cores: one where they share a cache and one where
-they do not. On an earlier VM of this kind, two processes passing 512 KiB through a
-shared-memory buffer (no totalreduce code) took 14 us to copy it in and 15 us to copy it
-out in the first state, 100-210 us and 50-55 us in the second; the kernel's copy of the
-same bytes from one process to the other (`process_vm_readv`) took 48 us in both. The VM
-behind these tables differs in two ways. Its interpreter runs 2.5-3x slower (a `for`
-loop's iteration takes 95-170 ns, `import torch` 2.5-3 s; at commit f1aa753 the blocking
-8-byte allreduce took 32-36 us here against 12.6 us there),
-while a two-process ping-pong through shared memory still takes 1.1-1.4 us. And its
-kernel copies a lent body at 4-7 GB/s (512 KiB to 4 MiB, small pages) while plain copies
-run at 25-30 GB/s; between two buffers in glibc's heap it copied 2 MiB at 1.3 GB/s.
-totalreduce's rings time their copies and lend what they would copy while the copies run
-slower than the kernel's copy measured at start (`TOTALREDUCE_SLOW_RING_GBPS`, see "Why
-the defaults are what they are"). A table's p10-p90 column shows how much a run was split
-between the states. On the Intel VM of the 2-rank collectives table MPI runs small ops
-about twice as fast as on the AMD one (a 4-byte allreduce in 4-5 us), and plain copies
-and the kernel's copy of a lent body are closer (about 12 and 10 GB/s for 16 MiB).
+Here a plain copy of 16 MiB runs at about 10.6 GB/s (1 MiB, which fits a core's L2, at
+16 GB/s), the kernel's copy of a lent body (`process_vm_readv`) at 9-11 GB/s, and a `for`
+loop's iteration takes 30-45 ns. The host is shared and noisy: medians move by 10-50 %
+from one run to the next, MPI's too, so compare ratios within a table, not absolute
+times across tables. totalreduce's rings time their copies and lend what they would copy
+while the copies run slower than the kernel's copy measured at start
+(`TOTALREDUCE_SLOW_RING_GBPS`, see "Why the defaults are what they are").
+
+Some of the measurements behind the defaults come from earlier 2-core VMs with AMD EPYC
+cores, which switched, for seconds to minutes at a time, between two states that looked
+like two placements of their two virtual cores: one where they shared a cache and one
+where they did not. There, two processes passing 512 KiB through a shared-memory buffer
+(no totalreduce code) took 14 us to copy it in and 15 us to copy it out in the first
+state, 100-210 us and 50-55 us in the second; the kernel's copy of the same bytes from one
+process to the other took 48 us in both. One such VM ran Python 2.5-3x slower than
+another (a `for` loop's iteration in 95-170 ns) and copied lent bodies at 4-7 GB/s while
+its plain copies ran at 25-30 GB/s.
 
 ## Method
 
@@ -242,15 +238,14 @@ peers' messages straight out of the shared-memory rings; one whose schedule is a
 made before runs from its template's Repeat (engine/repeat.py), which binds everything
 the calls share, so a call brings only its buffer and identity.  What is left is Python
 per call (about 1,500 bytecodes at 2 ranks: checks, identity, the engine's idleness, the
-credit, the header, the ring, the reduction), many times MPI's C. The host switches
-between a fast and a slow state for seconds at a time, which moves our medians by up to
-2x (the p10 column is the fast state) and MPI's hardly at all. At 4 ranks on 2 cores
-every hop waits for a peer to get a core.
+credit, the header, the ring, the reduction), many times MPI's C. The noisy host moves
+our medians by up to 1.5x from run to run and MPI's much less: in three runs at 2 ranks
+the 8-byte allreduce took 7.6x, 8.6x and 9.5x MPI's time and the barrier 6.2x to 7.0x. At 4 ranks on 2 cores every hop waits for a
+peer to get a core.
 
 {table("latency")[1]}
 
-The same ops inside the 2-rank collectives table (on its Intel VM, where MPI's small ops
-run about twice as fast; each call after a barrier):
+The same ops inside the 2-rank collectives table (each call after a barrier):
 
 {small2}
 
@@ -339,20 +334,23 @@ ranks) + MPI's flat allreduce time in the same run.
 
 {table("preempt-2")[1]}
 
-The urgent op here is blocking. Over the shared-memory rings it runs on its own lane
-(DESIGN-NOTES, the urgent lane): the application's thread posts its message into a
-second, small ring to the peer and reads the peer's out of its own, without waiting for
-the thread that drives the big op and without the big op's records ahead of it in the
-ring, which is read in order: 0.23 ms here against 0.06 ms alone (p90 0.97 ms); on an
-earlier VM of this kind, whose interpreter ran 2.5-3x faster, 0.14-0.23 ms against 0.02 ms
-in runs of this table's command. What is
-left is the caller's Python running five to ten times slower than alone while the big
-op's copies take the two cores: with timestamps on both ranks, at the median, 40-65 us
-from the call to the op's start (5 us alone), 15-20 us to post its message, 20-85 us
-waiting for the peer's (whose own start comes as late) and 4 us after; the slow tail
-(p90 0.2-0.6 ms) is a peer whose thread got its core late. A nap of the loop's thread
-while an urgent op runs (so that it stops taking turns at the GIL and the cores) did not
-measurably help, and stalls the big op whenever a peer is late, so the loop goes on.
+The urgent op here is blocking, issued after a barrier, the big op's start and a 2 ms
+sleep. `small alone after the delay` is the same call after the same barrier and sleep
+with no big op: waking from the sleep costs more than a small op does (MPI's: 5 us back
+to back, 17 us after the sleep; ours: 26 and 145 us), so `time / alone after the delay`
+is what the big op adds, and `small alone` (back to back) is the op's own cost. Over the
+shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
+the application's thread posts its message into a second, small ring to the peer and
+reads the peer's out of its own, without waiting for the thread that drives the big op
+and without the big op's records ahead of it in the ring, which is read in order: 0.234
+ms here against 0.145 ms alone after the delay (1.62x; 1.28-1.78x in other runs of this
+command). What is left is the caller's Python running slower while the big op's copies
+take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
+to the op's start (35-75 us after the same sleep with no big op), 20-35 us to post its
+message (15-20) and 30-70 us waiting for the peer's, whose own start comes as late; the
+slow tail (p90 1.1 ms) is a peer whose thread got its core late. Neither a nap of the
+loop's thread while an urgent op runs, nor yielding the core between looks at the lane
+(5x slower), nor busy-polling the whole 2 ms before a nap (no change), did better.
 
 Big ops' pieces are lent (the receiver copies each 2 MiB piece out of the sender's memory
 and reduces it), and the reader takes ring records in order, so a message posted behind a
@@ -381,9 +379,9 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.93 ms against
-0.23 ms alone here (p10 0.23 ms), 0.18-0.56 ms against 0.08-0.15 ms on the earlier VM.
-Its slow tail (p90 1.5-3 ms) is the two ranks' calls
+it does not wait behind the big op's bytes in the kernel's buffers: 0.540 ms against
+0.165 ms alone after the delay here (3.28x; 2.0-4.1x in other runs). Its slow tail (p90
+1.6 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -392,10 +390,13 @@ of one host keeps a 256 KiB send buffer (with the kernel's own sizing, up to 4 M
 the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to another host
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
-lane is an MPI tag of its own, but MPICH lets one thread into the library at a time, and
-the progress thread's calls there move the big op's bytes: the urgent op took 2.7 ms
-here against 0.22 ms alone (p10 0.30 ms), 0.29-2.9 ms in earlier runs. Where a host's
-ranks outnumber its cores the MPI transport has no lanes (a 4-rank barrier on 2 cores
+lane to a peer on the same host is a pair of shared-memory rings of its own
+(transport/ring_lane.py): 0.270 ms against 0.147 ms alone after the delay (1.84x; p90 3.2
+ms, a peer's thread that the progress thread's turns at the GIL hold back). As an MPI tag
+of its own, which a peer on another host still gets, it went through MPICH, which lets
+one thread into the library at a time and moves the big op's bytes inside the calls the
+urgent op makes: 0.3-2.9 ms at the median in alternated runs, against 0.5-0.7 with the
+rings. Where a host's ranks outnumber its cores the MPI transport has no lanes (a 4-rank barrier on 2 cores
 took 0.97 ms with them, 0.67 without). An urgent op
 the loop runs waits behind what MPI has queued to that peer, which is kept to 8 MiB of
 bodies for that reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
