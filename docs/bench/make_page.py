@@ -240,8 +240,8 @@ the calls share, so a call brings only its buffer and identity.  What is left is
 per call (about 1,500 bytecodes at 2 ranks: checks, identity, the engine's idleness, the
 credit, the header, the ring, the reduction), many times MPI's C. The noisy host moves
 our medians by up to 1.5x from run to run and MPI's much less: in three runs at 2 ranks
-the 8-byte allreduce took 7.6x, 8.6x and 9.5x MPI's time and the barrier 6.2x to 7.0x. At 4 ranks on 2 cores every hop waits for a
-peer to get a core.
+the 8-byte allreduce took 7.6x, 8.6x and 9.5x MPI's time and the barrier 6.2x to 7.0x.
+At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
 {table("latency")[1]}
 
@@ -313,8 +313,9 @@ of the step itself, so its `comm hidden` column is noise.
 
 Whole training runs: `examples/torch_synthetic_benchmark.py` (a ResNet-18-shaped network,
 batch 16 of 64x64 images per worker, one thread each; `totalrun -np N python
-examples/torch_synthetic_benchmark.py`) gives 81.5 img/s at 1 worker, 132.8 in total at 2
-and 126.6 at 4 on the AMD host, bound by the 2 cores; `examples/train_digits.py` reaches
+examples/torch_synthetic_benchmark.py`) gives 59.4 img/s at 1 worker, 86.2 in total at 2
+and 83.7 at 4 here (81.5, 132.8 and 126.6 on an AMD VM), bound by the 2 cores;
+`examples/train_digits.py` reaches
 97-98% test accuracy in 20 epochs at 1, 2 and 4 ranks.
 
 ## Skew: ranks ready at random times, each in its own order (ResNet-50, 2 ranks)
@@ -396,10 +397,10 @@ ms, a peer's thread that the progress thread's turns at the GIL hold back). As a
 of its own, which a peer on another host still gets, it went through MPICH, which lets
 one thread into the library at a time and moves the big op's bytes inside the calls the
 urgent op makes: 0.3-2.9 ms at the median in alternated runs, against 0.5-0.7 with the
-rings. Where a host's ranks outnumber its cores the MPI transport has no lanes (a 4-rank barrier on 2 cores
-took 0.97 ms with them, 0.67 without). An urgent op
-the loop runs waits behind what MPI has queued to that peer, which is kept to 8 MiB of
-bodies for that reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
+rings. Where a host's ranks outnumber its cores the MPI transport has no lanes (a 4-rank
+barrier on 2 cores took 0.97 ms with them, 0.67 without). An urgent op the loop runs
+waits behind what MPI has queued to that peer, which is kept to 8 MiB of bodies for that
+reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
 
 ## Coordination: self-guided against negotiated
 
@@ -417,15 +418,15 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 167
-against 87 µs at 2 ranks). The cache cuts the cost another 5.0x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 92.4
+against 55.5 µs at 2 ranks). The cache cuts the cost another 4.2x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 7.9 µs per op at 2 ranks, 3.7x MPI's `Iallreduce`, and 22.2 µs at
-4 ranks (four processes on two cores), 6.3x. On an earlier VM of the same kind, whose
-interpreter ran 2.5-3x faster (see Environment), it took 3.7 and 10.1 µs, and on a 2-core
-Intel Xeon host 2.2 and 7.5 µs. It varies with the host more than MPI's does (6.5 to 9.1
-µs between the 10th and 90th percentiles at 2 ranks): the whole cost is Python on the
+cache and fusion, takes 6.0 µs per op at 2 ranks, 2.9x faster than 1,000 of MPI's
+`Iallreduce` (17.2 µs each), and 11.0 µs at 4 ranks (four processes on two cores), 5.7x
+faster than MPI's 63.2. On the slower AMD VM (see Environment) it took 7.9 and 22.2 µs.
+It varies with the host more than MPI's does (3.5 to 8.9 µs between the 10th and 90th
+percentiles at 2 ranks): the whole cost is Python on the
 submitting thread and the cycle thread. Per tensor, the submit takes about 1 µs (a
 tensor whose dtype, op and shape were seen before skips the argument checks and makes
 one new object); the cycle's classification, the fusion copies in and out and the
@@ -441,8 +442,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-329 and 338 µs for the allreduce and the barrier at 2 ranks, 10x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (1.12 and 1.06 ms). A
+247 and 246 µs for the allreduce and the barrier at 2 ranks, 9-10x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (0.95 and 0.98 ms). A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -452,11 +453,11 @@ cycle and a half at the median.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.64x (2 ranks) and 0.88x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.27x and 1.39x). Without fusion, each of the 161
-tensors then runs as an engine op of its own behind that wait: 1.51x at 4 ranks, where
-the ops compete for two cores; at 2 ranks running each alone (1.00x) beat fusing the few
-that a cycle finds together.
+so it finishes within 0.69x (2 ranks) and 0.95x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.12x and 1.42x). Without fusion, each of the 161
+tensors then runs as an engine op of its own behind that wait, which in this run beat
+fusing the few that a cycle finds together at both rank counts (0.94x and 1.30x; in
+earlier runs fusion won at 4 ranks, where the ops compete for two cores).
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
@@ -465,8 +466,8 @@ that a cycle finds together.
 
 With all 102 MB ready at once, self-guided mode is faster in every mode. Fusing big
 tensors only adds a copy in and a copy out of every byte. At 2 ranks, negotiated mode
-with fusion off beats it with fusion on (per-tensor 111.6 ms against 124.9). At 4 ranks
-negotiated per-tensor takes 299.6 ms, self-guided grouped 244.2.
+with fusion off beats it with fusion on (per-tensor 79.4 ms against 90.1). At 4 ranks
+negotiated per-tensor takes 244.1 ms, self-guided grouped 169.8.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -492,14 +493,14 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
 are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
-the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
-count and density, 0.60-0.90x; pipelined, at 1 % at 2 and 4 ranks and at 2 % at 2). The
-point
+the heavy-tailed values is the exception: in one alltoall it beats or matches dense at
+every rank count and density, 0.64-1.02x; pipelined, at 1 % at 2 and 4 ranks and at 2 %
+at 3, 0.83-0.93x). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 2.4x at 4 ranks); with a core per rank and a
+cores, so one alltoall is faster here (up to 2.5x at 4 ranks); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
@@ -577,14 +578,14 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 ![throughput and accuracy per method](bench/ps.png)
 
 On one host the server pays for its extra processes and for a round trip per push and per
-pull (a small op costs about 100 µs on this loaded machine, against a few for MPI), so it
-trains at about 0.32x allreduce's rate. With the straggler, removing the bound bought
-1.24x tau = 0's throughput in this run (1.12x, 1.4x and 0.90x in others: the straggler's
-own steps bound the time either way) and cost 0.9 points of accuracy (0.7, 1.1 and 5.8 in
-those others); bounds of 1 and 4 keep tau = 0's accuracy within 0.5 points. Averaging
-every 4 or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's
-loss costs 0.58x of tau = 0's throughput without a straggler (a push waits for a second
-server's round trip) and 0.77x with one (the straggler's wait hides part of it).
+pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
+trains at about 0.28x allreduce's rate. With the straggler, removing the bound bought
+1.44x tau = 0's throughput in this run (0.90x to 1.4x in others: the straggler's own
+steps bound the time either way) and cost 0.7 points of accuracy (0.7 to 5.8 in those
+others); bounds of 1 and 4 keep tau = 0's accuracy within 0.7 points. Averaging every 4
+or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's loss costs
+0.73x of tau = 0's throughput without a straggler (a push waits for a second server's
+round trip) and 0.74x with one.
 
 ## Across hosts
 
@@ -609,9 +610,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.203 s hierarchical at 64 MiB,
-against 0.188 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.45-1.55x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.192 s hierarchical at 64 MiB,
+against 0.182 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.32-1.46x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -629,7 +630,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.3-1.6x) turns into 0.7-0.9x in the time to 95 %: they need one to three
+samples/s (1.5-1.9x) turns into 0.74-1.06x dense's speed to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -708,7 +709,7 @@ in 512 KiB pieces, so that the receiver copies one out while the root copies the
 Why a ring whose copies run slower than the kernel's copy of a lent body lends every body
 of 64 KiB or more (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times
 its copies of 256 KiB or more into the ring; three slow in a row say slow, and any one
-copy faster says fast again. On the AMD host (see Environment) these copies ran at 12-37
+copy faster says fast again. On the AMD VMs (see Environment) these copies ran at 12-37
 GB/s while the two cores shared a cache and at 2.3-6.3 GB/s while they did not; the
 kernel's copy of a lent body ran at about 11 GB/s in either state, so below that the
 ring's two copies cost more than the kernel's one. On another VM of the same kind the
@@ -809,50 +810,42 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- The interpreter: this VM runs Python 2.5-3x slower than an earlier VM of the same kind
-  (see Environment), and the small-op rows follow it, while MPI's C barely moves: at
-  commit f1aa753 the blocking 8-byte allreduce took 32-36 us here against 12.6 us there.
-- Small messages: a blocking allreduce of a few bytes costs 41.1 us at 2 ranks in the
-  latency table (MPI: 5.2 us, 7.9x), nearly all of it Python per op, even from a Repeat;
-  over the MPI transport or sockets, which have no express lane, 168 and 212 us. A
-  barrier takes 38.1 us (6.95x). Async small allreduces, which the loop runs, cost about
-  91 us each self-guided (the `tiny` table). An allgather or alltoall whose ranks' rows may
-  differ is two such exchanges, sizes then data (a 4-byte one about 0.14 ms here);
-  `same_shape=True` makes it one (0.030 and 0.035 ms in the 2-rank table, on the Intel
-  VM, a broadcast 0.031 ms). A repeated one skips its checks and set-up (scheduling/templates.py); a
-  repeated blocking broadcast, reducescatter or same-shape allgather or alltoall runs
-  from a Repeat as an allreduce does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us
-  against 40-85 without).
-  Batch small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
+- Small messages: a blocking allreduce of a few bytes costs 28.3 us at 2 ranks in the
+  latency table (MPI: 3.0 us, 9.5x; 7.6-8.6x in other runs), nearly all of it Python per
+  op, even from a Repeat; over sockets or the MPI transport, which have no express lane,
+  110 and 129 us. A barrier takes 23.4 us (7.0x; 6.2-6.6x in other runs). Async small
+  allreduces, which the loop runs, cost about 56 us each self-guided (the `tiny` table).
+  An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
+  data; `same_shape=True` makes it one (0.035 and 0.037 ms at 4 bytes in the 2-rank
+  table, a broadcast 0.033 ms, against MPI's 0.002-0.005). A repeated one skips its
+  checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
+  reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
+  does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
+  small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table (the Intel VM): allreduce 1.24x MPI at 1 MB, 0.99x at
-  4 MB and 0.77x at 16 MB, 1.52-1.53x from 64 MB; reducescatter 0.83-0.84x from 1 to
-  16 MB, 1.30-1.37x from 64 MB. MPICH's shared memory moves 1-16 MB at 4-5 GB/s here
-  (about twice its speed on the AMD VM) and its small ops take 2-17 us: the 8-byte ops
-  run at 0.08-0.20x, about 30 us each, nearly all of it Python per op.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.64x at 1 MB,
-  0.66-0.67x at 4-16 MB, 0.74-0.83x from 64 MB; alltoall 0.34x at 1 MB (0.24 ms against
-  MPI's 0.08), 0.59-0.68x at 4-16 MB, 0.78-0.83x from 64 MB; broadcast 0.57x at 1 MB,
-  0.82x at 4 MB, 0.77x at 16 MB and 1.24-1.28x from 64 MB, where the receiver copies the
-  root's lent 32 MiB pieces with two threads (transport/spread_copy.py). Repeated
-  same-shape alltoalls up to 2 MiB and broadcasts up to the ring's bound run from a
-  Repeat, and an alltoall copies its own block once its messages are out; from run to
-  run on this host the 64-256 MB cells move by 10-15%. An allgather or alltoall moves the same bytes
-  as MPI's with both cores busy (each rank copies its own block and the peer's out of
-  the peer): two processes doing just that with no library took 1.6-1.9 ms for 16 MB,
-  MPI's 1.6; what is left is Python per op (about 0.1 ms at 1 MB, a third of the call)
-  and per lent piece. The 16 MB alltoall lends its bodies (by size), and in the bench's
-  order its arrays may come from glibc's heap (small pages) once earlier ops have freed
-  arrays that big: on the AMD VM the kernel copied 2 MiB between two such buffers at 1.3
-  GB/s, against 9.4-12.9 GB/s where either side was a fresh mmap'd array with huge pages.
-  Without `out=` allgather and alltoall run at about 0.5x from 64 MB: above glibc's mmap
-  threshold (32 MB) every call's new result is fresh memory, and the kernel faulting and
-  zeroing it costs about as much as the copies (32 MB into fresh pages: 8 ms; into
-  reused ones: 4.6 ms).
+- The 2-rank collectives table: allreduce 1.21x MPI at 1 MB, 1.10x at 4 MB and 0.84x at
+  16 MB, 1.46-1.52x from 64 MB; reducescatter 0.75-0.80x at 1-4 MB, 1.00x at 16 MB,
+  1.45-1.52x from 64 MB. MPICH's shared memory moves 1-16 MB at 3.5-6 GB/s of algorithm
+  bandwidth for the reductions here, which leaves a reduction little room: a 16 MB
+  allreduce costs us about 2.7 ms of copying and summing against MPI's 3.5 ms in all.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.63x at 1 MB,
+  0.68-0.75x at 4-16 MB, 0.88-0.93x from 64 MB; alltoall 0.30x at 1 MB (0.244 ms against
+  MPI's 0.073), 0.61-0.65x at 4-16 MB, 0.88x from 64 MB; broadcast 0.54x at 1 MB, 0.76x at
+  4 MB, 0.79x at 16 MB and 1.20-1.31x from 64 MB, where the receiver copies the root's
+  lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
+  8-15 GB/s, the speed of one plain copy of the bytes (a 16 MiB copy takes 1.59 ms here,
+  as does MPI's 16 MB broadcast). Repeated same-shape alltoalls
+  up to 2 MiB and broadcasts up to the ring's bound run from a Repeat, and an alltoall
+  copies its own block once its messages are out; what is left at 1 MB is Python per op
+  (about 0.1 ms, a third to a half of the call) and per piece. From run to run on this
+  host the 64-256 MB cells move by 10-15%. Without `out=` allgather and alltoall run at
+  about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is
+  fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
+  (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.21-0.52x), and from 64 MB reaches 0.87-0.92x for allreduce and reducescatter;
+  host (0.13-0.55x), and from 64 MB reaches 0.75-0.80x for allreduce and reducescatter;
   `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own allreduce and
-  reducescatter from 64 MB (1.44-1.72x).
+  reducescatter from 64 MB (1.40-1.52x) and trails it below (0.20-1.04x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
@@ -872,22 +865,19 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.3 ms (10.0x and 9.2x MPI's
-  8-byte allreduce and barrier in the latency table; 0.09-0.18x in the 4-rank table,
-  where every call follows a barrier), and allreduces run at 1.07x MPI at 1 MB, 0.71x at
-  4 MB, 0.96x at 16 MB and 1.83x at 64 MB. Every hop waits for a peer to get a core;
-  neither the small path's threshold nor doubling up to 4 or 16 MB did better, nor a spin
-  of 16 looks before each yield.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 0.23 ms over shared
-  memory against 0.06 ms alone, and 0.93 ms over TCP against 0.23 ms alone (each on its
-  own lane, the preemption section): the caller's Python runs slowly while the big op's
-  copies take the two cores. Over the MPI transport it takes 2.7 ms against 0.22 ms
-  alone: MPICH lets one thread in at a time, and the progress thread's calls there move
-  the big op's bytes. Nice +10 on the progress and reduction threads changed nothing
-  over shared memory (0.26-0.29 ms at 0 against 0.27-0.51 ms).
-- The MPI transport adds Python per message: 0.58x MPI's own allreduce at 2 ranks at
-  1 MB, 0.73x at 4 MB, 1.01x at 16 MB, 2.3-2.5x from 64 MB; 0.47-0.67x at 4 oversubscribed ranks
-  at 1-4 MB, 1.02x at 16 MB.
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (9.9x and 11.2x
+  MPI's 8-byte allreduce and barrier in the latency table; 0.11-0.20x in the 4-rank table,
+  where every call follows a barrier), and allreduces run at 0.74x MPI at 1 MB, 0.60x at
+  4 MB, 0.87x at 16 MB and 1.72x at 64 MB (0.5-1.2x at 1 MB and 0.45-0.8x at 4 MB in
+  other runs). Every hop waits for a peer to get a core; neither the small path's
+  threshold, nor doubling up to 4 or 16 MB, nor recursive halving from 1 MB, nor longer
+  spins before a hand-over did better.
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.6x its time alone
+  after the same sleep over shared memory, 1.8x over the MPI transport and 3.3x over
+  TCP (2.0-4.1x in other runs), each on its own lane (the preemption section). What is
+  left is the two ranks' threads waking up to milliseconds apart while the big op's
+  threads hold the cores and the GIL; an urgent op the loop runs (an async one) waits
+  much longer.
 """]
     PAGE.write_text("".join(parts))
 
