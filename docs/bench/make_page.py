@@ -393,7 +393,8 @@ keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
 (transport/ring_lane.py): 0.270 ms against 0.147 ms alone after the delay (1.84x; p90 3.2
-ms, a peer's thread that the progress thread's turns at the GIL hold back). As an MPI tag
+ms, a peer's thread that the progress thread's turns at the GIL hold back; 0.68-1.17 ms,
+3.5-7.5x, in later runs on a busier host). As an MPI tag
 of its own, which a peer on another host still gets, it went through MPICH, which lets
 one thread into the library at a time and moves the big op's bytes inside the calls the
 urgent op makes: 0.3-2.9 ms at the median in alternated runs, against 0.5-0.7 with the
@@ -873,8 +874,9 @@ either way, 3-13% behind in both.
   threshold, nor doubling up to 4 or 16 MB, nor recursive halving from 1 MB, nor longer
   spins before a hand-over did better.
 - Preemption: a blocking urgent op during a 64 MB allreduce takes 1.6x its time alone
-  after the same sleep over shared memory, 1.8x over the MPI transport and 3.3x over
-  TCP (2.0-4.1x in other runs), each on its own lane (the preemption section). What is
+  after the same sleep over shared memory (1.3-2.1x in other runs), 3.3x over TCP
+  (2.0-4.1x) and 1.8x over the MPI transport (3.5-7.5x), each on its own lane (the
+  preemption section). What is
   left is the two ranks' threads waking up to milliseconds apart while the big op's
   threads hold the cores and the GIL; an urgent op the loop runs (an async one) waits
   much longer.
