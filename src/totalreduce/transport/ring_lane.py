@@ -95,7 +95,7 @@ class RingLane:
             return True
         try:
             return lane.head() != self._seen
-        except TypeError:  # closed meanwhile (abort() on another thread)
+        except (TypeError, ValueError):  # closed meanwhile (abort() on another thread)
             return False
 
     def read(self, handler: MessageHandler) -> None:
