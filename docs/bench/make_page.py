@@ -344,7 +344,7 @@ shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
 and without the big op's records ahead of it in the ring, which is read in order: 0.234
-ms here against 0.145 ms alone after the delay (1.62x; 1.28-1.78x in other runs of this
+ms here against 0.145 ms alone after the delay (1.62x; 1.2-2.1x in other runs of this
 command). What is left is the caller's Python running slower while the big op's copies
 take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
 to the op's start (35-75 us after the same sleep with no big op), 20-35 us to post its
@@ -874,7 +874,7 @@ either way, 3-13% behind in both.
   threshold, nor doubling up to 4 or 16 MB, nor recursive halving from 1 MB, nor longer
   spins before a hand-over did better.
 - Preemption: a blocking urgent op during a 64 MB allreduce takes 1.6x its time alone
-  after the same sleep over shared memory (1.3-2.1x in other runs), 3.3x over TCP
+  after the same sleep over shared memory (1.2-2.1x in other runs), 3.3x over TCP
   (2.0-4.1x) and 1.8x over the MPI transport (3.5-7.5x), each on its own lane (the
   preemption section). What is
   left is the two ranks' threads waking up to milliseconds apart while the big op's
