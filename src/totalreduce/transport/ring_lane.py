@@ -29,6 +29,36 @@ from .wire import HEADER_SIZE, Header, Kind, WireError
 LANE_RING_BYTES = 64 << 10
 
 
+def hand_claimed(lane: RingReader, handler: MessageHandler, peer: int, all_of_it: bool,
+                 counts: dict[str, int]) -> None:
+    """Hand ``handler`` the messages in ``lane`` (``peer``'s) that it claims
+    (MessageHandler.lane_claims), oldest first, up to the first it does not, which stays
+    for a caller's thread; ``all_of_it``: every message, at the peer's end.  ``counts``:
+    the lane's, for what is taken.  The caller holds the lane's reading lock.
+
+    Raises:
+        WireError: the lane holds something that is not a whole DATA message.
+    """
+    while (record := lane.next()) is not None:
+        header, body = record
+        if header.kind != Kind.DATA or header.flags & NOT_INLINE:
+            raise WireError(f"a {header.kind!r} message in a lane")
+        if not all_of_it and not handler.lane_claims(peer, header,
+                                                      lane.behind() != lane.head()):
+            return
+        # A body of the peer's may be arriving the usual way meanwhile (lent, or in
+        # chunks): its route stays for it.
+        handler.received_ahead(peer, header, body)
+        lane.release()
+        count_taken(counts, header)
+
+
+def count_taken(counts: dict[str, int], header: Header) -> None:
+    """Count a lane message taken (``header``'s) in the lane's ``counts``."""
+    counts["messages_received"] += 1
+    counts["bytes_received"] += HEADER_SIZE + header.nbytes
+
+
 class RingLane:
     def __init__(self, peer: int, out: RingWriter, into: RingReader,
                  wake: Callable[[], None]) -> None:
@@ -76,7 +106,7 @@ class RingLane:
         lane = self._in
         assert lane is not None
         lane.release()  # writers never wait for room: nobody is owed a wake-up
-        self._received(header)
+        count_taken(self.lane_counts, header)
         if lane.ready():
             self.recheck = True  # the loop may claim what is behind it
             self._wake()
@@ -112,15 +142,7 @@ class RingLane:
         try:
             self.recheck = False
             self._seen = lane.head()
-            while (record := lane.next()) is not None:
-                header, body = record
-                if header.kind != Kind.DATA or header.flags & NOT_INLINE:
-                    raise WireError(f"a {header.kind!r} message in a lane")
-                if not handler.lane_claims(self.peer, header, lane.behind() != lane.head()):
-                    break
-                handler.received_ahead(self.peer, header, body)
-                lane.release()
-                self._received(header)
+            hand_claimed(lane, handler, self.peer, False, self.lane_counts)
         finally:
             self.lane_lock.release()
 
@@ -131,8 +153,3 @@ class RingLane:
                 if ring is not None:
                     ring.close()
             self._out = self._in = None
-
-    def _received(self, header: Header) -> None:
-        counts = self.lane_counts
-        counts["messages_received"] += 1
-        counts["bytes_received"] += HEADER_SIZE + header.nbytes

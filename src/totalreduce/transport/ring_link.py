@@ -20,6 +20,7 @@ from collections import deque
 
 from . import cma
 from .base import Outgoing
+from .ring_lane import count_taken, hand_claimed
 from .shmring import NOT_INLINE, RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
 from .spread_copy import SPREAD_MIN, SpreadCopy
@@ -388,7 +389,7 @@ class RingLink(Link):
         lane = self.lane_in
         assert lane is not None
         lane.release()  # lane writers never wait for room, so no doorbell is owed
-        self._lane_received(header)
+        count_taken(self.lane_counts, header)
         if lane.ready():
             self.lane_seen = -1  # the loop may claim what is behind it
             self.owner.wake()
@@ -409,30 +410,9 @@ class RingLink(Link):
         if not lane.ready() or not self.lane_lock.acquire(False):
             return  # a caller that leaves records behind its own says so (lane_take)
         try:
-            handler = self.owner.handler
-            peer = self.peer
-            while self.lane_in is not None:
-                record = lane.next()
-                if record is None:
-                    break
-                header, body = record
-                if header.kind != KIND_DATA or header.flags & NOT_INLINE:
-                    raise WireError(f"a {header.kind!r} message in a lane")
-                if not all_of_it and not handler.lane_claims(peer, header,
-                                                              lane.behind() != lane.head()):
-                    break
-                # A body of the ring's may be arriving meanwhile (lent, or in chunks):
-                # its route stays for it.
-                handler.received_ahead(peer, header, body)
-                lane.release()
-                self._lane_received(header)
+            hand_claimed(lane, self.owner.handler, self.peer, all_of_it, self.lane_counts)
         finally:
             self.lane_lock.release()
-
-    def _lane_received(self, header: Header) -> None:
-        counts = self.lane_counts
-        counts["messages_received"] += 1
-        counts["bytes_received"] += HEADER_SIZE + header.nbytes
 
     # --- reading -------------------------------------------------------------------
 
