@@ -12,6 +12,7 @@ from .payload import OpKey
 class Departures:
     def __init__(self, outbox: Outbox) -> None:
         self._outbox = outbox
+        self.closed = outbox.closed  # peers we can no longer write to (the same set)
         self.bye: set[int] = set()  # peers that said GOODBYE
 
     def departed(self) -> set[int]:

@@ -98,7 +98,8 @@ class CreditLedger:
 
     def pop_early(self, key: OpKey) -> set[int]:
         """The peers that said READY for ``key`` before this rank submitted it."""
-        return self._early_ready.pop(key) or set()
+        early = self._early_ready
+        return (early.pop(key) or set()) if early.entries else set()
 
     def early_count(self) -> int:
         return len(self._early_ready)

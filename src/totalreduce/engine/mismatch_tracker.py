@@ -34,10 +34,10 @@ class MismatchTracker:
         self._ops = ops
         self._outbox = outbox
         self._grace = grace
-        self._records: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
+        self.records: LRU[OpKey, MismatchRecord] = LRU(_MISMATCH_ENTRIES)
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self.records)
 
     def check(self, op: LiveOp, peer: int, header: Header) -> Recv | None:
         """The schedule entry this message fills, or None (after starting a mismatch)."""
@@ -83,7 +83,7 @@ class MismatchTracker:
     def started(self, op: LiveOp) -> bool:
         """``op`` was just submitted here: if peers already reported a mismatch on it, join
         in (the rest get a grace period to answer) and return True."""
-        record = self._records.get(op.spec.key)
+        record = self.records.get(op.spec.key)
         if record is None:
             return False
         record.deadline = max(record.deadline, time.monotonic() + self._grace)
@@ -95,7 +95,7 @@ class MismatchTracker:
         the error to fail each with."""
         out: list[tuple[LiveOp, BaseException]] = []
         active = self._ops.active
-        for key, record in self._records.items():
+        for key, record in self.records.items():
             op = active.get(key)
             if op is not None and op.mismatch is record and (
                     record.complete() or now >= record.deadline):
@@ -103,7 +103,7 @@ class MismatchTracker:
         return out
 
     def forget(self, key: OpKey) -> None:
-        self._records.pop(key)
+        self.records.pop(key)
 
     def tell_view(self, key: OpKey, view: dict[str, Any],
                   ranks: tuple[int, ...] | None = None) -> None:
@@ -117,10 +117,10 @@ class MismatchTracker:
     def _record(self, key: OpKey, label: str) -> MismatchRecord:
         """The mismatch record of op ``key``, begun now if this is the first word of it
         (waiting for every rank's view until the op, if it starts here, says whose)."""
-        record = self._records.get(key)
+        record = self.records.get(key)
         if record is None:
             record = MismatchRecord(label, self._everyone, time.monotonic() + self._grace)
-            self._records.put(key, record)
+            self.records.put(key, record)
         return record
 
     def _join(self, op: LiveOp, record: MismatchRecord) -> None:

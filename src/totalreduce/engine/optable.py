@@ -18,7 +18,7 @@ _FAILED_EARLY_ENTRIES = 4096
 
 class OpTable:
     def __init__(self, timeline: Timeline | None = None) -> None:
-        self._timeline = timeline
+        self.timeline = timeline
         self.active: dict[OpKey, LiveOp] = {}
         self.done = DoneSet()
         # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
@@ -56,7 +56,7 @@ class OpTable:
             op.finished = True
             del self.active[op.spec.key]
             self._finished(op)
-            if self._timeline is not None and self._timeline.active:
+            if self.timeline is not None and self.timeline.active:
                 self._trace(op)
             op.future.resolve(None)
 
@@ -68,7 +68,7 @@ class OpTable:
         key = op.spec.key
         self.active.pop(key, None)
         self._finished(op)
-        if self._timeline is not None and self._timeline.active:
+        if self.timeline is not None and self.timeline.active:
             self._trace(op, "FAILED ")
         op.future.resolve(error)
         for forget in self._on_fail:
@@ -80,7 +80,7 @@ class OpTable:
 
     def tracing(self) -> bool:
         """Whether ops are traced on a timeline now."""
-        return self._timeline is not None and self._timeline.active
+        return self.timeline is not None and self.timeline.active
 
     def refuse(self, key: OpKey) -> None:
         """Op ``key`` will not run here (a peer it needs has left or failed it, or a joined
@@ -90,16 +90,16 @@ class OpTable:
     def _trace(self, op: LiveOp, prefix: str = "") -> None:
         """The op's spans on the timeline: the op, its wait for a peer's first piece, and
         how long pieces sent ahead of it waited here for it."""
-        assert self._timeline is not None
+        assert self.timeline is not None
         spec = op.spec
         name = str(spec.describe.get("name") or spec.label)
         now = time.monotonic()
         kind = str(spec.describe.get("kind", "op")).upper()
-        self._timeline.span(name, prefix + kind, op.t_start, now)
+        self.timeline.span(name, prefix + kind, op.t_start, now)
         if op.t_first > op.t_start:
-            self._timeline.span(name, "WAIT_FOR_PEER", op.t_start, op.t_first)
+            self.timeline.span(name, "WAIT_FOR_PEER", op.t_start, op.t_first)
         if 0 < op.t_floated < op.t_start:
-            self._timeline.span(name, "FLOATING", op.t_floated, op.t_start)
+            self.timeline.span(name, "FLOATING", op.t_floated, op.t_start)
 
 
 class DoneSet:

@@ -36,7 +36,7 @@ def _quiet_state() -> tuple[Any, Any] | None:
         return var, var.get()
 
 
-_QUIET = _quiet_state()
+QUIET = _quiet_state()
 
 
 def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any,
@@ -56,11 +56,11 @@ def reduce_into(ufunc: np.ufunc, dest: np.ndarray, incoming: Any,
         return
     # Overflow to inf is the defined result (as in MPI), not an error to print from a
     # background thread, nor to raise where the caller's np.seterr says "raise".
-    if _QUIET is None:
+    if QUIET is None:
         with np.errstate(all="ignore"):
             ufunc(left, src, dest)
         return
-    var, quiet = _QUIET
+    var, quiet = QUIET
     token = var.set(quiet)
     try:
         ufunc(left, src, dest)  # out, positional: cheaper to parse

@@ -38,20 +38,21 @@ from .ledger import CreditLedger
 from .loop import Loop
 from .optable import OpTable
 from .payload import OpFuture, OpKey, OpSpec
-from .reducer import reduce_into
+from .reducer import QUIET, reduce_into
 from .schedule import COPY, Send
 from .serving import JoinServer
 from .smallpath import SmallPath, post_ready
 
 _KIND_READY = Kind.READY
+_frombuffer = np.frombuffer
 
 # The fields Repeat._run compares by position (a header reordered must fail here).
 assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbytes",
                                 "count") and Header._fields[1] == "dtype"
 
 # A send as Repeat keeps it: (port, peer, lo, hi, step, piece, bytes, to a source,
-# from the call's source).
-_Send = tuple[Port, int, int, int, int, int, int, bool, bool]
+# from the call's source, the whole buffer).
+_Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool]
 
 
 class Repeat:
@@ -62,7 +63,7 @@ class Repeat:
                  "_members", "_driver", "_loop", "_small", "_express", "_ops", "_ledger",
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
                  "_count", "_recipe", "_ufunc", "_finalize", "_tell_first", "_run_held",
-                 "_fresh", "_needs_source")
+                 "_fresh", "_needs_source", "_done", "_dtype", "_quiet", "_reduce_into")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -87,6 +88,7 @@ class Repeat:
         self._small = small
         self._express = express
         self._ops = ops
+        self._done = ops.done
         self._ledger = ledger
         self._serving = serving
         self._floating = floating
@@ -94,21 +96,32 @@ class Repeat:
         itemsize = template.work.itemsize
         # Each send as (its peer's port, peer, lo, hi, step, piece, bytes, whether the
         # peer is a source, so that its first data says READY, whether it reads the
-        # call's source); each step as (peer, its port, step, piece, its receive, the
-        # receive's bytes, the sends it unlocks).
+        # call's source, whether it is the whole buffer); each step as (peer, its port,
+        # step, piece, its receive, the receive's bytes, the sends it unlocks, whether it
+        # is the whole buffer).  A whole buffer goes as it is: at 2 ranks every piece is,
+        # and a slice of it first cost as much again as the rest of making the body.
         sources = chain.sources
+        count = template.count
 
         def sends(of: tuple[Send, ...]) -> tuple[_Send, ...]:
             return tuple((ports[s.peer], s.peer, s.lo, s.hi, s.step, s.piece,
-                          (s.hi - s.lo) * itemsize, s.peer in sources, s.from_source)
+                          (s.hi - s.lo) * itemsize, s.peer in sources, s.from_source,
+                          s.lo == 0 and s.hi == count)
                          for s in of)
 
         self._first = sends(chain.first)
         self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
         self._steps = tuple((peer, ports[peer], step, piece, recv,
-                             (recv.hi - recv.lo) * itemsize, sends(recv.then))
+                             (recv.hi - recv.lo) * itemsize, sends(recv.then),
+                             recv.lo == 0 and recv.hi == count)
                             for peer, step, piece, recv in chain.steps)
-        self._sig, self._code, self._count = template.sig, template.dtype, template.count
+        self._sig, self._code, self._count = template.sig, template.dtype, count
+        # reduce_into's choices, made once: the dtype is the template's.  _quiet: the
+        # floating-point error state to reduce under (None: integers, as they are);
+        # _reduce_into: numpy keeps that state elsewhere, so reduce_into sets it.
+        self._dtype = dtype = template.work.dtype
+        self._quiet = QUIET if dtype.kind in "fc" else None
+        self._reduce_into = dtype.kind in "fc" and QUIET is None
         self._recipe = template.recipe
         self._ufunc = template.ufunc
         self._finalize = template.finalize
@@ -183,7 +196,9 @@ class Repeat:
                                        True)
         wait = self._express.wait_on
         ufunc = self._ufunc
-        for done, (peer, port, step, piece, recv, nbytes, then) in enumerate(self._steps):
+        dtype, quiet, slow_reduce = self._dtype, self._quiet, self._reduce_into
+        for done, (peer, port, step, piece, recv, nbytes, then, whole) in enumerate(
+                self._steps):
             # Header[3:10] and [1]: what a DATA message of this step must say, compared
             # as one slice where the express lane makes nine comparisons of fields.
             expected = (step, key0, key1, sig, piece, nbytes, count)
@@ -218,17 +233,28 @@ class Repeat:
             if flags & FLAG_READY:
                 ready.add(peer)
             lo, hi = recv.lo, recv.hi
+            part = work if whole else work[lo:hi]
             if recv.mode == COPY:
                 if nbytes:
-                    work[lo:hi].data.cast("B")[:] = body
-            else:
+                    part.data.cast("B")[:] = body
+            elif nbytes:
                 assert ufunc is not None
                 # A fresh buffer's region takes its left operand from the source: the
                 # chains that start one reduce into each region once (apply_piece).
-                reduce_into(ufunc, work[lo:hi], body,
-                            None if source is None or not fresh else source[lo:hi])
+                left = part if source is None or not fresh else source[lo:hi]
+                # reduce_into, inline (its checks made once for the template).
+                if slow_reduce:
+                    reduce_into(ufunc, part, body, left)
+                elif quiet is None:
+                    ufunc(left, _frombuffer(body, dtype, hi - lo), part)
+                else:
+                    token = quiet[0].set(quiet[1])
+                    try:
+                        ufunc(left, _frombuffer(body, dtype, hi - lo), part)
+                    finally:
+                        quiet[0].reset(token)
             if recv.final and finalize is not None and hi > lo:
-                finalize(work[lo:hi])
+                finalize(part)
             port.take(header)
             for send in then:
                 if not post(work, source, send, key, epoch, ready, told):
@@ -237,13 +263,13 @@ class Repeat:
                 posted += 1
         self._express.repeats += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one.
-        self._ops.ran(key)
+        self._done.add(key)  # OpTable.ran, inline
         return True
 
     def _post(self, work: np.ndarray, source: np.ndarray | None, send: _Send,
               key: OpKey, epoch: int, ready: set[int], told: set[int]) -> bool:
         """:func:`.smallpath.post_data` for this template's send."""
-        port, peer, lo, hi, step, piece, nbytes, to_source, from_source = send
+        port, peer, lo, hi, step, piece, nbytes, to_source, from_source, whole = send
         ledger = self._ledger
         flags = 0
         if peer not in ready:
@@ -259,7 +285,8 @@ class Repeat:
         if from_source:
             assert source is not None
             work = source
-        if not port.post_now(header, work[lo:hi].data.cast("B") if nbytes else None):
+        body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
+        if not port.post_now(header, body):
             if flags & FLAG_CREDITED:
                 ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
             ledger.restore_owed(peer, credit)

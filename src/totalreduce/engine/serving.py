@@ -43,7 +43,9 @@ class JoinServer:
             self._early_headers.put(header.op_key, header)
 
     def forget(self, key: OpKey) -> None:
-        self._early_headers.pop(key)
+        headers = self._early_headers
+        if headers.entries:  # nearly always empty, and this is asked on every small op
+            headers.pop(key)
 
     def begin(self, server: Server) -> list[Header]:
         """Serve from now on; returns the READYs kept so far (ops that may wait on us)."""
