@@ -126,6 +126,9 @@ class SelfGuided(GatheringOps):
         # (dtype, shape, op, name) -> what its small blocking allreduces share.
         self._small: LRU[tuple[Any, ...], OpTemplate] = LRU(_SPEC_CACHE)
         self._barrier: OpTemplate | None = None
+        # What every repeated barrier reduces: its result is never read, so calls (even
+        # at once, on several threads) may share it, and a call allocates nothing.
+        self._barrier_byte = np.zeros(1, np.uint8)
         # Broadcasts' templates (with the root's index in the set), by broadcast_key;
         # allgathers' and alltoalls' plans, by gather_key.
         self._broadcasts: LRU[tuple[Any, ...], tuple[OpTemplate, int]] = LRU(_SPEC_CACHE)
@@ -314,10 +317,12 @@ class SelfGuided(GatheringOps):
             if not (flags.c_contiguous and flags.writeable):
                 return None
         key = (x.dtype, x.shape, op, name)
+        entries = self._small.entries
         with self._lock:
-            plan = self._small.get(key)
-        if plan is None:
-            return None
+            plan = entries.get(key)  # LRU.get, inline
+            if plan is None:
+                return None
+            entries.move_to_end(key)
         repeat = plan.repeat
         if repeat is None or priority:
             spec, result = self._small_spec(plan, x, name, priority, inplace)
@@ -356,7 +361,7 @@ class SelfGuided(GatheringOps):
         if plan.repeat is not None:
             # While the engine is idle; else (Repeat.run refuses) on the urgent lane, past
             # whatever is in flight, as every barrier ran before.
-            self._repeat(plan.repeat, np.zeros(1, np.uint8), None)
+            self._repeat(plan.repeat, self._barrier_byte, None)
             return True
         spec = self._barrier_spec()
         if not plan.repeat_tried:
