@@ -135,6 +135,24 @@ def test_ledger_spends_returns_and_asks_to_send_once_a_quarter_is_owed() -> None
     assert ledger.pop_early((5, 0)) == {1, 2} and ledger.pop_early((5, 0)) == set()
 
 
+def test_ledger_terms_and_settle_do_what_their_two_calls_each_do() -> None:
+    wants: list[int] = []
+    ledger = CreditLedger([1, 2], 4096, wants.append)
+    ledger.owe(1, 300)
+    assert ledger.terms(1, 1000) == 300  # spent 1000, and the 300 owed go on the message
+    assert ledger.credit(1) == 3096 and ledger.take_owed(1) == 0
+    assert ledger.terms(1, 4000) == -1  # not enough: nothing taken, nothing collected
+    ledger.owe(1, 10)
+    assert ledger.terms(1, 4000) == -1 and ledger.credit(1) == 3096
+    assert ledger.terms(1, -1) == 10  # a ready peer: no credit spent, the owed collected
+    assert ledger.credit(1) == 3096
+    assert ledger.terms(2, 0) == 0 and ledger.credit(2) == 4096 - 64  # a header's worth
+    ledger.settle(1, 1000, 0)
+    assert ledger.credit(1) == 4096 and wants == []
+    ledger.settle(2, 0, 1100)  # 1100 owed >= 4096 / 4: ask to send
+    assert wants == [2] and ledger.take_owed(2) == 1100
+
+
 # --- the outbox ------------------------------------------------------------------------
 
 

@@ -40,6 +40,9 @@ class Timeline:
     def __init__(self, path: str | None, rank: int) -> None:
         self._rank = rank
         self._file: IO[str] | None = None
+        # Whether a trace is being written: a plain attribute, not a property, since every
+        # small op asks.
+        self.active = False
         self._lock = threading.Lock()
         self._rows: LRU[str, int] = LRU(_ROWS, self._row_freed)
         self._free_rows: list[int] = []
@@ -47,10 +50,6 @@ class Timeline:
         self._epoch = self._flushed = time.monotonic()
         if path:
             self.start(path)
-
-    @property
-    def active(self) -> bool:
-        return self._file is not None
 
     def start(self, path: str) -> None:
         """Write to ``path`` from now on (a trace being written is closed first)."""
@@ -61,6 +60,7 @@ class Timeline:
         with self._lock:
             self._file = open(path, "w")  # noqa: SIM115 - open until close()
             self._file.write("[\n")
+            self.active = True
             # A new file needs its rows named again.
             self._rows = LRU(_ROWS, self._row_freed)
             self._free_rows = []
@@ -84,6 +84,7 @@ class Timeline:
                 return
             self._file.write(json.dumps({"name": "end", "ph": "i", "s": "p", "pid": self._rank,
                                          "tid": 0, "ts": self._now()}) + "\n]\n")
+            self.active = False
             self._file.close()
             self._file = None
 

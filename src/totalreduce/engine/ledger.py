@@ -58,6 +58,31 @@ class CreditLedger:
         self._credit[peer] = left
         return True
 
+    def terms(self, peer: int, nbytes: int) -> int:
+        """For one message to ``peer`` about to go: take the credit for a body of ``nbytes``
+        sent ahead of its READY (-1: none, the peer is ready), and the credit owed to
+        ``peer`` (returned: it goes on the message, and is no longer owed); -1, nothing
+        taken, when there is not enough.  :meth:`spend` and :meth:`take_owed` in one call,
+        for the small ops that pay both on every message."""
+        if nbytes >= 0:
+            left = self._credit[peer] - (nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
+            if left < 0:
+                return -1
+            self._credit[peer] = left
+        owed = self._owed[peer]
+        self._owed[peer] = 0
+        return owed
+
+    def settle(self, peer: int, credit: int, charge: int) -> None:
+        """A message from ``peer`` was consumed: it returned ``credit`` and cost ``peer``
+        ``charge`` (now owed): :meth:`grant` and :meth:`owe` in one call."""
+        self._credit[peer] += credit
+        if charge:
+            owed = self._owed[peer] + charge
+            self._owed[peer] = owed
+            if owed >= self._return_at:
+                self._want_send(peer)
+
     def grant(self, peer: int, credit: int) -> None:
         """``peer`` returned credit (on any header)."""
         self._credit[peer] += credit

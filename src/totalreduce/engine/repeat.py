@@ -27,9 +27,10 @@ from ..transport.wire import (
     FLAG_READY,
     HEADER_SIZE,
     KIND_DATA,
+    MAGIC,
     Header,
     Kind,
-    pack_header,
+    pack_fields,
 )
 from .driving import Driver
 from .express import Chain, Express
@@ -224,12 +225,14 @@ class Repeat:
                 return self._hand_over(work, source, key, epoch, ready, told, done, posted,
                                        False)
             credit = header.credit
-            if credit:
-                ledger.grant(peer, credit)
-                self._unpark(peer)
             flags = header.flags
             if flags & FLAG_CREDITED:
-                ledger.owe(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)  # charge_of
+                ledger.settle(peer, credit,
+                              nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)  # charge_of
+            elif credit:
+                ledger.grant(peer, credit)
+            if credit:
+                self._unpark(peer)
             if flags & FLAG_READY:
                 ready.add(peer)
             lo, hi = recv.lo, recv.hi
@@ -271,17 +274,17 @@ class Repeat:
         """:func:`.smallpath.post_data` for this template's send."""
         port, peer, lo, hi, step, piece, nbytes, to_source, from_source, whole = send
         ledger = self._ledger
-        flags = 0
-        if peer not in ready:
-            if not ledger.spend(peer, nbytes):
-                return False
-            flags = FLAG_CREDITED
+        flags = 0 if peer in ready else FLAG_CREDITED
+        credit = ledger.terms(peer, nbytes if flags else -1)
+        if credit < 0:
+            return False
         tell = to_source and peer not in told
         if tell:
             flags |= FLAG_READY
-        credit = ledger.take_owed(peer)
-        header = pack_header(KIND_DATA, self._code, flags, step, key[0], key[1], self._sig,
-                             piece, nbytes, self._count, credit, self._recipe, epoch)
+        # pack_header, its fields in wire order without the call between.
+        header = pack_fields(MAGIC, KIND_DATA, self._code, flags, self._recipe, step, key[0],
+                       key[1], self._sig, piece, epoch & 0xFFFFFFFF, nbytes, self._count,
+                       credit)
         if from_source:
             assert source is not None
             work = source

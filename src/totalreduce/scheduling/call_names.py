@@ -45,9 +45,12 @@ class CallNames:
 
     def next_call(self, key: str) -> OpKey:
         """This rank's next call of ``key`` (any thread): (name hash, call count)."""
+        names = self._names.entries
         with self._lock:
-            entry = self._names.get(key)
-            if entry is None:
+            entry = names.get(key)  # LRU.get, inline: every call of every op
+            if entry is not None:
+                names.move_to_end(key)
+            else:
                 generation = self._generations.pop(key) or 0
                 h = hash64(f"{key}\x00{generation}" if generation else key)
                 entry = [h, self._served_next.pop(h) or 0, generation]
