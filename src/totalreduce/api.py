@@ -189,14 +189,7 @@ def allreduce_(x: np.ndarray, op: ReduceOp = Average, name: str | None = None,
                priority: int = 0,
     process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``x``."""
-    # _blocking_allreduce, inline: a training loop's small in-place allreduces pay for
-    # every call on the way.
-    ops = _ops(process_set, "allreduce_")
-    done = ops.allreduce_now(x, op, name, priority, True)
-    if done is not None:
-        return done
-    with ops.caller_waits():
-        return ops.allreduce(x, op, name, priority, inplace=True).wait()
+    return _blocking_allreduce(x, op, name, priority, process_set, True)
 
 
 def _blocking_allreduce(x: Any, op: ReduceOp, name: str | None, priority: int,
