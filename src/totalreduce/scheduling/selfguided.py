@@ -332,7 +332,8 @@ class SelfGuided(GatheringOps):
                     spec, functools.partial(self._label, "allreduce", name))
             self._run_blocking(spec)
             return result
-        work = x.ravel() if inplace else x.flatten()
+        # A flat x is its own working buffer: ravel() would make a view of it each call.
+        work = (x if x.ndim == 1 else x.ravel()) if inplace else x.flatten()
         self._repeat(repeat, work, name)
         return x if inplace else work.reshape(x.shape)
 
