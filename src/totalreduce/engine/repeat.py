@@ -226,11 +226,10 @@ class Repeat:
                                        False)
             credit = header.credit
             flags = header.flags
-            if flags & FLAG_CREDITED:
-                ledger.settle(peer, credit,
-                              nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)  # charge_of
-            elif credit:
-                ledger.grant(peer, credit)
+            charge = 0 if not flags & FLAG_CREDITED else \
+                nbytes if nbytes > HEADER_SIZE else HEADER_SIZE  # charge_of
+            if credit or charge:
+                ledger.settle(peer, credit, charge)
             if credit:
                 self._unpark(peer)
             if flags & FLAG_READY:

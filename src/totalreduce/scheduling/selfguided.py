@@ -307,16 +307,9 @@ class SelfGuided(GatheringOps):
         its end on this thread: its result.  None, with nothing done, where it is not one:
         call :meth:`allreduce` and wait.  Skips the handle and the hand-off through
         :meth:`caller_waits`, each a share of a small op's cost."""
-        # _small_key, inline: every repeated small allreduce asks.
-        if (type(x) is not np.ndarray or type(op) is not ReduceOp
-                or (name is not None and type(name) is not str) or self._direct_bytes <= 0
-                or x.nbytes > self._direct_ring):
+        key = self._small_key(x, op, name, inplace)
+        if key is None:
             return None
-        if inplace:
-            flags = x.flags
-            if not (flags.c_contiguous and flags.writeable):
-                return None
-        key = (x.dtype, x.shape, op, name)
         entries = self._small.entries
         with self._lock:
             plan = entries.get(key)  # LRU.get, inline
