@@ -76,6 +76,17 @@ def test_small_tensors_are_fused(n: int) -> None:
         assert got["fused_ops"] >= 1, got
 
 
+def test_repeated_fused_steps_reuse_their_layout_and_stay_right() -> None:
+    # A ten-second cycle: each step's tensors are taken together, in the cycle its first
+    # wait begins, so every step is one fused cycle.
+    env = dict(NEGOTIATED, TOTALREDUCE_CYCLE_TIME_MS="10000")
+    result = run_ok(2, "workers:negotiated_fused_steps", {}, env=env, timeout=90)
+    for r in range(2):
+        got = result.report(r)
+        # 8 steps, the first and the one after the shape change laid out afresh.
+        assert got["fused_ops"] >= 8 and got["repeated"] >= 4, got
+
+
 def _load_trace(path: Path) -> list[dict]:
     text = path.read_text()
     if not text.rstrip().endswith("]"):

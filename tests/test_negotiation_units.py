@@ -59,6 +59,27 @@ def test_cache_positions_are_the_same_for_the_same_sequence_of_changes() -> None
     assert len(cache) == 2 and cache.evictions == 1
 
 
+def test_cache_ready_touches_and_gives_a_repeated_set_the_same_list() -> None:
+    cache = ResponseCache(3)
+    for name in ("a", "b", "c"):
+        cache.put(_resp(name))
+    a, b, c = (_lookup(cache, n, _resp(n).params)[1] for n in "abc")
+    first = cache.ready(sorted([a, c]))
+    assert [r.name for r in first] == ["a", "c"]
+    assert cache.ready([b]) is not first
+    assert cache.ready(sorted([a, c])) is first  # nothing put or evicted between
+    # The repeated set was touched again: b, not a, is the least recently used.
+    cache.put(_resp("d"))
+    assert _lookup(cache, "b", _resp("b").params) == ("miss", -1)
+    assert _lookup(cache, "a", _resp("a").params)[0] == "hit"
+    d = _lookup(cache, "d", _resp("d").params)[1]
+    again = cache.ready(sorted([c, d]))
+    assert [r.name for r in again] == ["d", "c"]  # d has b's bit: in bit order
+    cache.evict(c)  # an eviction: the set's list is made afresh
+    assert [r.name for r in cache.ready(sorted([c, d]))] == ["d"]
+    assert cache.ready([]) == []
+
+
 def test_cache_of_capacity_zero_keeps_nothing() -> None:
     cache = ResponseCache(0)
     cache.put(_resp("a"))

@@ -1292,6 +1292,47 @@ def negotiated_fusion(arg: dict) -> None:
            tensors=after["tensors"] - before["tensors"])
 
 
+def negotiated_fused_steps(arg: dict) -> None:
+    """Steps of the same small tensors, fused: in place and not, of several shapes (0-d,
+    2-d, a strided view), a barrier between steps, new values every step, and one
+    tensor whose shape changes midway.  Reports how many cycles ran a kept layout."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    shapes = [(), (3,), (2, 3), (5,), (1,), (4, 2), (7,), (3,)]
+
+    def value(i: int, step: int, r: int, shape: tuple[int, ...]) -> np.ndarray:
+        size = int(np.prod(shape))
+        return (np.arange(size, dtype=np.float64).reshape(shape) + i * 10 + step) * (r + 1)
+
+    before = current().collectives.stats()
+    for step in range(8):
+        steps = list(shapes)
+        if step >= 5:
+            steps[3] = (6,)  # renegotiated, then repeated again
+        arrays = [np.zeros(s, np.float64) for s in steps]
+        arrays[7] = np.zeros(6, np.float64)[::2]  # in place: written through its strides
+        handles = []
+        for i, (arr, shape) in enumerate(zip(arrays, steps, strict=True)):
+            arr[...] = value(i, step, rank, shape)
+            if i % 2:
+                handles.append(tr.allreduce_async_(arr, op=tr.Sum, name=f"fs.{i}"))
+            else:
+                handles.append(tr.allreduce_async(arr, op=tr.Sum, name=f"fs.{i}"))
+        for i, (h, shape) in enumerate(zip(handles, steps, strict=True)):
+            want = sum(value(i, step, r, shape) for r in range(n))
+            got = h.wait()
+            assert_same(np.asarray(got), want, f"step {step} fs.{i}")
+            if i % 2:
+                assert got is arrays[i]
+        tr.barrier()
+    after = current().collectives.stats()
+    tr.shutdown()
+    report(repeated=after["cycles_repeated"] - before["cycles_repeated"],
+           fused_ops=after["fused_ops"] - before["fused_ops"])
+
+
 def timeline_run(arg: dict) -> None:
     """A few steps of small fused tensors and a bigger one, with the timeline on."""
     tr.init()
