@@ -46,7 +46,7 @@ def test_cache_positions_are_the_same_for_the_same_sequence_of_changes() -> None
             elif step % 7 == 0:
                 cache.evict(bit)
             else:
-                cache.ready([bit])
+                cache.ready(np.array([bit]))
         return [None if (r := cache.at(b)) is None else r.name for b in range(8)]
 
     assert replay(1) == replay(1)  # every rank makes the same changes: same bits
@@ -64,20 +64,20 @@ def test_cache_ready_touches_and_gives_a_repeated_set_the_same_list() -> None:
     for name in ("a", "b", "c"):
         cache.put(_resp(name))
     a, b, c = (_lookup(cache, n, _resp(n).params)[1] for n in "abc")
-    first = cache.ready(sorted([a, c]))
+    first = cache.ready(np.array(sorted([a, c])))
     assert [r.name for r in first] == ["a", "c"]
-    assert cache.ready([b]) is not first
-    assert cache.ready(sorted([a, c])) is first  # nothing put or evicted between
+    assert cache.ready(np.array([b])) is not first
+    assert cache.ready(np.array(sorted([a, c]))) is first  # nothing put or evicted between
     # The repeated set was touched again: b, not a, is the least recently used.
     cache.put(_resp("d"))
     assert _lookup(cache, "b", _resp("b").params) == ("miss", -1)
     assert _lookup(cache, "a", _resp("a").params)[0] == "hit"
     d = _lookup(cache, "d", _resp("d").params)[1]
-    again = cache.ready(sorted([c, d]))
+    again = cache.ready(np.array(sorted([c, d])))
     assert [r.name for r in again] == ["d", "c"]  # d has b's bit: in bit order
     cache.evict(c)  # an eviction: the set's list is made afresh
-    assert [r.name for r in cache.ready(sorted([c, d]))] == ["d"]
-    assert cache.ready([]) == []
+    assert [r.name for r in cache.ready(np.array(sorted([c, d])))] == ["d"]
+    assert cache.ready(np.array([], np.int64)) == []
 
 
 def test_cache_of_capacity_zero_keeps_nothing() -> None:

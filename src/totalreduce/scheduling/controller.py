@@ -236,7 +236,7 @@ class Controller:
         bits = self._vote(hit_bits, invalid, bool(uncached) or joining)
         if not bits[_INVALID]:
             self._evict_invalid(invalid)
-        responses = self._cache.ready(np.flatnonzero(self._cache_bits).tolist())
+        responses = self._cache.ready(np.flatnonzero(self._cache_bits))
         self._others_joined = not bits[_NONE_JOINED]
         if not bits[_UNCACHED]:
             if joining:
@@ -261,12 +261,13 @@ class Controller:
                 self._join, self._joined_at = request, self.counts["cycles"]
                 joining = True
                 continue
-            if request.name in pending:
+            name = request.name
+            if name in pending:
                 request.resolve(ValueError(
-                    f"rank {self.rank}: a collective named '{request.name}' is still in "
+                    f"rank {self.rank}: a collective named '{name}' is still in "
                     "flight; names must be unique among pending collectives"))
                 continue
-            pending[request.name] = request
+            pending[name] = request
         return joining
 
     def _classify(self) -> tuple[list[int], list[int], list[Request]]:
