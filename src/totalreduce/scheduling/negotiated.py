@@ -36,7 +36,7 @@ from .controller import Controller
 from .handle import FutureHandle, Handle
 from .ops import ReduceOp
 from .protocol import NothingAtOnce
-from .requests import ParamsTable, Request, params_of
+from .requests import GatherRequest, ParamsTable, Request, params_of
 from .selfguided import SelfGuided
 
 _PARAMS_ENTRIES = 4096
@@ -81,8 +81,12 @@ class Negotiated(NothingAtOnce):
                  splits: Any = None, out: np.ndarray | None = None,
                  same_shape: bool = False) -> Request:
         """The request, submitted: it is also the handle the caller waits on."""
-        request = Request(self._name(kind, name), params_of(kind, arr, op, root), arr,
-                          inplace, priority, splits, out, same_shape)
+        params = params_of(kind, arr, op, root)
+        if kind in ("allgather", "alltoall"):
+            request: Request = GatherRequest(self._name(kind, name), params, arr, priority,
+                                             splits, out, same_shape)
+        else:
+            request = Request(self._name(kind, name), params, arr, inplace, priority)
         self._controller.submit(request)
         return request
 

@@ -69,12 +69,17 @@ class Request(OpFuture, Handle):
     future the cycle resolves and the handle the application waits on: one object per
     tensor, since a training step may submit thousands of tiny ones."""
 
-    __slots__ = ("name", "params", "kind", "array", "inplace", "priority", "splits",
-                 "out", "same_shape", "result", "t_submit", "t_ready")
+    __slots__ = ("name", "params", "kind", "array", "inplace", "priority", "result",
+                 "t_submit", "t_ready")
+
+    # An allgather's and an alltoall's own arguments (GatherRequest sets them): class
+    # defaults, so that a step's thousands of tiny allreduces do not store them each.
+    splits: Any = None
+    out: np.ndarray | None = None  # where the result goes (out=)
+    same_shape = False  # every rank's shape alike
 
     def __init__(self, name: str, params: Params, array: np.ndarray | None, inplace: bool,
-                 priority: int, splits: Any = None, out: np.ndarray | None = None,
-                 same_shape: bool = False) -> None:
+                 priority: int) -> None:
         # OpFuture's fields, set here rather than through super().__init__(): one call
         # less for each tiny tensor.  No waiter: the cycle thread does the work, so a
         # waiting thread sleeps.
@@ -89,9 +94,6 @@ class Request(OpFuture, Handle):
         self.array = array
         self.inplace = inplace
         self.priority = priority
-        self.splits = splits
-        self.out = out  # allgather and alltoall: where the result goes (out=)
-        self.same_shape = same_shape  # allgather and alltoall: every rank's shape alike
         self.result: Any = array if inplace else None
         self.t_submit = time.monotonic()
         self.t_ready = 0.0
@@ -123,6 +125,19 @@ class Request(OpFuture, Handle):
     def wire(self) -> list[Any]:
         kind, dtype, shape, op, root = self.params
         return [self.name, kind, dtype, list(shape), op, root]
+
+
+class GatherRequest(Request):
+    """An allgather's or alltoall's request: its splits, ``out`` and ``same_shape``."""
+
+    __slots__ = ("splits", "out", "same_shape")
+
+    def __init__(self, name: str, params: Params, array: np.ndarray | None, priority: int,
+                 splits: Any, out: np.ndarray | None, same_shape: bool) -> None:
+        super().__init__(name, params, array, False, priority)
+        self.splits = splits
+        self.out = out
+        self.same_shape = same_shape
 
 
 def params_from_wire(item: list[Any]) -> tuple[str, Params]:
