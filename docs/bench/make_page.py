@@ -243,9 +243,8 @@ reduction), many times MPI's C: half of a call is what
 a bare loop over the same rings takes (post, poll, add, release), the other half the
 engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The noisy host
 moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks the
-8-byte allreduce took 6.6x MPI's time here and 6.7x in another run of the same commit
-(4.8-7.4x in runs of totalreduce and MPI alone, median 6.1x), the barrier 5.8x and 5.0x
-(3.7-6.1x, median 5.4x).
+8-byte allreduce took 7.5x MPI's time here (4.8-7.4x in runs of totalreduce and MPI
+alone, median 6.1x), the barrier 6.0x (3.7-6.1x, median 5.4x).
 At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
 {table("latency")[1]}
@@ -343,19 +342,19 @@ ranks) + MPI's flat allreduce time in the same run.
 The urgent op here is blocking, issued after a barrier, the big op's start and a 2 ms
 sleep. `small alone after the delay` is the same call after the same barrier and sleep
 with no big op: waking from the sleep costs more than a small op does (MPI's: 5 us back
-to back, 17 us after the sleep; ours: 26 and 145 us), so `time / alone after the delay`
+to back, 17 us after the sleep; ours: 26 and 145 us, in a run of their own), so `time / alone after the delay`
 is what the big op adds, and `small alone` (back to back) is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.250
-ms here against 0.185 ms alone after the delay (1.35x; 1.25x in a run of the same commit
-on a busier host, where MPI's own op took 0.78 ms alone after the delay against 0.08
-here). What is left is the caller's Python running slower while the big op's copies
+and without the big op's records ahead of it in the ring, which is read in order: 0.269
+ms here against 0.169 ms alone after the delay (1.59x; 1.25-1.35x in other runs, one of
+them on a busier host, where MPI's own op took 0.78 ms alone after the delay against
+0.05-0.08 usually). What is left is the caller's Python running slower while the big op's copies
 take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
 to the op's start (35-75 us after the same sleep with no big op), 20-35 us to post its
 message (15-20) and 30-70 us waiting for the peer's, whose own start comes as late; the
-slow tail (p90 1.1 ms) is a peer whose thread got its core late. Neither a nap of the
+slow tail (p90 2.1 ms) is a peer whose thread got its core late. Neither a nap of the
 loop's thread while an urgent op runs, nor yielding the core between looks at the lane
 (5x slower), nor busy-polling the whole 2 ms before a nap (no change), did better.
 
@@ -387,8 +386,8 @@ allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
 it does not wait behind the big op's bytes in the kernel's buffers: 0.656 ms against
-0.227 ms alone after the delay here (2.89x; 12.5x in the busier run, 2.0-6.0x in other
-runs). Its slow tail (p90 1.6 ms) is the two ranks' calls
+0.267 ms alone after the delay here (2.46x; 12.5x in a busier run, 2.0-6.0x in other
+runs). Its slow tail (p90 2.3 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -398,9 +397,10 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 1.244 ms against 0.190 ms alone after the delay (6.55x; p90 3.4
-ms, a peer's thread that the progress thread's turns at the GIL hold back; 22.4x in the
-busier run, 1.8-9.3x in other runs). As an MPI tag
+(transport/ring_lane.py): 1.414 ms against 0.167 ms alone after the delay (8.49x; p90 4.3
+ms, a peer's thread that waits for its core and the GIL while the progress thread's MPI
+calls run; 22.4x in a busier run, 1.8-9.3x in other runs; the median moves between 0.2
+and 2 ms from run to run, and a shorter switch interval did not move it). As an MPI tag
 of its own, which a peer on another host still gets, it went through MPICH, which lets
 one thread into the library at a time and moves the big op's bytes inside the calls the
 urgent op makes: 0.3-2.9 ms at the median in alternated runs, against 0.5-0.7 with the
@@ -425,19 +425,22 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 114.5
-against 66.1 µs at 2 ranks). The cache cuts the cost another 5.4x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 98.9
+against 61.4 µs at 2 ranks). The cache cuts the cost another 7.4x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 5.9 µs per op at 2 ranks, 3.4x faster than 1,000 of MPI's
-`Iallreduce` (20.0 µs each), and 17.7 µs at 4 ranks (four processes on two cores), 7.7x
-faster than MPI's 135.5. On the slower AMD VM (see Environment) it took 7.9 and 22.2 µs.
-It varies with the host (5.3 to 6.8 µs between the 10th and 90th percentiles at 2
-ranks here, 3.2 to 6.0 µs at the median in other runs): the whole cost is Python on the
-submitting thread and the cycle thread. Per tensor, the submit takes about 1 µs (a
-tensor whose dtype, op and shape were seen before skips the argument checks and makes
-one new object); the cycle's classification, the fusion copies in and out and the
-completion take about as much again.
+cache and fusion, takes 4.4 µs per op at 2 ranks, 4.4x faster than 1,000 of MPI's
+`Iallreduce` (19.5 µs each), and 12.4 µs at 4 ranks (four processes on two cores), 9.5x
+faster than MPI's 118.3. On the slower AMD VM (see Environment), before the cycle reused
+a repeated step's fusion runs, it took 7.9 and 22.2 µs. It varies with the host (4.2 to
+6.6 µs between the 10th and 90th percentiles at 2 ranks here, 4.5 to 6.2 µs at the median
+in other runs): the whole cost is Python on the submitting thread and the cycle thread.
+Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
+seen before skips the argument checks and makes one new object); the cycle's taking,
+classifying, fusion copies and completion about 1 µs, since a cycle that readies the same
+cached tensors as a recent one reuses that cycle's fusion runs and the views of its
+buffer (DESIGN-NOTES, negotiated coordination); the rest is the two small allreduces of
+the cycle, most of it waiting for the other rank.
 
 **A lone blocking op**: the latency table's loop (8-byte allreduces, then barriers, back
 to back) in both modes. `{command("latency-neg")}` (`docs/bench/latency-neg.txt`):
@@ -449,8 +452,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-309 and 263 µs for the allreduce and the barrier at 2 ranks, 11-12x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (1.16 ms for both). A
+296 and 251 µs for the allreduce and the barrier at 2 ranks, 12x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (1.20 and 1.24 ms). A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -460,10 +463,10 @@ cycle and a half at the median.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.68x (2 ranks) and 1.04x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.28x and 1.44x). Without fusion, each of the 161
+so it finishes within 0.73x (2 ranks) and 0.93x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.42x and 1.33x). Without fusion, each of the 161
 tensors then runs as an engine op of its own behind that wait, which in this run beat
-fusing the few that a cycle finds together at 2 ranks (0.88x) and ran level at 4 (1.47x;
+fusing the few that a cycle finds together at 2 ranks (0.98x) and ran level at 4 (1.35x;
 in earlier runs fusion won at 4 ranks, where the ops compete for two cores).
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
@@ -471,12 +474,11 @@ in earlier runs fusion won at 4 ranks, where the ops compete for two cores).
 
 {table("replay-neg")[1]}
 
-With all 102 MB ready at once, self-guided mode is faster in every mode but one: at 2
-ranks its grouped mode ran level with negotiated (93.0 ms against 92.3), its per-tensor
-mode took 87.0 against 92.2 and its optimizer mode 62.1 against 92.7. Fusing big tensors
-only adds a copy in and a copy out of every byte, and at 2 ranks turning fusion off bought
-nothing here (per-tensor 94.7 ms; it did in other runs). At 4 ranks negotiated
-per-tensor takes 246.6 ms, self-guided grouped 209.5.
+With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
+grouped mode took 56.0 ms against negotiated's 98.0, its per-tensor mode 61.6 against
+94.6 and its optimizer mode 50.9 against 98.9. Fusing big tensors only adds a copy in and
+a copy out of every byte, and at 2 ranks turning fusion off bought little here (per-tensor
+90.9 ms). At 4 ranks negotiated per-tensor takes 240.8 ms, self-guided grouped 220.6.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -502,14 +504,13 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
 are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
-the heavy-tailed values is the exception at 1 %: in one alltoall it beats dense at every
-rank count, 0.63-0.94x, and runs level at 2 % at 4 ranks, 1.02x; pipelined, at 4 ranks,
-0.74x and 0.97x). The point
+the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
+count, 0.56-0.95x at 1 % and 0.67-0.98x at 2 %; pipelined, at 4 ranks, 0.88x and 1.11x). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 2.8x at 4 ranks); with a core per rank and a
+cores, so one alltoall is faster here (up to 2.6x at 4 ranks); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
@@ -588,13 +589,13 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
-trains at about 0.36x allreduce's rate. With the straggler, removing the bound bought
-1.11x tau = 0's throughput in this run (0.90x to 1.44x in others: the straggler's own
-steps bound the time either way) and cost 1.1 points of accuracy (0.7 to 5.8 in those
-others); bounds of 1 and 4 keep tau = 0's accuracy within 0.3 points. Averaging every 4
+trains at about 0.30x allreduce's rate. With the straggler, removing the bound bought
+1.27x tau = 0's throughput in this run (0.90x to 1.44x in others: the straggler's own
+steps bound the time either way) and cost 2.7 points of accuracy (0.7 to 5.8 in those
+others); bounds of 1 and 4 keep tau = 0's accuracy within 0.5 points. Averaging every 4
 or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's loss costs
-0.52x of tau = 0's throughput without a straggler (a push waits for a second server's
-round trip) and 0.64x with one (0.73x and 0.74x in another run).
+0.62x of tau = 0's throughput without a straggler (a push waits for a second server's
+round trip) and 0.70x with one (0.52-0.73x and 0.64-0.74x in other runs).
 
 ## Across hosts
 
@@ -619,9 +620,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.179 s hierarchical at 64 MiB,
-against 0.190 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.25-1.44x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.176 s hierarchical at 64 MiB,
+against 0.156 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.25-1.39x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -639,7 +640,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.4-1.7x) turns into 0.73-1.04x dense's speed to 95 %: they need one to three
+samples/s (1.4-1.8x) turns into 0.72-1.07x dense's speed to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -819,31 +820,31 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 23.8 us at 2 ranks in the
-  latency table (MPI: 3.6 us, 6.6x; 4.8-7.4x in other runs), nearly all of it Python per
+- Small messages: a blocking allreduce of a few bytes costs 25.7 us at 2 ranks in the
+  latency table (MPI: 3.4 us, 7.5x; 4.8-7.4x in other runs), nearly all of it Python per
   op, even from a Repeat; over sockets or the MPI transport, which have no express lane,
-  149 and 130 us. A barrier takes 23.7 us (5.8x; 3.7-6.1x in other runs). Async small
-  allreduces, which the loop runs, cost about 66 us each self-guided (the `tiny` table).
+  146 and 134 us. A barrier takes 22.5 us (6.0x; 3.7-6.1x in other runs). Async small
+  allreduces, which the loop runs, cost about 61 us each self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.031 and 0.040 ms at 4 bytes in the 2-rank
-  table, a broadcast 0.034 ms, against MPI's 0.003-0.005). A repeated one skips its
+  data; `same_shape=True` makes it one (0.032 and 0.036 ms at 4 bytes in the 2-rank
+  table, a broadcast 0.040 ms, against MPI's 0.003-0.006). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 1.38x MPI at 1 MB, 1.06x at 4 MB and 0.81x at
-  16 MB, 1.62-1.70x from 64 MB; reducescatter 0.71-0.93x at 1-16 MB, 1.34-1.68x from
-  64 MB. MPICH's shared memory moves 1-16 MB at 3.5-6 GB/s of algorithm
+- The 2-rank collectives table: allreduce 1.17x MPI at 1 MB, 0.98x at 4 MB and 0.81x at
+  16 MB, 1.60-1.64x from 64 MB; reducescatter 0.92-1.00x at 1-16 MB, 1.54-1.59x from
+  64 MB. MPICH's shared memory moves 1-16 MB at 3-6 GB/s of algorithm
   bandwidth for the reductions here, which leaves a reduction little room: a 16 MB
-  allreduce costs us about 2.7 ms of copying and summing against MPI's 3.5 ms in all.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.63x at 1 MB,
-  0.77-0.81x at 4-16 MB, 0.92-0.93x from 64 MB; alltoall 0.39x at 1 MB (0.257 ms against
-  MPI's 0.099), 0.65-0.68x at 4-16 MB, 0.91-0.93x from 64 MB; broadcast 0.59x at 1 MB,
-  0.97x at 4 MB, 0.80x at 16 MB and 1.02-1.43x from 64 MB, where the receiver copies the root's
-  lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
-  8-15 GB/s, the speed of one plain copy of the bytes (a 16 MiB copy takes 1.59 ms here,
-  as does MPI's 16 MB broadcast). Repeated same-shape alltoalls
+  allreduce costs us about 2.7 ms of copying and summing against MPI's 4.0 ms in all.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.68x at 1 MB,
+  0.75-0.80x at 4-16 MB, 0.92-0.96x from 64 MB; alltoall 0.42x at 1 MB (0.265 ms against
+  MPI's 0.112), 0.61-0.66x at 4-16 MB, 0.81-0.89x from 64 MB; broadcast 0.55x at 1 MB,
+  0.82x at 4 MB, 0.76x at 16 MB, 0.97x at 64 MB and 1.33x at 256 MB, where the receiver
+  copies the root's lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI
+  moves these at 7-10 GB/s, about the speed of one plain copy of the bytes (a 16 MiB copy
+  takes 1.59 ms here, MPI's 16 MB broadcast 1.94 ms in this run). Repeated same-shape alltoalls
   up to 2 MiB and broadcasts up to the ring's bound run from a Repeat, and an alltoall
   copies its own block once its messages are out; what is left at 1 MB is Python per op
   (about 0.1 ms, a third to a half of the call) and per piece. From run to run on this
@@ -852,10 +853,10 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.17-0.64x), and from 64 MB reaches 0.77-0.89x for allreduce and reducescatter;
+  host (0.17-0.67x), and from 64 MB reaches 0.76-0.84x for allreduce and reducescatter;
   `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own allreduce and
-  reducescatter from 64 MB (1.29-1.88x), and reducescatter at 16 MB (1.21x), and trails
-  it below (0.27-0.96x).
+  reducescatter from 64 MB (1.30-1.80x), and reducescatter at 16 MB (1.13x), and trails
+  it below (0.29-0.95x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
@@ -875,16 +876,16 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (8.1x and 7.7x
-  MPI's 8-byte allreduce and barrier in the latency table; 0.12-0.15x in the 4-rank table,
-  where every call follows a barrier), and allreduces run at 0.56x MPI at 1 MB, 0.49x at
-  4 MB, 0.94x at 16 MB and 1.74x at 64 MB (0.36-1.21x at 1 MB and 0.45-0.8x at 4 MB in
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (7.5x and 8.1x
+  MPI's 8-byte allreduce and barrier in the latency table; 0.16-0.20x in the 4-rank table,
+  where every call follows a barrier), and allreduces run at 0.61x MPI at 1 MB, 0.48x at
+  4 MB, 0.91x at 16 MB and 1.54x at 64 MB (0.36-1.21x at 1 MB and 0.45-0.8x at 4 MB in
   other runs). Every hop waits for a peer to get a core; neither the small path's
   threshold, nor doubling up to 4 or 16 MB, nor recursive halving from 1 MB, nor longer
   spins before a hand-over did better.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.35x its time alone
-  after the same sleep over shared memory (1.2-2.1x in other runs), 2.9x over TCP
-  (2.0-12.5x) and 6.6x over the MPI transport (1.8-22.4x), each on its own lane (the
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.59x its time alone
+  after the same sleep over shared memory (1.2-2.1x in other runs), 2.5x over TCP
+  (2.0-12.5x) and 8.5x over the MPI transport (1.8-22.4x), each on its own lane (the
   preemption section; the widest figures from a run on a busier host). What is
   left is the two ranks' threads waking up to milliseconds apart while the big op's
   threads hold the cores and the GIL; an urgent op the loop runs (an async one) waits
