@@ -342,8 +342,9 @@ ranks) + MPI's flat allreduce time in the same run.
 The urgent op here is blocking, issued after a barrier, the big op's start and a 2 ms
 sleep. `small alone after the delay` is the same call after the same barrier and sleep
 with no big op: waking from the sleep costs more than a small op does (MPI's: 5 us back
-to back, 17 us after the sleep; ours: 26 and 145 us, in a run of their own), so `time / alone after the delay`
-is what the big op adds, and `small alone` (back to back) is the op's own cost. Over the
+to back, 17 us after the sleep; ours: 26 and 145 us, in a run of their own), so
+`time / alone after the delay` is what the big op adds, and `small alone` (back to back)
+is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
