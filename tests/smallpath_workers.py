@@ -621,3 +621,52 @@ def repeat_keeps_no_buffer(arg: dict) -> None:
     report(alive=sum(ref() is not None for ref in refs),
            repeats=stats["express_repeats"] + stats["express_repeats_handed_over"])
     tr.shutdown()
+
+
+def grouped_here(arg: dict) -> None:
+    """Blocking grouped allreduces (each small part to its end on the caller's thread)
+    beside ranks that call the async form, checked against numpy step by step; then one
+    whose big member differs on the last rank, which must fail on every rank at wait()
+    without leaving any rank waiting for the parts after it."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    shapes = [(3,), (0,), (70001,), (5, 7), (300, 300), (1,)]
+    before = current().engine.stats().get("direct_ops", 0)
+    for step in range(6):
+        per_rank = [[_inputs(100 * step + i, n, int(np.prod(s)), DTYPES[i % 4])[r]
+                     .reshape(s) for i, s in enumerate(shapes)] for r in range(n)]
+        mine = [a.copy() for a in per_rank[rank]]
+        # Rank by rank differently: blocking in place, blocking new, async in place.
+        way = (step + rank) % 3
+        if way == 0:
+            got = tr.grouped_allreduce_(mine, op=tr.Sum, name="g")
+            assert all(g is m for g, m in zip(got, mine, strict=True))
+        elif way == 1:
+            got = tr.grouped_allreduce(mine, op=tr.Sum, name="g")
+        else:
+            got = tr.grouped_allreduce_async_(mine, op=tr.Sum, name="g").wait()
+        for i, g in enumerate(got):
+            want = reference_reduce([per_rank[r][i] for r in range(n)], "Sum")
+            _close(g, want.astype(g.dtype), f"step {step} member {i}")
+    direct = current().engine.stats().get("direct_ops", 0) - before
+    def grouped(members: list[np.ndarray]) -> list[np.ndarray]:
+        if rank % 2 == 0:
+            return tr.grouped_allreduce_(members, op=tr.Sum, name="bad")
+        return tr.grouped_allreduce_async_(members, op=tr.Sum, name="bad").wait()
+
+    # The first member is a part of its own (over 128 KiB) and differs on one rank.
+    error = ""
+    try:
+        grouped([np.ones(40000 + (rank == n - 1), np.float32), np.ones(3, np.float32),
+                 np.ones(70001, np.float32)])
+    except tr.MismatchError as exc:
+        error = str(exc)
+    # The same call again, alike everywhere: every rank's parts after the failed one ran
+    # too, so each part's calls still line up rank by rank.
+    for member in grouped([np.ones(40000, np.float32), np.ones(3, np.float32),
+                           np.ones(70001, np.float32)]):
+        assert np.all(member == n), member[:4]
+    again = tr.allreduce(np.ones(2, np.float32), op=tr.Sum, name="after")
+    assert again.tolist() == [n, n], again
+    tr.shutdown()
+    report(direct=direct, error=error)

@@ -280,3 +280,13 @@ def test_repeated_reducescatters_reuse_plans_and_still_refuse_bad_calls(n: int) 
         # Sixty calls of one reducescatter made one plan.
         assert got["after"] == got["before"] + 1, got
     assert result.report(0)["refused"] > 0, result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_blocking_grouped_allreduces_run_their_parts_here_and_fail_alike(n: int) -> None:
+    result = run_ok(n, "smallpath_workers:grouped_here", {}, timeout=150)
+    for r in range(n):
+        got = result.report(r)
+        # Blocking calls ran some parts on the caller's thread (two of three steps).
+        assert got["direct"] > 0, result.explain()
+        assert "bad" in got["error"], result.explain()
