@@ -562,30 +562,25 @@ class Controller:
         def done(h: Handle) -> None:
             t2 = time.monotonic()
             error = h.error()
-            if error is None and pieces is not None:
-                for request, arr, piece in zip(requests, arrays, pieces, strict=True):
+            if error is None:
+                got = pieces
+                if got is None:
+                    got = []
+                    start = 0
+                    for arr in arrays:
+                        end = start + arr.size
+                        piece = buf[start:end]
+                        got.append(piece if arr.ndim == 1 else piece.reshape(arr.shape))
+                        start = end
+                    if views is not None:
+                        views[0] = (base, got)
+                for request, arr, piece in zip(requests, arrays, got, strict=True):
+                    # Assignment writes through any strides; only the shape must match.
+                    # (An in-place request's result is its array from the start.)
                     if request.inplace:
                         arr[...] = piece
                     else:
                         request.result = piece.copy()
-            elif error is None:
-                made = []
-                start = 0
-                for request, arr in zip(requests, arrays, strict=True):
-                    end = start + arr.size
-                    piece = buf[start:end]
-                    start = end
-                    if arr.ndim != 1:
-                        piece = piece.reshape(arr.shape)
-                    made.append(piece)
-                    if not request.inplace:
-                        request.result = piece.copy()
-                        continue
-                    # Assignment writes through any strides; only the shape must match.
-                    # (An in-place request's result is its array from the start.)
-                    arr[...] = piece
-                if views is not None:
-                    views[0] = (base, made)
             t3 = time.monotonic()
             self._buffers.give(buf)
             if timeline is not None and timeline.active:

@@ -486,7 +486,6 @@ class SelfGuided(GatheringOps):
                 fused[a.dtype].append(i)
         futures: list[OpFuture] = []
         outputs: list[tuple[list[int], np.ndarray, bool]] = []
-        here = self._engine.waits_here()
         for k, idx in enumerate(parts):
             gname = None if name is None else (name if len(parts) == 1 else f"{name}.{k}")
             ident = self._ident("grouped_allreduce", gname)
@@ -499,10 +498,8 @@ class SelfGuided(GatheringOps):
             view = {"kind": "grouped_allreduce", "dtype": str(dtype),
                     "shape": [list(arrs[i].shape) for i in idx], "op": rop.label}
             spec = self._reduce_spec(ident, view, dtype, work, rop, priority)
-            if here:
-                futures.extend(self._launch(spec, _nothing, self._direct_ring).futures)
-            else:
-                futures.append(self._engine.submit(spec))
+            # _launch runs it here when this thread waits for it, else submits it.
+            futures.extend(self._launch(spec, _nothing, self._direct_ring).futures)
             outputs.append((idx, work, writeback))
 
         def finish() -> list[np.ndarray]:
