@@ -85,6 +85,24 @@ def test_collectives_command_runs_and_reports_every_backend(tmp_path) -> None:
         assert b in proc.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(mpiexec() is None, reason="needs mpi4py and mpiexec")
+def test_floor_command_times_every_exchange_and_checks_their_sums(tmp_path) -> None:
+    out = tmp_path / "floor.json"
+    # 24 KiB halves in 5000-byte pieces: a short last piece, and the rings wrap.
+    proc = subprocess.run(
+        [sys.executable, "-m", "totalreduce.bench", "floor", "--sizes", "8,48K",
+         "--piece", "5000", "--reps", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [8, 48 << 10]
+    for row in rows:
+        assert {"mpi", "totalreduce", "bare ring"} <= set(row["ms"])
+        assert all(ms > 0 for ms in row["ms"].values())
+    assert "bare ring" in proc.stdout
+
+
 def test_convergence_summary_merges_ranks_and_finds_the_epoch_that_reaches_the_target(
         ) -> None:
     from totalreduce.bench.curves import summarize_curves

@@ -1,5 +1,5 @@
 """``python -m totalreduce.bench {collectives,latency,replay,skew,preempt,train,tiny,
-sparse,convergence,recovery,hosts,ps}``:
+sparse,convergence,recovery,hosts,ps,floor}``:
 side-by-side numbers.
 
 Each subcommand launches one job per (backend, world size) — totalreduce's under
@@ -35,7 +35,9 @@ alone: no other backend recovers; see ``recovery.py``).  ``hosts`` runs allreduc
 hosts simulated with network namespaces over rate-limited links, flat and hierarchical,
 next to the link's bound (root only; see ``hosts.py``).  ``ps`` compares allreduce,
 parameter averaging and the parameter server with and without a straggler (see
-``parameter_server.py``).
+``parameter_server.py``).  ``floor`` times a 2-rank allreduce against bare exchanges
+with no engine, two copies through the rings and one out of the peer's memory, op by op
+in one job beside MPI (see ``floor.py``).
 """
 
 from __future__ import annotations
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 
         hosts_main(argv[1:])
         return 0
+    if argv[:1] == ["floor"]:
+        from .floor import main as floor_main
+
+        return floor_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m totalreduce.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="test", required=True)
