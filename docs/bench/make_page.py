@@ -154,6 +154,29 @@ wholly in the other.
 
 {coll2}
 
+## The floor: a 2-rank allreduce with no engine
+
+`{command("floor-2")}` (`docs/bench/floor-2.txt`). One job of two ranks under `mpiexec`
+runs four allreduces of the same array in turn, op by op, so that all four see the same
+state of the host: MPI's, totalreduce's `allreduce_` over the rings, and two bare
+exchanges with no engine (numpy and two shared counters, no headers, credit or loop):
+`bare ring` copies each piece into a shared ring and reduces straight out of it, as the
+rings do; `bare cma` reads each piece out of the peer's memory (`process_vm_readv`) and
+adds it in, then reads the peer's reduced half straight into place, one copy a piece as
+lending does. Every result is checked against the sum. Since each op follows the others,
+whose buffers evict its own from the cache, totalreduce reads lower here than in its own
+job (the collectives table).
+
+{table("floor-2")[1]}
+
+The bare exchanges are what copying through memory allows here: from 1 to 16 MB the
+faster of the two runs 1.2-1.5x as fast as MPI, so no engine on these copies gets much
+further. The gap between them and totalreduce is the engine's own cost: its headers,
+credit, handlers and turns of the loop, about 0.1 ms a call at 1 MB. At 16 MB, where
+totalreduce lends its 2 MiB pieces, timestamps in one process pair put 70-130 us of
+handling between one piece's copy and the next's (the next record waits for a turn of
+the loop, which first posts the reduced piece), eight times a call.
+
 ## Allreduce, 4 ranks (4 processes on 2 cores)
 
 `{command("collectives-4")}`

@@ -39,6 +39,7 @@ JOBS = (
         "--reps-scale 0.5 --plot collectives-2.png"),
     Job("collectives-4", "python -m totalreduce.bench collectives -n 4 --ops allreduce "
         "--sizes 4,1K,64K,1M,4M,16M,64M --rounds 2 --plot collectives-4.png"),
+    Job("floor-2", "python -m totalreduce.bench floor --sizes 1M,4M,16M,64M --reps 60"),
     Job("latency", "python -m totalreduce.bench latency -n 2,4 --rounds 3"),
     Job("tiny-neg", "python -m totalreduce.bench tiny -n 2,4 --rounds 4 --reps 10"),
     Job("latency-neg", "python -m totalreduce.bench latency -n 2,4 --backends "
