@@ -161,6 +161,26 @@ def repeated_calls(arg: dict) -> None:
             want = want.astype(dtype)
         assert got.shape == shape and got.dtype == dtype, (i, got.shape, got.dtype)
         _close(got, np.asarray(want).astype(dtype), f"step {i}: {name} {dtype} {shape}")
+    # A kept template's dtype, shape, op and name on arrays it cannot run in place: a
+    # strided view (the general path, still right, its gaps untouched), a read-only array
+    # (refused before anything is sent) and a name that is not a string (likewise).
+    for _ in range(3):
+        tr.allreduce_(np.full(3, rank + 1.0, np.float32), op=tr.Sum, name="tail")
+    spaced = np.full(6, rank + 1.0, np.float32)
+    got = tr.allreduce_(spaced[::2], op=tr.Sum, name="tail")
+    assert np.array_equal(got, np.full(3, n * (n + 1) / 2)), got
+    assert np.array_equal(spaced[::2], got) and np.all(spaced[1::2] == rank + 1), spaced
+    frozen = np.full(3, 1.0, np.float32)
+    frozen.flags.writeable = False
+    for bad, kwargs in ((frozen, {"name": "tail"}), (np.ones(3, np.float32), {"name": ["tail"]})):
+        try:
+            tr.allreduce_(bad, op=tr.Sum, **kwargs)
+        except (TypeError, ValueError) as exc:
+            assert "read-only" in str(exc) or "name" in str(exc), exc
+        else:
+            raise AssertionError(f"allreduce_ took {kwargs} on a bad call")
+    got = tr.allreduce_(np.full(3, rank + 1.0, np.float32), op=tr.Sum, name="tail")
+    assert np.array_equal(got, np.full(3, n * (n + 1) / 2)), got
     stats = current().engine.stats()
     report(direct=stats["direct_ops"], caught_up=stats["direct_caught_up"],
            handed_over=stats["direct_handed_over"], floating=stats["floating_bytes"],

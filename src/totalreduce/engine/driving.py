@@ -63,8 +63,11 @@ class Driver:
         self._step = loop.step
         self._wanted = loop.wanted
         self._closed = closed
-        self._lock = threading.Lock()
-        self._owner: int | None = None  # thread holding the lock (to refuse re-entry)
+        # Public for the engine's repeats (repeat.py), which take the lock as
+        # :meth:`exclusive` does without the call between: a small op comes through there
+        # every call.
+        self.lock = threading.Lock()
+        self.owner: int | None = None  # thread holding the lock (to refuse re-entry)
         # The progress thread sleeps here while callers drive.
         self._idle_lock = threading.Lock()
         self._idle = threading.Condition(self._idle_lock)
@@ -90,7 +93,7 @@ class Driver:
         ``future`` is done: the caller waits for it next anyway, and keeping the loop saves
         the trip back out and in again through wait(), which lies on the path of the rank
         that arrives last (a 4-byte allreduce at 2 ranks: 42 us instead of 50)."""
-        if not self._lock.acquire(False):
+        if not self.lock.acquire(False):
             self._transport.wake()  # whoever holds the lock picks the command up
             return
         if not getattr(self._local, "waits", 0):
@@ -112,18 +115,18 @@ class Driver:
     def exclusive(self, fn: Callable[[A], T], arg: A) -> T | bool:
         """``fn(arg)`` as the loop's driver, if no other thread drives now and the loop has
         not ended; False otherwise."""
-        lock = self._lock
+        lock = self.lock
         if not lock.acquire(False):  # positional: a keyword doubles the call's cost
             return False
         # As ``with self._driving``, spelled out: a small op comes through here every
         # call, and the context manager's two method calls were a measurable share.
-        self._owner = _get_ident()
+        self.owner = _get_ident()
         try:
             if self._loop.ended:
                 return False
             return fn(arg)
         finally:
-            self._owner = None
+            self.owner = None
             lock.release()
 
     def caller_waits(self) -> CallerWaits:
@@ -140,7 +143,7 @@ class Driver:
     def wait(self, future: OpFuture, timeout: float | None) -> bool:
         """Wait for ``future`` (any future resolved by the loop) by driving the loop on this
         thread whenever nobody else does.  Returns False on timeout."""
-        if self._owner == threading.get_ident():
+        if self.owner == threading.get_ident():
             raise TotalReduceError(
                 f"rank {self._rank}: an op was waited on from inside the engine loop (a "
                 "completion callback); that would deadlock. Wait from another thread.")
@@ -156,7 +159,7 @@ class Driver:
                 if self._closed.is_set():
                     return future.wait_event(left)
                 slice_ = HOUSEKEEPING if left is None else min(left, HOUSEKEEPING)
-                if not self._lock.acquire(timeout=min(slice_, 1e-3)):
+                if not self.lock.acquire(timeout=min(slice_, 1e-3)):
                     if not woke:
                         woke = True
                         self._transport.wake()  # a holder blocked in poll() lets go sooner
@@ -215,7 +218,7 @@ class Driver:
                 if idle is not None:
                     # Wait for I/O without the lock, so a caller can take over at any moment.
                     transport.wait(idle)
-            self._lock.acquire()
+            self.lock.acquire()
             with self._driving:
                 if self._drivers and not self._loop.leaving():
                     continue
@@ -233,12 +236,12 @@ class _Driving:
         self._driver = driver
 
     def __enter__(self) -> None:
-        self._driver._owner = threading.get_ident()
+        self._driver.owner = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
         driver = self._driver
-        driver._owner = None
-        driver._lock.release()
+        driver.owner = None
+        driver.lock.release()
 
 
 class Waiting:

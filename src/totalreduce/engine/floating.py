@@ -41,13 +41,15 @@ class Floating:
     def __init__(self, ledger: CreditLedger, scratch: ScratchPool) -> None:
         self._ledger = ledger
         self._scratch = scratch
-        self._bodies: dict[OpKey, list[FloatingBody]] = {}
+        # Public, as CreditLedger.early and JoinServer.early_headers: a repeated small
+        # op (repeat.py) looks at all three before every call, without a call each.
+        self.bodies: dict[OpKey, list[FloatingBody]] = {}
         self.bytes = 0  # credit charged for the bodies held now
         self.peak = 0
         self._watches: list[Watch] = []
 
     def __contains__(self, key: OpKey) -> bool:
-        return key in self._bodies
+        return key in self.bodies
 
     def receiving(self, charge: int) -> None:
         """A body of ``charge`` credit has begun to arrive into a floating buffer."""
@@ -56,7 +58,7 @@ class Floating:
 
     def keep(self, item: FloatingBody) -> None:
         """A floating body has arrived whole."""
-        self._bodies.setdefault(item.header.op_key, []).append(item)
+        self.bodies.setdefault(item.header.op_key, []).append(item)
         for watch in self._watches:
             if item.src in watch.sources and watch.match(item.src, item.header):
                 self._watches.remove(watch)
@@ -70,11 +72,11 @@ class Floating:
 
     def empty(self) -> bool:
         """Whether no body floats here, none arriving."""
-        return not self._bodies and not self.bytes
+        return not self.bodies and not self.bytes
 
     def only(self, key: OpKey) -> bool:
         """Whether every body here (none arriving) is op ``key``'s, or none is."""
-        bodies = self._bodies
+        bodies = self.bodies
         if not bodies:
             return not self.bytes
         items = bodies.get(key)
@@ -87,23 +89,23 @@ class Floating:
 
     def count_from(self, key: OpKey, peer: int) -> int:
         """How many bodies of op ``key`` from ``peer`` are here."""
-        return sum(1 for item in self._bodies.get(key, ()) if item.src == peer)
+        return sum(1 for item in self.bodies.get(key, ()) if item.src == peer)
 
     def first_arrival(self, key: OpKey) -> float:
         """When the first body of op ``key`` arrived (0.0: none floats)."""
-        items = self._bodies.get(key)
+        items = self.bodies.get(key)
         return min(item.t for item in items) if items else 0.0
 
     def take(self, key: OpKey) -> list[FloatingBody]:
         """The bodies of op ``key``, no longer floating (their credit now owed back)."""
-        items = self._bodies.pop(key, [])
+        items = self.bodies.pop(key, [])
         for item in items:
             self.release(item)
         return items
 
     def drop(self, key: OpKey | None = None) -> None:
         """Throw away the bodies of op ``key`` (None: of every op)."""
-        keys = list(self._bodies) if key is None else [key]
+        keys = list(self.bodies) if key is None else [key]
         for k in keys:
             for item in self.take(k):
                 self._scratch.put(item.buf)
@@ -111,10 +113,10 @@ class Floating:
     def clear(self, error: TotalReduceError) -> None:
         """The job is broken: every body goes, and no credit is owed for it; every watch
         fails with ``error``."""
-        for items in self._bodies.values():
+        for items in self.bodies.values():
             for item in items:
                 self.bytes -= item.charge
-        self._bodies.clear()
+        self.bodies.clear()
         self.end_watches(error)
 
     # --- watches -------------------------------------------------------------------------
@@ -123,7 +125,7 @@ class Floating:
         """Resolve ``watch`` with the earliest floating body it accepts, or once one
         arrives; ``gone``: peers that have left already (``rank``: ours, for the error
         when every source has)."""
-        firsts = sorted((items[0] for items in self._bodies.values() if items),
+        firsts = sorted((items[0] for items in self.bodies.values() if items),
                         key=lambda item: item.t)
         for item in firsts:
             if item.src in watch.sources and watch.match(item.src, item.header):
@@ -157,4 +159,4 @@ class Floating:
 
     def waiting(self) -> list[tuple[int, Header]]:
         """The first body of each op not submitted here: (sender, header)."""
-        return [(items[0].src, items[0].header) for items in self._bodies.values() if items]
+        return [(items[0].src, items[0].header) for items in self.bodies.values() if items]

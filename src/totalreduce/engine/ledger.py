@@ -44,7 +44,7 @@ class CreditLedger:
         self._credit = dict.fromkeys(peers, budget)
         self._owed = dict.fromkeys(peers, 0)
         self._return_at = max(1, budget // 4)
-        self._early_ready: LRU[OpKey, set[int]] = LRU(_EARLY_READY_ENTRIES)
+        self.early: LRU[OpKey, set[int]] = LRU(_EARLY_READY_ENTRIES)
 
     # --- what we may send ------------------------------------------------------------
 
@@ -115,16 +115,16 @@ class CreditLedger:
     # --- READYs of ops not submitted here yet ----------------------------------------
 
     def early_ready(self, key: OpKey, peer: int) -> None:
-        ready = self._early_ready.get(key)
+        ready = self.early.get(key)
         if ready is None:
             ready = set()
-            self._early_ready.put(key, ready)
+            self.early.put(key, ready)
         ready.add(peer)
 
     def pop_early(self, key: OpKey) -> set[int]:
         """The peers that said READY for ``key`` before this rank submitted it."""
-        early = self._early_ready
+        early = self.early
         return (early.pop(key) or set()) if early.entries else set()
 
     def early_count(self) -> int:
-        return len(self._early_ready)
+        return len(self.early)

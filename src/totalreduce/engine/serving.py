@@ -27,7 +27,7 @@ class JoinServer:
         self.epoch = 0
         self._serve_below = 0
         self._server: Server | None = None
-        self._early_headers: LRU[OpKey, Header] = LRU(_EARLY_HEADERS)
+        self.early_headers: LRU[OpKey, Header] = LRU(_EARLY_HEADERS)
 
     def joined(self) -> None:
         """This rank's join round is over."""
@@ -40,10 +40,10 @@ class JoinServer:
     def remember(self, header: Header) -> None:
         """A READY for an op not submitted here: kept in case this rank joins."""
         if header.recipe:
-            self._early_headers.put(header.op_key, header)
+            self.early_headers.put(header.op_key, header)
 
     def forget(self, key: OpKey) -> None:
-        headers = self._early_headers
+        headers = self.early_headers
         if headers.entries:  # nearly always empty, and this is asked on every small op
             headers.pop(key)
 
@@ -51,10 +51,10 @@ class JoinServer:
         """Serve from now on; returns the READYs kept so far (ops that may wait on us)."""
         self._server = server
         self._serve_below = self.epoch + 1
-        return [header for _key, header in self._early_headers.items()]
+        return [header for _key, header in self.early_headers.items()]
 
     def spec_for(self, header: Header) -> OpSpec | None:
         """This rank's part of the op of ``header`` (None: it cannot take part)."""
         assert self._server is not None
-        self._early_headers.pop(header.op_key)
+        self.early_headers.pop(header.op_key)
         return self._server(header)

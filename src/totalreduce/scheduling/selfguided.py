@@ -307,15 +307,23 @@ class SelfGuided(GatheringOps):
         its end on this thread: its result.  None, with nothing done, where it is not one:
         call :meth:`allreduce` and wait.  Skips the handle and the hand-off through
         :meth:`caller_waits`, each a share of a small op's cost."""
-        key = self._small_key(x, op, name, inplace)
-        if key is None:
+        # The template first, then the array's layout: a template is kept only for calls
+        # that passed _small_key's tests, and a call of the same dtype, shape, op and
+        # name passes its size tests too (_small_key's work without its call).
+        if (type(x) is not np.ndarray or type(op) is not ReduceOp
+                or (name is not None and type(name) is not str)):
             return None
+        key = (x.dtype, x.shape, op, name)
         entries = self._small.entries
         with self._lock:
             plan = entries.get(key)  # LRU.get, inline
             if plan is None:
                 return None
             entries.move_to_end(key)
+        if inplace:
+            flags = x.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return None
         repeat = plan.repeat
         if repeat is None or priority:
             spec, result = self._small_spec(plan, x, name, priority, inplace)
@@ -327,7 +335,11 @@ class SelfGuided(GatheringOps):
             return result
         # A flat x is its own working buffer: ravel() would make a view of it each call.
         work = (x if x.ndim == 1 else x.ravel()) if inplace else x.flatten()
-        self._repeat(repeat, work, name)
+        # _repeat, inline up to the run itself.
+        ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
+        ran = repeat.run(work, ident)
+        if ran is not True or ctrl_c.pending:
+            self._repeat_ended(repeat, work, ident, None, ran)
         return x if inplace else work.reshape(x.shape)
 
     def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None,
@@ -337,9 +349,16 @@ class SelfGuided(GatheringOps):
         call's own), or the usual way where the engine is not idle; raises its error."""
         ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
         ran = repeat.run(work, ident, source)
+        if ran is not True or ctrl_c.pending:
+            self._repeat_ended(repeat, work, ident, source, ran)
+
+    def _repeat_ended(self, repeat: Repeat, work: np.ndarray, ident: OpKey,
+                      source: np.ndarray | None, ran: OpFuture | bool) -> None:
+        """After ``repeat.run`` (``ran``) of the call ``ident``: a Ctrl-C that came
+        meanwhile, or the call the usual way (False: it did not begin), or the wait for
+        the op it became on the general path; raises its error."""
         if ran is True:
-            if ctrl_c.pending:
-                ctrl_c.raise_if_pending()
+            ctrl_c.raise_if_pending()
         elif ran is False:
             self._run_blocking(repeat.spec(work, ident, source))
         else:
