@@ -457,7 +457,8 @@ def recv(buf: Any, source: int | None = None, tag: int = 0) -> Any:
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank (of ``process_set``) has entered the barrier."""
-    ops = _ops(process_set, "barrier")
+    ops = _runtime.current().collectives if process_set is global_process_set \
+        else _ops(process_set, "barrier")  # as allreduce's
     if not ops.barrier_now():
         with ops.caller_waits():
             ops.barrier().wait()
