@@ -172,13 +172,17 @@ def repeated_calls(arg: dict) -> None:
     assert np.array_equal(spaced[::2], got) and np.all(spaced[1::2] == rank + 1), spaced
     frozen = np.full(3, 1.0, np.float32)
     frozen.flags.writeable = False
-    for bad, kwargs in ((frozen, {"name": "tail"}), (np.ones(3, np.float32), {"name": ["tail"]})):
+    before = current().engine.stats()["direct_ops"]
+    for bad, kwargs, says in (
+            (frozen, {"name": "tail"}, "in-place collective on a read-only array"),
+            (np.ones(3, np.float32), {"name": ["tail"]}, "name must be a str or None")):
         try:
             tr.allreduce_(bad, op=tr.Sum, **kwargs)
         except (TypeError, ValueError) as exc:
-            assert "read-only" in str(exc) or "name" in str(exc), exc
+            assert says in str(exc), exc
         else:
             raise AssertionError(f"allreduce_ took {kwargs} on a bad call")
+    assert current().engine.stats()["direct_ops"] == before  # nothing ran for them
     got = tr.allreduce_(np.full(3, rank + 1.0, np.float32), op=tr.Sum, name="tail")
     assert np.array_equal(got, np.full(3, n * (n + 1) / 2)), got
     stats = current().engine.stats()

@@ -89,18 +89,23 @@ def test_collectives_command_runs_and_reports_every_backend(tmp_path) -> None:
 @pytest.mark.skipif(mpiexec() is None, reason="needs mpi4py and mpiexec")
 def test_floor_command_times_every_exchange_and_checks_their_sums(tmp_path) -> None:
     out = tmp_path / "floor.json"
-    # 24 KiB halves in 5000-byte pieces: a short last piece, and the rings wrap.
+    # 24 KiB halves in 5000-byte pieces: a short last piece, and the rings wrap; then a
+    # smaller call after it, which must not take the counts of the bigger one for its own.
+    # Each call's result is checked in the job, element by element, against the sum.
     proc = subprocess.run(
-        [sys.executable, "-m", "totalreduce.bench", "floor", "--sizes", "8,48K",
+        [sys.executable, "-m", "totalreduce.bench", "floor", "--sizes", "48K,8,40",
          "--piece", "5000", "--reps", "3", "--json", str(out)],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["bytes"] for r in rows] == [8, 48 << 10]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["bytes"] for r in rows] == [48 << 10, 8, 40]
+    want = {"mpi", "totalreduce", "bare ring"} | ({"bare cma"} if result["bare_cma"] else set())
     for row in rows:
-        assert {"mpi", "totalreduce", "bare ring"} <= set(row["ms"])
+        assert set(row["ms"]) == want
         assert all(ms > 0 for ms in row["ms"].values())
     assert "bare ring" in proc.stdout
+    assert result["bare_cma"] or "no bare cma" in proc.stderr
 
 
 def test_convergence_summary_merges_ranks_and_finds_the_epoch_that_reaches_the_target(

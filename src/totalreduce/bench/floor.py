@@ -12,12 +12,13 @@ turn, op by op, so that every one sees the same machine state:
   two counters per ring);
 - ``bare cma``: one copy per piece: each rank reads the peer's copy of its half out of the
   peer's memory (``process_vm_readv``) and adds it in, then reads the peer's reduced half
-  straight into place.
+  straight into place (where each rank may read the other's memory).
 
 The bare exchanges are what the rings and lending could give with no engine at all (no
 headers, credit, handlers or loop turns): the gap between them and ``totalreduce`` is the
 engine's own cost, and the gap between them and ``mpi`` is what the copies allow.  Every
-result is checked against the sum.
+result is checked against the sum, element by element.  Like the rings, the bare
+exchanges rely on x86's ordering of stores and of loads between their counters and data.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import argparse
 import contextlib
 import functools
 import json
-import mmap
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -43,47 +44,53 @@ _LINE = 8  # int64 words per cache line: each counter has a line of its own
 # pieces a rank has reduced, and the ops a rank has finished (bare cma).
 _HEAD, _TAIL, _DONE, _END = 0, 2, 4, 6
 _SLOTS = 4  # ring slots of one piece each: the writer may run three pieces ahead
+_PATIENCE = 60.0  # seconds a bare exchange waits for its peer before it gives up
+_CYCLE = 1021  # the values' period: every element differs from its neighbours, exactly
+
+
+def _wait(ctl: np.ndarray, at: int, least: int) -> None:
+    """Spin until ``ctl[at] >= least`` (the peer's counter)."""
+    if ctl[at] >= least:
+        return
+    give_up = time.monotonic() + _PATIENCE
+    while ctl[at] < least:
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"bench floor: the peer's counter {at} stayed below {least}")
 
 
 class _Pair:
     """The two ranks' shared counters and rings, and the bare exchanges over them."""
 
-    def __init__(self, comm: Any, piece: int) -> None:
+    def __init__(self, comm: Any, mpi: Any, piece: int) -> None:
         self.me = comm.rank
         self.peer = 1 - comm.rank
         self.piece = piece // 4  # float32 elements
         ring_bytes = _SLOTS * self.piece * 4
-        name = comm.bcast(f"totalreduce-floor-{secrets.token_hex(8)}"
-                          if comm.rank == 0 else None)
-        path = os.path.join("/dev/shm", name)
         size = _CONTROL + 2 * ring_bytes
+        # MPI's shared window: no file to leave behind if a rank dies.
+        self._window = mpi.Win.Allocate_shared(size if comm.rank == 0 else 0, 1, comm=comm)
+        memory, _unit = self._window.Shared_query(0)
+        self.ctl = np.frombuffer(memory, np.int64, _CONTROL // 8)
         if comm.rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-            os.close(fd)
+            self.ctl[:] = 0
         comm.Barrier()
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        comm.Barrier()
-        if comm.rank == 0:
-            os.unlink(path)
-        self.ctl = np.frombuffer(self._map, np.int64, _CONTROL // 8)
-        rings = [np.frombuffer(self._map, np.float32, ring_bytes // 4, _CONTROL + r * ring_bytes)
+        rings = [np.frombuffer(memory, np.float32, ring_bytes // 4, _CONTROL + r * ring_bytes)
                  for r in range(2)]
         self.out_ring, self.in_ring = rings[self.me], rings[self.peer]
         self.sent = self.got = 0  # pieces through each ring, ever
+        self.done = 0  # pieces of our half reduced in bare cma, ever (the peer counts too)
         self.ops = 0
         self.scratch = np.empty(self.piece, np.float32)
         self.peer_pid = 0
         self.peer_address = 0
 
+    def close(self) -> None:
+        self.ctl = self.out_ring = self.in_ring = None  # type: ignore[assignment]
+        self._window.Free()
+
     def _send(self, src: np.ndarray) -> None:
         ctl, k, p = self.ctl, self.sent, self.piece
-        while k - ctl[(_TAIL + self.me) * _LINE] >= _SLOTS:
-            pass
+        _wait(ctl, (_TAIL + self.me) * _LINE, k + 1 - _SLOTS)
         at = (k % _SLOTS) * p
         self.out_ring[at:at + src.size] = src
         self.sent = k + 1
@@ -91,8 +98,7 @@ class _Pair:
 
     def _recv(self, dst: np.ndarray, reduce: bool) -> None:
         ctl, k, p = self.ctl, self.got, self.piece
-        while ctl[(_HEAD + self.peer) * _LINE] <= k:
-            pass
+        _wait(ctl, (_HEAD + self.peer) * _LINE, k + 1)
         at = (k % _SLOTS) * p
         body = self.in_ring[at:at + dst.size]
         if reduce:
@@ -112,39 +118,55 @@ class _Pair:
         mine, other = self._halves(x)
         p = self.piece
         for src, dst, reduce in ((other, mine, True), (mine, other, False)):
-            for at in range(0, max(src.size, dst.size), p):
+            for at in range(0, src.size, p):  # the halves are the same size
                 self._send(src[at:at + p])
                 self._recv(dst[at:at + p], reduce)
 
     def cma(self, x: np.ndarray) -> None:
         """Allreduce (sum) ``x`` by reading the peer's memory, one copy a piece.  Both ranks
         must have entered it after ``x`` was set (a barrier)."""
-        from ..transport import cma
-
         mine, other = self._halves(x)
         ctl, p, pid = self.ctl, self.piece, self.peer_pid
         half = x.size // 2
         # Where the peer keeps our half and its own, in its copy of x.
         mine_at = self.peer_address + (0 if self.me == 0 else half * 4)
         other_at = self.peer_address + (half * 4 if self.me == 0 else 0)
-        pieces = -(-mine.size // p)
-        base = self.ops * pieces
+        # Both ranks count the same pieces, call after call (sizes may shrink: a count per
+        # call would let a smaller call see the last one's counts as its own).
+        base = self.done
         for i, at in enumerate(range(0, mine.size, p)):
             part = mine[at:at + p]
             scratch = self.scratch[:part.size]
-            cma.read_into(pid, scratch.data.cast("B"), mine_at + at * 4)
+            _read_into(pid, scratch.data.cast("B"), mine_at + at * 4)
             np.add(part, scratch, out=part)
             ctl[(_DONE + self.me) * _LINE] = base + i + 1
         for i, at in enumerate(range(0, other.size, p)):
-            while ctl[(_DONE + self.peer) * _LINE] < base + i + 1:
-                pass
+            _wait(ctl, (_DONE + self.peer) * _LINE, base + i + 1)
             part = other[at:at + p]
-            cma.read_into(pid, part.data.cast("B"), other_at + at * 4)
+            _read_into(pid, part.data.cast("B"), other_at + at * 4)
+        self.done = base + -(-mine.size // p)
         # The peer may still be reading our reduced half: x stays as it is until it is done.
         self.ops += 1
         ctl[(_END + self.me) * _LINE] = self.ops
-        while ctl[(_END + self.peer) * _LINE] < self.ops:
-            pass
+        _wait(ctl, (_END + self.peer) * _LINE, self.ops)
+
+
+def _read_into(pid: int, dest: memoryview, address: int) -> None:
+    from ..transport import cma
+
+    cma.read_into(pid, dest, address)
+
+
+def _peer_memory(comm: Any, mpi: Any, peer: int) -> tuple[int, bool]:
+    """The peer's pid, and whether both ranks can read each other's memory (a token each
+    reads out of the other, as the rings' set-up probes it)."""
+    from ..transport import cma
+
+    token = np.frombuffer(secrets.token_bytes(64), np.uint8).copy()
+    pid, address, expected = comm.sendrecv((os.getpid(), cma.address_of(token),
+                                            token.tobytes()), dest=peer, source=peer)
+    ok = cma.cma_works() and cma.probe(pid, address, expected)
+    return pid, bool(comm.allreduce(ok, op=mpi.LAND))
 
 
 def _worker(sizes: list[int], reps: int, piece: int) -> None:
@@ -158,29 +180,36 @@ def _worker(sizes: list[int], reps: int, piece: int) -> None:
     comm = MPI.COMM_WORLD
     if comm.size != 2:
         raise SystemExit("bench floor: runs at exactly 2 ranks")
-    pair = _Pair(comm, piece)
+    pair = _Pair(comm, MPI, piece)
+    pair.peer_pid, lends = _peer_memory(comm, MPI, pair.peer)
+    if not lends and comm.rank == 0:
+        print("bench floor: the ranks cannot read each other's memory (process_vm_readv): "
+              "no bare cma", file=sys.stderr)
     rows = []
     for size in sizes:
         x = np.empty(size // 4, np.float32)
-        pair.peer_pid = comm.sendrecv(os.getpid(), dest=pair.peer, source=pair.peer)
+        # Values that differ element by element, so that a piece read from the wrong place
+        # shows: the two ranks' sum is 2 * (i % _CYCLE) + 1.
+        start = np.arange(x.size, dtype=np.float32) % _CYCLE
+        want = 2 * start + 1
         pair.peer_address = comm.sendrecv(cma.address_of(x), dest=pair.peer,
-                                           source=pair.peer)
+                                          source=pair.peer)
         runs: dict[str, Callable[[], Any]] = {
             "mpi": functools.partial(comm.Allreduce, MPI.IN_PLACE, x, MPI.SUM),
             "totalreduce": functools.partial(tr.allreduce_, x, op=tr.Sum, name="floor"),
             "bare ring": functools.partial(pair.ring, x),
         }
-        if cma.cma_works():
+        if lends:
             runs["bare cma"] = functools.partial(pair.cma, x)
         times: dict[str, list[float]] = {name: [] for name in runs}
         for rep in range(reps + 3):  # three to warm up
             for name, run in runs.items():
-                x.fill(comm.rank + 1)
+                np.add(start, comm.rank, out=x)
                 comm.Barrier()
                 t = time.perf_counter()
                 run()
                 took = time.perf_counter() - t
-                if not np.all(x == 3):
+                if not np.array_equal(x, want):
                     raise AssertionError(f"{name} allreduce of {size} bytes came out wrong")
                 if rep >= 3:
                     times[name].append(took)
@@ -188,7 +217,9 @@ def _worker(sizes: list[int], reps: int, piece: int) -> None:
         rows.append({"bytes": size, "ms": {name: float(np.median(t)) * 1e3
                                           for name, t in slowest.items()}})
     if comm.rank == 0:
-        print(json.dumps(rows))
+        print(json.dumps({"rows": rows, "bare_cma": lends}))
+    comm.Barrier()
+    pair.close()
     tr.shutdown()
 
 
@@ -229,12 +260,23 @@ def main(argv: list[str]) -> int:
                TOTALREDUCE_RENDEZVOUS=f"127.0.0.1:{_free_port()}")
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "totalreduce.bench.floor", "--worker",
            "--sizes", args.sizes, "--reps", str(args.reps), "--piece", args.piece]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=args.timeout)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+    # A session of its own: on a timeout the whole job goes, not only mpiexec (a bare
+    # exchange left spinning would hold a core).
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        print(f"bench floor: no result after {args.timeout:g} s", file=sys.stderr)
         return 1
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    if proc.returncode != 0:
+        print(out[-3000:], err[-3000:], sep="\n", file=sys.stderr)
+        return 1
+    result = json.loads(out.strip().splitlines()[-1])
+    rows = result["rows"]
     _print_machine(_machine())
     names = list(rows[0]["ms"])
     print(f"2 ranks, median ms of {args.reps} calls (the slower rank's), speed vs mpi; "
@@ -246,7 +288,8 @@ def main(argv: list[str]) -> int:
         print(f"{_label(row['bytes']):>6}  " + "  ".join(f"{c:>20}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": _machine(), "piece": piece, "rows": rows}, f, indent=1)
+            json.dump({"machine": _machine(), "piece": piece, "rows": rows,
+                       "bare_cma": result["bare_cma"]}, f, indent=1)
     return 0
 
 

@@ -42,7 +42,7 @@ class Floating:
         self._ledger = ledger
         self._scratch = scratch
         # Public, as CreditLedger.early and JoinServer.early_headers: a repeated small
-        # op (repeat.py) looks at all three before every call, without a call each.
+        # op (repeat.py) tests all three on every call, without a method call each.
         self.bodies: dict[OpKey, list[FloatingBody]] = {}
         self.bytes = 0  # credit charged for the bodies held now
         self.peak = 0

@@ -309,7 +309,8 @@ class SelfGuided(GatheringOps):
         :meth:`caller_waits`, each a share of a small op's cost."""
         # The template first, then the array's layout: a template is kept only for calls
         # that passed _small_key's tests, and a call of the same dtype, shape, op and
-        # name passes its size tests too (_small_key's work without its call).
+        # name passes its size tests too, whose bounds are fixed at set-up (_small_key's
+        # work without its call).
         if (type(x) is not np.ndarray or type(op) is not ReduceOp
                 or (name is not None and type(name) is not str)):
             return None
@@ -335,7 +336,8 @@ class SelfGuided(GatheringOps):
             return result
         # A flat x is its own working buffer: ravel() would make a view of it each call.
         work = (x if x.ndim == 1 else x.ravel()) if inplace else x.flatten()
-        # _repeat, inline up to the run itself.
+        # The start of _repeat, inline (kept in step with it): a frame fewer on every
+        # repeated blocking allreduce.
         ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
         ran = repeat.run(work, ident)
         if ran is not True or ctrl_c.pending:
