@@ -159,18 +159,18 @@ wholly in the other.
 `{command("floor-2")}` (`docs/bench/floor-2.txt`). One job of two ranks under `mpiexec`
 runs four allreduces of the same array in turn, op by op, so that all four see the same
 state of the host: MPI's, totalreduce's `allreduce_` over the rings, and two bare
-exchanges with no engine (numpy and two shared counters, no headers, credit or loop):
-`bare ring` copies each piece into a shared ring and reduces straight out of it, as the
-rings do; `bare cma` reads each piece out of the peer's memory (`process_vm_readv`) and
-adds it in, then reads the peer's reduced half straight into place, one copy a piece as
-lending does. Every result is checked against the sum. Since each op follows the others,
-whose buffers evict its own from the cache, totalreduce reads lower here than in its own
-job (the collectives table).
+exchanges with no engine (numpy and a few shared counters, no headers, credit or
+loop): `bare ring` copies each piece into a shared ring and reduces straight out of it,
+as the rings do; `bare cma` reads each piece out of the peer's memory
+(`process_vm_readv`) and adds it in, then reads the peer's reduced half straight into
+place, one copy a piece as lending does. Every result is checked against the sum,
+element by element. Since each op follows the others, whose buffers evict its own from
+the cache, totalreduce reads lower here than in its own job (the collectives table).
 
 {table("floor-2")[1]}
 
 The bare exchanges are what copying through memory allows here: from 1 to 16 MB the
-faster of the two runs 1.2-1.5x as fast as MPI, so no engine on these copies gets much
+faster of the two runs 1.15-1.5x as fast as MPI, so no engine on these copies gets much
 further. The gap between them and totalreduce is the engine's own cost: its headers,
 credit, handlers and turns of the loop, about 0.1 ms a call at 1 MB. At 16 MB, where
 totalreduce lends its 2 MiB pieces, timestamps in one process pair put 70-130 us of
@@ -260,14 +260,15 @@ peers' messages straight out of the shared-memory rings; one whose schedule is a
 (engine/express.py), which keeps only its position in that chain, and a call like one
 made before runs from its template's Repeat (engine/repeat.py), which binds everything
 the calls share, so a call brings only its buffer and identity.  What is left is Python
-per call (about 1,400 bytecodes for an 8-byte allreduce at 2 ranks, 1,260 for a barrier:
+per call (about 1,300 bytecodes for an 8-byte allreduce at 2 ranks, 1,220 for a barrier:
 checks, identity, the engine's idleness, the credit, the header, the ring, the
 reduction), many times MPI's C: half of a call is what
 a bare loop over the same rings takes (post, poll, add, release), the other half the
 engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The noisy host
 moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks the
-8-byte allreduce took 7.5x MPI's time here (4.8-7.4x in runs of totalreduce and MPI
-alone, median 6.1x), the barrier 6.0x (3.7-6.1x, median 5.4x).
+8-byte allreduce took 4.9x MPI's time here (6.8x in the coordination table's run of the
+same commit; 5.3-7.5x, median 6.9x, in six runs of totalreduce and MPI alone during a
+slower period of the host), the barrier 4.3x (5.5x; 4.7-6.5x, median 5.3x).
 At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
 {table("latency")[1]}
@@ -371,14 +372,14 @@ is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.269
-ms here against 0.169 ms alone after the delay (1.59x; 1.25-1.35x in other runs, one of
+and without the big op's records ahead of it in the ring, which is read in order: 0.306
+ms here against 0.181 ms alone after the delay (1.69x; 1.25-1.59x in other runs, one of
 them on a busier host, where MPI's own op took 0.78 ms alone after the delay against
 0.05-0.08 usually). What is left is the caller's Python running slower while the big op's copies
 take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
 to the op's start (35-75 us after the same sleep with no big op), 20-35 us to post its
 message (15-20) and 30-70 us waiting for the peer's, whose own start comes as late; the
-slow tail (p90 2.1 ms) is a peer whose thread got its core late. Neither a nap of the
+slow tail (p90 1.9 ms) is a peer whose thread got its core late. Neither a nap of the
 loop's thread while an urgent op runs, nor yielding the core between looks at the lane
 (5x slower), nor busy-polling the whole 2 ms before a nap (no change), did better.
 
@@ -409,9 +410,9 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.656 ms against
-0.267 ms alone after the delay here (2.46x; 12.5x in a busier run, 2.0-6.0x in other
-runs). Its slow tail (p90 2.3 ms) is the two ranks' calls
+it does not wait behind the big op's bytes in the kernel's buffers: 0.571 ms against
+0.195 ms alone after the delay here (2.92x; 12.5x in a busier run, 2.0-6.0x in other
+runs). Its slow tail (p90 2.1 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -421,7 +422,7 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 1.414 ms against 0.167 ms alone after the delay (8.49x; p90 4.3
+(transport/ring_lane.py): 0.714 ms against 0.157 ms alone after the delay (4.55x; p90 3.7
 ms, a peer's thread that waits for its core and the GIL while the progress thread's MPI
 calls run; 22.4x in a busier run, 1.8-9.3x in other runs; the median moves between 0.2
 and 2 ms from run to run, and a shorter switch interval did not move it). As an MPI tag
@@ -449,15 +450,15 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 98.9
-against 61.4 µs at 2 ranks). The cache cuts the cost another 7.4x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 107.5
+against 63.9 µs at 2 ranks). The cache cuts the cost another 7.3x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 4.4 µs per op at 2 ranks, 4.4x faster than 1,000 of MPI's
-`Iallreduce` (19.5 µs each), and 12.4 µs at 4 ranks (four processes on two cores), 9.5x
-faster than MPI's 118.3. On the slower AMD VM (see Environment), before the cycle reused
-a repeated step's fusion runs, it took 7.9 and 22.2 µs. It varies with the host (4.2 to
-6.6 µs between the 10th and 90th percentiles at 2 ranks here, 4.5 to 6.2 µs at the median
+cache and fusion, takes 4.3 µs per op at 2 ranks, 5.3x faster than 1,000 of MPI's
+`Iallreduce` (22.4 µs each), and 14.2 µs at 4 ranks (four processes on two cores), 7.4x
+faster than MPI's 105.3. On the slower AMD VM (see Environment), before the cycle reused
+a repeated step's fusion runs, it took 7.9 and 22.2 µs. It varies with the host (3.9 to
+4.7 µs between the 10th and 90th percentiles at 2 ranks here, 4.4 to 6.2 µs at the median
 in other runs): the whole cost is Python on the submitting thread and the cycle thread.
 Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
 seen before skips the argument checks and makes one new object); the cycle's taking,
@@ -476,8 +477,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-296 and 251 µs for the allreduce and the barrier at 2 ranks, 12x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (1.20 and 1.24 ms). A
+266 and 250 µs for the allreduce and the barrier at 2 ranks, 12x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (1.15 and 1.08 ms). A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -487,22 +488,23 @@ cycle and a half at the median.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.73x (2 ranks) and 0.93x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.42x and 1.33x). Without fusion, each of the 161
+so it finishes within 0.75x (2 ranks) and 0.90x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.32x and 1.25x). Without fusion, each of the 161
 tensors then runs as an engine op of its own behind that wait, which in this run beat
-fusing the few that a cycle finds together at 2 ranks (0.98x) and ran level at 4 (1.35x;
-in earlier runs fusion won at 4 ranks, where the ops compete for two cores).
+fusing the few that a cycle finds together at 2 ranks (0.97x) and lost at 4 (1.40x), where
+the ops compete for two cores.
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
 
 {table("replay-neg")[1]}
 
-With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
-grouped mode took 56.0 ms against negotiated's 98.0, its per-tensor mode 61.6 against
-94.6 and its optimizer mode 50.9 against 98.9. Fusing big tensors only adds a copy in and
-a copy out of every byte, and at 2 ranks turning fusion off bought little here (per-tensor
-90.9 ms). At 4 ranks negotiated per-tensor takes 240.8 ms, self-guided grouped 220.6.
+With all 102 MB ready at once, self-guided mode is faster in every mode but flat: at 2
+ranks its grouped mode took 58.6 ms against negotiated's 94.2, its per-tensor mode 61.9
+against 91.6 and its optimizer mode 50.2 against 101.1 (flat: 40.4 against 51.2). Fusing
+big tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning
+fusion off bought little here (per-tensor 87.1 ms). At 4 ranks negotiated per-tensor
+takes 226.5 ms, self-guided grouped 183.4.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -529,12 +531,14 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
 are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
 the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
-count, 0.56-0.95x at 1 % and 0.67-0.98x at 2 %; pipelined, at 4 ranks, 0.88x and 1.11x). The point
+count at 1 %, 0.56-0.92x, and from 3 ranks at 2 %, 0.70-0.84x; pipelined, at 4 ranks,
+0.77x and 1.01x). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 2.6x at 4 ranks); with a core per rank and a
+cores, so one alltoall is faster here (up to 2.2x at 4 ranks, 4.0x on the smaller
+vectors); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
@@ -613,13 +617,13 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
-trains at about 0.30x allreduce's rate. With the straggler, removing the bound bought
-1.27x tau = 0's throughput in this run (0.90x to 1.44x in others: the straggler's own
-steps bound the time either way) and cost 2.7 points of accuracy (0.7 to 5.8 in those
+trains at 0.21-0.28x allreduce's rate. With the straggler, removing the bound bought
+1.60x tau = 0's throughput in this run (0.90x to 1.44x in others: the straggler's own
+steps bound the time either way) and cost 0.9 points of accuracy (0.7 to 5.8 in those
 others); bounds of 1 and 4 keep tau = 0's accuracy within 0.5 points. Averaging every 4
 or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's loss costs
-0.62x of tau = 0's throughput without a straggler (a push waits for a second server's
-round trip) and 0.70x with one (0.52-0.73x and 0.64-0.74x in other runs).
+0.66x of tau = 0's throughput without a straggler (a push waits for a second server's
+round trip) and 0.83x with one (0.52-0.73x and 0.64-0.74x in other runs).
 
 ## Across hosts
 
@@ -644,9 +648,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.176 s hierarchical at 64 MiB,
-against 0.156 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.25-1.39x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.196 s hierarchical at 64 MiB,
+against 0.192 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.32-1.50x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -664,7 +668,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.4-1.8x) turns into 0.72-1.07x dense's speed to 95 %: they need one to three
+samples/s (1.3-1.7x) turns into 0.68-1.01x dense's speed to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -844,31 +848,32 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 25.7 us at 2 ranks in the
-  latency table (MPI: 3.4 us, 7.5x; 4.8-7.4x in other runs), nearly all of it Python per
+- Small messages: a blocking allreduce of a few bytes costs 18.6 us at 2 ranks in the
+  latency table (MPI: 3.8 us, 4.9x; 5.3-7.5x in other runs), nearly all of it Python per
   op, even from a Repeat; over sockets or the MPI transport, which have no express lane,
-  146 and 134 us. A barrier takes 22.5 us (6.0x; 3.7-6.1x in other runs). Async small
-  allreduces, which the loop runs, cost about 61 us each self-guided (the `tiny` table).
+  150 and 138 us. A barrier takes 17.5 us (4.3x; 4.7-6.5x in other runs). Async small
+  allreduces, which the loop runs, cost about 64 us each self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.032 and 0.036 ms at 4 bytes in the 2-rank
-  table, a broadcast 0.040 ms, against MPI's 0.003-0.006). A repeated one skips its
+  data; `same_shape=True` makes it one (0.028 and 0.027 ms at 4 bytes in the 2-rank
+  table, a broadcast 0.028 ms, against MPI's 0.003-0.005). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 1.17x MPI at 1 MB, 0.98x at 4 MB and 0.81x at
-  16 MB, 1.60-1.64x from 64 MB; reducescatter 0.92-1.00x at 1-16 MB, 1.54-1.59x from
+- The 2-rank collectives table: allreduce 1.34x MPI at 1 MB, 1.12x at 4 MB and 0.88x at
+  16 MB, 1.69-1.81x from 64 MB; reducescatter 0.98-1.01x at 1-16 MB, 1.55-1.67x from
   64 MB. MPICH's shared memory moves 1-16 MB at 3-6 GB/s of algorithm
   bandwidth for the reductions here, which leaves a reduction little room: a 16 MB
-  allreduce costs us about 2.7 ms of copying and summing against MPI's 4.0 ms in all.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.68x at 1 MB,
-  0.75-0.80x at 4-16 MB, 0.92-0.96x from 64 MB; alltoall 0.42x at 1 MB (0.265 ms against
-  MPI's 0.112), 0.61-0.66x at 4-16 MB, 0.81-0.89x from 64 MB; broadcast 0.55x at 1 MB,
-  0.82x at 4 MB, 0.76x at 16 MB, 0.97x at 64 MB and 1.33x at 256 MB, where the receiver
+  allreduce costs us about 2.7 ms of copying and summing against MPI's 3.9 ms in all,
+  and the floor table's bare exchanges, with no engine, reach 1.0-1.5x MPI at 1-16 MB.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.67x at 1 MB,
+  0.84-0.87x at 4-16 MB, 0.92-1.01x from 64 MB; alltoall 0.46x at 1 MB (0.232 ms against
+  MPI's 0.108), 0.68-0.71x at 4-16 MB, 0.91-0.94x from 64 MB; broadcast 0.57x at 1 MB,
+  0.86x at 4 MB, 0.94x at 16 MB, 1.31x at 64 MB and 1.36x at 256 MB, where the receiver
   copies the root's lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI
   moves these at 7-10 GB/s, about the speed of one plain copy of the bytes (a 16 MiB copy
-  takes 1.59 ms here, MPI's 16 MB broadcast 1.94 ms in this run). Repeated same-shape alltoalls
+  takes 1.59 ms here, MPI's 16 MB broadcast 1.85 ms in this run). Repeated same-shape alltoalls
   up to 2 MiB and broadcasts up to the ring's bound run from a Repeat, and an alltoall
   copies its own block once its messages are out; what is left at 1 MB is Python per op
   (about 0.1 ms, a third to a half of the call) and per piece. From run to run on this
@@ -877,10 +882,9 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.17-0.67x), and from 64 MB reaches 0.76-0.84x for allreduce and reducescatter;
+  host (0.18-0.64x), and from 64 MB reaches 0.73-0.93x for allreduce and reducescatter;
   `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own allreduce and
-  reducescatter from 64 MB (1.30-1.80x), and reducescatter at 16 MB (1.13x), and trails
-  it below (0.29-0.95x).
+  reducescatter from 64 MB (1.45-1.76x) and trails it below (0.25-0.96x).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
@@ -900,16 +904,17 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (7.5x and 8.1x
-  MPI's 8-byte allreduce and barrier in the latency table; 0.16-0.20x in the 4-rank table,
-  where every call follows a barrier), and allreduces run at 0.61x MPI at 1 MB, 0.48x at
-  4 MB, 0.91x at 16 MB and 1.54x at 64 MB (0.36-1.21x at 1 MB and 0.45-0.8x at 4 MB in
-  other runs). Every hop waits for a peer to get a core; neither the small path's
-  threshold, nor doubling up to 4 or 16 MB, nor recursive halving from 1 MB, nor longer
-  spins before a hand-over did better.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.59x its time alone
-  after the same sleep over shared memory (1.2-2.1x in other runs), 2.5x over TCP
-  (2.0-12.5x) and 8.5x over the MPI transport (1.8-22.4x), each on its own lane (the
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (9.6x and 9.2x
+  MPI's 8-byte allreduce and barrier in the latency table; 0.14-0.20x in the 4-rank table,
+  where every call follows a barrier), and allreduces run at 0.59x MPI at 1 MB, 0.71x at
+  4 MB, 1.15x at 16 MB and 1.61x at 64 MB (0.35-1.21x at 1 MB, 0.45-0.8x at 4 MB and
+  0.82-0.91x at 16 MB in other runs). Every hop waits for a peer to get a core; neither
+  the small path's threshold, nor doubling up to 4 or 16 MB, nor recursive halving from
+  1 MB (or up to 16 MB), nor longer or shorter spins before a hand-over (0, 0.2 or 5 ms
+  with the cores crowded) did better.
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.69x its time alone
+  after the same sleep over shared memory (1.2-2.1x in other runs), 2.9x over TCP
+  (2.0-12.5x) and 4.6x over the MPI transport (1.8-22.4x), each on its own lane (the
   preemption section; the widest figures from a run on a busier host). What is
   left is the two ranks' threads waking up to milliseconds apart while the big op's
   threads hold the cores and the GIL; an urgent op the loop runs (an async one) waits
