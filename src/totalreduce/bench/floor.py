@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from ..transport import cma
+
 _CONTROL = 4096
 _LINE = 8  # int64 words per cache line: each counter has a line of its own
 # Counters, by line: a ring's head (written by its writer), its tail (by its reader), the
@@ -137,13 +139,13 @@ class _Pair:
         for i, at in enumerate(range(0, mine.size, p)):
             part = mine[at:at + p]
             scratch = self.scratch[:part.size]
-            _read_into(pid, scratch.data.cast("B"), mine_at + at * 4)
+            cma.read_into(pid, scratch.data.cast("B"), mine_at + at * 4)
             np.add(part, scratch, out=part)
             ctl[(_DONE + self.me) * _LINE] = base + i + 1
         for i, at in enumerate(range(0, other.size, p)):
             _wait(ctl, (_DONE + self.peer) * _LINE, base + i + 1)
             part = other[at:at + p]
-            _read_into(pid, part.data.cast("B"), other_at + at * 4)
+            cma.read_into(pid, part.data.cast("B"), other_at + at * 4)
         self.done = base + -(-mine.size // p)
         # The peer may still be reading our reduced half: x stays as it is until it is done.
         self.ops += 1
@@ -151,17 +153,9 @@ class _Pair:
         _wait(ctl, (_END + self.peer) * _LINE, self.ops)
 
 
-def _read_into(pid: int, dest: memoryview, address: int) -> None:
-    from ..transport import cma
-
-    cma.read_into(pid, dest, address)
-
-
 def _peer_memory(comm: Any, mpi: Any, peer: int) -> tuple[int, bool]:
     """The peer's pid, and whether both ranks can read each other's memory (a token each
     reads out of the other, as the rings' set-up probes it)."""
-    from ..transport import cma
-
     token = np.frombuffer(secrets.token_bytes(64), np.uint8).copy()
     pid, address, expected = comm.sendrecv((os.getpid(), cma.address_of(token),
                                             token.tobytes()), dest=peer, source=peer)
@@ -174,8 +168,6 @@ def _worker(sizes: list[int], reps: int, piece: int) -> None:
 
     tr.init()  # before mpi4py: totalreduce over the rings, MPI beside it
     from mpi4py import MPI
-
-    from ..transport import cma
 
     comm = MPI.COMM_WORLD
     if comm.size != 2:
