@@ -9,6 +9,10 @@ Every transport must, for a handler that follows :class:`MessageHandler`:
 * ask ``body_buffer`` for exactly ``header.nbytes`` (or hand a view to ``received_view``);
 * count what it moved (``stats()``) as whole messages, headers included;
 * return from a blocked ``poll()`` soon after ``wake()`` from another thread;
+* where it has a ``port()`` to every peer (the thread that drives sends and reads small
+  messages itself): deliver what ``post_now`` sent, shown by ``peek`` with its body, and
+  show a big message the loop sent either with its body or without it, for ``poll()`` to
+  deliver;
 * after a GOODBYE and ``close_writes()``, report each peer's end as orderly.
 
 Every rank of a job runs it at once; the ranks need nothing else in common.
@@ -25,6 +29,11 @@ from totalreduce.transport.wire import HEADER_SIZE, Header, Kind
 
 # Body sizes: empty, odd, a segment, more than a ring record, an op big enough to lend.
 SIZES = [0, 1, 63, 4097, 70_000, 3 << 20, 0, 129]
+# The port's messages: bodies posted with post_now, then one the loop sends, bigger than
+# some transports show in place.  Their seqs follow the script's.
+PORT_SIZES = [0, 5, 200]
+PORT_BIG = 70_000
+_PORT_SEQ = len(SIZES)
 _BIG_OP = 40 << 20  # bytes the lent-size bodies claim their op has (count * 4)
 
 
@@ -52,6 +61,19 @@ class Recorder:
         self.got: dict[int, list[tuple[Header, bytes]]] = {p: [] for p in self.peers}
         self.lost: dict[int, bool] = {}
         self._buffers: dict[int, tuple[Header, bytearray]] = {}
+        self.posted_bytes: list[int] = []  # messages sent with post_now, headers included
+        self.ported = False  # the port's messages went and came (check_port)
+        self.shown = 0  # of them, small ones peek showed
+
+    def size_of(self, seq: int) -> int:
+        """The body size of this rank's DATA message ``seq``."""
+        if seq < len(SIZES):
+            return SIZES[seq]
+        return PORT_BIG if seq == _PORT_SEQ + len(PORT_SIZES) else PORT_SIZES[seq - _PORT_SEQ]
+
+    def extra(self) -> int:
+        """Messages each way per peer beyond the script's (the port's)."""
+        return len(PORT_SIZES) + 1 if self.ported else 0
 
     def say_goodbye(self, transport: Transport) -> None:
         for p in self.peers:
@@ -141,31 +163,123 @@ def check_rank(transport: Transport, timeout: float = 60.0) -> dict[str, int]:
     assert woke_after < 30.0, f"poll(60) returned {woke_after:.1f} s after wake()"
 
     _check_counts(transport, rec)
+    _check_port(transport, rec, deadline)
+    _check_counts(transport, rec)
 
     # An orderly end: GOODBYE last, then our write side closes; every peer's end is
     # reported once, as orderly.
     rec.say_goodbye(transport)
     # A peer says goodbye only once it has everything of ours: after every peer's, none
     # needs anything more from us.
-    _poll_until(transport, lambda: len(rec.sent_tokens) == (len(SIZES) + 1) *
-                len(rec.peers) and not transport.pending_output() and all(
-                    len(rec.got[p]) == len(SIZES) + 1 for p in rec.peers), deadline,
-                "the goodbyes")
+    extra = rec.extra()
+    _poll_until(transport, lambda: len(rec.sent_tokens) == (len(SIZES) + 1 + (
+                extra and 1)) * len(rec.peers) and not transport.pending_output() and all(
+                    len(rec.got[p]) == len(SIZES) + 1 + extra for p in rec.peers),
+                deadline, "the goodbyes")
     if transport.close_writes():
         _poll_until(transport, lambda: len(rec.lost) == len(rec.peers), deadline,
                     "the peers' ends")
         assert all(rec.lost.values()), rec.lost
     stats = _check_counts(transport, rec)
     transport.abort()
-    return stats
+    return dict(stats, ported=int(rec.ported), shown=rec.shown)
+
+
+def _check_port(transport: Transport, rec: Recorder, deadline: float) -> None:
+    """Small messages sent by the thread that drives (post_now) and read with ``peek``
+    and ``take``, then a big one the loop sends: each arrives once, whole, in order.
+    Shown by ``peek``, or delivered by ``poll()`` where it came in during one (this
+    rank's earlier polls may take a faster peer's) or where the port leaves it to the
+    loop (a body it does not show in place).  The rank that gets here first polls
+    nothing while its peers post, so it is shown every small message (``rec.shown``)."""
+    ports = {p: transport.port(p) for p in rec.peers}
+    if any(port is None for port in ports.values()):
+        return
+    rank = rec.rank
+    big = _PORT_SEQ + len(PORT_SIZES)
+    expected = {p: [(_header(p, rank, _PORT_SEQ + j, n), _body(p, rank, _PORT_SEQ + j, n))
+                    for j, n in enumerate([*PORT_SIZES, PORT_BIG])] for p in rec.peers}
+    checked = dict.fromkeys(rec.peers, len(SIZES))  # entries of rec.got checked
+
+    def take_delivered(p: int) -> None:
+        # What the loop delivered (after it, a peer that is done may say goodbye).
+        while checked[p] < min(len(rec.got[p]), len(SIZES) + len(expected[p])):
+            k = checked[p] - len(SIZES)
+            assert rec.got[p][checked[p]] == expected[p][k], (rank, p, k)
+            checked[p] += 1
+
+    for p, port in ports.items():
+        assert port is not None
+        for j, n in enumerate(PORT_SIZES):
+            body = _body(rank, p, _PORT_SEQ + j, n)
+            header = _header(rank, p, _PORT_SEQ + j, n).pack()
+            while not port.post_now(header, memoryview(bytearray(body)) if n else None):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"rank {rank}: post_now to {p} never went")
+            rec.posted_bytes.append(HEADER_SIZE + n)
+    # The small ones: no poll() meanwhile, so what comes now is shown.
+    for p, port in ports.items():
+        assert port is not None
+        take_delivered(p)
+        while checked[p] < len(SIZES) + len(PORT_SIZES):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"rank {rank}: posted messages from {p} did not come")
+            record = port.peek()
+            if record is None:
+                continue
+            header, body = record
+            want_header, want_body = expected[p][checked[p] - len(SIZES)]
+            assert header == want_header, (rank, p, header)
+            assert body is not None and bytes(body) == want_body, (rank, p, header)
+            rec.got[p].append((header, bytes(body)))
+            port.take(header)
+            checked[p] += 1
+            rec.shown += 1
+    # The big one, through the loop: shown with its body, or left to poll().
+    for p in rec.peers:
+        rec.queue[p].append((_header(rank, p, big, PORT_BIG), _body(rank, p, big, PORT_BIG)))
+        transport.want_send(p)
+    left: set[int] = set()
+    while any(checked[p] < len(SIZES) + len(expected[p]) for p in rec.peers):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank {rank}: the big messages did not come: {checked}")
+        transport.flush()  # ours go (a ring's next chunks)
+        for p, port in ports.items():
+            assert port is not None
+            before = checked[p]
+            take_delivered(p)
+            if checked[p] > before:
+                left.discard(p)
+            if checked[p] == len(SIZES) + len(expected[p]) or p in left:
+                continue
+            record = port.peek()
+            if record is None:
+                continue
+            header, body = record
+            # Its flags may say how the transport carries it (a ring's chunks, say).
+            assert header._replace(flags=0) == expected[p][-1][0], (rank, p, header)
+            if body is None:  # the loop's to take, as the small path leaves it
+                left.add(p)
+                transport.resume()
+                continue
+            assert bytes(body) == expected[p][-1][1], f"rank {rank}: big body from {p}"
+            rec.got[p].append((header, bytes(body)))
+            port.take(header)
+            checked[p] += 1
+        # A message the loop began reading (its body in part) is shown to no peek.
+        transport.poll(0.001 if not left else 0)
+    _poll_until(transport, lambda: len(rec.sent_tokens) == (len(SIZES) + 1) *
+                len(rec.peers), deadline, "the port's big messages to go")
+    rec.ported = True
 
 
 def _check_counts(transport: Transport, rec: Recorder) -> dict[str, int]:
     """The transport's counters agree with what the handler saw go and come (a peer may
     be a step ahead: its goodbye can be in already)."""
     stats = transport.stats()
-    sent = len(rec.sent_tokens)
-    sent_bytes = sum(HEADER_SIZE + (SIZES[i] if i >= 0 else 0) for _p, i in rec.sent_tokens)
+    sent = len(rec.sent_tokens) + len(rec.posted_bytes)
+    sent_bytes = sum(HEADER_SIZE + (rec.size_of(i) if i >= 0 else 0)
+                     for _p, i in rec.sent_tokens) + sum(rec.posted_bytes)
     got = [msg for p in rec.peers for msg in rec.got[p]]
     assert (stats["messages_sent"], stats["bytes_sent"]) == (sent, sent_bytes), stats
     assert stats["messages_received"] == len(got), stats

@@ -6,14 +6,23 @@ import os
 
 import pytest
 
-from harness import run_ok
+from harness import mpiexec, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
+# The MPI transport shows a peer's messages to the caller's thread too (its port: a
+# header receive tested in place): the small path, the express lane and repeats run
+# over it as over the shared-memory rings.
+_MPI = pytest.param("mpi", marks=pytest.mark.skipif(mpiexec() is None,
+                                                    reason="needs mpi4py and mpiexec"))
+TRANSPORTS = ["shm", _MPI]
 
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_small_and_general_paths_mix_rank_by_rank(n: int) -> None:
-    result = run_ok(n, "smallpath_workers:mixed_paths", {"steps": 200}, timeout=150)
+def test_small_and_general_paths_mix_rank_by_rank(n: int, transport: str) -> None:
+    result = run_ok(n, "smallpath_workers:mixed_paths", {"steps": 200}, timeout=150,
+                    transport=transport)
     for r in range(n):
         got = result.report(r)
         assert got["checked"] == 200, result.explain()
@@ -22,9 +31,12 @@ def test_small_and_general_paths_mix_rank_by_rank(n: int) -> None:
         assert got["active"] == 0 and got["floating"] == 0, got
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 4])
-def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
-    result = run_ok(n, "smallpath_workers:repeated_calls", {"steps": 400}, timeout=150)
+def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int, transport: str
+                                                               ) -> None:
+    result = run_ok(n, "smallpath_workers:repeated_calls", {"steps": 400}, timeout=150,
+                    transport=transport)
     for r in range(n):
         got = result.report(r)
         assert got["floating"] == 0 and got["plans"] > 0, got
@@ -35,19 +47,21 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int) -> None:
         assert any(result.report(r)["caught_up"] > 0 for r in range(n)), result.explain()
 
 
-@pytest.mark.parametrize(("kind", "n"), [("allreduce", 2), ("allreduce", 3),
-                                        ("allreduce", 4), ("broadcast", 2),
-                                        ("broadcast", 3), ("allgather", 2),
-                                        ("allgather", 3), ("alltoall", 2),
-                                        ("alltoall", 3), ("reducescatter", 2),
-                                        ("reducescatter", 3)])
-def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(kind: str,
-                                                                           n: int) -> None:
+@pytest.mark.parametrize(("kind", "n", "transport"), [
+    ("allreduce", 2, "shm"), ("allreduce", 3, "shm"), ("allreduce", 4, "shm"),
+    ("broadcast", 2, "shm"), ("broadcast", 3, "shm"), ("allgather", 2, "shm"),
+    ("allgather", 3, "shm"), ("alltoall", 2, "shm"), ("alltoall", 3, "shm"),
+    ("reducescatter", 2, "shm"), ("reducescatter", 3, "shm"),
+    *(pytest.param(kind, n, "mpi", marks=_MPI.marks) for kind, n in [
+        ("allreduce", 2), ("broadcast", 3), ("alltoall", 3), ("reducescatter", 2)])])
+def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(
+        kind: str, n: int, transport: str) -> None:
     whats = {"allreduce": ["op"], "broadcast": ["root"], "reducescatter": ["op"]
              }.get(kind, []) + [
         "dtype", "shape"]
     result = run_ok(n, "smallpath_workers:repeat_then_differ",
-                    {"kind": kind, "whats": whats, "repeats": 10}, timeout=150)
+                    {"kind": kind, "whats": whats, "repeats": 10}, timeout=150,
+                    transport=transport)
     for r in range(n):
         got = result.report(r)
         # The repeats began from the template's Repeat (at 4 ranks on 2 cores most are
@@ -86,18 +100,23 @@ def test_small_path_can_be_switched_off() -> None:
         assert got["checked"] == 60 and got["direct"] == 0, got
 
 
-def test_a_late_peer_hands_the_op_to_the_general_path() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_late_peer_hands_the_op_to_the_general_path(transport: str) -> None:
     # 0.6 s is past the small path's patience (smallpath.PROMOTE_AFTER, 0.25 s).
-    result = run_ok(2, "smallpath_workers:late_peer", {"delay": 0.6}, timeout=120)
+    result = run_ok(2, "smallpath_workers:late_peer", {"delay": 0.6}, timeout=120,
+                    transport=transport)
     assert result.report(0)["handed_over"] >= 1, result.explain()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 4])
-def test_the_express_lane_hands_a_late_peers_op_to_the_small_path(n: int) -> None:
+def test_the_express_lane_hands_a_late_peers_op_to_the_small_path(n: int, transport: str
+                                                                  ) -> None:
     # 3 ms is past the express lane's spin (express._SPIN) and within the small path's
     # patience: the small path finishes what the lane began.  Sums checked in the worker.
     result = run_ok(n, "smallpath_workers:express_hand_over",
-                    {"steps": 24, "late": n - 1, "delay": 0.003}, timeout=120)
+                    {"steps": 24, "late": n - 1, "delay": 0.003}, timeout=120,
+                    transport=transport)
     waiting = 1 if n == 4 else 0  # at 4 ranks: after its first step, with rank 0
     assert result.report(waiting)["handed"] >= 1, result.explain()
 
@@ -230,10 +249,12 @@ def test_a_set_direct_bytes_bounds_allreduces_too() -> None:
         assert result.report(r)["direct"] == [1, 0], result.explain()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 3])
 def test_repeated_gathers_and_broadcasts_reuse_plans_and_still_refuse_bad_calls(
-        n: int) -> None:
-    result = run_ok(n, "smallpath_workers:repeated_gathers", {"steps": 300}, timeout=150)
+        n: int, transport: str) -> None:
+    result = run_ok(n, "smallpath_workers:repeated_gathers", {"steps": 300}, timeout=150,
+                    transport=transport)
     for r in range(n):
         got = result.report(r)
         assert got["floating"] == 0, got

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from contract import check_rank
+from contract import PORT_SIZES, check_rank
 from harness import mpiexec, run_ok
 from totalreduce.transport.base import Transport
 from totalreduce.transport.cma import cma_works
@@ -123,6 +123,9 @@ def test_shm(n: int) -> None:
     # Small rings: the 3 MiB body goes in chunks and fills the ring again and again.
     stats = _in_threads(n, _socket_mesh(n, 64 << 10, 0))
     assert all(s["bodies_lent"] == 0 for s in stats)
+    # Every pair has a ring; the first rank to post was shown every message posted to it.
+    assert all(s["ported"] for s in stats), stats
+    assert sum(s["shown"] for s in stats) >= (n - 1) * len(PORT_SIZES), stats
 
 
 @pytest.mark.skipif(not shm_available(), reason="no /dev/shm here")
@@ -145,12 +148,16 @@ def test_peers_keep_to_sockets_when_dev_shm_has_no_room(monkeypatch: pytest.Monk
 @pytest.mark.skipif(not (shm_available() and cma_works()), reason="no cross-memory attach")
 def test_shm_lending() -> None:
     stats = _in_threads(2, _socket_mesh(2, 64 << 10, 24 << 20))
-    # The two bodies of 64 KiB and more whose op claims 40 MiB are lent, to each peer.
-    assert all(s["bodies_lent"] == 2 for s in stats), stats
+    # The three bodies of 64 KiB and more whose op claims 40 MiB (two of the script's,
+    # the port's big one) are lent, to each peer.
+    assert all(s["bodies_lent"] == 3 and s["ported"] for s in stats), stats
 
 
 @pytest.mark.skipif(mpiexec() is None, reason="needs mpi4py and mpiexec")
 def test_mpi() -> None:
     result = run_ok(3, "workers:transport_contract", {}, timeout=120, transport="mpi")
     for r in range(3):
-        assert result.report(r)["contract_kept"]["messages_sent"] > 0, result.explain()
+        kept = result.report(r)["contract_kept"]
+        assert kept["messages_sent"] > 0 and kept["ported"], result.explain()
+    shown = sum(result.report(r)["contract_kept"]["shown"] for r in range(3))
+    assert shown >= 2 * len(PORT_SIZES), result.explain()

@@ -14,6 +14,16 @@ MPI has no call that waits for "a request completed *or* another thread wants at
 so :meth:`MpiTransport.poll` tests its requests, spins briefly, then backs off in short
 sleeps that :meth:`wake` cuts short.  Bytes are only ever moved as raw buffers: nothing is
 pickled.
+
+A small op on the caller's thread (engine/smallpath.py, express.py, repeat.py) sends and
+reads its messages itself, as over the shared-memory rings, with no turn of the loop:
+:meth:`MpiTransport.post_now` sends a message whose body fits in its header's (copied,
+so the caller may write over its array at once), and :meth:`MpiTransport.peek` tests the
+peer's posted header receive in place and shows what came, body included when it came
+inline; :meth:`MpiTransport.take` posts the receive again.  A header seen that way and
+not taken is the loop's (MPI reports a request done only once): poll() reads it first.
+An 8-byte allreduce at 2 ranks took 126 us through the loop and 24 us this way, at 4
+ranks on 2 cores 815 and 232 us (bench latency, one sitting).
 """
 
 from __future__ import annotations
@@ -22,13 +32,14 @@ import contextlib
 import os
 import threading
 import time
+from collections import deque
 from typing import Any
 
-from .base import Counters, MessageHandler, Transport
+from .base import Counters, MessageHandler, Port, Transport
 from .ring_lane import LANE_RING_BYTES, RingLane
 from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .socket_lane import LANE_BODY
-from .wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
+from .wire import HEADER_SIZE, KIND_DATA, Header, Kind, WireError, unpack_header
 
 _HEADER_TAG = 1
 _BODY_TAG = 2
@@ -45,6 +56,14 @@ _MAX_SENDS_PER_PEER = 16  # messages in flight to one peer before we stop pullin
 _MAX_BYTES_PER_PEER = 8 << 20
 _SPIN = 50e-6             # keep testing this long before the first sleep
 _MAX_NAP = 1e-3           # longest sleep between tests while idle
+# How long a caller's thread running a small op tests for the peer's message before it
+# blocks in poll() (Transport.spin_for): long where every rank of the host has a core of
+# its own, shorter, giving the core away between tests, where they share cores.
+_PORT_SPIN_OWN_CORE = 2e-3
+_PORT_SPIN_CROWDED = 1e-3
+# Messages a caller's thread sent (post_now) that MPI has not reported done; past this
+# many, the loop sends.
+_MAX_QUICK = 64
 
 
 # Sends still in flight when a transport aborted, with their buffers (see abort()).
@@ -75,6 +94,13 @@ def import_mpi() -> Any:
     return MPI
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class _Send:
     __slots__ = ("peer", "left", "token", "keep", "nbytes")
 
@@ -85,6 +111,25 @@ class _Send:
         self.token = token
         self.keep = keep  # buffers MPI reads from until the request completes
         self.nbytes = nbytes  # of the body
+
+
+class _MpiPort:
+    """One peer's :class:`.base.Port`: the transport's post_now, peek and take for it."""
+
+    __slots__ = ("_transport", "_peer")
+
+    def __init__(self, transport: MpiTransport, peer: int) -> None:
+        self._transport = transport
+        self._peer = peer
+
+    def post_now(self, header: bytes, body: memoryview | None) -> bool:
+        return self._transport.post_now(self._peer, header, body)
+
+    def peek(self) -> tuple[Header, memoryview | None] | None:
+        return self._transport.peek(self._peer)
+
+    def take(self, header: Header) -> None:
+        self._transport.take(self._peer, header)
 
 
 class _Lane:
@@ -220,6 +265,14 @@ class MpiTransport(Transport):
         self._reqs: list[Any] = []
         self._what: list[tuple[str, Any]] = []
         self._hdr_bufs: dict[int, bytearray] = {}
+        # Each peer's posted header receive (None while its body is being received), and
+        # the peers whose header a caller's thread saw complete (peek) and left to the
+        # loop: MPI reports a request done once, so the loop reads those from here.
+        self._hdr_reqs: dict[int, Any] = {}
+        self._held: set[int] = set()
+        self._ports: dict[int, _MpiPort] = {}
+        # Sends of post_now (request, the bytes MPI reads), oldest first.
+        self._quick: deque[tuple[Any, bytes]] = deque()
         self._closed = False
         self._sends_open = 0
         # Lanes need threads other than the loop's to call MPI at once.  Where this
@@ -230,8 +283,9 @@ class MpiTransport(Transport):
         self._tag_lanes: dict[int, _Lane] = {}
         self._ring_lanes: list[RingLane] = []
         local = hosts.count(hosts[self.rank]) if hosts else 1
+        self._crowded = local > _cores()
         lanes = (self._mpi.Query_thread() >= self._mpi.THREAD_MULTIPLE
-                 and local <= (os.cpu_count() or 1))
+                 and not self._crowded)
         here = [p for p in range(self.size) if p != self.rank and hosts is not None
                 and hosts[p] == hosts[self.rank]] if lanes and shm_lanes else []
         # Every rank takes part, lanes or not: the exchange is a collective.
@@ -283,7 +337,78 @@ class MpiTransport(Transport):
         self._event.set()
 
     def pending_output(self) -> bool:
-        return self._sends_open > 0
+        return self._sends_open > 0 or bool(self._quick)
+
+    # The caller's thread that drives (engine/smallpath.py, express.py): it sends and
+    # reads one small op's messages itself while it holds the drive lock, so nothing here
+    # runs beside poll().
+
+    def post_now(self, peer: int, header: bytes, body: memoryview | None) -> bool:
+        quick = self._quick
+        while quick and quick[0][0].Test():
+            quick.popleft()
+        # Messages of one tag arrive in order: this one must not pass output the loop
+        # still holds for the peer.
+        if (self._closed or peer in self._pending or len(quick) >= _MAX_QUICK
+                or (body is not None and body.nbytes > _INLINE)):
+            return False
+        data = header if body is None else header + bytes(body)
+        try:
+            req = self._comm.Isend([data, self._mpi.BYTE], peer, _HEADER_TAG)
+        except self._mpi.Exception:
+            return False  # the loop sends it, and reports what fails
+        quick.append((req, data))
+        counters = self.counters
+        counters.messages_sent += 1
+        counters.bytes_sent += len(data)
+        return True
+
+    def peek(self, peer: int) -> tuple[Header, memoryview | None] | None:
+        if peer not in self._held:
+            req = self._hdr_reqs.get(peer)
+            if req is None or self._closed:
+                return None
+            try:
+                if not req.Test():
+                    return None
+            except self._mpi.Exception:
+                return None  # Testsome in the loop's poll() reports it
+            self._forget(req)
+            self._hdr_reqs[peer] = None
+            self._held.add(peer)
+        buf = self._hdr_bufs[peer]
+        try:
+            header = unpack_header(buf)
+        except WireError:
+            return (Header(Kind.RING_WRAP), None)  # for poll() to report
+        n = header.nbytes
+        if header.kind != KIND_DATA or n > _INLINE:
+            return (header, None)
+        return (header, memoryview(buf)[HEADER_SIZE:HEADER_SIZE + n])
+
+    def peeks(self, peer: int) -> bool:
+        return peer != self.rank and 0 <= peer < self.size
+
+    def port(self, peer: int) -> Port | None:
+        if not self.peeks(peer):
+            return None
+        port = self._ports.get(peer)
+        if port is None:
+            port = self._ports[peer] = _MpiPort(self, peer)
+        return port
+
+    def take(self, peer: int, header: Header) -> None:
+        self._held.discard(peer)
+        counters = self.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+        self._post_header(peer)
+
+    def spin_for(self) -> float:
+        return _PORT_SPIN_CROWDED if self._crowded else _PORT_SPIN_OWN_CORE
+
+    def crowded(self) -> bool:
+        return self._crowded
 
     def poll(self, timeout: float | None) -> None:
         start = time.monotonic()
@@ -322,6 +447,8 @@ class MpiTransport(Transport):
                 with contextlib.suppress(Exception):
                     req.Cancel()
                     req.Wait()
+        _ABANDONED.extend(self._quick)
+        self._quick.clear()
         self._reqs.clear()
         self._what.clear()
 
@@ -329,12 +456,31 @@ class MpiTransport(Transport):
 
     def _post_header(self, peer: int) -> None:
         buf = self._hdr_bufs[peer]
-        self._reqs.append(self._comm.Irecv([buf, self._mpi.BYTE], source=peer,
-                                           tag=_HEADER_TAG))
+        req = self._comm.Irecv([buf, self._mpi.BYTE], source=peer, tag=_HEADER_TAG)
+        self._hdr_reqs[peer] = req
+        self._reqs.append(req)
         self._what.append(("header", peer))
 
+    def _forget(self, req: Any) -> None:
+        """Drop ``req``, done outside Testsome, from the requests poll() tests."""
+        for i, r in enumerate(self._reqs):
+            if r is req:
+                del self._reqs[i]
+                del self._what[i]
+                return
+
     def _progress(self) -> bool:
-        did = self._pull_sends()
+        did = False
+        if self._held:
+            # Headers a caller's thread saw arrive (peek) and did not take.
+            for peer in sorted(self._held):
+                self._held.discard(peer)
+                self._header_arrived(peer)
+            did = True
+        quick = self._quick
+        while quick and quick[0][0].Test():
+            quick.popleft()
+        did |= self._pull_sends()
         if self._ring_lanes:
             did |= self._read_ring_lanes()
         if self._tag_lanes:
@@ -459,6 +605,7 @@ class MpiTransport(Transport):
 
     def _header_arrived(self, peer: int) -> None:
         assert self._handler is not None
+        self._hdr_reqs[peer] = None
         buf = self._hdr_bufs[peer]
         header = unpack_header(buf)
         n = header.nbytes
