@@ -181,7 +181,8 @@ class Transport(abc.ABC):
     def peek(self, peer: int) -> tuple[Header, memoryview | None] | None:
         """The next message from ``peer`` if one has arrived, without taking it: with its
         body when it is a DATA message lying whole in this process's memory (a
-        shared-memory slot), to be handled in place and then freed by :meth:`take`; with
+        shared-memory slot, the MPI transport's header buffer), to be handled in place and
+        then freed by :meth:`take`; with
         None instead for anything else, which only poll() takes.  None when nothing has
         arrived, or where the transport cannot tell without a poll() (then always).  A
         thread waiting for one small op reads its messages this way, without a turn of
@@ -189,7 +190,7 @@ class Transport(abc.ABC):
         return None
 
     def peeks(self, peer: int) -> bool:
-        """Whether :meth:`peek` can show ``peer``'s messages (it comes through a ring)."""
+        """Whether :meth:`peek` can show ``peer``'s messages (a ring's, MPI's)."""
         return False
 
     def port(self, peer: int) -> Port | None:

@@ -345,8 +345,10 @@ class MpiTransport(Transport):
 
     def post_now(self, peer: int, header: bytes, body: memoryview | None) -> bool:
         quick = self._quick
-        while quick and quick[0][0].Test():
-            quick.popleft()
+        try:
+            self._reap_quick()
+        except self._mpi.Exception:
+            return False  # the loop's poll() reports it
         # Messages of one tag arrive in order: this one must not pass output the loop
         # still holds for the peer.
         if (self._closed or peer in self._pending or len(quick) >= _MAX_QUICK
@@ -461,6 +463,12 @@ class MpiTransport(Transport):
         self._reqs.append(req)
         self._what.append(("header", peer))
 
+    def _reap_quick(self) -> None:
+        """Let go of the post_now sends MPI is done with, oldest first."""
+        quick = self._quick
+        while quick and quick[0][0].Test():
+            quick.popleft()
+
     def _forget(self, req: Any) -> None:
         """Drop ``req``, done outside Testsome, from the requests poll() tests."""
         for i, r in enumerate(self._reqs):
@@ -477,9 +485,11 @@ class MpiTransport(Transport):
                 self._held.discard(peer)
                 self._header_arrived(peer)
             did = True
-        quick = self._quick
-        while quick and quick[0][0].Test():
-            quick.popleft()
+        try:
+            self._reap_quick()
+        except self._mpi.Exception as exc:
+            self._fail_all(f"MPI error: {exc}")
+            return True
         did |= self._pull_sends()
         if self._ring_lanes:
             did |= self._read_ring_lanes()
