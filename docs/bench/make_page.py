@@ -170,9 +170,10 @@ the cache, totalreduce reads lower here than in its own job (the collectives tab
 {table("floor-2")[1]}
 
 The bare exchanges are what copying through memory allows here: from 1 to 16 MB the
-faster of the two runs 1.15-1.5x as fast as MPI, so no engine on these copies gets much
-further. The gap between them and totalreduce is the engine's own cost: its headers,
-credit, handlers and turns of the loop, about 0.1 ms a call at 1 MB. At 16 MB, where
+faster of the two runs 1.15-1.35x as fast as MPI (1.15-1.5x at the previous
+regeneration), so no engine on these copies gets much further. The gap between them and
+totalreduce is the engine's own cost: its headers, credit, handlers and turns of the
+loop, about 0.1 ms a call at 1 MB. At 16 MB, where
 totalreduce lends its 2 MiB pieces, timestamps in one process pair put 70-130 us of
 handling between one piece's copy and the next's (the next record waits for a turn of
 the loop, which first posts the reduced piece), eight times a call.
@@ -255,7 +256,8 @@ little or not at all (103-110 us against 89-95 at 8 ranks, 125-133 against 130-1
 a training loop makes them), each call timed alone; a call's time is the slowest rank's.
 `time / mpi` is the median over MPI's median for the same op in the same run. A blocking
 op with nothing else in flight runs to its end on the caller's thread, which reads its
-peers' messages straight out of the shared-memory rings; one whose schedule is a chain
+peers' messages straight out of the shared-memory rings (over the MPI transport, out of
+the header receive it posted for each peer, tested in place); one whose schedule is a chain
 (recursive doubling: every small allreduce and barrier) takes the express lane
 (engine/express.py), which keeps only its position in that chain, and a call like one
 made before runs from its template's Repeat (engine/repeat.py), which binds everything
@@ -266,9 +268,11 @@ reduction), many times MPI's C: half of a call is what
 a bare loop over the same rings takes (post, poll, add, release), the other half the
 engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The noisy host
 moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks the
-8-byte allreduce took 4.9x MPI's time here (6.8x in the coordination table's run of the
-same commit; 5.3-7.5x, median 6.9x, in six runs of totalreduce and MPI alone during a
-slower period of the host), the barrier 4.3x (5.5x; 4.7-6.5x, median 5.3x).
+8-byte allreduce took 5.7x MPI's time here (4.9x at the previous regeneration; 5.3-7.5x,
+median 6.9x, in six runs of totalreduce and MPI alone during a slower period of the
+host), the barrier 4.8x (4.3x; 4.7-6.5x, median 5.3x). The MPI transport, whose calls went
+through the loop before it could show messages in place (126 and 36 us), is now at 6.3x
+and 5.4x. Over TCP there is no such port: its calls go through the loop.
 At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
 {table("latency")[1]}
@@ -372,14 +376,14 @@ is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.306
-ms here against 0.181 ms alone after the delay (1.69x; 1.25-1.59x in other runs, one of
+and without the big op's records ahead of it in the ring, which is read in order: 0.229
+ms here against 0.180 ms alone after the delay (1.27x; 1.25-1.78x in other runs, one of
 them on a busier host, where MPI's own op took 0.78 ms alone after the delay against
 0.05-0.08 usually). What is left is the caller's Python running slower while the big op's copies
 take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
 to the op's start (35-75 us after the same sleep with no big op), 20-35 us to post its
 message (15-20) and 30-70 us waiting for the peer's, whose own start comes as late; the
-slow tail (p90 1.9 ms) is a peer whose thread got its core late. Neither a nap of the
+slow tail (p90 0.8-1.9 ms) is a peer whose thread got its core late. Neither a nap of the
 loop's thread while an urgent op runs, nor yielding the core between looks at the lane
 (5x slower), nor busy-polling the whole 2 ms before a nap (no change), did better.
 
@@ -410,9 +414,9 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.571 ms against
-0.195 ms alone after the delay here (2.92x; 12.5x in a busier run, 2.0-6.0x in other
-runs). Its slow tail (p90 2.1 ms) is the two ranks' calls
+it does not wait behind the big op's bytes in the kernel's buffers: 0.829 ms against
+0.214 ms alone after the delay here (3.87x; 12.5x in a busier run, 2.0-6.0x in other
+runs). Its slow tail (p90 2.7 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -422,10 +426,14 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 0.714 ms against 0.157 ms alone after the delay (4.55x; p90 3.7
-ms, a peer's thread that waits for its core and the GIL while the progress thread's MPI
-calls run; 22.4x in a busier run, 1.8-9.3x in other runs; the median moves between 0.2
-and 2 ms from run to run, and a shorter switch interval did not move it). As an MPI tag
+(transport/ring_lane.py): 1.761 ms against 0.171 ms alone after the delay (10.3x; p90 4.6
+ms; 22.4x in a busier run, 1.8-9.3x in other runs; the median moves between 0.2 and 2 ms
+from run to run). The op's own steps take 0.1-0.2 ms; the tail is a peer's thread woken
+from the sleep late: stamped in C as `clock_nanosleep` returns, 3.5-4.3 ms late at the
+median under this transport against 0.5 ms over the rings, with 0.02 ms more for the GIL,
+so it waits for a core, which the progress threads' MPI calls keep busy. Neither a
+shorter switch interval, nor the progress thread at nice 10, nor a longer wait in the
+lane before the loop takes over settled it (docs/dev/perf-log.md). As an MPI tag
 of its own, which a peer on another host still gets, it went through MPICH, which lets
 one thread into the library at a time and moves the big op's bytes inside the calls the
 urgent op makes: 0.3-2.9 ms at the median in alternated runs, against 0.5-0.7 with the
@@ -450,15 +458,15 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 107.5
-against 63.9 µs at 2 ranks). The cache cuts the cost another 7.3x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 105.2
+against 59.4 µs at 2 ranks). The cache cuts the cost another 7.1x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 4.3 µs per op at 2 ranks, 5.3x faster than 1,000 of MPI's
-`Iallreduce` (22.4 µs each), and 14.2 µs at 4 ranks (four processes on two cores), 7.4x
-faster than MPI's 105.3. On the slower AMD VM (see Environment), before the cycle reused
-a repeated step's fusion runs, it took 7.9 and 22.2 µs. It varies with the host (3.9 to
-4.7 µs between the 10th and 90th percentiles at 2 ranks here, 4.4 to 6.2 µs at the median
+cache and fusion, takes 4.7 µs per op at 2 ranks, 4.3x faster than 1,000 of MPI's
+`Iallreduce` (20.3 µs each), and 12.5 µs at 4 ranks (four processes on two cores), 8.9x
+faster than MPI's 110.8. On the slower AMD VM (see Environment), before the cycle reused
+a repeated step's fusion runs, it took 7.9 and 22.2 µs. It varies with the host (4.0 to
+7.0 µs between the 10th and 90th percentiles at 2 ranks here, 4.3 to 6.2 µs at the median
 in other runs): the whole cost is Python on the submitting thread and the cycle thread.
 Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
 seen before skips the argument checks and makes one new object); the cycle's taking,
@@ -477,8 +485,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-266 and 250 µs for the allreduce and the barrier at 2 ranks, 12x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (1.15 and 1.08 ms). A
+303 and 249 µs for the allreduce and the barrier at 2 ranks, 11x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (1.35 and 1.30 ms). A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -488,11 +496,11 @@ cycle and a half at the median.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.75x (2 ranks) and 0.90x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.32x and 1.25x). Without fusion, each of the 161
+so it finishes within 0.62x (2 ranks) and 0.83x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (1.28x and 1.29x). Without fusion, each of the 161
 tensors then runs as an engine op of its own behind that wait, which in this run beat
-fusing the few that a cycle finds together at 2 ranks (0.97x) and lost at 4 (1.40x), where
-the ops compete for two cores.
+fusing the few that a cycle finds together at 2 ranks (0.99x) and tied at 4 (1.29x),
+where the ops compete for two cores (at the previous regeneration 0.97x and 1.40x).
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
@@ -500,11 +508,11 @@ the ops compete for two cores.
 {table("replay-neg")[1]}
 
 With all 102 MB ready at once, self-guided mode is faster in every mode but flat: at 2
-ranks its grouped mode took 58.6 ms against negotiated's 94.2, its per-tensor mode 61.9
-against 91.6 and its optimizer mode 50.2 against 101.1 (flat: 40.4 against 51.2). Fusing
+ranks its grouped mode took 53.9 ms against negotiated's 99.8, its per-tensor mode 58.1
+against 95.3 and its optimizer mode 45.1 against 105.3 (flat: 36.7 against 54.9). Fusing
 big tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning
-fusion off bought little here (per-tensor 87.1 ms). At 4 ranks negotiated per-tensor
-takes 226.5 ms, self-guided grouped 183.4.
+fusion off bought little here (per-tensor 93.2 ms). At 4 ranks negotiated per-tensor
+takes 241.8 ms, self-guided grouped 213.1.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -531,13 +539,13 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
 are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
 the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
-count at 1 %, 0.56-0.92x, and from 3 ranks at 2 %, 0.70-0.84x; pipelined, at 4 ranks,
-0.77x and 1.01x). The point
+count, 0.59-0.63x at 1 % and 0.50-0.78x at 2 %; pipelined, at 4 ranks, 1.05x and
+0.80x). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 2.2x at 4 ranks, 4.0x on the smaller
+cores, so one alltoall is faster here (up to 1.7x at 4 ranks, 2.3x on the smaller
 vectors); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
@@ -595,8 +603,8 @@ checkpoint's size at 1 GB/s. `{command("recovery")}` (`docs/bench/recovery.txt`)
 
 {table("recovery")[1]}
 
-Most of *restart* is a new Python process importing numpy and totalreduce (about 0.3 s
-here); the survivors drop their links and meet the newcomer in about 0.06 s.
+Most of *restart* is a new Python process importing numpy and totalreduce (about
+0.4 s here); the survivors drop their links and meet the newcomer in about 0.06 s.
 
 ## Allreduce, averaging and the parameter server, with a straggler (digits, 3 workers)
 
@@ -848,29 +856,30 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 18.6 us at 2 ranks in the
-  latency table (MPI: 3.8 us, 4.9x; 5.3-7.5x in other runs), nearly all of it Python per
-  op, even from a Repeat; over sockets or the MPI transport, which have no express lane,
-  150 and 138 us. A barrier takes 17.5 us (4.3x; 4.7-6.5x in other runs). Async small
+- Small messages: a blocking allreduce of a few bytes costs 20.8 us at 2 ranks in the
+  latency table (MPI: 3.6 us, 5.7x; 4.9-7.5x in other runs), nearly all of it Python per
+  op, even from a Repeat; 22.7 us over the MPI transport; over sockets, which have no
+  express lane, 133 us. A barrier takes 18.5 us (4.8x; 4.3-6.5x in other runs). Async small
   allreduces, which the loop runs, cost about 64 us each self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.028 and 0.027 ms at 4 bytes in the 2-rank
-  table, a broadcast 0.028 ms, against MPI's 0.003-0.005). A repeated one skips its
+  data; `same_shape=True` makes it one (0.033 ms at 4 bytes in the 2-rank table, a
+  broadcast 0.032 ms, against MPI's 0.003-0.006). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 1.34x MPI at 1 MB, 1.12x at 4 MB and 0.88x at
-  16 MB, 1.69-1.81x from 64 MB; reducescatter 0.98-1.01x at 1-16 MB, 1.55-1.67x from
-  64 MB. MPICH's shared memory moves 1-16 MB at 3-6 GB/s of algorithm
+- The 2-rank collectives table: allreduce 1.15x MPI at 1 MB, 0.93x at 4 MB and 0.96x at
+  16 MB, 1.64-1.87x from 64 MB; reducescatter 0.86-0.88x at 1-16 MB, 1.24-1.40x from
+  64 MB (at the previous regeneration 1.34x, 1.12x and 0.88x; 0.98-1.01x). MPICH's
+  shared memory moves 1-16 MB at 3-6 GB/s of algorithm
   bandwidth for the reductions here, which leaves a reduction little room: a 16 MB
   allreduce costs us about 2.7 ms of copying and summing against MPI's 3.9 ms in all,
-  and the floor table's bare exchanges, with no engine, reach 1.0-1.5x MPI at 1-16 MB.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.67x at 1 MB,
-  0.84-0.87x at 4-16 MB, 0.92-1.01x from 64 MB; alltoall 0.46x at 1 MB (0.232 ms against
-  MPI's 0.108), 0.68-0.71x at 4-16 MB, 0.91-0.94x from 64 MB; broadcast 0.57x at 1 MB,
-  0.86x at 4 MB, 0.94x at 16 MB, 1.31x at 64 MB and 1.36x at 256 MB, where the receiver
+  and the floor table's bare exchanges, with no engine, reach 1.15-1.35x MPI at 1-16 MB.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.68x at 1 MB,
+  0.78-0.89x at 4-16 MB, 0.85-0.89x from 64 MB; alltoall 0.39x at 1 MB (0.253 ms against
+  MPI's 0.099), 0.68-0.70x at 4-16 MB, 0.88-0.91x from 64 MB; broadcast 0.73x at 1 MB,
+  0.82x at 4 MB, 0.90x at 16 MB, 1.32x at 64 MB and 1.40x at 256 MB, where the receiver
   copies the root's lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI
   moves these at 7-10 GB/s, about the speed of one plain copy of the bytes (a 16 MiB copy
   takes 1.59 ms here, MPI's 16 MB broadcast 1.85 ms in this run). Repeated same-shape alltoalls
@@ -882,9 +891,11 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.18-0.64x), and from 64 MB reaches 0.73-0.93x for allreduce and reducescatter;
+  host (0.16-0.53x), and from 64 MB reaches 0.75-0.96x for allreduce and reducescatter;
   `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own allreduce and
-  reducescatter from 64 MB (1.45-1.76x) and trails it below (0.25-0.96x).
+  reducescatter from 64 MB (1.34-1.88x) and trails it below but for 4 MB reducescatter
+  and 16 MB allreduce (0.28-1.06x); its small ops now run on the caller's thread as the
+  rings' do (4 bytes: 0.029-0.042 ms, against 0.12-0.16 ms through the loop).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
@@ -904,21 +915,21 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (9.6x and 9.2x
-  MPI's 8-byte allreduce and barrier in the latency table; 0.14-0.20x in the 4-rank table,
-  where every call follows a barrier), and allreduces run at 0.59x MPI at 1 MB, 0.71x at
-  4 MB, 1.15x at 16 MB and 1.61x at 64 MB (0.35-1.21x at 1 MB, 0.45-0.8x at 4 MB and
-  0.82-0.91x at 16 MB in other runs). Every hop waits for a peer to get a core; neither
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (8.5x and 8.9x
+  MPI's 8-byte allreduce and barrier in the latency table, 9.8x and 9.4x over the MPI
+  transport; 0.12-0.20x in the 4-rank table, where every call follows a barrier), and
+  allreduces run at 0.66x MPI at 1 MB, 0.63x at 4 MB, 0.92x at 16 MB and 1.69x at 64 MB
+  (0.35-1.21x at 1 MB, 0.45-0.8x at 4 MB and 0.82-1.15x at 16 MB in other runs). Every
+  hop waits for a peer to get a core; neither
   the small path's threshold, nor doubling up to 4 or 16 MB, nor recursive halving from
   1 MB (or up to 16 MB), nor longer or shorter spins before a hand-over (0, 0.2 or 5 ms
   with the cores crowded) did better.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.69x its time alone
-  after the same sleep over shared memory (1.2-2.1x in other runs), 2.9x over TCP
-  (2.0-12.5x) and 4.6x over the MPI transport (1.8-22.4x), each on its own lane (the
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.27x its time alone
+  after the same sleep over shared memory (1.2-2.1x in other runs), 3.9x over TCP
+  (2.0-12.5x) and 10.3x over the MPI transport (1.8-22.4x), each on its own lane (the
   preemption section; the widest figures from a run on a busier host). What is
   left is the two ranks' threads waking up to milliseconds apart while the big op's
-  threads hold the cores and the GIL; an urgent op the loop runs (an async one) waits
-  much longer.
+  threads hold the cores; an urgent op the loop runs (an async one) waits much longer.
 """]
     PAGE.write_text("".join(parts))
 
