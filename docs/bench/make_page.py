@@ -625,13 +625,14 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
-trains at 0.21-0.28x allreduce's rate. With the straggler, removing the bound bought
-1.60x tau = 0's throughput in this run (0.90x to 1.44x in others: the straggler's own
+trains at 0.28-0.40x allreduce's rate (0.21-0.28x at the previous regeneration). With
+the straggler, removing the bound bought 1.51x tau = 0's throughput in this run (0.90x
+to 1.60x in others: the straggler's own
 steps bound the time either way) and cost 0.9 points of accuracy (0.7 to 5.8 in those
 others); bounds of 1 and 4 keep tau = 0's accuracy within 0.5 points. Averaging every 4
 or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's loss costs
 0.66x of tau = 0's throughput without a straggler (a push waits for a second server's
-round trip) and 0.83x with one (0.52-0.73x and 0.64-0.74x in other runs).
+round trip) and 0.67x with one (0.52-0.73x and 0.64-0.83x in other runs).
 
 ## Across hosts
 
@@ -656,9 +657,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.196 s hierarchical at 64 MiB,
-against 0.192 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.32-1.50x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.213 s hierarchical at 64 MiB,
+against 0.207 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.35-1.62x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -676,7 +677,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.3-1.7x) turns into 0.68-1.01x dense's speed to 95 %: they need one to three
+samples/s (1.2-1.6x) turns into 0.57-0.90x dense's speed to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
