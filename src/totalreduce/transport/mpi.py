@@ -29,13 +29,13 @@ ranks on 2 cores 815 and 232 us (bench latency, one sitting).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import deque
 from typing import Any
 
 from .base import Counters, MessageHandler, Port, Transport
+from .poller import cores
 from .ring_lane import LANE_RING_BYTES, RingLane
 from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .socket_lane import LANE_BODY
@@ -92,13 +92,6 @@ def import_mpi() -> Any:
             "Import totalreduce before mpi4py.MPI, or set mpi4py.rc.thread_level = "
             "'multiple' before importing it")
     return MPI
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class _Send:
@@ -283,7 +276,7 @@ class MpiTransport(Transport):
         self._tag_lanes: dict[int, _Lane] = {}
         self._ring_lanes: list[RingLane] = []
         local = hosts.count(hosts[self.rank]) if hosts else 1
-        self._crowded = local > _cores()
+        self._crowded = local > cores()
         lanes = (self._mpi.Query_thread() >= self._mpi.THREAD_MULTIPLE
                  and not self._crowded)
         here = [p for p in range(self.size) if p != self.rank and hosts is not None

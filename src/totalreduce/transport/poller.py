@@ -37,7 +37,8 @@ POLL_SLOT = 0
 WAIT_SLOT = 1
 
 
-def _cores() -> int:
+def cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -51,7 +52,7 @@ class Poller:
         self.rings = rings
         self.rings_only = rings_only and bool(rings)
         # Whether every rank of this host can have a core of its own.
-        self.own_core = bool(rings) and len(rings) + 1 <= _cores()
+        self.own_core = bool(rings) and len(rings) + 1 <= cores()
         # Ranks share cores: a waiting turn gives the core away between looks (the peer
         # may be waiting for it) rather than sleeping, which costs a wake-up each time.
         self.crowded = bool(rings) and not self.own_core
