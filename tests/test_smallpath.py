@@ -10,12 +10,13 @@ from harness import mpiexec, run_ok
 
 pytestmark = pytest.mark.multiprocess
 
-# The MPI transport shows a peer's messages to the caller's thread too (its port: a
-# header receive tested in place): the small path, the express lane and repeats run
-# over it as over the shared-memory rings.
+# The MPI transport and the sockets show a peer's messages to the caller's thread too
+# (their ports: a header receive tested in place, a receive into the link's staging
+# buffer): the small path, the express lane and repeats run over them as over the
+# shared-memory rings.
 _MPI = pytest.param("mpi", marks=pytest.mark.skipif(mpiexec() is None,
                                                     reason="needs mpi4py and mpiexec"))
-TRANSPORTS = ["shm", _MPI]
+TRANSPORTS = ["shm", "tcp", _MPI]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -53,7 +54,9 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int, transport
     ("allgather", 3, "shm"), ("alltoall", 2, "shm"), ("alltoall", 3, "shm"),
     ("reducescatter", 2, "shm"), ("reducescatter", 3, "shm"),
     *(pytest.param(kind, n, "mpi", marks=_MPI.marks) for kind, n in [
-        ("allreduce", 2), ("broadcast", 3), ("alltoall", 3), ("reducescatter", 2)])])
+        ("allreduce", 2), ("broadcast", 3), ("alltoall", 3), ("reducescatter", 2)]),
+    ("allreduce", 3, "tcp"), ("broadcast", 2, "tcp"), ("alltoall", 2, "tcp"),
+    ("reducescatter", 3, "tcp")])
 def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(
         kind: str, n: int, transport: str) -> None:
     whats = {"allreduce": ["op"], "broadcast": ["root"], "reducescatter": ["op"]

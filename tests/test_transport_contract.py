@@ -83,7 +83,10 @@ def test_inproc_seeded(n: int) -> None:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_tcp(n: int) -> None:
-    _in_threads(n, _socket_mesh(n, 0, 0))
+    stats = _in_threads(n, _socket_mesh(n, 0, 0))
+    # Sockets have ports too: the first rank to post was shown every message posted to it.
+    assert all(s["ported"] for s in stats), stats
+    assert sum(s["shown"] for s in stats) >= (n - 1) * len(PORT_SIZES), stats
 
 
 def test_sockets_between_ranks_of_one_host_keep_a_short_send_queue() -> None:

@@ -181,7 +181,8 @@ class Transport(abc.ABC):
     def peek(self, peer: int) -> tuple[Header, memoryview | None] | None:
         """The next message from ``peer`` if one has arrived, without taking it: with its
         body when it is a DATA message lying whole in this process's memory (a
-        shared-memory slot, the MPI transport's header buffer), to be handled in place and
+        shared-memory slot, the MPI transport's header buffer, a socket link's staging
+        buffer), to be handled in place and
         then freed by :meth:`take`; with
         None instead for anything else, which only poll() takes.  None when nothing has
         arrived, or where the transport cannot tell without a poll() (then always).  A
@@ -190,7 +191,8 @@ class Transport(abc.ABC):
         return None
 
     def peeks(self, peer: int) -> bool:
-        """Whether :meth:`peek` can show ``peer``'s messages (a ring's, MPI's)."""
+        """Whether :meth:`peek` can show ``peer``'s messages (a ring's, MPI's, a
+        socket's)."""
         return False
 
     def port(self, peer: int) -> Port | None:

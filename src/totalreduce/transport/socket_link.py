@@ -2,7 +2,11 @@
 
 Small messages are batched into one ``sendmsg``; headers are read through a staging
 buffer so that many small messages cost one ``recv``; large bodies are read with
-``recv_into`` straight into the destination the handler names, with no copy.  A link
+``recv_into`` straight into the destination the handler names, with no copy.  The link
+is also its peer's port (base.Port) for the thread that drives: ``post_now`` sends one
+message at once, ``peek`` receives what the kernel holds into the staging buffer and shows
+the front message in place, ``take`` moves past it; what ``peek`` received and left is
+parsed by the next poll() (the transport's ``staged``), socket readable or not.  A link
 whose peer shares this host carries its messages in shared-memory rings instead
 (ring_link.py) and keeps the socket as a doorbell and failure detector.
 """
@@ -15,7 +19,16 @@ from collections import deque
 from typing import Any, Protocol
 
 from .base import Counters, MessageHandler
-from .wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
+from .wire import (
+    FLAG_CHUNKED,
+    FLAG_REMOTE,
+    HEADER_SIZE,
+    KIND_DATA,
+    Header,
+    Kind,
+    WireError,
+    unpack_header,
+)
 
 _STAGING = 256 << 10
 BATCH_BYTES = 256 << 10
@@ -23,6 +36,18 @@ _BATCH_MESSAGES = 64
 READ_BUDGET = 2 << 20  # bytes read from one link per poll (ring bodies included)
 WRITE_BUDGET = 2 << 20  # bytes written to one link per poll (ring bodies included)
 
+
+# A message a caller's thread reads in place (Link.peek) lies whole in the staging buffer;
+# a bigger one is read by poll() into its destination.
+_PEEK_MAX = _STAGING - HEADER_SIZE
+# The biggest body a caller's thread sends (Link.post_now): the kernel takes that much at
+# once where nothing of ours waits (a local socket's send buffer is 256 KiB, doubled by
+# the kernel).  A bigger one goes from the loop, which reads the peer's answer while it
+# writes: posted from the caller's thread, the rest of a 1 MiB allreduce's body waited for
+# the loop's next turns (1.6 ms at 2 ranks, against 0.33 ms on the loop).
+_POST_MAX = 256 << 10
+# Flags of a DATA message whose body is not simply the bytes after its header.
+_NOT_INLINE = FLAG_CHUNKED | FLAG_REMOTE
 
 _SILENT_HOST = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
 
@@ -43,6 +68,9 @@ class LinkOwner(Protocol):
     counters: Counters
     shm_counters: Counters  # what goes through shared-memory rings
     pending: set[int]  # peers with output of ours waiting: no message may pass it
+    # Links whose staging buffer holds what peek() received and left, or whose peek()
+    # met the connection's end: the next poll() reads them, socket readable or not.
+    staged: set[Link]
 
     def again(self, peer: int) -> None:
         """Write more to ``peer`` on the next turn (its budget ran out, or it must retry)."""
@@ -77,6 +105,9 @@ class Link:
         self._staging = bytearray(_STAGING)
         self._rstart = 0
         self._rend = 0
+        # What a receive on the caller's thread (peek) met: poll()'s read() reports it.
+        self._peek_error: OSError | None = None
+        self._peek_eof = False
 
     def pending_output(self) -> bool:
         return bool(self.out)
@@ -172,12 +203,109 @@ class Link:
                 left = 0
         # Zero-byte tail messages cannot exist: every message has a 64-byte header.
 
+    def post_now(self, header: bytes, body: memoryview | None) -> bool:
+        """Send one message from the thread that drives (:meth:`.base.Transport.post_now`),
+        ahead of nothing: False, nothing sent, while output of ours waits or the link is
+        down.  What the kernel does not take at once is copied and left to poll()."""
+        if (self.out or self.writing or self.closed or self.write_closed
+                or self.peer in self.owner.pending
+                or (body is not None and body.nbytes > _POST_MAX)):
+            return False
+        parts: list[bytes | memoryview] = [header]
+        size = len(header)
+        if body is not None and body.nbytes:
+            parts.append(body)
+            size += body.nbytes
+        try:
+            n = self.sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return False  # poll() meets the error too, and reports the peer lost
+        counters = self.counters
+        counters.messages_sent += 1
+        counters.bytes_sent += size
+        if n < size:
+            # The caller may write over its body once we return: the rest goes as a copy,
+            # first on the link, so nothing passes it.
+            rest = b"".join(bytes(part) for part in parts)[n:]
+            self.out.append(memoryview(rest))
+            self.marks.append([len(rest), None])
+            self.owner.set_writing(self, True)
+        return True
+
+    def peek(self) -> tuple[Header, memoryview | None] | None:
+        """The peer's next message, if it has arrived, without taking it
+        (:meth:`.base.Transport.peek`): a DATA message whose body lies whole in the
+        staging buffer with its body, anything else with None; None when nothing whole
+        is here yet.  Receives what the kernel holds, without waiting."""
+        if self.body is not None or self.closed or self._peek_error or self._peek_eof:
+            return None
+        shown = self._front()
+        if shown is not None:
+            return shown
+        if self._rend == len(self._staging):
+            if self._rstart == 0:
+                return None  # a message as big as the buffer: poll() reads it
+            tail = self._staging[self._rstart:self._rend]
+            self._staging[: len(tail)] = tail
+            self._rstart, self._rend = 0, len(tail)
+        try:
+            n = self.sock.recv_into(memoryview(self._staging)[self._rend:])
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            self._peek_error = exc
+            self.owner.staged.add(self)
+            return None
+        self.owner.staged.add(self)
+        if n == 0:
+            self._peek_eof = True
+            return None
+        self._rend += n
+        return self._front()
+
+    def _front(self) -> tuple[Header, memoryview | None] | None:
+        """The message at the front of the staging buffer, as :meth:`peek` shows it."""
+        start = self._rstart
+        avail = self._rend - start
+        if avail < HEADER_SIZE:
+            return None
+        view = memoryview(self._staging)
+        try:
+            header = unpack_header(view[start:start + HEADER_SIZE])
+        except WireError:
+            return None  # poll()'s read() reports it
+        if header.kind != KIND_DATA or header.flags & _NOT_INLINE:
+            return (header, None)
+        if header.nbytes > _PEEK_MAX:
+            return (header, None)
+        if avail - HEADER_SIZE < header.nbytes:
+            return None
+        return (header, view[start + HEADER_SIZE:start + HEADER_SIZE + header.nbytes])
+
+    def take(self, header: Header) -> None:
+        """The message :meth:`peek` showed (``header``) has been handled."""
+        self._rstart += HEADER_SIZE + header.nbytes
+        counters = self.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+
     # --- reading -------------------------------------------------------------------
 
     def read(self) -> None:
+        if self._peek_error is not None:
+            error, self._peek_error = self._peek_error, None
+            self.owner.lost(self, f"receive failed: {explain(error)}")
+            return
+        if self._peek_eof:
+            self.eof()
+            return
         budget = READ_BUDGET
         sock = self.sock
         try:
+            if self.body is None and self._rend - self._rstart >= HEADER_SIZE:
+                self._parse()  # what peek() received and left
             while budget > 0 and not self.closed:
                 if self.body is not None:
                     n = sock.recv_into(self.body[self.body_off:])

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from . import cma
 from .base import Counters, MessageHandler, Port, Transport
-from .poller import WAIT_SLOT, Poller
+from .poller import WAIT_SLOT, Poller, cores
 from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
 from .socket_lane import SocketLane
@@ -49,6 +49,7 @@ class TcpTransport(Transport):
         self.counters = Counters()  # socket links'
         self.shm_counters = Counters()
         self.pending: set[int] = set()
+        self.staged: set[Link] = set()
         self._links: dict[int, Link] = {}
         rings = rings or {}
         for peer, sock in socks.items():
@@ -66,6 +67,10 @@ class TcpTransport(Transport):
         self._acceptor = acceptor
         self._poller = Poller(self._ring_links,
                              rings_only=len(self._ring_links) == len(self._links))
+        # Ranks of this host that talk over sockets take turns on its cores as ring peers
+        # do: a thread waiting for one of them gives its core away between looks.
+        local = size if hosts is None else hosts.count(hosts[rank])
+        self._crowded = self._poller.crowded or local > cores()
         # Where ranks take turns on cores, a copy's time says more about the scheduler
         # than about caches: at 4 ranks on 2 cores the slow-ring rule made 1 MiB
         # broadcasts, alltoalls and allreduces 1.3-3x slower.
@@ -139,18 +144,17 @@ class TcpTransport(Transport):
 
     def post_now(self, peer: int, header: bytes, body: memoryview | None) -> bool:
         link = self._links.get(peer)
-        return type(link) is RingLink and link.post_now(header, body)
+        return link is not None and link.post_now(header, body)
 
     def peek(self, peer: int) -> tuple[Header, memoryview | None] | None:
         link = self._links.get(peer)
-        return link.peek() if type(link) is RingLink else None
+        return None if link is None else link.peek()
 
     def peeks(self, peer: int) -> bool:
-        return type(self._links.get(peer)) is RingLink
+        return peer in self._links
 
     def port(self, peer: int) -> Port | None:
-        link = self._links.get(peer)
-        return link if type(link) is RingLink else None
+        return self._links.get(peer)
 
     def ring_room(self, peer: int) -> int:
         link = self._links.get(peer)
@@ -162,9 +166,7 @@ class TcpTransport(Transport):
         return type(link) is RingLink and link.lends_big()
 
     def take(self, peer: int, header: Header) -> None:
-        link = self._links[peer]
-        assert type(link) is RingLink
-        link.take(header)
+        self._links[peer].take(header)
 
     def lends_body(self, peer: int, op_bytes: int, n: int) -> bool:
         link = self._links.get(peer)
@@ -192,10 +194,10 @@ class TcpTransport(Transport):
         lane.close()
 
     def spin_for(self) -> float:
-        return self._poller.spin if self._ring_links else 0.0
+        return self._poller.spin if self._links else 0.0
 
     def crowded(self) -> bool:
-        return self._poller.crowded
+        return self._crowded
 
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
@@ -207,10 +209,10 @@ class TcpTransport(Transport):
         return True
 
     def has_backlog(self) -> bool:
-        return bool(self.pending) or self._ring_blocked()
+        return bool(self.pending) or bool(self.staged) or self._ring_blocked()
 
     def wait(self, timeout: float) -> None:
-        if self.pending:
+        if self.pending or self.staged:
             return
         if self._ring_blocked():
             timeout = min(timeout, _RING_RETRY)
@@ -227,6 +229,13 @@ class TcpTransport(Transport):
             timeout = 0
         elif blocked and self._ring_blocked():
             timeout = _RING_RETRY if timeout is None else min(timeout, _RING_RETRY)
+        if self.staged:  # read by peek() and left, or its end met there
+            timeout = 0
+            staged = list(self.staged)
+            self.staged.clear()
+            for link in staged:
+                if not link.closed:
+                    link.read()
         if self._socket_lanes:  # none where every peer is on a ring
             # A copy: a lane that reads its peer's end leaves the list.
             lanes = [lane for lane in self._socket_lanes if lane.recheck]
