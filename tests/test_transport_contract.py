@@ -120,6 +120,36 @@ def test_sockets_between_ranks_of_one_host_keep_a_short_send_queue() -> None:
                 t.abort()
 
 
+def test_every_connection_and_lane_sends_at_once() -> None:
+    # TCP_NODELAY on both ends of every connection, lanes included: with Nagle's rule a
+    # lone small message waited for the peer's delayed ACK (up to 40 ms) while one sent
+    # before it was unacknowledged, which held urgent ops behind a big op's whole time.
+    make = _socket_mesh(3, 0, 0)
+    transports: list[TcpTransport | None] = [None] * 3
+
+    def build(r: int) -> None:
+        transports[r] = make(r)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert all(t is not None for t in transports), "a rank did not connect"
+        socks = {(r, peer, kind): sock for r, t in enumerate(transports) if t is not None
+                 for kind, ends in (("link", t._links), ("lane", t._lane_ends))
+                 for peer, sock in ((p, end.sock) for p, end in ends.items())}
+        assert len(socks) == 3 * 2 * 2, sorted(socks)
+        delayed = [key for key, sock in socks.items()
+                   if not sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)]
+        assert delayed == [], delayed
+    finally:
+        for t in transports:
+            if t is not None:
+                t.abort()
+
+
 @pytest.mark.skipif(not shm_available(), reason="no /dev/shm here")
 @pytest.mark.parametrize("n", [2, 3])
 def test_shm(n: int) -> None:

@@ -381,8 +381,14 @@ def connect_mesh(rank: int, size: int, secret: bytes, job_id: str, bind_host: st
         for peer in sorted(p for p in unringed if p < rank):
             lanes[peer] = _dial(addresses[peer], secret, lane_hello, peer, deadline,
                                 cancelled)
-        lanes.update(acceptor.wait_for({p for p in unringed if p > rank}, deadline,
-                                       cancelled, lane=True))
+        accepted_lanes = acceptor.wait_for({p for p in unringed if p > rank}, deadline,
+                                           cancelled, lane=True)
+        for sock in accepted_lanes.values():
+            # TCP_NODELAY above all: a lane carries lone small messages, which Nagle's
+            # rule held back until the peer's delayed ACK (up to 40 ms) whenever one of
+            # ours was still unacknowledged.
+            _tune(sock)
+        lanes.update(accepted_lanes)
     except BaseException:
         acceptor.stop()
         raise
