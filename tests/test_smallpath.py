@@ -186,6 +186,25 @@ def test_repeated_broadcasts_to_the_rings_bound_run_from_a_repeat(n: int, gbps: 
     assert sum(got["repeats"] for got in reports) > 0, reports
 
 
+@pytest.mark.parametrize("kind", ["allreduces", "broadcasts", "alltoalls"])
+@pytest.mark.parametrize(("n", "transport"), [pytest.param(2, "mpi", marks=_MPI.marks),
+                                              pytest.param(3, "mpi", marks=_MPI.marks),
+                                              (3, "tcp")])
+def test_bodies_on_either_side_of_a_ports_bound_arrive_whole(kind: str, n: int,
+                                                             transport: str) -> None:
+    # A port sends bodies up to its bound from the caller's thread (the MPI transport's
+    # inline size and a socket's post: 256 KiB at these rank counts) and leaves bigger
+    # ones to the loop: odd sizes on both sides of it, several dtypes, one rank late,
+    # checked against numpy; the smaller ones ran on the caller's thread (some of them on
+    # some rank: under MPI a late peer's message may be taken by the loop instead).
+    sizes = [(16 << 10) + 8, (64 << 10) + 24, 256 << 10, (256 << 10) + 24, 300 << 10]
+    result = run_ok(n, f"by_size_workers:{kind}_by_size", {"sizes": sizes, "warm": 0},
+                    timeout=120, transport=transport)
+    ran = [result.report(r)["direct"] for r in range(n)]
+    assert all(len(got) == len(sizes) for got in ran), ran
+    assert sum(got[0] + got[1] for got in ran) > 0, ran
+
+
 @pytest.mark.parametrize("kind", ["allgathers", "alltoalls"])
 @pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
 def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ring(
