@@ -3,13 +3,14 @@ ranks as threads of this process, mpi with real ranks under mpiexec."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -89,65 +90,55 @@ def test_tcp(n: int) -> None:
     assert sum(s["shown"] for s in stats) >= (n - 1) * len(PORT_SIZES), stats
 
 
-def test_sockets_between_ranks_of_one_host_keep_a_short_send_queue() -> None:
-    # Ranks 0 and 1 on host "a", rank 2 on "b": a socket between ranks of one host gets a
-    # small send buffer (its queue is all latency), one to another host the kernel's own.
-    make = _socket_mesh(3, 0, 0, ("a", "a", "b"))
-    transports: list[TcpTransport | None] = [None] * 3
+@contextlib.contextmanager
+def _connected(make: Callable[[int], TcpTransport], n: int) -> Iterator[list[TcpTransport]]:
+    """``n`` ranks' transports, connected each in its own thread; aborted after."""
+    transports: list[TcpTransport | None] = [None] * n
 
     def build(r: int) -> None:
         transports[r] = make(r)
 
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(3)]
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    probe = socket.socket()
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LOCAL_SNDBUF)
-    local = probe.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)  # as the kernel keeps it
-    probe.close()
     try:
-        assert all(t is not None for t in transports), "a rank did not connect"
-        sizes = {(r, peer): link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-                 for r, t in enumerate(transports) if t is not None
-                 for peer, link in t._links.items()}
-        assert sizes[(0, 1)] == sizes[(1, 0)] == local, sizes
-        assert all(sizes[pair] != local for pair in [(0, 2), (2, 0), (1, 2), (2, 1)]), sizes
+        built = [t for t in transports if t is not None]
+        assert len(built) == n, "a rank did not connect"
+        yield built
     finally:
         for t in transports:
             if t is not None:
                 t.abort()
+
+
+def test_sockets_between_ranks_of_one_host_keep_a_short_send_queue() -> None:
+    # Ranks 0 and 1 on host "a", rank 2 on "b": a socket between ranks of one host gets a
+    # small send buffer (its queue is all latency), one to another host the kernel's own.
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _LOCAL_SNDBUF)
+    local = probe.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)  # as the kernel keeps it
+    probe.close()
+    with _connected(_socket_mesh(3, 0, 0, ("a", "a", "b")), 3) as transports:
+        sizes = {(r, peer): link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                 for r, t in enumerate(transports) for peer, link in t._links.items()}
+        assert sizes[(0, 1)] == sizes[(1, 0)] == local, sizes
+        assert all(sizes[pair] != local for pair in [(0, 2), (2, 0), (1, 2), (2, 1)]), sizes
 
 
 def test_every_connection_and_lane_sends_at_once() -> None:
     # TCP_NODELAY on both ends of every connection, lanes included: with Nagle's rule a
     # lone small message waited for the peer's delayed ACK (up to 40 ms) while one sent
     # before it was unacknowledged, which held urgent ops behind a big op's whole time.
-    make = _socket_mesh(3, 0, 0)
-    transports: list[TcpTransport | None] = [None] * 3
-
-    def build(r: int) -> None:
-        transports[r] = make(r)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    try:
-        assert all(t is not None for t in transports), "a rank did not connect"
-        socks = {(r, peer, kind): sock for r, t in enumerate(transports) if t is not None
+    with _connected(_socket_mesh(3, 0, 0), 3) as transports:
+        socks = {(r, peer, kind): sock for r, t in enumerate(transports)
                  for kind, ends in (("link", t._links), ("lane", t._lane_ends))
                  for peer, sock in ((p, end.sock) for p, end in ends.items())}
         assert len(socks) == 3 * 2 * 2, sorted(socks)
         delayed = [key for key, sock in socks.items()
                    if not sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)]
         assert delayed == [], delayed
-    finally:
-        for t in transports:
-            if t is not None:
-                t.abort()
 
 
 @pytest.mark.skipif(not shm_available(), reason="no /dev/shm here")
