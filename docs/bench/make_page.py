@@ -96,7 +96,7 @@ the experiments behind the defaults, are in `docs/dev/perf-log.md`.
 
 ## Environment
 
-A virtual machine with 2 Intel Xeon cores and no GPU; every rank on the same host, so
+A virtual machine with 2 AMD EPYC cores and no GPU; every rank on the same host, so
 same-host transports (shared-memory rings, MPICH's shared memory) carry all traffic.
 Every table but the 16-core ones comes from one run of `regenerate.py` at one commit on
 this machine (named under each table); the 16-core tables come from machines with 16
@@ -104,16 +104,19 @@ Intel Xeon cores, at the commits named under them. The bench printed:
 
     {env.removeprefix("environment: ")}
 
-Here a plain copy of 16 MiB runs at about 10.6 GB/s (1 MiB, which fits a core's L2, at
-16 GB/s), the kernel's copy of a lent body (`process_vm_readv`) at 9-11 GB/s, and a `for`
-loop's iteration takes 30-45 ns. The host is shared and noisy: medians move by 10-50 %
+Here a plain copy of 16 MiB between two warm buffers runs at about 33 GB/s (1 MiB at 55
+GB/s), the kernel's copy of a lent body (`process_vm_readv`) at 10-13.6 GB/s, and a `for`
+loop's iteration takes 17-19 ns. The host is shared and noisy: medians move by 10-50 %
 from one run to the next, MPI's too, so compare ratios within a table, not absolute
 times across tables. totalreduce's rings time their copies and lend what they would copy
 while the copies run slower than the kernel's copy measured at start
 (`TOTALREDUCE_SLOW_RING_GBPS`, see "Why the defaults are what they are").
 
-Some of the measurements behind the defaults come from earlier 2-core VMs with AMD EPYC
-cores, which switched, for seconds to minutes at a time, between two states that looked
+Some of the measurements behind the defaults come from other 2-core VMs: one with Intel
+Xeon cores (a plain copy of 16 MiB at 10.6 GB/s, the kernel's copy at 9-11 GB/s, a `for`
+loop's iteration in 30-45 ns), where the tables were regenerated before, and earlier ones
+with AMD EPYC cores, which switched, for seconds to minutes at a time, between two states
+that looked
 like two placements of their two virtual cores: one where they shared a cache and one
 where they did not. There, two processes passing 512 KiB through a shared-memory buffer
 (no totalreduce code) took 14 us to copy it in and 15 us to copy it out in the first
@@ -169,11 +172,12 @@ the cache, totalreduce reads lower here than in its own job (the collectives tab
 
 {table("floor-2")[1]}
 
-The bare exchanges are what copying through memory allows here: from 1 to 16 MB the
-faster of the two runs 1.15-1.35x as fast as MPI (1.15-1.5x at the previous
-regeneration), so no engine on these copies gets much further. The gap between them and
-totalreduce is the engine's own cost: its headers, credit, handlers and turns of the
-loop, about 0.1 ms a call at 1 MB. At 16 MB, where
+The bare exchanges are what copying through memory allows here: at 4 and 16 MB the
+faster of the two runs 1.55x and 1.27x as fast as MPI, at 1 MB, where a piece stays in a
+core's cache, 2.4x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
+gets much further. The gap between them and totalreduce is the engine's own cost: its
+headers, credit, handlers and turns of the loop, about 0.04 ms a call at 1 MB here
+(0.1 ms on the Intel VM). At 16 MB, where
 totalreduce lends its 2 MiB pieces, timestamps in one process pair put 70-130 us of
 handling between one piece's copy and the next's (the next record waits for a turn of
 the loop, which first posts the reduced piece), eight times a call.
@@ -257,7 +261,9 @@ a training loop makes them), each call timed alone; a call's time is the slowest
 `time / mpi` is the median over MPI's median for the same op in the same run. A blocking
 op with nothing else in flight runs to its end on the caller's thread, which reads its
 peers' messages straight out of the shared-memory rings (over the MPI transport, out of
-the header receive it posted for each peer, tested in place); one whose schedule is a chain
+the header receive it posted for each peer, tested in place; over sockets, out of the
+link's staging buffer, into which it receives what the kernel holds); one whose schedule
+is a chain
 (recursive doubling: every small allreduce and barrier) takes the express lane
 (engine/express.py), which keeps only its position in that chain, and a call like one
 made before runs from its template's Repeat (engine/repeat.py), which binds everything
@@ -266,13 +272,11 @@ per call (about 1,300 bytecodes for an 8-byte allreduce at 2 ranks, 1,220 for a 
 checks, identity, the engine's idleness, the credit, the header, the ring, the
 reduction), many times MPI's C: half of a call is what
 a bare loop over the same rings takes (post, poll, add, release), the other half the
-engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The noisy host
+engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The host
 moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks the
-8-byte allreduce took 5.7x MPI's time here (4.9x at the previous regeneration; 5.3-7.5x,
-median 6.9x, in six runs of totalreduce and MPI alone during a slower period of the
-host), the barrier 4.8x (4.3x; 4.7-6.5x, median 5.3x). The MPI transport, whose calls went
-through the loop before it could show messages in place (126 and 36 us), is now at 6.3x
-and 5.4x. Over TCP there is no such port: its calls go through the loop.
+8-byte allreduce took 3.4x MPI's time here (5.7x on the Intel VM), the barrier 3.0x
+(4.8x). The MPI transport took 3.9x and 3.4x; sockets 6.2x and 5.5x, where through the
+loop, before they could show messages in place, they took 26x and 6-8x on this VM.
 At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
 {table("latency")[1]}
@@ -345,8 +349,8 @@ of the step itself, so its `comm hidden` column is noise.
 
 Whole training runs: `examples/torch_synthetic_benchmark.py` (a ResNet-18-shaped network,
 batch 16 of 64x64 images per worker, one thread each; `totalrun -np N python
-examples/torch_synthetic_benchmark.py`) gives 59.4 img/s at 1 worker, 86.2 in total at 2
-and 83.7 at 4 here (81.5, 132.8 and 126.6 on an AMD VM), bound by the 2 cores;
+examples/torch_synthetic_benchmark.py`) gave 59.4 img/s at 1 worker, 86.2 in total at 2
+and 83.7 at 4 on the Intel VM (81.5, 132.8 and 126.6 on an AMD VM), bound by the 2 cores;
 `examples/train_digits.py` reaches
 97-98% test accuracy in 20 epochs at 1, 2 and 4 ranks.
 
@@ -376,10 +380,10 @@ is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.229
-ms here against 0.180 ms alone after the delay (1.27x; 1.25-1.78x in other runs, one of
-them on a busier host, where MPI's own op took 0.78 ms alone after the delay against
-0.05-0.08 usually). What is left is the caller's Python running slower while the big op's copies
+and without the big op's records ahead of it in the ring, which is read in order: 0.106
+ms here against 0.033 ms alone after the delay (3.20x; 0.9-4.5x in other runs here; on
+the Intel VM, where waking from the sleep took longer, 0.229 against 0.180 ms, 1.27x).
+What is left is the caller's Python running slower while the big op's copies
 take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
 to the op's start (35-75 us after the same sleep with no big op), 20-35 us to post its
 message (15-20) and 30-70 us waiting for the peer's, whose own start comes as late; the
@@ -414,9 +418,11 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.829 ms against
-0.214 ms alone after the delay here (3.87x; 12.5x in a busier run, 2.0-6.0x in other
-runs). Its slow tail (p90 2.7 ms) is the two ranks' calls
+it does not wait behind the big op's bytes in the kernel's buffers: 0.266 ms against
+0.044 ms alone after the delay here (6.11x; 2.4-4.1x in other runs here, 3.87x on the
+Intel VM). Both ends of every connection and lane send at once (`TCP_NODELAY`): a lane's
+accepting end once lacked it, and a lone urgent message then waited for the peer's
+delayed ACK, up to 40 ms. Its slow tail (p90 2.1 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -426,11 +432,12 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 1.761 ms against 0.171 ms alone after the delay (10.3x; p90 4.6
-ms; 22.4x in a busier run, 1.8-9.3x in other runs; the median moves between 0.2 and 2 ms
-from run to run). The op's own steps take 0.1-0.2 ms; the tail is a peer's thread woken
-from the sleep late: stamped in C as `clock_nanosleep` returns, 3.5-4.3 ms late at the
-median under this transport against 0.5 ms over the rings, with 0.02 ms more for the GIL,
+(transport/ring_lane.py): 0.491 ms against 0.043 ms alone after the delay (11.3x; p90 2.4
+ms; 4.1-12.6x in other runs here, 10.3x on the Intel VM; the median moves between 0.1 and
+2 ms from run to run). The op's own steps take 0.1-0.2 ms; the tail is a peer's thread
+woken from the sleep late: on the Intel VM, stamped in C as `clock_nanosleep` returns,
+3.5-4.3 ms late at the median under this transport against 0.5 ms over the rings, with
+0.02 ms more for the GIL,
 so it waits for a core, which the progress threads' MPI calls keep busy. Neither a
 shorter switch interval, nor the progress thread at nice 10, nor a longer wait in the
 lane before the loop takes over settled it (docs/dev/perf-log.md). As an MPI tag
@@ -458,16 +465,16 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 105.2
-against 59.4 µs at 2 ranks). The cache cuts the cost another 7.1x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 42.2
+against 23.0 µs at 2 ranks). The cache cuts the cost another 9.9x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 4.7 µs per op at 2 ranks, 4.3x faster than 1,000 of MPI's
-`Iallreduce` (20.3 µs each), and 12.5 µs at 4 ranks (four processes on two cores), 8.9x
-faster than MPI's 110.8. On the slower AMD VM (see Environment), before the cycle reused
-a repeated step's fusion runs, it took 7.9 and 22.2 µs. It varies with the host (4.0 to
-7.0 µs between the 10th and 90th percentiles at 2 ranks here, 4.3 to 6.2 µs at the median
-in other runs): the whole cost is Python on the submitting thread and the cycle thread.
+cache and fusion, takes 1.5 µs per op at 2 ranks, 5.1x faster than 1,000 of MPI's
+`Iallreduce` (7.4 µs each), and 4.8 µs at 4 ranks (four processes on two cores), 8.9x
+faster than MPI's 42.9. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
+(see Environment), before the cycle reused a repeated step's fusion runs, 7.9 and 22.2
+µs. It varies with the host (1.4 to 2.2 µs between the 10th and 90th percentiles at 2
+ranks here): the whole cost is Python on the submitting thread and the cycle thread.
 Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
 seen before skips the argument checks and makes one new object); the cycle's taking,
 classifying, fusion copies and completion about 1 µs, since a cycle that readies the same
@@ -485,8 +492,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-303 and 249 µs for the allreduce and the barrier at 2 ranks, 11x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (1.35 and 1.30 ms). A
+94 and 103 µs for the allreduce and the barrier at 2 ranks, 13-14x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (0.39 and 0.36 ms). A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -496,23 +503,23 @@ cycle and a half at the median.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.62x (2 ranks) and 0.83x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (1.28x and 1.29x). Without fusion, each of the 161
+so it finishes within 0.62x (2 ranks) and 0.73x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (0.94x and 1.18x). Without fusion, each of the 161
 tensors then runs as an engine op of its own behind that wait, which in this run beat
-fusing the few that a cycle finds together at 2 ranks (0.99x) and tied at 4 (1.29x),
-where the ops compete for two cores (at the previous regeneration 0.97x and 1.40x).
+fusing the few that a cycle finds together at 2 ranks (0.66x) and at 4 (1.03x), where the
+ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
 
 {table("replay-neg")[1]}
 
-With all 102 MB ready at once, self-guided mode is faster in every mode but flat: at 2
-ranks its grouped mode took 53.9 ms against negotiated's 99.8, its per-tensor mode 58.1
-against 95.3 and its optimizer mode 45.1 against 105.3 (flat: 36.7 against 54.9). Fusing
-big tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning
-fusion off bought little here (per-tensor 93.2 ms). At 4 ranks negotiated per-tensor
-takes 241.8 ms, self-guided grouped 213.1.
+With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
+grouped mode took 22.6 ms against negotiated's 39.3, its per-tensor mode 22.5 against
+36.8 and its optimizer mode 19.9 against 37.4 (flat: 12.7 against 15.5). Fusing big
+tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning fusion
+off bought a quarter here (per-tensor 27.1 ms). At 4 ranks negotiated per-tensor takes
+97.8 ms, self-guided grouped 68.6.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -538,14 +545,14 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
 are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
-the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
-count, 0.59-0.63x at 1 % and 0.50-0.78x at 2 %; pipelined, at 4 ranks, 1.05x and
-0.80x). The point
+the heavy-tailed values is the exception: in one alltoall it beats or ties dense at every
+rank count at 1 %, 0.74-0.97x, and at 2 and 4 ranks at 2 %, 0.96-0.99x; pipelined, at 4
+ranks, 1.08x and 1.29x). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 1.7x at 4 ranks, 2.3x on the smaller
+cores, so one alltoall is faster here (up to 1.5x at 4 ranks, 3.7x on the smaller
 vectors); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
@@ -577,8 +584,8 @@ target is dense's final accuracy less one point.
 
 ![accuracy against epochs and against MB sent per rank](bench/convergence-4.png)
 
-Every sparse method reaches the target within 1.5x dense's epochs except gTopk and
-Ok-Topk at 1% (18 and 20 against 9). Ok-Topk at 1% sends 0.076 MB per rank per epoch once
+Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 1%
+(18 against 9). Ok-Topk at 1% sends 0.076 MB per rank per epoch once
 its warm-up is over, against 0.071 for gTopk and 0.125 for TopkA at the same density,
 0.125 for PowerSGD and 4.07 for dense: 54x less than dense. Its first epoch is the dense
 warm-up (10 steps, about 4 MB), which is most of its bytes to target; PowerSGD's vanilla
@@ -603,8 +610,9 @@ checkpoint's size at 1 GB/s. `{command("recovery")}` (`docs/bench/recovery.txt`)
 
 {table("recovery")[1]}
 
-Most of *restart* is a new Python process importing numpy and totalreduce (about
-0.4 s here); the survivors drop their links and meet the newcomer in about 0.06 s.
+A new Python process importing numpy and totalreduce is 0.11-0.13 s of *restart* here
+(0.4 s on the Intel VM); the rest is the survivors noticing the loss, totalrun starting
+the process, and the survivors dropping their links and meeting the newcomer.
 
 ## Allreduce, averaging and the parameter server, with a straggler (digits, 3 workers)
 
@@ -625,14 +633,14 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
-trains at 0.28-0.40x allreduce's rate (0.21-0.28x at the previous regeneration). With
-the straggler, removing the bound bought 1.51x tau = 0's throughput in this run (0.90x
-to 1.60x in others: the straggler's own
-steps bound the time either way) and cost 0.9 points of accuracy (0.7 to 5.8 in those
-others); bounds of 1 and 4 keep tau = 0's accuracy within 0.5 points. Averaging every 4
-or 16 steps is the fastest, and every 16 loses 2 points. Surviving a server's loss costs
-0.66x of tau = 0's throughput without a straggler (a push waits for a second server's
-round trip) and 0.67x with one (0.52-0.73x and 0.64-0.83x in other runs).
+trains at 0.26-0.32x allreduce's rate (0.28-0.40x on the Intel VM). With the straggler,
+removing the bound bought 1.33x tau = 0's throughput in this run (0.90x to 1.60x in
+others: the straggler's own steps bound the time either way) and cost 8.0 points of
+accuracy (0.7 to 5.8 in those others); bounds of 1 and 4 keep tau = 0's accuracy within
+0.7 points. Averaging every 4 or 16 steps is the fastest, and every 16 loses 2 points.
+Surviving a server's loss costs 0.56x of tau = 0's throughput without a straggler (a push
+waits for a second server's round trip) and 0.72x with one (0.52-0.73x and 0.64-0.83x in
+other runs).
 
 ## Across hosts
 
@@ -657,9 +665,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.213 s hierarchical at 64 MiB,
-against 0.207 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.35-1.62x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.099 s hierarchical at 64 MiB,
+against 0.108 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.09x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -677,7 +685,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.2-1.6x) turns into 0.57-0.90x dense's speed to 95 %: they need one to three
+samples/s (1.6-2.2x) turns into 0.78-1.19x dense's speed to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -857,33 +865,32 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 20.8 us at 2 ranks in the
-  latency table (MPI: 3.6 us, 5.7x; 4.9-7.5x in other runs), nearly all of it Python per
-  op, even from a Repeat; 22.7 us over the MPI transport; over sockets, which have no
-  express lane, 133 us. A barrier takes 18.5 us (4.8x; 4.3-6.5x in other runs). Async small
-  allreduces, which the loop runs, cost about 64 us each self-guided (the `tiny` table).
+- Small messages: a blocking allreduce of a few bytes costs 6.8 us at 2 ranks in the
+  latency table (MPI: 2.0 us, 3.4x; 5.7x on the Intel VM), nearly all of it Python per
+  op, even from a Repeat; 8.0 us over the MPI transport, 12.6 us over sockets. A barrier
+  takes 6.6 us (3.0x). Async small allreduces, which the loop runs, cost about 23 us each
+  self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.033 ms at 4 bytes in the 2-rank table, a
-  broadcast 0.032 ms, against MPI's 0.003-0.006). A repeated one skips its
+  data; `same_shape=True` makes it one (0.010 ms at 4 bytes in the 2-rank table, a
+  broadcast 0.012 ms, against MPI's 0.001-0.003). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 1.15x MPI at 1 MB, 0.93x at 4 MB and 0.96x at
-  16 MB, 1.64-1.87x from 64 MB; reducescatter 0.86-0.88x at 1-16 MB, 1.24-1.40x from
-  64 MB (at the previous regeneration 1.34x, 1.12x and 0.88x; 0.98-1.01x). MPICH's
-  shared memory moves 1-16 MB at 3-6 GB/s of algorithm
-  bandwidth for the reductions here, which leaves a reduction little room: a 16 MB
-  allreduce costs us about 2.7 ms of copying and summing against MPI's 3.9 ms in all,
-  and the floor table's bare exchanges, with no engine, reach 1.15-1.35x MPI at 1-16 MB.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.68x at 1 MB,
-  0.78-0.89x at 4-16 MB, 0.85-0.89x from 64 MB; alltoall 0.39x at 1 MB (0.253 ms against
-  MPI's 0.099), 0.68-0.70x at 4-16 MB, 0.88-0.91x from 64 MB; broadcast 0.73x at 1 MB,
-  0.82x at 4 MB, 0.90x at 16 MB, 1.32x at 64 MB and 1.40x at 256 MB, where the receiver
-  copies the root's lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI
-  moves these at 7-10 GB/s, about the speed of one plain copy of the bytes (a 16 MiB copy
-  takes 1.59 ms here, MPI's 16 MB broadcast 1.85 ms in this run). Repeated same-shape alltoalls
+- The 2-rank collectives table: allreduce 2.21x MPI at 1 MB, 1.83x at 4 MB and 1.24x at
+  16 MB, 2.97-2.99x from 64 MB; reducescatter 1.69-1.93x at 1-16 MB, 3.40-3.49x from
+  64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
+  0.86-0.88x). MPICH's shared memory moves 1-16 MB at 8-11 GB/s of algorithm bandwidth
+  for the reductions here, which leaves a reduction little room at 16 MB: a 16 MB
+  allreduce takes us 1.50 ms against MPI's 1.86, and the floor table's bare exchanges,
+  with no engine, reach 1.27-1.55x MPI at 4-16 MB.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.48x at 1 MB, 0.94x
+  at 4 MB, 0.76x at 16 MB, 0.91x at 64 MB and 1.01x at 256 MB; alltoall 0.96x at 1 MB,
+  0.78x at 4 MB, 0.90x at 16 MB, 0.95-0.99x from 64 MB; broadcast 1.40-1.42x at 1-4 MB,
+  1.02-1.06x from 16 MB, where the receiver copies the root's lent 32 MiB pieces with two
+  threads (transport/spread_copy.py). MPI moves these at 13-20 GB/s of algorithm
+  bandwidth (its 16 MB broadcast takes 0.84 ms in this run). Repeated same-shape alltoalls
   up to 2 MiB and broadcasts up to the ring's bound run from a Repeat, and an alltoall
   copies its own block once its messages are out; what is left at 1 MB is Python per op
   (about 0.1 ms, a third to a half of the call) and per piece. From run to run on this
@@ -891,12 +898,13 @@ either way, 3-13% behind in both.
   about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
-- `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI from 1 MB up on this
-  host (0.16-0.53x), and from 64 MB reaches 0.75-0.96x for allreduce and reducescatter;
-  `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own allreduce and
-  reducescatter from 64 MB (1.34-1.88x) and trails it below but for 4 MB reducescatter
-  and 16 MB allreduce (0.28-1.06x); its small ops now run on the caller's thread as the
-  rings' do (4 bytes: 0.029-0.042 ms, against 0.12-0.16 ms through the loop).
+- `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
+  1 MB up on this host (0.26-0.71x) but for allreduce and reducescatter from 64 MB
+  (1.23-1.76x); its small ops run on the caller's thread as the rings' do (4 bytes:
+  0.015-0.021 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
+  allreduce and reducescatter from 64 MB (3.09-3.54x), reducescatter from 4 MB and
+  allreduce at 16 MB (1.10-1.51x), and trails it elsewhere (0.37-0.97x from 256 KiB); its
+  ops with bodies up to 256 KiB run on the caller's thread (4 bytes: 0.009-0.014 ms).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
@@ -916,19 +924,21 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.2 ms (8.5x and 8.9x
-  MPI's 8-byte allreduce and barrier in the latency table, 9.8x and 9.4x over the MPI
-  transport; 0.12-0.20x in the 4-rank table, where every call follows a barrier), and
-  allreduces run at 0.66x MPI at 1 MB, 0.63x at 4 MB, 0.92x at 16 MB and 1.69x at 64 MB
-  (0.35-1.21x at 1 MB, 0.45-0.8x at 4 MB and 0.82-1.15x at 16 MB in other runs). Every
-  hop waits for a peer to get a core; neither
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.1 ms (5.6x and 3.8x
+  MPI's 8-byte allreduce and barrier in the latency table, 5.8x and 4.2x over the MPI
+  transport, 6.9x and 5.1x over sockets; 0.22-0.32x in the 4-rank table, where every call
+  follows a barrier), and allreduces run at 1.21x MPI at 1 MB, 0.80x at 4 MB, 0.97x at
+  16 MB and 2.81x at 64 MB (1.59x, 1.32x, 1.09x and 3.12x in another run here; on the
+  Intel VM 0.66x, 0.63x, 0.92x and 1.69x). Every hop waits for a peer to get a core;
+  neither
   the small path's threshold, nor doubling up to 4 or 16 MB, nor recursive halving from
   1 MB (or up to 16 MB), nor longer or shorter spins before a hand-over (0, 0.2 or 5 ms
   with the cores crowded) did better.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.27x its time alone
-  after the same sleep over shared memory (1.2-2.1x in other runs), 3.9x over TCP
-  (2.0-12.5x) and 10.3x over the MPI transport (1.8-22.4x), each on its own lane (the
-  preemption section; the widest figures from a run on a busier host). What is
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 3.2x its time alone
+  after the same sleep over shared memory (0.9-4.5x in other runs; 1.27x on the Intel
+  VM, whose wake-up from the sleep took five times as long), 6.1x over TCP (2.4-4.1x)
+  and 11.3x over the MPI transport (4.1-12.6x), each on its own lane (the preemption
+  section). What is
   left is the two ranks' threads waking up to milliseconds apart while the big op's
   threads hold the cores; an urgent op the loop runs (an async one) waits much longer.
 """]
