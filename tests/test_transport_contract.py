@@ -16,6 +16,7 @@ import pytest
 
 from contract import PORT_SIZES, check_rank
 from harness import mpiexec, run_ok
+from totalreduce.transport import tcp as tcp_module
 from totalreduce.transport.base import Transport
 from totalreduce.transport.cma import cma_works
 from totalreduce.transport.inproc import InprocWorld
@@ -139,6 +140,19 @@ def test_every_connection_and_lane_sends_at_once() -> None:
         delayed = [key for key, sock in socks.items()
                    if not sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)]
         assert delayed == [], delayed
+
+
+@pytest.mark.parametrize(("n", "cores", "crowded"), [(3, 2, True), (3, 3, False)])
+def test_ranks_of_one_host_on_sockets_count_for_crowding(monkeypatch: pytest.MonkeyPatch,
+                                                        n: int, cores: int,
+                                                        crowded: bool) -> None:
+    # Where a host's ranks outnumber its cores, a waiting thread gives its core away
+    # between looks, on sockets as on rings: the caller's thread and the loop's waits.
+    monkeypatch.setattr(tcp_module, "cores", lambda: cores)
+    with _connected(_socket_mesh(n, 0, 0), n) as transports:
+        for t in transports:
+            assert t.crowded() is crowded
+            assert t._poller.crowded is crowded, t._poller.spin
 
 
 @pytest.mark.skipif(not shm_available(), reason="no /dev/shm here")

@@ -71,6 +71,12 @@ class Poller:
         self._socket_turns = 0  # turns since select() last looked at the sockets
         self._next_look = 0.0  # when rings_only: when to look at the sockets again
 
+    def crowd(self) -> None:
+        """This host's ranks outnumber its cores though not all are on rings (some talk
+        over sockets): wait as :attr:`crowded` says."""
+        self.crowded = True
+        self.spin = _YIELD_SPIN
+
     def wake(self) -> None:
         """Have a thread in :meth:`select` return soon.  The poke is raised before the
         sleepers are looked at, and a sleeper announces itself before it looks at its
