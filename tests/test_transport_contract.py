@@ -16,7 +16,7 @@ import pytest
 
 from contract import PORT_SIZES, check_rank
 from harness import mpiexec, run_ok
-from totalreduce.transport import tcp as tcp_module
+from totalreduce.transport import poller as poller_module
 from totalreduce.transport.base import Transport
 from totalreduce.transport.cma import cma_works
 from totalreduce.transport.inproc import InprocWorld
@@ -148,7 +148,7 @@ def test_ranks_of_one_host_on_sockets_count_for_crowding(monkeypatch: pytest.Mon
                                                         crowded: bool) -> None:
     # Where a host's ranks outnumber its cores, a waiting thread gives its core away
     # between looks, on sockets as on rings: the caller's thread and the loop's waits.
-    monkeypatch.setattr(tcp_module, "cores", lambda: cores)
+    monkeypatch.setattr(poller_module, "cores", lambda: cores)
     with _connected(_socket_mesh(n, 0, 0), n) as transports:
         for t in transports:
             assert t.crowded() is crowded

@@ -37,7 +37,7 @@ from collections import deque
 from typing import Any
 
 from .base import Counters, MessageHandler, Port, Transport
-from .poller import cores
+from .poller import cores, local_spin
 from .ring_lane import LANE_RING_BYTES, RingLane
 from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .socket_lane import LANE_BODY
@@ -72,11 +72,6 @@ _MAX_SENDS_PER_PEER = 16  # messages in flight to one peer before we stop pullin
 _MAX_BYTES_PER_PEER = 8 << 20
 _SPIN = 50e-6             # keep testing this long before the first sleep
 _MAX_NAP = 1e-3           # longest sleep between tests while idle
-# How long a caller's thread running a small op tests for the peer's message before it
-# blocks in poll() (Transport.spin_for): long where every rank of the host has a core of
-# its own, shorter, giving the core away between tests, where they share cores.
-_PORT_SPIN_OWN_CORE = 2e-3
-_PORT_SPIN_CROWDED = 1e-3
 # Messages a caller's thread sent (post_now) that MPI has not reported done; past this
 # many, the loop sends.
 _MAX_QUICK = 64
@@ -282,7 +277,8 @@ class MpiTransport(Transport):
         self._hdr_reqs: dict[int, Any] = {}
         self._held: set[int] = set()
         self._ports: dict[int, _MpiPort] = {}
-        # Sends of post_now (request, the bytes MPI reads), oldest first.
+        # Sends of post_now (request, the bytes MPI reads, the reusable buffer they are
+        # in or None), oldest first.
         self._quick: deque[tuple[Any, Any, bytearray | None]] = deque()
         self._spare: list[bytearray] = []  # idle buffers of _message
         self._closed = False
@@ -420,7 +416,7 @@ class MpiTransport(Transport):
         self._post_header(peer)
 
     def spin_for(self) -> float:
-        return _PORT_SPIN_CROWDED if self._crowded else _PORT_SPIN_OWN_CORE
+        return local_spin(self._crowded)
 
     def crowded(self) -> bool:
         return self._crowded
@@ -484,12 +480,17 @@ class MpiTransport(Transport):
 
     def _message(self, header: bytes, body: memoryview | None
                  ) -> tuple[Any, bytearray | None]:
-        """``header`` and an inline ``body`` as one message, and the reusable buffer it
-        was copied into (None: a plain copy), which :meth:`_recycle` takes back once MPI
-        has sent it."""
-        if body is None or body.nbytes <= _POOL_FROM:
-            return _joined(header, body), None
+        """``header`` and an inline ``body`` as one message, copied once, and the
+        reusable buffer it was copied into (None: a plain copy), which :meth:`_recycle`
+        takes back once MPI has sent it."""
+        if body is None or not body.nbytes:
+            return header, None
         n = HEADER_SIZE + body.nbytes
+        if body.nbytes <= _POOL_FROM:
+            data = bytearray(n)
+            data[:HEADER_SIZE] = header
+            data[HEADER_SIZE:] = body
+            return data, None
         spare = self._spare
         buf = spare.pop() if spare else bytearray(HEADER_SIZE + self._inline)
         buf[:HEADER_SIZE] = header
@@ -678,16 +679,6 @@ def _inline(size: int) -> int:
     """The biggest body that travels with its header in a world of ``size`` ranks."""
     per_peer = _INLINE_BUDGET // max(1, size - 1)
     return max(_INLINE_MIN, min(_INLINE_MAX, per_peer - per_peer % 4096))
-
-
-def _joined(header: bytes, body: memoryview | None) -> bytes | bytearray:
-    """``header`` and ``body`` as one message, copied once."""
-    if body is None or not body.nbytes:
-        return header
-    data = bytearray(HEADER_SIZE + body.nbytes)
-    data[:HEADER_SIZE] = header
-    data[HEADER_SIZE:] = body
-    return data
 
 
 def _share_lanes(comm: Any, mpi: Any, peers: list[int]

@@ -45,19 +45,29 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def local_spin(crowded: bool) -> float:
+    """How long a thread waiting for a peer on this host spins before it blocks: long
+    where every rank of the host has a core of its own, shorter, yielding the core
+    between looks, where ``crowded`` (the host's ranks outnumber its cores)."""
+    return _YIELD_SPIN if crowded else _SPIN_OWN_CORE
+
+
 class Poller:
-    def __init__(self, rings: list[RingLink], rings_only: bool = False) -> None:
+    def __init__(self, rings: list[RingLink], rings_only: bool = False,
+                 local: int | None = None) -> None:
         """``rings``: the ring links (the caller's list, kept up to date in place);
-        ``rings_only``: every peer is reached through one."""
+        ``rings_only``: every peer is reached through one; ``local``: the ranks of this
+        host, this one included (by default one per ring and this one)."""
         self.rings = rings
         self.rings_only = rings_only and bool(rings)
-        # Whether every rank of this host can have a core of its own.
-        self.own_core = bool(rings) and len(rings) + 1 <= cores()
-        # Ranks share cores: a waiting turn gives the core away between looks (the peer
-        # may be waiting for it) rather than sleeping, which costs a wake-up each time.
-        self.crowded = bool(rings) and not self.own_core
-        self.spin = _SPIN_OWN_CORE if self.own_core else _YIELD_SPIN if self.crowded \
-            else _SPIN
+        # Ranks share cores, whether they talk through rings or sockets: a waiting turn
+        # gives the core away between looks (the peer may be waiting for it) rather than
+        # sleeping, which costs a wake-up each time.  At 4 ranks on 2 cores over sockets,
+        # 1-64 MB allreduces and gathers ran 1.2-1.5x slower with busy 50 us spins.
+        self.crowded = (len(rings) + 1 if local is None else local) > cores()
+        # Whether every rank of this host can have a core of its own, with rings to read.
+        self.own_core = bool(rings) and not self.crowded
+        self.spin = local_spin(self.crowded) if self.own_core or self.crowded else _SPIN
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -70,12 +80,6 @@ class Poller:
         self._asleep = [False, False]
         self._socket_turns = 0  # turns since select() last looked at the sockets
         self._next_look = 0.0  # when rings_only: when to look at the sockets again
-
-    def crowd(self) -> None:
-        """This host's ranks outnumber its cores though not all are on rings (some talk
-        over sockets): wait as :attr:`crowded` says."""
-        self.crowded = True
-        self.spin = _YIELD_SPIN
 
     def wake(self) -> None:
         """Have a thread in :meth:`select` return soon.  The poke is raised before the

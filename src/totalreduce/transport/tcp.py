@@ -17,7 +17,7 @@ from typing import Protocol
 
 from . import cma
 from .base import Counters, MessageHandler, Port, Transport
-from .poller import WAIT_SLOT, Poller, cores
+from .poller import WAIT_SLOT, Poller
 from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
 from .socket_lane import SocketLane
@@ -65,17 +65,12 @@ class TcpTransport(Transport):
         self._ring_links = [link for link in self._links.values()
                             if isinstance(link, RingLink)]
         self._acceptor = acceptor
-        self._poller = Poller(self._ring_links,
-                             rings_only=len(self._ring_links) == len(self._links))
         # Ranks of this host that talk over sockets take turns on its cores as ring peers
-        # do: a thread waiting for one of them gives its core away between looks, the
-        # caller's (smallpath.py) and the loop's (the poller's spin).  At 4 ranks on 2
-        # cores over sockets, 8-byte allreduces took 0.6 ms without the first and 1-64 MB
-        # allreduces and gathers ran 1.2-1.5x slower without the second.
-        local = size if hosts is None else hosts.count(hosts[rank])
-        self._crowded = self._poller.crowded or local > cores()
-        if self._crowded and not self._poller.crowded:
-            self._poller.crowd()
+        # do (at 4 ranks on 2 cores over sockets, 8-byte allreduces took 0.6 ms where the
+        # caller's thread did not yield between looks, 0.1 ms where it does).
+        self._poller = Poller(self._ring_links,
+                             rings_only=len(self._ring_links) == len(self._links),
+                             local=size if hosts is None else hosts.count(hosts[rank]))
         # Where ranks take turns on cores, a copy's time says more about the scheduler
         # than about caches: at 4 ranks on 2 cores the slow-ring rule made 1 MiB
         # broadcasts, alltoalls and allreduces 1.3-3x slower.
@@ -202,7 +197,7 @@ class TcpTransport(Transport):
         return self._poller.spin if self._links else 0.0
 
     def crowded(self) -> bool:
-        return self._crowded
+        return self._poller.crowded
 
     def flush(self) -> None:
         # One batch per link: an async submit must return to the application quickly, and
