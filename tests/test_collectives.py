@@ -212,6 +212,15 @@ def test_gathering_ops_write_into_out(mode: str) -> None:
             assert errors["rows"] == "", errors
 
 
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+def test_allgathers_send_from_their_input_into_out(n: int, transport: str) -> None:
+    rows = [0, 7, 30001, 100003, 400009]  # up to 9.6 MB a rank: past two segments
+    result = run_ok(n, "workers:gathers_from_their_input", {"rows": rows}, timeout=240,
+                    env={"TOTALREDUCE_TRANSPORT": transport})
+    for r in range(n):
+        assert result.report(r)["checked"] == len(rows) * 3 * 5, result.explain()
+
+
 def test_large_bodies_are_copied_when_lending_is_off() -> None:
     result = run_ok(2, "workers:lent_bodies", {},
                     env={"TOTALREDUCE_CMA_BYTES": "0",

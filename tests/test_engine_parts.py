@@ -5,6 +5,7 @@ in-process transport is test_engine_inproc.py's."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import threading
 from collections import deque
@@ -15,7 +16,12 @@ import pytest
 
 import totalreduce
 from totalreduce.config import Config
-from totalreduce.engine.algorithms import chain_broadcast, doubling_allgather, doubling_allreduce
+from totalreduce.engine.algorithms import (
+    chain_broadcast,
+    doubling_allgather,
+    doubling_allreduce,
+    pairwise_alltoallv,
+)
 from totalreduce.engine.applier import Applier
 from totalreduce.engine.departures import Departures
 from totalreduce.engine.driving import Driver
@@ -550,6 +556,31 @@ def test_starter_applies_pieces_that_floated_in_before_the_op() -> None:
     assert parts["applier"].named("deliver") == [(op, 1, item.header, item.buf, True)]
 
 
+def test_a_gathering_ops_own_block_is_copied_after_its_last_receive() -> None:
+    # Rank 0 of a 2-rank alltoall that copies its own block from its source (``own``):
+    # the copy waits for the receive from rank 1, so that its send goes and its peer's
+    # body is taken first; then the block is in place before the op can end.
+    ops = OpTable()
+    applier, _scratch = _applier(ops)
+    starter, _parts = _starter(ops=ops, applier=applier)
+    bounds = (0, 3, 5)
+    schedule = pairwise_alltoallv(0, 2, bounds, bounds, 1 << 20, own=True)
+    source = np.arange(5, dtype=np.float32) + 1
+    work = np.full(5, np.nan, np.float32)
+    spec = dataclasses.replace(spec_of(schedule, work), ufunc=None, source=source, fresh=True)
+    starter.start(spec, future := OpFuture())
+    op = ops.active[spec.key]
+    assert op.local_due and np.isnan(work[0:3]).all()
+    body = np.full(2, 9, np.float32)
+    header = data_header(op, 0, nbytes=body.nbytes)
+    applier.deliver(op, 1, header, memoryview(body).cast("B"), False)
+    assert not op.local_due and np.array_equal(work, [1, 2, 3, 9, 9])
+    assert not future.done()  # its send has not left
+    op.sends_left = 0
+    ops.complete(op)
+    assert future.done() and future.error() is None
+
+
 def test_starter_refuses_an_op_that_cannot_run() -> None:
     broken = TotalReduceError("job broken")
     starter, _parts = _starter(job=Fake(rank=0, broken=broken))
@@ -915,6 +946,7 @@ _OWNERS = {
     "recvs_left": {"applier"}, "pending_from": {"applier"}, "t_first": {"applier"},
     "mismatch": {"mismatch_tracker"}, "warned": {"stall"},
     "finished": {"optable"}, "forgotten": {"optable"},
+    "local_due": {"starter", "applier"},
 }
 _MUTATORS = {"add", "discard", "append", "pop", "clear", "update", "remove"}
 

@@ -286,6 +286,28 @@ def test_ring_reducescatter(n: int, rows: int) -> None:
         assert np.array_equal(works[r][bounds[r]:bounds[r + 1]], total[bounds[r]:bounds[r + 1]])
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_an_allgather_sends_its_own_block_from_its_source(n: int) -> None:
+    """ring_allgatherv's ``own``: the working buffer starts undefined, the first sends
+    read the source (the input, at its block's place: OpSpec.source_at), and the op
+    copies the block in itself (local_final), here after every receive."""
+    counts = [3, 0, 7, 2][:n]
+    bounds = tuple(np.concatenate([[0], np.cumsum(counts)]).tolist())
+    full = np.arange(bounds[-1]) + 1
+    at = np.arange(bounds[-1])
+    sources = [np.where((at >= bounds[r]) & (at < bounds[r + 1]), full, -7)
+               for r in range(n)]
+    works = [np.full(bounds[-1], -1) for _ in range(n)]
+    schedules = [ring_allgatherv(r, n, bounds, 2, own=True) for r in range(n)]
+    simulate(schedules, works, sources)
+    for r, schedule in enumerate(schedules):
+        assert all(send.from_source for send in schedule.first)
+        assert schedule.local_final == ((bounds[r], bounds[r + 1]),)
+        for lo, hi in schedule.local_final:
+            works[r][lo:hi] = sources[r][lo:hi]
+        assert np.array_equal(works[r], full), r
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_allgatherv_and_broadcast_and_alltoallv(n: int) -> None:
     counts = [0, 5, 1, 9][:n]
@@ -557,9 +579,9 @@ def test_lent_pieces_at_two_ranks_are_whole_and_agreed_by_both_ranks() -> None:
     plain = Algorithms(0, 2, seg, -1)
     # A 16 MiB allgather: each rank's 8 MiB block in one piece, not four.
     bounds = (0, 2 << 20, 4 << 20)
-    schedule, algorithm = lent[0].allgather(bounds, f32)
+    schedule, algorithm, _own = lent[0].allgather(bounds, f32)
     assert algorithm == "ring, lent pieces" and pieces(schedule) == ([2 << 20], [2 << 20])
-    schedule, algorithm = plain.allgather(bounds, f32)
+    schedule, algorithm, _own = plain.allgather(bounds, f32)
     assert algorithm == "ring" and pieces(schedule) == ([seg // 4] * 4, [seg // 4] * 4)
     # Up to two segments, and past two ranks, nothing changes.
     assert lent[0].allgather((0, seg // 4, seg // 2), f32)[1] == "ring"

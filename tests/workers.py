@@ -524,6 +524,51 @@ def results_into_out(arg: dict) -> None:
     report(checked=checked, errors=errors)
 
 
+# (same_shape, blocking) of each call: a plan made, then run again (a blocking same-shape
+# call from its Repeat), the two phases, and each kind async.
+_GATHER_CALLS = ((True, True), (True, True), (False, True), (True, False), (False, False))
+
+
+def gathers_from_their_input(arg: dict) -> None:
+    """Allgathers whose sends read the caller's input while the result fills ``out``
+    (ring_allgatherv's ``own``), against numpy: sizes from empty to past two segments
+    (the caller's thread, the express lane lending its block, the loop lending whole
+    blocks), each in the calls of _GATHER_CALLS; the input apart from ``out``, as
+    ``out``'s own block (in place) or as a peer's block of it, each rank calling at its
+    own moment; and the input changed after every call, which must not change what the
+    call gathered."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    rng = random.Random(5 + rank)
+    checked = 0
+    for i, rows in enumerate(arg["rows"]):
+        dtype = [np.float32, np.float64, np.int16][i % 3]
+        for where in ("apart", "own", "peer's"):
+            for call, (same, wait) in enumerate(_GATHER_CALLS):
+                seed = 1000 * i + 10 * call + len(where)
+                blocks = [data(seed, r, (rows, 3), dtype) for r in range(n)]
+                out = np.zeros((rows * n, 3), dtype)
+                at = {"apart": None, "own": rank, "peer's": (rank + 1) % n}[where]
+                if at is None:
+                    x = blocks[rank].copy()
+                else:
+                    x = out[at * rows:(at + 1) * rows]
+                    x[:] = blocks[rank]
+                time.sleep(rng.uniform(0, 0.005))
+                name = f"own.{i}.{where}"
+                if wait:
+                    got = tr.allgather(x, name=name, out=out, same_shape=same)
+                else:
+                    got = tr.allgather_async(x, name=name, out=out, same_shape=same).wait()
+                if at is None:
+                    x += 1  # the call has ended: nothing may read its input any more
+                assert got is out, name
+                assert_same(out, np.concatenate(blocks), f"{name} call {call} rows {rows}")
+                checked += 1
+    tr.shutdown()
+    report(checked=checked)
+
+
 def same_shape_gathers(rank: int, n: int) -> int:
     """allgather and alltoall with same_shape=True (no size exchange) against numpy:
     every dtype, empty and odd blocks, uneven splits, into out= or not; even ranks submit

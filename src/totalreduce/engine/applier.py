@@ -19,6 +19,7 @@ from .mismatch_tracker import MismatchTracker
 from .opstate import LiveOp
 from .optable import OpTable
 from .outbox import Outbox
+from .payload import finish_local
 from .reducer import ReduceThread, ScratchPool, reduce_into
 from .schedule import COPY, Recv
 
@@ -96,8 +97,7 @@ class Applier:
         dest = spec.work[recv.lo:recv.hi]
         left = None
         if spec.fresh:
-            assert spec.source is not None
-            left = spec.source[recv.lo:recv.hi]
+            left = spec.source_part(recv.lo, recv.hi)
         token = (op, rkey, recv, buf if pooled else None)
         if self._reducer is not None and dest.nbytes >= self._reduce_min:
             self._reducer.submit(spec.ufunc, dest, buf, token, left)
@@ -141,6 +141,9 @@ class Applier:
             spec.finalize(spec.work[recv.lo:recv.hi])
         op.recvs_left -= 1
         op.pending_from[rkey[0]] -= 1
+        if op.local_due and not op.recvs_left:  # left for last (Starter.start)
+            op.local_due = False
+            finish_local(spec, spec.schedule.local_final)
         outbox = self._outbox
         for send in recv.then:
             outbox.queue(op, send)

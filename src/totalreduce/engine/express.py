@@ -31,12 +31,11 @@ from ..transport.wire import FLAG_CREDITED, FLAG_READY, FLAG_REMOTE, Header, Kin
 from .ledger import CreditLedger, charge_of
 from .opstate import LentSend
 from .optable import OpTable
-from .payload import OpFuture, OpSpec
+from .payload import OpFuture, OpSpec, finish_local
 from .reducer import reduce_into
 from .schedule import COPY, Recv, Schedule, Send
 from .serving import JoinServer
 from .smallpath import SmallOp, SmallPath, apply_piece, post_data, tell_ready
-from .starter import finish_local
 
 # How long the lane waits for a step's message before the small path takes over (which
 # also turns the loop: sockets, other peers, housekeeping).
@@ -183,11 +182,15 @@ class Express:
                 lent.append(token)
             posted += 1
         self._serving.forget(key)
-        if spec.finalize is not None or spec.fresh:
+        # A gathering op's own block once its receives are in, as on the loop
+        # (Starter.start); a hand-over before then copies it (``local``).
+        late = spec.fresh and spec.ufunc is None and bool(chain.steps)
+
+        if (spec.finalize is not None or spec.fresh) and not late:
             finish_local(spec, chain.local_final)
         for peer in chain.tell_first:
             if peer not in told and not tell_ready(ledger, transport, spec, peer, told):
-                return self.hand_over(spec, chain, ready, told, 0, posted, True, lent)
+                return self.hand_over(spec, chain, ready, told, 0, posted, True, lent, late)
         peek = transport.peek
         take = transport.take
         sig, dtype, count = spec.sig, spec.dtype, spec.count
@@ -214,7 +217,8 @@ class Express:
                     break  # else: the peer has copied a body we lent it
                 record = peek(peer) or self.wait(peer)
             if record is None:
-                return self.hand_over(spec, chain, ready, told, done, posted, False, lent)
+                return self.hand_over(spec, chain, ready, told, done, posted, False, lent,
+                                      late)
             header, body = record
             lo, hi = recv.lo, recv.hi
             if (header.name_key != key0 or header.seq != key1
@@ -224,12 +228,13 @@ class Express:
                     or (body is None and not (lent and header.flags & FLAG_REMOTE
                                               and recv.mode == COPY and hi > lo))):
                 # Not the message this step waits for: the small path looks at it again.
-                return self.hand_over(spec, chain, ready, told, done, posted, False, lent)
+                return self.hand_over(spec, chain, ready, told, done, posted, False, lent,
+                                      late)
             if body is None:
                 # Lent to us: our kernel copies it out of the peer, straight into place.
                 if not transport.take_lent(peer, work[lo:hi].data.cast("B")):
                     return self.hand_over(spec, chain, ready, told, done, posted, False,
-                                           lent)
+                                           lent, late)
                 if recv.final and spec.finalize is not None:
                     spec.finalize(work[lo:hi])
             flags = header.flags
@@ -252,10 +257,12 @@ class Express:
                 token = None if lendable is None else self._lend(spec, send, lendable)
                 if not post_data(ledger, transport, spec, send, ready, told, sources, token):
                     return self.hand_over(spec, chain, ready, told, done + 1, posted, True,
-                                           lent)
+                                           lent, late)
                 if token is not None:
                     lent.append(token)
                 posted += 1
+        if late:
+            finish_local(spec, chain.local_final)
         for token in lent:  # each peer says it has copied what we lent it
             peer = token.send.peer
             while not token.acked:

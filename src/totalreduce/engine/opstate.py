@@ -26,6 +26,8 @@ class LiveOp:
     field                       written by      meaning
     ==========================  ==============  ==========================================
     ready_peers, t_floated      starter (init)  who said READY early; when pieces floated
+    local_due                   starter,        its own regions are still to be copied from
+                                applier         its source, after its last receive
     ready_peers, announce,      outbox          who said READY; whose READY rides on our
     sends_left, left                            first DATA; sends still due; sends gone
     got, held, done_recvs,      applier         pieces arrived; reductions waiting for a
@@ -47,7 +49,7 @@ class LiveOp:
     __slots__ = ("spec", "future", "recvs_left", "sends_left", "got", "pending_from",
                  "ready_peers", "t_start", "warned", "finished", "mismatch", "work_bytes",
                  "source_bytes", "itemsize", "left", "held", "done_recvs", "announce",
-                 "t_first", "t_floated", "forgotten")
+                 "t_first", "t_floated", "forgotten", "local_due")
 
     def __init__(self, spec: OpSpec, future: OpFuture, ready_peers: set[int] | None = None,
                  t_floated: float = 0.0) -> None:
@@ -72,6 +74,7 @@ class LiveOp:
         self.left: set[tuple[int, int, int]] = set()  # sends gone: (peer, step, piece)
         self.held: list[tuple[tuple[int, int, int], Recv, Any, bool]] = []
         self.done_recvs: set[tuple[int, int, int]] = set()
+        self.local_due = False
 
     def awaits_from(self, peer: int) -> bool:
         """Whether some message of this op from ``peer`` has not arrived yet.  A piece that
@@ -89,8 +92,10 @@ class LiveOp:
         return total > 0 and sum(1 for key in self.left if key[0] == peer) < total
 
     def region(self, lo: int, hi: int, from_source: bool = False) -> memoryview:
-        view = self.source_bytes if from_source else self.work_bytes
-        return view[lo * self.itemsize:hi * self.itemsize]
+        if from_source:  # OpSpec.source_part
+            at = self.spec.source_at
+            return self.source_bytes[(lo - at) * self.itemsize:(hi - at) * self.itemsize]
+        return self.work_bytes[lo * self.itemsize:hi * self.itemsize]
 
 
 def bytes_view(arr: np.ndarray | None) -> memoryview:

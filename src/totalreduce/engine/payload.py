@@ -29,7 +29,10 @@ class OpSpec:
     describe: dict[str, Any]   # this rank's view, exchanged (as JSON) on a mismatch
     schedule: Schedule
     work: np.ndarray           # flat, contiguous: receives land here, most sends read here
-    source: np.ndarray | None = None   # sends marked from_source read here (alltoall)
+    # Sends marked from_source read here (alltoall; allgather's own block), and a fresh
+    # buffer's regions take their values from here: element i of it stands for element
+    # ``source_at + i`` of ``work`` (see :meth:`source_part`).
+    source: np.ndarray | None = None
     ufunc: np.ufunc | None = None      # reduction for REDUCE receives
     finalize: Callable[[np.ndarray], None] | None = None  # applied to each finished region
     priority: int = 0
@@ -54,6 +57,26 @@ class OpSpec:
     # This rank sits idle while its peers copy its lent bodies (a broadcast's root): they
     # may copy a big one with two threads each (transport/spread_copy.py).
     spread: bool = False
+    # Where ``source`` lies in the working buffer's coordinates: 0 for an alltoall's (each
+    # block at its place in both), the rank's block for an allgather's (its input alone).
+    source_at: int = 0
+
+    def source_part(self, lo: int, hi: int) -> np.ndarray:
+        """The source's elements for the working buffer's ``lo:hi``."""
+        assert self.source is not None
+        at = self.source_at
+        return self.source[lo - at:hi - at]
+
+
+def finish_local(spec: OpSpec, regions: tuple[tuple[int, int], ...]) -> None:
+    """The regions this rank finishes without a receive (Schedule.local_final): taken from
+    the source where the buffer starts undefined (OpSpec.fresh), then finalized."""
+    for lo, hi in regions:
+        if hi > lo:
+            if spec.fresh:
+                spec.work[lo:hi] = spec.source_part(lo, hi)
+            if spec.finalize is not None:
+                spec.finalize(spec.work[lo:hi])
 
 
 class OpFuture:

@@ -65,7 +65,8 @@ class Repeat:
                  "_members", "_driver", "_loop", "_small", "_express", "_ops", "_ledger",
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
                  "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
-                 "_fresh", "_needs_source", "_done", "_dtype", "_quiet", "_reduce_into")
+                 "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
+                 "_reduce_into")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -130,6 +131,7 @@ class Repeat:
         # The working buffer starts undefined, each region taken from the call's source
         # with its first (only) reduction or copied from it (OpSpec.fresh).
         self._fresh = template.fresh
+        self._source_at = template.source_at  # OpSpec.source_at
         self._needs_source = template.fresh or any(s.from_source for s in chain.sends)
 
     def run(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
@@ -162,7 +164,8 @@ class Repeat:
         return OpSpec(key, self._label_of(key[1]), self._sig, self._code, self._count,
                       self._describe, self._schedule, work, source, self._ufunc,
                       self._finalize, self._priority, self._recipe, -1, self._members,
-                      self._fresh and source is not None, self._lend)
+                      self._fresh and source is not None, self._lend,
+                      source_at=self._source_at)
 
     def label(self, seq: int) -> str:
         """The label of the call ``seq``, for messages."""
@@ -198,12 +201,13 @@ class Repeat:
             self._serving.forget(key)
         finalize = self._finalize
         fresh = self._fresh
-        if finalize is not None or fresh:  # starter.finish_local
+        at = self._source_at
+        if finalize is not None or fresh:  # payload.finish_local
             for lo, hi in chain.local_final:
                 if hi > lo:
                     if fresh:
                         assert source is not None
-                        work[lo:hi] = source[lo:hi]
+                        work[lo:hi] = source[lo - at:hi - at]
                     if finalize is not None:
                         finalize(work[lo:hi])
         key0, key1 = key
@@ -261,7 +265,7 @@ class Repeat:
                 assert ufunc is not None
                 # A fresh buffer's region takes its left operand from the source: the
                 # chains that start one reduce into each region once (apply_piece).
-                left = part if source is None or not fresh else source[lo:hi]
+                left = part if source is None or not fresh else source[lo - at:hi - at]
                 # reduce_into, inline (its checks made once for the template).
                 if slow_reduce:
                     reduce_into(ufunc, part, body, left)
@@ -302,10 +306,12 @@ class Repeat:
         header = pack_fields(MAGIC, KIND_DATA, self._code, flags, self._recipe, step, key[0],
                        key[1], self._sig, piece, epoch & 0xFFFFFFFF, nbytes, self._count,
                        credit)
-        if from_source:
+        if from_source:  # OpSpec.source_part
             assert source is not None
-            work = source
-        body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
+            at = self._source_at
+            body = None if not nbytes else source[lo - at:hi - at].data.cast("B")
+        else:
+            body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
         if not port.post_now(header, body):
             if flags & FLAG_CREDITED:
                 ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)

@@ -45,11 +45,11 @@ from .loop import Awaited
 from .mismatch_tracker import MismatchTracker
 from .opstate import LentSend, LiveOp
 from .optable import OpTable
-from .payload import OpFuture, OpKey, OpSpec
+from .payload import OpFuture, OpKey, OpSpec, finish_local
 from .reducer import reduce_into
 from .schedule import COPY, Recv, Send
 from .serving import JoinServer
-from .starter import Starter, finish_local
+from .starter import Starter
 
 # A small op with no answer after this long goes on as an ordinary op: the general path's
 # housekeeping (stall warnings, op timeouts) then watches it.
@@ -133,8 +133,7 @@ def apply_piece(spec: OpSpec, recv: Recv, body: memoryview) -> None:
         # from the source: a ring reduces into every region once.
         left = None
         if spec.fresh:
-            assert spec.source is not None
-            left = spec.source[recv.lo:recv.hi]
+            left = spec.source_part(recv.lo, recv.hi)
         reduce_into(spec.ufunc, work[recv.lo:recv.hi], body, left)
     if recv.final and spec.finalize is not None and recv.hi > recv.lo:
         spec.finalize(work[recv.lo:recv.hi])
@@ -149,9 +148,8 @@ def post_data(ledger: CreditLedger, transport: Transport, spec: OpSpec, send: Se
     False, nothing sent or spent, if it cannot go now."""
     peer = send.peer
     lo, hi = send.lo, send.hi
-    arr = spec.source if send.from_source else spec.work
-    assert arr is not None
-    body = arr[lo:hi].data.cast("B") if hi > lo else None
+    part = spec.source_part(lo, hi) if send.from_source else spec.work[lo:hi]
+    body = part.data.cast("B") if hi > lo else None
     nbytes = 0 if body is None else body.nbytes
     flags = 0
     if peer not in ready:

@@ -21,22 +21,10 @@ from .mismatch_tracker import MismatchTracker
 from .opstate import LiveOp
 from .optable import OpTable
 from .outbox import Outbox
-from .payload import OpFuture, OpKey, OpSpec
+from .payload import OpFuture, OpKey, OpSpec, finish_local
 from .reducer import ScratchPool
 from .schedule import Recv, Send
 from .serving import JoinServer, Server
-
-
-def finish_local(spec: OpSpec, regions: tuple[tuple[int, int], ...]) -> None:
-    """The regions this rank finishes without a receive (Schedule.local_final): taken from
-    the source where the buffer starts undefined (OpSpec.fresh), then finalized."""
-    for lo, hi in regions:
-        if hi > lo:
-            if spec.fresh:
-                assert spec.source is not None
-                spec.work[lo:hi] = spec.source[lo:hi]
-            if spec.finalize is not None:
-                spec.finalize(spec.work[lo:hi])
 
 
 class Starter:
@@ -61,7 +49,17 @@ class Starter:
         op = self._open(spec, future, set())
         if op is None:
             return
-        finish_local(spec, spec.schedule.local_final)
+        if spec.fresh and spec.ufunc is None and op.recvs_left:
+            # A gathering op's own block (OpSpec.fresh: copied from its source) is copied
+            # once its receives are in (Applier), after its sends have left: a peer reads
+            # a body we lend it while we read its body and then copy ours, instead of
+            # waiting for our copy first, and we for its read of ours at the end.  Within
+            # one job at 2 ranks, 16 MB alltoalls took 0.88-0.92 ms against 0.92-0.93
+            # with the copy first (64 MB: 4.20-4.26 against 4.38-4.43), 16 MB allgathers
+            # 0.85-0.90 against 0.94-0.97 with the copy right after the sends.
+            op.local_due = True
+        else:
+            finish_local(spec, spec.schedule.local_final)
         if self._catch_up(op):
             return
         self._outbox.begin(op)

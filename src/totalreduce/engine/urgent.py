@@ -38,11 +38,10 @@ from .floating import Floating
 from .job import JobState
 from .mismatch_tracker import MismatchTracker
 from .optable import OpTable
-from .payload import OpFuture, OpKey, OpSpec
+from .payload import OpFuture, OpKey, OpSpec, finish_local
 from .schedule import Recv, Schedule, Send
 from .serving import JoinServer
 from .smallpath import apply_piece, fits, needs
-from .starter import finish_local
 
 # How long a step busy-polls the lane for the peer's message: it holds this process's
 # GIL meanwhile, which the thread that drives the loop (the big op's copies) may want.
@@ -161,9 +160,8 @@ class UrgentLane:
         READY to a peer we expect data from, as the loop's first message would say."""
         peer = send.peer
         lo, hi = send.lo, send.hi
-        arr = spec.source if send.from_source else spec.work
-        assert arr is not None
-        body = arr[lo:hi].data.cast("B") if hi > lo else None
+        part = spec.source_part(lo, hi) if send.from_source else spec.work[lo:hi]
+        body = part.data.cast("B") if hi > lo else None
         tell = peer not in told and peer in sources
         key0, key1 = spec.key
         header = pack_header(Kind.DATA, spec.dtype, FLAG_READY if tell else 0, send.step,

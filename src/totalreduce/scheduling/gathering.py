@@ -58,6 +58,12 @@ def _own_in_place(send: tuple[int, ...], recv: tuple[int, ...], rank: int) -> bo
     return send[rank] == recv[rank] and send[rank + 1] == recv[rank + 1]
 
 
+def _input_apart(flat: np.ndarray, buf: np.ndarray) -> np.ndarray:
+    """An allgather's input as the op's source (its sends read it, OpSpec.source_at),
+    copied aside where it overlaps the result: peers' blocks land there meanwhile."""
+    return flat.copy() if np.may_share_memory(flat, buf) else flat
+
+
 def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtype
                    ) -> np.ndarray:
     """Where a gathering op's data phase writes: the caller's ``out`` when it has the
@@ -180,8 +186,11 @@ class GatheringOps:
         buf = _result_buffer(out, rows, bounds[-1], arr.dtype)
         flat = arr.reshape(-1)
         if kind == "allgather":
-            buf[bounds[rank]:bounds[rank + 1]] = flat
-            self._repeat(plan.template.repeat, buf, name)
+            if plan.template.fresh:  # the op copies our block in (ring_allgatherv's own)
+                self._repeat(plan.template.repeat, buf, name, _input_apart(flat, buf))
+            else:
+                buf[bounds[rank]:bounds[rank + 1]] = flat
+                self._repeat(plan.template.repeat, buf, name)
         else:
             flat = np.ascontiguousarray(flat)  # its sends read it (the op's source)
             if not plan.template.fresh:
@@ -224,7 +233,7 @@ class GatheringOps:
             first = plan.sizes.spec(sizes_key, label, sizes, priority, self._members)
         else:
             view, shown = gathering_views("allgather", arr)
-            sched, sizes_algorithm = self._algorithms.allgather(tuple(range(n + 1)))
+            sched, sizes_algorithm, _own = self._algorithms.allgather(tuple(range(n + 1)))
             first = self._spec(
                 Ident(sizes_key, name, label),
                 with_algorithm(lambda: dict(view(), phase="sizes"), sizes_algorithm),
@@ -242,17 +251,26 @@ class GatheringOps:
                 kept = gathered.data(rows)
             bounds = _bounds(sizes, row) if kept is None else kept[1]
             buf = _result_buffer(out, sum(rows), bounds[-1], arr.dtype)
-            buf[bounds[rank]:bounds[rank + 1]] = arr.reshape(-1)
+            flat = np.ascontiguousarray(arr).reshape(-1)
+            if kept is None:
+                schedule, algorithm, own = self._algorithms.allgather(bounds, arr.dtype, True)
+            else:
+                own = kept[0].fresh
+            # Our block goes from the input, and the op copies it into place itself.
+            source = _input_apart(flat, buf) if own else None
+            if not own:
+                buf[bounds[rank]:bounds[rank + 1]] = flat
             state["out"] = buf
             if kept is not None:
-                return kept[0].spec(data_key, data_label, buf, priority, self._members)
-            schedule, algorithm = self._algorithms.allgather(bounds, arr.dtype)
+                return kept[0].spec(data_key, data_label, buf, priority, self._members,
+                                    source)
             view, shown = gathering_views("allgather", arr)
             spec = self._spec(Ident(data_key, name, data_label),
                               with_algorithm(view, algorithm), arr.dtype, bounds[-1],
                               schedule, buf, priority,
                               ("allgather", arr.dtype, arr.shape, 1, algorithm),
-                              with_algorithm(shown, algorithm))
+                              with_algorithm(shown, algorithm), source=source, fresh=own,
+                              source_at=bounds[rank] if own else 0)
             with self._lock:
                 gathered.keep(rows, OpTemplate(spec), bounds, bounds)
             return spec
@@ -390,9 +408,16 @@ class GatheringOps:
         rows = n * int(recv_rows[0])
         buf = _result_buffer(out, rows, rb[-1], arr.dtype)
         own = False
+        schedule: Schedule | None = None
         if kind == "allgather":  # the whole input is this rank's block
-            buf[rb[rank]:rb[rank + 1]] = flat
-            source = None
+            if plan is None:
+                schedule, algorithm, own = self._algorithms.allgather(rb, arr.dtype, True)
+            else:
+                own = plan.template.fresh
+            # Our block goes from the input, and the op copies it into place itself.
+            source = _input_apart(flat, buf) if own else None
+            if not own:
+                buf[rb[rank]:rb[rank + 1]] = flat
         else:
             source = flat
             own = _own_in_place(sb, rb, rank)
@@ -415,10 +440,12 @@ class GatheringOps:
                         "same_shape": True}
 
             if kind == "allgather":
-                schedule, algorithm = self._algorithms.allgather(rb, arr.dtype)
+                assert schedule is not None
                 spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, rb[-1],
                                   schedule, buf, priority,
-                                  (kind, arr.dtype, arr.shape, "same", algorithm))
+                                  (kind, arr.dtype, arr.shape, "same", algorithm),
+                                  source=source, fresh=own,
+                                  source_at=rb[rank] if own else 0)
             else:
                 schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype, own)
                 spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, 0,

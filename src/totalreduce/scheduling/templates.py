@@ -31,7 +31,7 @@ class OpTemplate:
     """An op's spec without its identity, buffers and priority."""
 
     __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
-                 "recipe", "lend", "fresh", "repeat", "repeat_tried")
+                 "recipe", "lend", "fresh", "source_at", "repeat", "repeat_tried")
 
     def __init__(self, spec: OpSpec, lend: bool | None = None) -> None:
         """``lend``: OpSpec.lend for the repeats (default: ``spec``'s)."""
@@ -45,6 +45,7 @@ class OpTemplate:
         self.recipe = spec.recipe
         self.lend = spec.lend if lend is None else lend
         self.fresh = spec.fresh
+        self.source_at = spec.source_at
         # What runs blocking calls of it at priority 0 (engine/repeat.py), once asked
         # for (None where they cannot run that way).
         self.repeat: Repeat | None = None
@@ -58,7 +59,7 @@ class OpTemplate:
         return OpSpec(key, label, self.sig, self.code, self.count, self.describe,
                       self.schedule, work, source, self.ufunc, self.finalize, priority,
                       self.recipe, -1, members, self.fresh and source is not None,
-                      self.lend)
+                      self.lend, source_at=self.source_at)
 
 
 class GatherPlan:

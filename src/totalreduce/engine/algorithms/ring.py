@@ -77,9 +77,16 @@ def ring_reducescatter(rank: int, size: int, bounds: tuple[int, ...],
 
 
 @lru_cache(maxsize=256)
-def ring_allgatherv(rank: int, size: int, bounds: tuple[int, ...], seg_elems: int) -> Schedule:
-    """Block ``i`` of the buffer is rank ``i``'s contribution, already in place locally."""
+def ring_allgatherv(rank: int, size: int, bounds: tuple[int, ...], seg_elems: int,
+                    own: bool = False) -> Schedule:
+    """Block ``i`` of the buffer is rank ``i``'s contribution, already in place locally;
+    or, with ``own``, in the op's source (OpSpec.source_at: the block's place), which the
+    first sends read and the op copies into place itself (Schedule.local_final,
+    OpSpec.fresh).  Then the block need not be copied before the first sends leave: a
+    peer reading a lent one copies it while this rank copies the peer's."""
+    local = ((bounds[rank], bounds[rank + 1]),) if own else ()
     if size == 1:
-        return Schedule((), {}, ())
+        return Schedule((), {}, local)
     # An allgather is the gather half of an allreduce whose owned block is our own.
-    return _ring(rank, size, bounds, seg_elems, 0, size - 1, -1)
+    ring = _ring(rank, size, bounds, seg_elems, 0, size - 1, -1, own)
+    return Schedule(ring.first, ring.recvs, local)

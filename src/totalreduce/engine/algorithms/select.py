@@ -244,28 +244,30 @@ class Algorithms:
         return self._job(ring_reducescatter(self.rank, self.size, bounds, seg, fresh)), \
             "ring", fresh
 
-    def allgather(self, bounds: tuple[int, ...], dtype: np.dtype | None = None
-                  ) -> tuple[Schedule, str]:
+    def allgather(self, bounds: tuple[int, ...], dtype: np.dtype | None = None,
+                  own: bool = False) -> tuple[Schedule, str, bool]:
         """Gather blocks of ``bounds``; without a dtype, one element per piece (a
-        sizes exchange, of int64).  The schedule and its algorithm: up to SMALL_BYTES
-        from 4 ranks "doubling-small", one message a step (at 16 ranks on 16 cores a
-        sizes exchange took 0.9-1.0 ms through the ring's 15 steps, stalling wherever one
-        rank was late); else "doubling" (a message per block, which pipelines) where
-        :meth:`_log_steps` says, else "ring"."""
+        sizes exchange, of int64).  The schedule, its algorithm and whether it took
+        ``own`` (the op copies this rank's block from its source: ring_allgatherv):
+        up to SMALL_BYTES from 4 ranks "doubling-small", one message a step (at 16
+        ranks on 16 cores a sizes exchange took 0.9-1.0 ms through the ring's 15 steps,
+        stalling wherever one rank was late); else "doubling" (a message per block,
+        which pipelines) where :meth:`_log_steps` says, else "ring"."""
         seg = 1 if dtype is None else self.segment(dtype)
         itemsize = 8 if dtype is None else dtype.itemsize
         nbytes = bounds[-1] * itemsize
         if self.size >= 4 and nbytes <= self._small_bytes:
             return self._job(doubling_allgather(self.rank, self.size, bounds)), \
-                "doubling-small"
+                "doubling-small", False
         if self._log_steps(nbytes):
             return self._job(doubling_allgatherv(self.rank, self.size, bounds, seg)), \
-                "doubling"
+                "doubling", False
         lent = 0 if dtype is None else self._moved_piece(nbytes, itemsize)
         if lent:
-            return self._job(ring_allgatherv(self.rank, self.size, bounds, lent)), \
-                "ring, lent pieces"
-        return self._job(ring_allgatherv(self.rank, self.size, bounds, seg)), "ring"
+            return self._job(ring_allgatherv(self.rank, self.size, bounds, lent, own)), \
+                "ring, lent pieces", own
+        return self._job(ring_allgatherv(self.rank, self.size, bounds, seg, own)), "ring", \
+            own
 
     def alltoall(self, send_bounds: tuple[int, ...], recv_bounds: tuple[int, ...],
                  dtype: np.dtype | None = None, own: bool = False) -> tuple[Schedule, str]:
