@@ -23,6 +23,7 @@ from totalreduce.exceptions import (
 )
 from totalreduce.rendezvous.auth import client_handshake, server_handshake
 from totalreduce.rendezvous.env import detect_launch
+from totalreduce.scheduling.selfguided import SelfGuided
 from totalreduce.scheduling.slow_rings import SlowRingChoice
 from totalreduce.transport.poller import POLL_SLOT, Poller
 from totalreduce.transport.wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
@@ -430,3 +431,16 @@ def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_ag
     for size in range(1, 400):
         choice.leave(SlowRingChoice.key(f"op{size}", size))
     assert len(choice) == 128
+
+
+def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded() -> None:
+    from types import SimpleNamespace
+
+    def lends(nbytes: int, crowded: bool, cma_bytes: int = -1) -> bool:
+        me = SimpleNamespace(_config=SimpleNamespace(cma_bytes=cma_bytes),
+                             _engine=SimpleNamespace(crowded=lambda: crowded))
+        return SelfGuided._reduction_lends(me, nbytes)  # type: ignore[arg-type]
+
+    assert not lends(4 << 20, True) and lends(8 << 20, True)
+    assert not lends(16 << 20, False) and lends(32 << 20, False)
+    assert lends(1 << 20, False, cma_bytes=1 << 20)  # set: as for any op

@@ -55,7 +55,12 @@ from .templates import (
     broadcast_key,
     scatter_key,
 )
-from .thresholds import LENT_WHEN_SLOW, REDUCE_LEND_BYTES, direct_ring_bytes
+from .thresholds import (
+    CROWDED_REDUCE_LEND_BYTES,
+    LENT_WHEN_SLOW,
+    REDUCE_LEND_BYTES,
+    direct_ring_bytes,
+)
 from .views import with_algorithm
 
 _UNNAMED = "\x00unnamed"
@@ -454,9 +459,10 @@ class SelfGuided(GatheringOps):
 
     def _reduction_lends(self, nbytes: int) -> bool:
         """Whether a reduction of ``nbytes`` may lend its pieces: as any op where
-        CMA_BYTES is set, else from REDUCE_LEND_BYTES unless the host is crowded."""
+        CMA_BYTES is set, else from REDUCE_LEND_BYTES, or CROWDED_REDUCE_LEND_BYTES where
+        the host is crowded."""
         return (self._config.cma_bytes >= 0 or nbytes >= REDUCE_LEND_BYTES
-                or self._engine.crowded())
+                or (nbytes >= CROWDED_REDUCE_LEND_BYTES and self._engine.crowded()))
 
     def _reduce_spec(self, ident: Ident,
                      view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,

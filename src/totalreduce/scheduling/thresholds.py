@@ -57,6 +57,12 @@ LENT_WHEN_SLOW = 512 << 10
 # allreduce 8 MB 1.01-1.15 -> 0.82-0.87 ms, 16 MB 2.34-2.58 -> 1.95-2.06, reducescatter
 # 4 MB 0.34-0.43 -> 0.25-0.26, 8 MB 0.84-0.97 -> 0.58-0.64, 16 MB 1.90-2.09 -> 1.45-1.53,
 # 64 and 256 MB level; allgathers of 8-16 MB lost 20-40% without lending, so gathers keep
-# it.  At 4 ranks on 2 cores the sender's copy takes a core a peer wanted: 16 MB
-# allreduces took 9.2-10.2 ms against 8.3, so crowded hosts keep lending.
+# it.  Where a host's ranks outnumber its cores, see CROWDED_REDUCE_LEND_BYTES.
 REDUCE_LEND_BYTES = 32 << 20
+
+# ... and this size where the host's ranks outnumber its cores.  There the sender's copy
+# into the ring takes a core a peer wanted, and from 8 MB lending wins: at 4 ranks on 2
+# cores 8 MB allreduces took 4.1-4.2 ms lent against 4.8-5.2 through the ring; but at 3
+# ranks 4 MB ones took 2.9-4.3 ms lent against 1.8-3.2, at 4 ranks as long either way
+# (one job each, alternated two or three times; the slowest rank's time).
+CROWDED_REDUCE_LEND_BYTES = 8 << 20
