@@ -735,8 +735,8 @@ the same path either way, did not move.
 
 Why gathers of 1 MiB and more lend their pieces, and reductions only from 32 MiB where
 every rank has a core of its own (cross-memory attach, transport/cma.py;
-`TOTALREDUCE_CMA_BYTES` auto): a lent piece is one kernel copy on the receiver's core. For
-a gather's piece that is all the work, where the ring costs a memcpy on each side; a
+`TOTALREDUCE_CMA_BYTES` auto): a lent piece is one kernel copy on the receiver's core.
+For a gather's piece that is all the work, where the ring costs a memcpy on each side; a
 reduction's piece is then summed in a second pass, where through the ring the sender's
 core copies it in and the receiver sums it straight out of the ring. `python -m
 totalreduce.bench collectives -n 2 --backends totalreduce-shm --sizes 4M,8M,16M,64M,256M
@@ -744,22 +744,23 @@ totalreduce.bench collectives -n 2 --backends totalreduce-shm --sizes 4M,8M,16M,
 alternated twice in the host's fast state: allreduce 8 MB 1.01-1.15 against 0.82-0.87
 ms, 16 MB 2.34-2.58 against 1.95-2.06, 64 and 256 MB level; reducescatter 4 MB 0.34-0.43
 against 0.25-0.26, 8 MB 0.84-0.97 against 0.58-0.64, 16 MB 1.90-2.09 against 1.45-1.53;
-but allgather 8 MB 0.67-0.68 against 0.84-0.97 and 16 MB 1.67-1.89 against 2.04-2.19,
-so gathers keep lending. At 4 ranks on 2 cores the sender's copy takes a core a peer
-wanted (16 MB allreduces 8.3 ms lent, 9.2-10.2 not, `-n 4`), so where ranks outnumber
-cores reductions lend from 1 MiB too. Ops of up to 2 MiB that run on the caller's thread
-(the small path) never lend. One exception among the gathers:
-a broadcast's root does not lend (OpSpec.lend). Its core has nothing else to do, and a
-memcpy into the ring on its side plus one out on the receiver's beat one kernel copy on
-the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead of
-10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Unless the receiver copies
-with two threads: at 2 ranks, where each rank has a core, a blocking broadcast of 8 MiB or
-more from its root times that way (lent in 32 MiB pieces, the receiver copying each
-piece's front on a second thread, transport/spread_copy.py) against the ring and takes
-the faster; on the Intel VM, alternated with the tree before it, 16 MiB took 1.96 ms
-against 2.48 and 64 MiB 5.8 against 10.2 (medians of three runs). Broadcasts up to 2 MiB go
-in 512 KiB pieces, so that the receiver copies one out while the root copies the next in
-(1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
+but allgather 8 MB 0.67-0.68 against 0.84-0.97 and 16 MB 1.67-1.89 against 2.04-2.19, so
+gathers keep lending. At 4 ranks on 2 cores the sender's copy takes a core a peer wanted
+(16 MB allreduces 8.3 ms lent, 9.2-10.2 not, `-n 4`; 8 MB ones 4.1-4.2 lent, 4.8-5.2
+not), so where ranks outnumber cores reductions lend from 8 MiB; below that the ring was
+as fast or faster (4 MB at 3 ranks: 1.8-3.2 ms against 2.9-4.3 lent). Ops of up to 2 MiB
+that run on the caller's thread (the small path) never lend. One exception among the
+gathers: a broadcast's root does not lend (OpSpec.lend). Its core has nothing else to
+do, and a memcpy into the ring on its side plus one out on the receiver's beat one
+kernel copy on the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms
+instead of 10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Unless the
+receiver copies with two threads: at 2 ranks, where each rank has a core, a blocking
+broadcast of 8 MiB or more from its root times that way (lent in 32 MiB pieces, the
+receiver copying each piece's front on a second thread, transport/spread_copy.py)
+against the ring and takes the faster; on the Intel VM, alternated with the tree before
+it, 16 MiB took 1.96 ms against 2.48 and 64 MiB 5.8 against 10.2 (medians of three
+runs). Broadcasts up to 2 MiB go in 512 KiB pieces, so that the receiver copies one out
+while the root copies the next in (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 
 Why a ring whose copies run slower than the kernel's copy of a lent body lends every body
 of 64 KiB or more (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times
