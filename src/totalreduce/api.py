@@ -263,6 +263,10 @@ def allgather_async(x: Any, name: str | None = None, priority: int = 0,
     call skips that exchange, a round trip (half a small gather's time).  A rank that
     passes another shape or flag makes the call fail on every rank (MismatchError).
 
+    ``x`` is read while the op runs (peers may copy it straight out of this process):
+    leave it as it is until ``wait()`` returns, as with Horovod's and torch.distributed's
+    async ops.
+
     Raises:
         ValueError: ``out`` does not fit (its rows only once the others' are known: the
             call then completes for every rank and raises on this one).
@@ -330,7 +334,8 @@ def alltoall_async(x: Any, splits: Any = None, name: str | None = None,
     rows.  ``wait()`` returns ``(output, received_splits)``.  ``out``: as allgather's
     (the received rows go there; it must not overlap ``x``).  ``same_shape=True``: as
     allgather's (MPI_Alltoall's equal counts), with ``splits=None``: every rank then
-    receives as many rows from each rank as it sends itself.
+    receives as many rows from each rank as it sends itself.  ``x`` is read while the op
+    runs: as allgather's, leave it as it is until ``wait()`` returns.
 
     Raises:
         ValueError: ``splits`` is not one non-negative count per rank summing to

@@ -185,7 +185,6 @@ class Express:
         # A gathering op's own block once its receives are in, as on the loop
         # (Starter.start); a hand-over before then copies it (``local``).
         late = spec.fresh and spec.ufunc is None and bool(chain.steps)
-
         if (spec.finalize is not None or spec.fresh) and not late:
             finish_local(spec, chain.local_final)
         for peer in chain.tell_first:
