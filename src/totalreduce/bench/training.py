@@ -125,6 +125,7 @@ def _time_steps(step: Any, barrier: Any, steps: int, reps: int, warmup: int) -> 
 
 def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, Any]]]:
     """Run the sweep for ``backend``; returns (rank, size, results)."""
+    import gc
     import os
 
     import torch
@@ -215,7 +216,12 @@ def train(backend: str, cfg: dict[str, Any]) -> tuple[int, int, list[dict[str, A
         if backend.startswith("totalreduce") and not mode.startswith("optimizer "):
             row["versus"] = f"optimizer {default_mb:g}MB"  # the dense run it compares with
         out.append(row)
+    # Every DDP model gone before its process group: a DDP reducer that outlives it
+    # aborted the process at exit ("terminate called without an active exception") in
+    # one gloo job of several.
     del built
+    model = opt = None
+    gc.collect()
     if backend.startswith("totalreduce"):
         hvd.shutdown()
     else:
