@@ -35,7 +35,7 @@ from totalreduce.engine.mismatch_tracker import MismatchTracker, read_view
 from totalreduce.engine.opstate import FloatingBody, LiveOp
 from totalreduce.engine.optable import OpTable
 from totalreduce.engine.outbox import Outbox
-from totalreduce.engine.payload import OpFuture, OpSpec
+from totalreduce.engine.payload import OpFuture, OpSpec, copied_last
 from totalreduce.engine.peers import PeerEvents
 from totalreduce.engine.reducer import ReduceThread, ScratchPool
 from totalreduce.engine.schedule import COPY, Recv, Schedule, Send
@@ -579,6 +579,18 @@ def test_a_gathering_ops_own_block_is_copied_after_its_last_receive() -> None:
     op.sends_left = 0
     ops.complete(op)
     assert future.done() and future.error() is None
+
+
+def test_only_a_small_own_block_is_copied_last() -> None:
+    bounds = (0, 1 << 20, 2 << 20)  # float32 blocks of 4 MiB
+    work = np.empty(2 << 20, np.float32)
+    schedule = pairwise_alltoallv(0, 2, bounds, bounds, 1 << 20, own=True)
+    spec = dataclasses.replace(spec_of(schedule, work), ufunc=None, source=work.copy(),
+                               fresh=True)
+    assert copied_last(spec, schedule.local_final)
+    assert not copied_last(spec, ((0, (1 << 20) + 1),))
+    assert not copied_last(dataclasses.replace(spec, fresh=False), schedule.local_final)
+    assert not copied_last(dataclasses.replace(spec, ufunc=np.add), schedule.local_final)
 
 
 def test_starter_refuses_an_op_that_cannot_run() -> None:

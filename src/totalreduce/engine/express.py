@@ -31,7 +31,7 @@ from ..transport.wire import FLAG_CREDITED, FLAG_READY, FLAG_REMOTE, Header, Kin
 from .ledger import CreditLedger, charge_of
 from .opstate import LentSend
 from .optable import OpTable
-from .payload import OpFuture, OpSpec, finish_local
+from .payload import OpFuture, OpSpec, copied_last, finish_local
 from .reducer import reduce_into
 from .schedule import COPY, Recv, Schedule, Send
 from .serving import JoinServer
@@ -182,9 +182,10 @@ class Express:
                 lent.append(token)
             posted += 1
         self._serving.forget(key)
-        # A gathering op's own block once its receives are in, as on the loop
-        # (Starter.start); a hand-over before then copies it (``local``).
-        late = spec.fresh and spec.ufunc is None and bool(chain.steps)
+        # A gathering op's own block after its receives where it is small enough
+        # (payload.copied_last), as on the loop; a hand-over before then copies it
+        # (``local``).
+        late = bool(chain.steps) and copied_last(spec, chain.local_final)
         if (spec.finalize is not None or spec.fresh) and not late:
             finish_local(spec, chain.local_final)
         for peer in chain.tell_first:

@@ -21,7 +21,7 @@ from .mismatch_tracker import MismatchTracker
 from .opstate import LiveOp
 from .optable import OpTable
 from .outbox import Outbox
-from .payload import OpFuture, OpKey, OpSpec, finish_local
+from .payload import OpFuture, OpKey, OpSpec, copied_last, finish_local
 from .reducer import ScratchPool
 from .schedule import Recv, Send
 from .serving import JoinServer, Server
@@ -49,15 +49,8 @@ class Starter:
         op = self._open(spec, future, set())
         if op is None:
             return
-        if spec.fresh and spec.ufunc is None and op.recvs_left:
-            # A gathering op's own block (OpSpec.fresh: copied from its source) is copied
-            # once its receives are in (Applier), after its sends have left: a peer reads
-            # a body we lend it while we read its body and then copy ours, instead of
-            # waiting for our copy first, and we for its read of ours at the end.  Within
-            # one job at 2 ranks, 16 MB alltoalls took 0.88-0.92 ms against 0.92-0.93
-            # with the copy first (64 MB: 4.20-4.26 against 4.38-4.43), 16 MB allgathers
-            # 0.85-0.90 against 0.94-0.97 with the copy right after the sends.
-            op.local_due = True
+        if op.recvs_left and copied_last(spec, spec.schedule.local_final):
+            op.local_due = True  # the Applier copies it after the last receive
         else:
             finish_local(spec, spec.schedule.local_final)
         if self._catch_up(op):
