@@ -98,8 +98,8 @@ the experiments behind the defaults, are in `docs/dev/perf-log.md`.
 
 A virtual machine with 2 AMD EPYC cores and no GPU; every rank on the same host, so
 same-host transports (shared-memory rings, MPICH's shared memory) carry all traffic.
-Every table but the 16-core ones comes from one run of `regenerate.py` at one commit on
-this machine (named under each table); the 16-core tables come from machines with 16
+Every table but the 16-core ones comes from one run of `regenerate.py` on this machine,
+at the commit named under each table; the 16-core tables come from machines with 16
 Intel Xeon cores, at the commits named under them. The bench printed:
 
     {env.removeprefix("environment: ")}
@@ -173,10 +173,10 @@ the cache, totalreduce reads lower here than in its own job (the collectives tab
 {table("floor-2")[1]}
 
 The bare exchanges are what copying through memory allows here: at 4 and 16 MB the
-faster of the two runs 1.55x and 1.27x as fast as MPI, at 1 MB, where a piece stays in a
-core's cache, 2.4x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
+faster of the two runs 1.25x and 1.32x as fast as MPI, at 1 MB, where a piece stays in a
+core's cache, 2.2x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
 gets much further. The gap between them and totalreduce is the engine's own cost: its
-headers, credit, handlers and turns of the loop, about 0.04 ms a call at 1 MB here
+headers, credit, handlers and turns of the loop, about 0.06 ms a call at 1 MB here
 (0.1 ms on the Intel VM). At 16 MB, where
 totalreduce lends its 2 MiB pieces, timestamps in one process pair put 70-130 us of
 handling between one piece's copy and the next's (the next record waits for a turn of
@@ -274,8 +274,8 @@ reduction), many times MPI's C: half of a call is what
 a bare loop over the same rings takes (post, poll, add, release), the other half the
 engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The host
 moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks the
-8-byte allreduce took 3.4x MPI's time here (5.7x on the Intel VM), the barrier 3.0x
-(4.8x). The MPI transport took 3.9x and 3.4x; sockets 6.2x and 5.5x, where through the
+8-byte allreduce took 3.4x MPI's time here (5.7x on the Intel VM), the barrier 2.9x
+(4.8x). The MPI transport took 4.0x and 3.4x; sockets 6.4x and 5.6x, where through the
 loop, before they could show messages in place, they took 26x and 6-8x on this VM.
 At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
@@ -380,8 +380,8 @@ is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.106
-ms here against 0.033 ms alone after the delay (3.20x; 0.9-4.5x in other runs here; on
+and without the big op's records ahead of it in the ring, which is read in order: 0.143
+ms here against 0.066 ms alone after the delay (2.18x; 0.9-4.5x in other runs here; on
 the Intel VM, where waking from the sleep took longer, 0.229 against 0.180 ms, 1.27x).
 What is left is the caller's Python running slower while the big op's copies
 take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
@@ -418,11 +418,11 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.266 ms against
-0.044 ms alone after the delay here (6.11x; 2.4-4.1x in other runs here, 3.87x on the
+it does not wait behind the big op's bytes in the kernel's buffers: 0.181 ms against
+0.120 ms alone after the delay here (1.51x; 2.4-6.1x in other runs here, 3.87x on the
 Intel VM). Both ends of every connection and lane send at once (`TCP_NODELAY`): a lane's
 accepting end once lacked it, and a lone urgent message then waited for the peer's
-delayed ACK, up to 40 ms. Its slow tail (p90 2.1 ms) is the two ranks' calls
+delayed ACK, up to 40 ms. Its slow tail (p90 1.0 ms) is the two ranks' calls
 starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
 rank's thread waits that long for its core and the GIL, which the progress thread's
 socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
@@ -432,8 +432,8 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 0.491 ms against 0.043 ms alone after the delay (11.3x; p90 2.4
-ms; 4.1-12.6x in other runs here, 10.3x on the Intel VM; the median moves between 0.1 and
+(transport/ring_lane.py): 0.551 ms against 0.055 ms alone after the delay (10.0x; p90 2.6
+ms; 4.1-22x in other runs here, 10.3x on the Intel VM; the median moves between 0.1 and
 2 ms from run to run). The op's own steps take 0.1-0.2 ms; the tail is a peer's thread
 woken from the sleep late: on the Intel VM, stamped in C as `clock_nanosleep` returns,
 3.5-4.3 ms late at the median under this transport against 0.5 ms over the rings, with
@@ -465,15 +465,15 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 42.2
-against 23.0 µs at 2 ranks). The cache cuts the cost another 9.9x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 48.6
+against 28.8 µs at 2 ranks). The cache cuts the cost another 12x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 1.5 µs per op at 2 ranks, 5.1x faster than 1,000 of MPI's
-`Iallreduce` (7.4 µs each), and 4.8 µs at 4 ranks (four processes on two cores), 8.9x
-faster than MPI's 42.9. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
+cache and fusion, takes 1.6 µs per op at 2 ranks, 4.9x faster than 1,000 of MPI's
+`Iallreduce` (8.0 µs each), and 5.8 µs at 4 ranks (four processes on two cores), 9.3x
+faster than MPI's 53.8. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
 (see Environment), before the cycle reused a repeated step's fusion runs, 7.9 and 22.2
-µs. It varies with the host (1.4 to 2.2 µs between the 10th and 90th percentiles at 2
+µs. It varies with the host (1.4 to 3.2 µs between the 10th and 90th percentiles at 2
 ranks here): the whole cost is Python on the submitting thread and the cycle thread.
 Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
 seen before skips the argument checks and makes one new object); the cycle's taking,
@@ -492,8 +492,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-94 and 103 µs for the allreduce and the barrier at 2 ranks, 13-14x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (0.39 and 0.36 ms). A
+90 and 80 µs for the allreduce and the barrier at 2 ranks, 13-14x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (0.39 and 0.46 ms). A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -503,10 +503,10 @@ cycle and a half at the median.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.62x (2 ranks) and 0.73x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (0.94x and 1.18x). Without fusion, each of the 161
+so it finishes within 0.64x (2 ranks) and 0.74x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (0.94x and 1.11x). Without fusion, each of the 161
 tensors then runs as an engine op of its own behind that wait, which in this run beat
-fusing the few that a cycle finds together at 2 ranks (0.66x) and at 4 (1.03x), where the
+fusing the few that a cycle finds together at 2 ranks (0.73x) and at 4 (1.03x), where the
 ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
@@ -515,11 +515,11 @@ ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 {table("replay-neg")[1]}
 
 With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
-grouped mode took 22.6 ms against negotiated's 39.3, its per-tensor mode 22.5 against
-36.8 and its optimizer mode 19.9 against 37.4 (flat: 12.7 against 15.5). Fusing big
+grouped mode took 22.3 ms against negotiated's 38.1, its per-tensor mode 22.1 against
+38.1 and its optimizer mode 19.2 against 39.4 (flat: 13.0 against 14.6). Fusing big
 tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning fusion
-off bought a quarter here (per-tensor 27.1 ms). At 4 ranks negotiated per-tensor takes
-97.8 ms, self-guided grouped 68.6.
+off bought an eighth here (per-tensor 33.0 ms). At 4 ranks negotiated per-tensor takes
+100.5 ms, self-guided grouped 87.0.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -633,14 +633,14 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
-trains at 0.26-0.32x allreduce's rate (0.28-0.40x on the Intel VM). With the straggler,
-removing the bound bought 1.33x tau = 0's throughput in this run (0.90x to 1.60x in
-others: the straggler's own steps bound the time either way) and cost 8.0 points of
-accuracy (0.7 to 5.8 in those others); bounds of 1 and 4 keep tau = 0's accuracy within
-0.7 points. Averaging every 4 or 16 steps is the fastest, and every 16 loses 2 points.
-Surviving a server's loss costs 0.56x of tau = 0's throughput without a straggler (a push
-waits for a second server's round trip) and 0.72x with one (0.52-0.73x and 0.64-0.83x in
-other runs).
+trains at 0.26-0.31x allreduce's rate (0.28-0.40x on the Intel VM). With the straggler,
+removing the bound bought 1.92x tau = 0's throughput in this run (0.90x to 1.60x in
+others: the straggler's own steps bound the time either way) and cost 5.3 points of
+accuracy (0.7 to 8.0 in those others); bounds of 1 and 4 keep tau = 0's accuracy within
+0.3 points. Averaging every 4 or 16 steps is the fastest, and every 16 loses 2 points.
+Surviving a server's loss costs 0.70x of tau = 0's throughput without a straggler (a push
+waits for a second server's round trip) and 1.03x with one, whose own steps set the pace
+(0.52-0.73x and 0.64-0.83x in other runs).
 
 ## Across hosts
 
@@ -665,8 +665,8 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.099 s hierarchical at 64 MiB,
-against 0.108 s at 10 Gbit/s). One rank per host has no local stages and a core to
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.101 s hierarchical at 64 MiB,
+against 0.102 s at 10 Gbit/s). One rank per host has no local stages and a core to
 itself; it comes within 1.09x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
@@ -685,7 +685,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.6-2.2x) turns into 0.78-1.19x dense's speed to 95 %: they need one to three
+samples/s (1.6-2.1x) turns into 0.75-1.09x dense's speed to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -868,44 +868,47 @@ either way, 3-13% behind in both.
 
 - Small messages: a blocking allreduce of a few bytes costs 6.8 us at 2 ranks in the
   latency table (MPI: 2.0 us, 3.4x; 5.7x on the Intel VM), nearly all of it Python per
-  op, even from a Repeat; 8.0 us over the MPI transport, 12.6 us over sockets. A barrier
-  takes 6.6 us (3.0x). Async small allreduces, which the loop runs, cost about 23 us each
+  op, even from a Repeat; 7.9 us over the MPI transport, 12.7 us over sockets. A barrier
+  takes 6.5 us (2.9x). Async small allreduces, which the loop runs, cost about 29 us each
   self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.010 ms at 4 bytes in the 2-rank table, a
+  data; `same_shape=True` makes it one (0.011-0.012 ms at 4 bytes in the 2-rank table, a
   broadcast 0.012 ms, against MPI's 0.001-0.003). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 2.21x MPI at 1 MB, 1.83x at 4 MB and 1.24x at
-  16 MB, 2.97-2.99x from 64 MB; reducescatter 1.69-1.93x at 1-16 MB, 3.40-3.49x from
+- The 2-rank collectives table: allreduce 4.14x MPI at 1 MB, 3.08x at 4 MB and 0.97x at
+  16 MB, 3.10-3.17x from 64 MB; reducescatter 1.09-1.76x at 1-16 MB, 3.30-3.55x from
   64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
-  0.86-0.88x). MPICH's shared memory moves 1-16 MB at 8-11 GB/s of algorithm bandwidth
-  for the reductions here, which leaves a reduction little room at 16 MB: a 16 MB
-  allreduce takes us 1.50 ms against MPI's 1.86, and the floor table's bare exchanges,
-  with no engine, reach 1.27-1.55x MPI at 4-16 MB.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.48x at 1 MB, 0.94x
-  at 4 MB, 0.76x at 16 MB, 0.91x at 64 MB and 1.01x at 256 MB; alltoall 0.96x at 1 MB,
-  0.78x at 4 MB, 0.90x at 16 MB, 0.95-0.99x from 64 MB; broadcast 1.40-1.42x at 1-4 MB,
-  1.02-1.06x from 16 MB, where the receiver copies the root's lent 32 MiB pieces with two
-  threads (transport/spread_copy.py). MPI moves these at 13-20 GB/s of algorithm
-  bandwidth (its 16 MB broadcast takes 0.84 ms in this run). Repeated same-shape alltoalls
-  up to 2 MiB and broadcasts up to the ring's bound run from a Repeat, and an alltoall
-  copies its own block once its messages are out; what is left at 1 MB is Python per op
+  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.4 GB/s of algorithm bandwidth
+  for the reductions here (1-4 MB at 3.7-12 GB/s), which leaves a reduction little room at
+  16 MB: a 16 MB allreduce takes us 2.06 ms against MPI's 2.00 in this run (1.50 against
+  1.86 in an earlier one), and the floor table's bare exchanges, with no engine, reach
+  1.25-1.32x MPI at 4-16 MB.
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.91x at 1 MB, 1.58x
+  at 4 MB, 0.88x at 16 MB, 1.03x at 64 MB and 0.96x at 256 MB; alltoall 0.87x at 1 MB,
+  0.70x at 4 MB, 0.83x at 16 MB, 0.82-0.87x from 64 MB; broadcast 1.30x at 1 MB,
+  0.84-0.86x at 4-64 MB and 1.11x at 256 MB, where the receiver copies the root's lent
+  32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at 10-20 GB/s
+  of algorithm bandwidth (its 16 MB broadcast takes 0.94 ms in this run). Repeated
+  same-shape alltoalls up to 2 MiB and broadcasts up to the ring's bound run from a
+  Repeat, and an allgather or alltoall sends its own block from its input and copies it
+  into place itself (after its receives, up to 4 MiB); what is left at 1 MB is Python per op
   (about 0.1 ms, a third to a half of the call) and per piece. From run to run on this
   host the 64-256 MB cells move by 10-15%. Without `out=` allgather and alltoall run at
   about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
-  1 MB up on this host (0.26-0.71x) but for allreduce and reducescatter from 64 MB
-  (1.23-1.76x); its small ops run on the caller's thread as the rings' do (4 bytes:
-  0.015-0.021 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
-  allreduce and reducescatter from 64 MB (3.09-3.54x), reducescatter from 4 MB and
-  allreduce at 16 MB (1.10-1.51x), and trails it elsewhere (0.37-0.97x from 256 KiB); its
-  ops with bodies up to 256 KiB run on the caller's thread (4 bytes: 0.009-0.014 ms).
+  1 MB up on this host (0.24-0.92x) but for allreduce and reducescatter from 64 MB
+  (1.18-1.62x); its small ops run on the caller's thread as the rings' do (4 bytes:
+  0.015-0.023 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
+  allreduce and reducescatter from 64 MB (3.04-3.56x), reducescatter from 4 MB, allreduce
+  at 4-16 MB and allgather at 4 MB (1.01-1.71x), and trails it elsewhere from 1 MB
+  (0.42-0.94x); its ops with bodies up to 256 KiB run on the caller's thread (4 bytes:
+  0.010-0.014 ms).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
@@ -925,20 +928,21 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.1 ms (5.6x and 3.8x
-  MPI's 8-byte allreduce and barrier in the latency table, 5.8x and 4.2x over the MPI
-  transport, 6.9x and 5.1x over sockets; 0.22-0.32x in the 4-rank table, where every call
-  follows a barrier), and allreduces run at 1.21x MPI at 1 MB, 0.80x at 4 MB, 0.97x at
-  16 MB and 2.81x at 64 MB (1.59x, 1.32x, 1.09x and 3.12x in another run here; on the
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.1 ms (4.9x and 3.4x
+  MPI's 8-byte allreduce and barrier in the latency table, 5.1x and 3.6x over the MPI
+  transport, 6.3x and 4.5x over sockets; 0.27-0.40x in the 4-rank table, where every call
+  follows a barrier), and allreduces run at 0.91x MPI at 1 MB, 0.64x at 4 MB, 1.07x at
+  16 MB and 2.23x at 64 MB (1.21x, 0.80x, 0.97x and 2.81x in an earlier run here; on the
   Intel VM 0.66x, 0.63x, 0.92x and 1.69x). Every hop waits for a peer to get a core;
-  neither
-  the small path's threshold, nor doubling up to 4 or 16 MB, nor recursive halving from
-  1 MB (or up to 16 MB), nor longer or shorter spins before a hand-over (0, 0.2 or 5 ms
-  with the cores crowded) did better.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 3.2x its time alone
+  neither the small path's threshold, nor doubling up to 4 or 16 MB, nor the ring from
+  256 KiB, nor recursive halving from 1 MB (or up to 16 MB), nor longer or shorter spins
+  before a hand-over (0, 0.2 or 5 ms with the cores crowded) did better. Reductions
+  there lend their pieces only from 8 MiB (4 MB at 3 ranks: 1.8-3.2 ms through the ring
+  against 2.9-4.3 lent).
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 2.2x its time alone
   after the same sleep over shared memory (0.9-4.5x in other runs; 1.27x on the Intel
-  VM, whose wake-up from the sleep took five times as long), 6.1x over TCP (2.4-4.1x)
-  and 11.3x over the MPI transport (4.1-12.6x), each on its own lane (the preemption
+  VM, whose wake-up from the sleep took five times as long), 1.5x over TCP (2.4-6.1x)
+  and 10.0x over the MPI transport (4.1-22x), each on its own lane (the preemption
   section). What is
   left is the two ranks' threads waking up to milliseconds apart while the big op's
   threads hold the cores; an urgent op the loop runs (an async one) waits much longer.
