@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from harness import run_ok
+from harness import mpiexec, run_ok
 from totalreduce.transport.cma import cma_works
 from workers import WIDTHS
 
@@ -212,13 +212,19 @@ def test_gathering_ops_write_into_out(mode: str) -> None:
             assert errors["rows"] == "", errors
 
 
-@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+_MPI = pytest.mark.skipif(mpiexec() is None, reason="needs mpi4py and mpiexec")
+
+
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp"),
+                                              pytest.param(2, "mpi", marks=_MPI)])
 def test_allgathers_send_from_their_input_into_out(n: int, transport: str) -> None:
     rows = [0, 7, 30001, 100003, 400009]  # up to 9.6 MB a rank: past two segments
     result = run_ok(n, "workers:gathers_from_their_input", {"rows": rows}, timeout=240,
-                    env={"TOTALREDUCE_TRANSPORT": transport})
+                    transport=transport)
     for r in range(n):
         assert result.report(r)["checked"] == len(rows) * 3 * 5, result.explain()
+    if transport == "shm" and cma_works():  # the input itself was lent, on some rank
+        assert sum(result.report(r)["lent"] for r in range(n)) > 0, result.explain()
 
 
 def test_large_bodies_are_copied_when_lending_is_off() -> None:

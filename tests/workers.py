@@ -565,8 +565,9 @@ def gathers_from_their_input(arg: dict) -> None:
                 assert got is out, name
                 assert_same(out, np.concatenate(blocks), f"{name} call {call} rows {rows}")
                 checked += 1
+    lent = tr.transport_stats()["bodies_lent"]
     tr.shutdown()
-    report(checked=checked)
+    report(checked=checked, lent=lent)
 
 
 def same_shape_gathers(rank: int, n: int) -> int:
