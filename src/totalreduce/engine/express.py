@@ -185,7 +185,7 @@ class Express:
         # A gathering op's own block after its receives where it is small enough
         # (payload.copied_last), as on the loop; a hand-over before then copies it
         # (``local``).
-        late = bool(chain.steps) and copied_last(spec, chain.local_final)
+        late = spec.fresh and bool(chain.steps) and copied_last(spec, chain.local_final)
         if (spec.finalize is not None or spec.fresh) and not late:
             finish_local(spec, chain.local_final)
         for peer in chain.tell_first:

@@ -58,10 +58,16 @@ def _own_in_place(send: tuple[int, ...], recv: tuple[int, ...], rank: int) -> bo
     return send[rank] == recv[rank] and send[rank + 1] == recv[rank + 1]
 
 
-def _input_apart(flat: np.ndarray, buf: np.ndarray) -> np.ndarray:
-    """An allgather's input as the op's source (its sends read it, OpSpec.source_at),
-    copied aside where it overlaps the result: peers' blocks land there meanwhile."""
-    return flat.copy() if np.may_share_memory(flat, buf) else flat
+def _own_block(own: bool, flat: np.ndarray, buf: np.ndarray, lo: int, hi: int
+               ) -> np.ndarray | None:
+    """An allgather's input ``flat``, this rank's block ``lo:hi`` of ``buf``: the op's
+    source where the op copies the block in itself (``own``: ring_allgatherv), copied
+    aside where it overlaps the result, whose peers' blocks land there meanwhile; else
+    copied into place now (None: no source)."""
+    if own:
+        return flat.copy() if np.may_share_memory(flat, buf) else flat
+    buf[lo:hi] = flat
+    return None
 
 
 def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtype
@@ -186,11 +192,9 @@ class GatheringOps:
         buf = _result_buffer(out, rows, bounds[-1], arr.dtype)
         flat = arr.reshape(-1)
         if kind == "allgather":
-            if plan.template.fresh:  # the op copies our block in (ring_allgatherv's own)
-                self._repeat(plan.template.repeat, buf, name, _input_apart(flat, buf))
-            else:
-                buf[bounds[rank]:bounds[rank + 1]] = flat
-                self._repeat(plan.template.repeat, buf, name)
+            self._repeat(plan.template.repeat, buf, name,
+                         _own_block(plan.template.fresh, flat, buf, bounds[rank],
+                                    bounds[rank + 1]))
         else:
             flat = np.ascontiguousarray(flat)  # its sends read it (the op's source)
             if not plan.template.fresh:
@@ -256,10 +260,7 @@ class GatheringOps:
                 schedule, algorithm, own = self._algorithms.allgather(bounds, arr.dtype, True)
             else:
                 own = kept[0].fresh
-            # Our block goes from the input, and the op copies it into place itself.
-            source = _input_apart(flat, buf) if own else None
-            if not own:
-                buf[bounds[rank]:bounds[rank + 1]] = flat
+            source = _own_block(own, flat, buf, bounds[rank], bounds[rank + 1])
             state["out"] = buf
             if kept is not None:
                 return kept[0].spec(data_key, data_label, buf, priority, self._members,
@@ -414,10 +415,7 @@ class GatheringOps:
                 schedule, algorithm, own = self._algorithms.allgather(rb, arr.dtype, True)
             else:
                 own = plan.template.fresh
-            # Our block goes from the input, and the op copies it into place itself.
-            source = _input_apart(flat, buf) if own else None
-            if not own:
-                buf[rb[rank]:rb[rank + 1]] = flat
+            source = _own_block(own, flat, buf, rb[rank], rb[rank + 1])
         else:
             source = flat
             own = _own_in_place(sb, rb, rank)

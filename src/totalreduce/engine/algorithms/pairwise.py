@@ -19,9 +19,9 @@ def pairwise_alltoallv(rank: int, size: int, send_bounds: tuple[int, ...],
     """``send_bounds[p]:send_bounds[p+1]`` of the source goes to rank ``p``; what rank
     ``p`` sends lands at ``recv_bounds[p]:recv_bounds[p+1]`` of the working buffer.  The
     caller copies the rank's own block locally, unless ``own``: then the op copies it from
-    its source (Schedule.local_final, OpSpec.fresh) once its first messages are out (on
-    the loop and the express lane, once its receives are in: Starter.start), while the
-    peers copy theirs; the block must lie at the same place in both."""
+    its source (Schedule.local_final, OpSpec.fresh) once its first messages are out (a
+    small one once its receives are in: payload.copied_last), while the peers copy
+    theirs; the block must lie at the same place in both."""
     first: list[Send] = []
     recvs: dict[tuple[int, int, int], Recv] = {}
     for offset in range(1, size):
