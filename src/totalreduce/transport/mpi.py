@@ -31,14 +31,13 @@ ranks on 2 cores 815 and 232 us (bench latency, one sitting).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import deque
 from typing import Any
 
 from .base import Counters, MessageHandler, Port, Transport
-from .poller import cores, local_spin
+from .poller import GiveWay, cores, local_spin
 from .ring_lane import LANE_RING_BYTES, RingLane
 from .shmring import RingReader, RingWriter, ring_capacity, shm_available
 from .socket_lane import LANE_BODY
@@ -73,10 +72,6 @@ _MAX_SENDS_PER_PEER = 16  # messages in flight to one peer before we stop pullin
 _MAX_BYTES_PER_PEER = 8 << 20
 _SPIN = 50e-6             # keep testing this long before the first sleep
 _MAX_NAP = 1e-3           # longest sleep between tests while idle
-# While each rank has a core, the loop's thread gives it away this often (MpiTransport's
-# _yields): yielding before every look at MPI made 16-64 MB allgathers and allreduces
-# 10-30 % slower in one run; this often they stayed within the noise in four.
-_YIELD_EVERY = 100e-6
 # Messages a caller's thread sent (post_now) that MPI has not reported done; past this
 # many, the loop sends.
 _MAX_QUICK = 64
@@ -297,16 +292,7 @@ class MpiTransport(Transport):
         self._ring_lanes: list[RingLane] = []
         local = hosts.count(hosts[self.rank]) if hosts else 1
         self._crowded = local > cores()
-        # The thread that polls MPI gives its core away now and then (_YIELD_EVERY), as
-        # the rings' readers do between the slices of a lent copy (ring_link.py), where
-        # each rank has a core: a thread of ours woken meanwhile (the application's, with
-        # an urgent op: engine/urgent.py) runs then, not when the scheduler next looks,
-        # for the loop, busy with a big op's transfers, never blocks.  At 2 ranks a 1 KB
-        # urgent allreduce 2 ms into a 64 MB one took 0.091-0.095 ms (at most 0.18)
-        # against 0.14-0.52 ms (tails of 0.9-1.3 ms) without (bench preempt, alternated
-        # three times).  Where ranks outnumber cores the core would go to another rank.
-        self._yields = not self._crowded
-        self._next_yield = 0.0
+        self._give_way = GiveWay(not self._crowded)
         lanes = (self._mpi.Query_thread() >= self._mpi.THREAD_MULTIPLE
                  and not self._crowded)
         here = [p for p in range(self.size) if p != self.rank and hosts is not None
@@ -440,9 +426,7 @@ class MpiTransport(Transport):
         now = start = time.monotonic()
         nap = 5e-6
         while True:
-            if self._yields and now >= self._next_yield:
-                os.sched_yield()
-                self._next_yield = now + _YIELD_EVERY
+            self._give_way.now_and_then(now)
             if self._progress() or timeout == 0 or self._closed:
                 return
             if self._event.is_set():

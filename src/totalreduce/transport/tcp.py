@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import selectors
 import socket
+import time
 from typing import Protocol
 
 from . import cma
@@ -222,6 +223,7 @@ class TcpTransport(Transport):
             return  # closed under us by the thread that holds the lock
 
     def poll(self, timeout: float | None) -> None:
+        self._poller.give_way.now_and_then(time.monotonic())
         blocked = self._retry_blocked()
         if self.pending:
             self._flush_pending()
