@@ -25,7 +25,7 @@ from totalreduce.rendezvous.auth import client_handshake, server_handshake
 from totalreduce.rendezvous.env import detect_launch
 from totalreduce.scheduling.selfguided import SelfGuided
 from totalreduce.scheduling.slow_rings import SlowRingChoice
-from totalreduce.transport.poller import POLL_SLOT, Poller
+from totalreduce.transport.poller import GIVE_WAY_EVERY, POLL_SLOT, GiveWay, Poller
 from totalreduce.transport.wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
 
 
@@ -104,6 +104,31 @@ def _pair(server_secret: bytes, client_secret: bytes) -> tuple[object, object]:
     with contextlib.suppress(OSError):
         a.close()
     return out["server"], client
+
+
+def test_the_loop_gives_its_core_away_now_and_then_only_where_ranks_have_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import totalreduce.transport.poller as poller_module
+
+    yields: list[float] = []
+    clock = [0.0]
+    monkeypatch.setattr(poller_module.os, "sched_yield", lambda: yields.append(clock[0]))
+    step = GIVE_WAY_EVERY * 0.26
+    on, off = GiveWay(True), GiveWay(False)
+    for i in range(40):
+        clock[0] = 100.0 + i * step
+        on.now_and_then(clock[0])
+        off.now_and_then(clock[0])
+    # The first look yields, then one look in four: never two within GIVE_WAY_EVERY.
+    assert yields[0] == 100.0 and len(yields) == 10
+    assert all(b - a >= GIVE_WAY_EVERY - 1e-12 for a, b in zip(yields, yields[1:], strict=False))
+    alone, crowded = Poller([], local=1), Poller([], local=10 ** 6)
+    try:
+        assert alone.give_way.on
+        assert not crowded.give_way.on  # more ranks here than cores
+    finally:
+        alone.close()
+        crowded.close()
 
 
 def test_handshake_accepts_the_secret_and_refuses_others() -> None:
