@@ -380,16 +380,21 @@ is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.143
-ms here against 0.066 ms alone after the delay (2.18x; 0.9-4.5x in other runs here; on
-the Intel VM, where waking from the sleep took longer, 0.229 against 0.180 ms, 1.27x).
-What is left is the caller's Python running slower while the big op's copies
-take the two cores: with timestamps on both ranks, at the median, 70-100 us from the call
-to the op's start (35-75 us after the same sleep with no big op), 20-35 us to post its
-message (15-20) and 30-70 us waiting for the peer's, whose own start comes as late; the
-slow tail (p90 0.8-1.9 ms) is a peer whose thread got its core late. Neither a nap of the
-loop's thread while an urgent op runs, nor yielding the core between looks at the lane
-(5x slower), nor busy-polling the whole 2 ms before a nap (no change), did better.
+and without the big op's records ahead of it in the ring, which is read in order: 0.111
+ms here against 0.060 ms alone after the delay (1.85x; 1.7-5.8x in other runs here, where
+the time alone after the delay moved between 0.02 and 0.11 ms while the time during the
+big op stayed at 0.09-0.16; on the Intel VM, at an earlier commit, 0.229 against 0.180
+ms, 1.27x). The thread that drives the big op gives its core away every 100 us
+(transport/poller.py, `GiveWay`), as well as between the slices of a lent copy: a loop
+busy with a big op never blocks, and the application's thread, woken from its sleep,
+otherwise waited for the scheduler's next look before it ran, up to a millisecond (p90
+0.46-0.96 ms before, 0.16-0.44 with it). What is left is the caller's Python running two
+to three times slower while the big op's copies take the two cores: with timestamps on
+both ranks, at the median, about 50 us from the call to the op's start (20-25 us after
+the same sleep with no big op), 12-15 us to post its message (9-10) and 15-20 us to find
+and apply the peer's. Neither a nap of the loop's thread while an urgent op runs (at a
+turn's end or between looks at MPI), nor yielding the core between looks at the lane (5x
+slower), nor busy-polling the whole 2 ms before a nap (no change), did better.
 
 Big ops' pieces are lent (the receiver copies each 2 MiB piece out of the sender's memory
 and reduces it), and the reader takes ring records in order, so a message posted behind a
@@ -418,29 +423,34 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.181 ms against
-0.120 ms alone after the delay here (1.51x; 2.4-6.1x in other runs here, 3.87x on the
-Intel VM). Both ends of every connection and lane send at once (`TCP_NODELAY`): a lane's
-accepting end once lacked it, and a lone urgent message then waited for the peer's
-delayed ACK, up to 40 ms. Its slow tail (p90 1.0 ms) is the two ranks' calls
-starting up to 5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
-rank's thread waits that long for its core and the GIL, which the progress thread's
-socket reads keep busy; a shorter interpreter switch interval (0.5 ms) did not help. An
+it does not wait behind the big op's bytes in the kernel's buffers: 0.120 ms against
+0.055 ms alone after the delay here (2.20x; 1.0-3.8x in other runs here, 3.87x on the
+Intel VM at an earlier commit). Both ends of every connection and lane send at once
+(`TCP_NODELAY`): a lane's accepting end once lacked it, and a lone urgent message then
+waited for the peer's delayed ACK, up to 40 ms. Its slow tail was the two ranks' calls
+starting up to 1-5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
+rank's thread waited that long for a core, which the progress thread's socket reads kept
+busy; since that thread gives its core away every 100 us the calls start at most 0.16 ms
+apart (p90 0.28-0.73 ms, against 0.38-3.1 before), where a shorter interpreter switch
+interval (0.5 ms) had not helped. An
 urgent op the loop runs waits behind those bytes, which is why a socket between two ranks
 of one host keeps a 256 KiB send buffer (with the kernel's own sizing, up to 4 MiB here,
 the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to another host
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 0.551 ms against 0.055 ms alone after the delay (10.0x; p90 2.6
-ms; 4.1-22x in other runs here, 10.3x on the Intel VM; the median moves between 0.1 and
-2 ms from run to run). The op's own steps take 0.1-0.2 ms; the tail is a peer's thread
-woken from the sleep late: on the Intel VM, stamped in C as `clock_nanosleep` returns,
-3.5-4.3 ms late at the median under this transport against 0.5 ms over the rings, with
-0.02 ms more for the GIL,
-so it waits for a core, which the progress threads' MPI calls keep busy. Neither a
-shorter switch interval, nor the progress thread at nice 10, nor a longer wait in the
-lane before the loop takes over settled it (docs/dev/perf-log.md). As an MPI tag
+(transport/ring_lane.py): 0.094 ms against 0.028 ms alone after the delay (3.32x; p90
+0.15 ms; 3.0-4.0x in other runs here). Its tail was a peer's thread woken from the sleep
+late, waiting for a core which the progress thread's calls into MPI kept busy: 0.3-1 ms
+late in one call of three or four, and the median moved between 0.1 and 2 ms from run to run
+(4.1-22x; on the Intel VM, stamped in C as `clock_nanosleep` returns, 3.5-4.3 ms late at
+the median under this transport against 0.5 ms over the rings). Neither a shorter
+switch interval, nor the progress thread at nice 10, nor a longer wait in the lane
+before the loop takes over settled it (docs/dev/perf-log.md); the thread that polls MPI
+giving its core away every 100 us (`GiveWay`) did: 0.091-0.095 ms in three alternated
+runs against 0.14-0.52 without, with no change to 16-64 MB ops over this transport. What
+is left is the caller's Python, two to three times slower while the big op's transfers
+take the cores, as over the rings. As an MPI tag
 of its own, which a peer on another host still gets, it went through MPICH, which lets
 one thread into the library at a time and moves the big op's bytes inside the calls the
 urgent op makes: 0.3-2.9 ms at the median in alternated runs, against 0.5-0.7 with the
@@ -939,13 +949,12 @@ either way, 3-13% behind in both.
   before a hand-over (0, 0.2 or 5 ms with the cores crowded) did better. Reductions
   there lend their pieces only from 8 MiB (4 MB at 3 ranks: 1.8-3.2 ms through the ring
   against 2.9-4.3 lent).
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 2.2x its time alone
-  after the same sleep over shared memory (0.9-4.5x in other runs; 1.27x on the Intel
-  VM, whose wake-up from the sleep took five times as long), 1.5x over TCP (2.4-6.1x)
-  and 10.0x over the MPI transport (4.1-22x), each on its own lane (the preemption
-  section). What is
-  left is the two ranks' threads waking up to milliseconds apart while the big op's
-  threads hold the cores; an urgent op the loop runs (an async one) waits much longer.
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.85x its time alone
+  after the same sleep over shared memory (1.7-5.8x in other runs, where the time alone
+  moved more than the time during the big op), 2.2x over TCP (1.0-3.8x) and 3.3x over
+  the MPI transport (3.0-4.0x), each on its own lane (the preemption section). What is
+  left is the caller's Python running two to three times slower while the big op's
+  copies take the cores; an urgent op the loop runs (an async one) waits much longer.
 """]
     PAGE.write_text("".join(parts))
 
