@@ -461,11 +461,33 @@ def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_ag
 def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded() -> None:
     from types import SimpleNamespace
 
-    def lends(nbytes: int, crowded: bool, cma_bytes: int = -1) -> bool:
-        me = SimpleNamespace(_config=SimpleNamespace(cma_bytes=cma_bytes),
-                             _engine=SimpleNamespace(crowded=lambda: crowded))
-        return SelfGuided._reduction_lends(me, nbytes)  # type: ignore[arg-type]
+    asked: list[np.ndarray] = []
 
-    assert not lends(4 << 20, True) and lends(8 << 20, True)
-    assert not lends(16 << 20, False) and lends(32 << 20, False)
-    assert lends(1 << 20, False, cma_bytes=1 << 20)  # set: as for any op
+    def lends(nbytes: int, crowded: bool, cma_bytes: int = -1, share: float | None = 1.0,
+              source: np.ndarray | None = None) -> tuple[bool, bool]:
+        def huge_share(buf: np.ndarray) -> float | None:
+            asked.append(buf)
+            return share
+
+        me = SimpleNamespace(_config=SimpleNamespace(cma_bytes=cma_bytes),
+                             _engine=SimpleNamespace(crowded=lambda: crowded,
+                                                     huge_share=huge_share))
+        work = np.empty(nbytes, np.uint8)  # never touched: no pages behind it
+        return SelfGuided._reduction_lends(me, work, source)  # type: ignore[arg-type]
+
+    # (lend, lend while a ring is slow), by size and host, out of huge pages.
+    assert lends(4 << 20, True) == (False, True) and lends(8 << 20, True) == (True, True)
+    assert lends(16 << 20, False) == (False, True) and lends(32 << 20, False) == (True, True)
+    # Out of small pages, neither; where the kernel cannot say, by size as before.
+    assert lends(32 << 20, False, share=0.5) == (False, False)
+    assert lends(8 << 20, True, share=0.0) == (False, False)
+    assert lends(16 << 20, False, share=0.0) == (False, False)
+    assert lends(32 << 20, False, share=None) == (True, True)
+    # Below the crowded bound the pages are not asked about (a small op's every call).
+    asked.clear()
+    assert lends(4 << 20, False, share=0.0) == (False, True) and not asked
+    # The buffer asked about is the caller's: the source, where the op reads one.
+    source = np.ones(8 << 20, np.uint8)
+    assert lends(8 << 20, True, source=source) == (True, True) and asked[-1] is source
+    # CMA_BYTES set: as the user says, whatever the pages.
+    assert lends(1 << 20, False, cma_bytes=0, share=0.0) == (True, True)

@@ -37,6 +37,7 @@ from ..config import Config
 from ..exceptions import ShutdownError
 from ..interrupts import deferred as ctrl_c
 from ..timeline import Timeline
+from ..transport import pages
 from ..transport.base import Port, Transport
 from ..transport.spread_copy import SPREAD_MIN
 from ..transport.wire import Header
@@ -234,6 +235,11 @@ class Engine:
     def crowded(self) -> bool:
         """Whether this host's ranks outnumber its cores (Transport.crowded)."""
         return self.transport.crowded()
+
+    def huge_share(self, buf: Any) -> float | None:
+        """The share of a contiguous array's bytes that huge pages back (None: the kernel
+        cannot say), which decides what lending them costs (transport/pages.py)."""
+        return pages.huge_share(buf.ctypes.data, buf.nbytes)
 
     def lends(self, peers: Collection[int]) -> bool:
         """Whether big bodies to most of ``peers`` would be lent now, for rings that have

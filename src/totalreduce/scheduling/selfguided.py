@@ -57,6 +57,7 @@ from .templates import (
 )
 from .thresholds import (
     CROWDED_REDUCE_LEND_BYTES,
+    HUGE_LEND_SHARE,
     LENT_WHEN_SLOW,
     REDUCE_LEND_BYTES,
     direct_ring_bytes,
@@ -457,12 +458,27 @@ class SelfGuided(GatheringOps):
             raise ValueError("in-place collective on a read-only array")
         return np.array(arr, copy=True, order="C").reshape(-1), inplace
 
-    def _reduction_lends(self, nbytes: int) -> bool:
-        """Whether a reduction of ``nbytes`` may lend its pieces: as any op where
-        CMA_BYTES is set, else from REDUCE_LEND_BYTES, or CROWDED_REDUCE_LEND_BYTES where
-        the host is crowded."""
-        return (self._config.cma_bytes >= 0 or nbytes >= REDUCE_LEND_BYTES
-                or (nbytes >= CROWDED_REDUCE_LEND_BYTES and self._engine.crowded()))
+    def _reduction_lends(self, work: np.ndarray, source: np.ndarray | None = None
+                         ) -> tuple[bool, bool]:
+        """Whether a reduction into ``work`` (from ``source``, where it reads one: OpSpec.
+        fresh) may lend its pieces (OpSpec.lend), and may while a ring copies slowly
+        (OpSpec.lend_slow).  The first: as any op where CMA_BYTES is set, else from
+        REDUCE_LEND_BYTES, or CROWDED_REDUCE_LEND_BYTES where the host is crowded.  From
+        CROWDED_REDUCE_LEND_BYTES on, either only out of a buffer that huge pages back
+        (HUGE_LEND_SHARE), as far as the kernel can say: through the ring small pages
+        cost nothing more, and at 2 ranks the slow-ring rule lent 64 MB allreduces of
+        them (their big copies run at memory's speed), which then took 12-15 ms against
+        7.5-7.7 copied.  The buffer asked about is the caller's: a fresh ``work`` is ours,
+        untouched yet, and numpy asks huge pages for it."""
+        if self._config.cma_bytes >= 0:
+            return True, True
+        nbytes = work.nbytes
+        if nbytes < CROWDED_REDUCE_LEND_BYTES:
+            return False, True
+        share = self._engine.huge_share(work if source is None else source)
+        pages = share is None or share >= HUGE_LEND_SHARE
+        big = nbytes >= REDUCE_LEND_BYTES or self._engine.crowded()
+        return big and pages, pages
 
     def _reduce_spec(self, ident: Ident,
                      view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
@@ -479,10 +495,11 @@ class SelfGuided(GatheringOps):
         known = None if known is None else (*known, plan.algorithm)
         schedule, recipe = plan.schedule, plan.recipe | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
+        lend, lend_slow = self._reduction_lends(work, source)
         return self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
                           ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe,
-                          source=source, fresh=source is not None,
-                          lend=self._reduction_lends(work.nbytes))
+                          source=source, fresh=source is not None, lend=lend,
+                          lend_slow=lend_slow)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
                           priority: int, inplace: bool) -> Handle:
@@ -671,11 +688,12 @@ class SelfGuided(GatheringOps):
             np.copyto(work, source)
             source = None
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
+        lend, lend_slow = self._reduction_lends(work, source)
         spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, work.size,
                           schedule, work, priority,
                           ("reducescatter", arr.dtype, arr.shape, rop, algorithm),
                           ufunc=UFUNCS[rop], finalize=finalize, source=source,
-                          fresh=source is not None, lend=self._reduction_lends(work.nbytes))
+                          fresh=source is not None, lend=lend, lend_slow=lend_slow)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         if key is not None:
@@ -695,6 +713,7 @@ class SelfGuided(GatheringOps):
         else:
             work, source = np.array(x, copy=True, order="C").reshape(-1), None
         spec = template.spec(key, label, work, priority, self._members, source)
+        spec.lend, spec.lend_slow = self._reduction_lends(work, spec.source)  # its own
         if not template.repeat_tried and not priority:
             template.repeat_tried = True
             if 0 < work.nbytes <= self._direct_bytes:  # _launch's direct bound

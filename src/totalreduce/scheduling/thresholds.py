@@ -66,3 +66,14 @@ REDUCE_LEND_BYTES = 32 << 20
 # ranks 4 MB ones took 2.9-4.3 ms lent against 1.8-3.2, at 4 ranks as long either way
 # (one job each, alternated two or three times; the slowest rank's time).
 CROWDED_REDUCE_LEND_BYTES = 8 << 20
+
+# ... and only from a buffer at least this share of which huge pages back, where the
+# kernel can say (transport/pages.py): a lent piece costs its reader a pin of each of the
+# lender's pages, which small pages make dearer than the ring's two copies.  At 2 ranks
+# (one job per way, alternated twice), allreduces of small-paged buffers (torch's, by
+# default) took 6.5 ms lent against 3.7-3.9 through the ring at 32 MB, 12.1-12.5 against
+# 7.5-7.7 at 64 MB and 46.5-46.9 against 30.8-32.9 at 256 MB, while numpy's arrays, huge
+# but for their ends, took 3.5-3.6 lent against 3.6-3.7 (32 MB) and 29.4-29.7 against
+# 30.3-30.8 (256 MB); at 4 ranks on 2 cores 16 MB ones took 10.1-11.2 ms lent against
+# 7.9-10.3 small-paged, 6.1-7.5 against 7.9-8.0 huge-paged.
+HUGE_LEND_SHARE = 0.75
