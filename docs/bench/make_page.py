@@ -958,7 +958,13 @@ either way, 3-13% behind in both.
   256 KiB, nor recursive halving from 1 MB (or up to 16 MB), nor longer or shorter spins
   before a hand-over (0, 0.2 or 5 ms with the cores crowded) did better. Reductions
   there lend their pieces only from 8 MiB (4 MB at 3 ranks: 1.8-3.2 ms through the ring
-  against 2.9-4.3 lent).
+  against 2.9-4.3 lent). Every call in these tables starts as its rank leaves a barrier,
+  and ours lets its four ranks go over 66-116 us (MPI's over 21 us; rank 0 taking the
+  last rank's exit time less the first's, 300 barriers with 1 MB of numpy work between
+  them), which a call waiting for its slowest rank pays on top of its own time. Four
+  processes spinning on a shared array, yielding between looks, part within 16-49 us; a
+  barrier of direct messages to every peer (one hop where recursive doubling takes two)
+  let them go over 116-123 us.
 - Preemption: a blocking urgent op during a 64 MB allreduce takes 1.85x its time alone
   after the same sleep over shared memory (1.7-5.8x in other runs, where the time alone
   moved more than the time during the big op), 2.2x over TCP (1.0-3.8x) and 3.3x over
