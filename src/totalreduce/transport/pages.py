@@ -101,9 +101,9 @@ class _Pagemap:
                     # ENOTTY or EINVAL before Linux 6.7: never ask again.
                     self._give_up()
                     return self.huge_share(address, nbytes)
-                for region in regions[:got]:
-                    huge += (min(region.end, address + nbytes)
-                             - max(region.start, address))
+                for region in regions[:got]:  # whole pages: clip them to the range
+                    huge += max(0, min(region.end, address + nbytes)
+                                - max(region.start, address))
                 if got < _REGIONS or arg.walk_end <= start:
                     break
                 start = arg.walk_end
