@@ -300,6 +300,12 @@ buffer. Modes interleaved rep by rep.
 
 {table("replay-2-optimizer")[1]}
 
+MPI's `per-tensor` runs in one of two modes from iteration to iteration on this host:
+35-37 ms, as here, or 12-13 ms. In three runs of its own that same hour
+(`--backends mpi --rounds 1 --reps 15`) its median was 14.5-15.2 ms, p10-p90
+12.2-35.3: against that mode our grouped and optimizer modes (18-26 ms) run at 1.3-1.7x
+its time, and only `flat` (10-14 ms) keeps up.
+
 ## Training with PyTorch: DistributedOptimizer against DDP
 
 `bench train`: samples/s of one SGD step (fixed random batch of 32 per rank, one torch
