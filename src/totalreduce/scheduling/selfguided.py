@@ -464,7 +464,7 @@ class SelfGuided(GatheringOps):
         fresh) may lend its pieces (OpSpec.lend), and may while a ring copies slowly
         (OpSpec.lend_slow).  The first: as any op where CMA_BYTES is set, else from
         REDUCE_LEND_BYTES, or CROWDED_REDUCE_LEND_BYTES where the host is crowded.  From
-        CROWDED_REDUCE_LEND_BYTES on, either only out of a buffer that huge pages back
+        CROWDED_REDUCE_LEND_BYTES on, neither but out of a buffer that huge pages back
         (HUGE_LEND_SHARE), as far as the kernel can say: through the ring small pages
         cost nothing more, and at 2 ranks the slow-ring rule lent 64 MB allreduces of
         them (their big copies run at memory's speed), which then took 12-15 ms against

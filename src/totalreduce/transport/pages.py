@@ -83,7 +83,7 @@ class _Pagemap:
         if nbytes <= 0:
             return 0.0
         if not self._works:
-            return 0.0 if self._never else None
+            return self._unknown()
         start = address & ~(_PAGE - 1)
         end = (address + nbytes + _PAGE - 1) & ~(_PAGE - 1)
         regions = (_Region * _REGIONS)()
@@ -91,7 +91,7 @@ class _Pagemap:
         with self._lock:
             fd = self._open()
             if fd < 0:
-                return self.huge_share(address, nbytes)
+                return self._unknown()
             while start < end:
                 arg = _ScanArg(ctypes.sizeof(_ScanArg), 0, start, end, 0,
                                ctypes.addressof(regions), _REGIONS, 0, 0, _PAGE_IS_HUGE, 0,
@@ -100,7 +100,7 @@ class _Pagemap:
                 if got < 0:
                     # ENOTTY or EINVAL before Linux 6.7: never ask again.
                     self._give_up()
-                    return self.huge_share(address, nbytes)
+                    return self._unknown()
                 for region in regions[:got]:  # whole pages: clip them to the range
                     huge += max(0, min(region.end, address + nbytes)
                                 - max(region.start, address))
@@ -127,6 +127,10 @@ class _Pagemap:
     def _give_up(self) -> None:
         self._works = False
         self._never = _never_huge()
+
+    def _unknown(self) -> float | None:
+        """The answer where the kernel cannot say: none where it makes no huge pages."""
+        return 0.0 if self._never else None
 
 
 _pagemap = _Pagemap()
