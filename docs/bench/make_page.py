@@ -749,6 +749,18 @@ pair of each the other way round, in the host's slow state); at 3 ranks on 2 cor
 took 1.2-2.7 against 2.0-3.9 ms, at 4 ranks 2.5 MB 2.6-3.6 against 3.8-7.3 ms. 16 MB, on
 the same path either way, did not move.
 
+Why 2-rank allgathers and alltoalls stay on the caller's thread up to 16 MiB where their
+pieces are lent (`LENT_GATHER_BYTES`, scheduling/thresholds.py): the express lane lends a
+piece as the loop does, then copies the rank's own block while the peer reads, with none
+of the loop's turns between the steps (100-200 us at 16 MB). `python -m totalreduce.bench
+collectives -n 2 --backends totalreduce-shm,mpi --sizes 4M,6M,8M,12M,16M,24M --ops
+allgather,alltoall --rounds 2`, the old tree and the new alternated three times in jobs of
+their own: allgather 6 MB 0.24-0.25 ms against 0.28-0.30, 8 MB 0.32-0.36 against
+0.37-0.41, 12 MB 0.59-0.65 against 0.69-0.73, 16 MB 0.98-1.05 against 1.08-1.19;
+alltoall 6 MB 0.32-0.34 against 0.40-0.43, 8 MB 0.53-0.57 against 0.58-0.61, 12 MB
+0.90-0.99 against 0.98-1.06, 16 MB 1.31-1.38 against 1.37-1.42. At 24 MB the two ways
+were level, and at 32-64 MB the loop, which reads a lent piece in slices, was faster.
+
 Why gathers of 1 MiB and more lend their pieces, and reductions only from 32 MiB where
 every rank has a core of its own (cross-memory attach, transport/cma.py;
 `TOTALREDUCE_CMA_BYTES` auto): a lent piece is one kernel copy on the receiver's core.

@@ -52,7 +52,9 @@ TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the      
                                    2 MiB, and allreduces, allgathers, alltoalls
                                    and broadcasts while what they send one peer
                                    fits in its shared-memory ring (gathers only
-                                   while the ring copies fast)
+                                   while the ring copies fast), and at 2 ranks
+                                   allgathers and alltoalls up to 16 MiB whose
+                                   pieces are lent (CMA_BYTES)
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
                                    else shm); see transport/registry.py

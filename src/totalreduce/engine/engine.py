@@ -250,6 +250,16 @@ class Engine:
         transport = self.transport
         return 2 * sum(map(transport.lends, peers)) > len(peers)
 
+    def lends_first(self, spec: OpSpec) -> bool:
+        """Whether every one of ``spec``'s first sends would be lent, by the size rule
+        the loop's and the express lane's sends follow (Transport.lends_body)."""
+        transport = self.transport
+        work = spec.work
+        first = spec.schedule.first
+        return spec.lend and bool(first) and all(
+            transport.lends_body(s.peer, work.nbytes, (s.hi - s.lo) * work.itemsize)
+            for s in first)
+
     def spreads(self, peers: Collection[int], nbytes: int) -> bool:
         """Whether ``peers`` would copy a body of ``nbytes`` this rank lends them, while it
         sits idle, with two threads each (transport/spread_copy.py): such a body is lent

@@ -91,6 +91,7 @@ class GatheringOps:
     _algorithms: Algorithms
     _direct_ring: int
     _direct_bytes: int
+    _lent_gathers: int
     _peers: list[int]
     _slow_rings: SlowRingChoice
     _gathers: LRU[tuple[Any, ...], GatherPlan]
@@ -282,22 +283,21 @@ class GatheringOps:
             return state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
 
         # Past DIRECT_BYTES (and up to the ring's bound) only while the rings copy fast.
-        return self._phases(first, second, finish, label, self._direct_ring,
-                            self._direct_bytes + 1)
+        return self._phases(first, second, finish, label, self._direct_bytes + 1)
 
     def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
-                finish: Callable[[], Any], label: str, direct: int | None = None,
-                slow_from: int | None = None) -> Handle:
+                finish: Callable[[], Any], label: str, slow_from: int) -> Handle:
         """An op whose second part is built from its first's result (sizes, then data).
         A thread that blocks on it runs the two one after the other (each may take the
-        small path; see _launch for ``direct`` and ``slow_from``); otherwise the second starts
-        when the first ends."""
+        small path, the data up to :meth:`_data_direct`; see _launch for ``slow_from``);
+        otherwise the second starts when the first ends."""
         if self._engine.waits_here():
             try:
                 self._launch(first, lambda: None).wait()
             except Exception as exc:  # the op's failure: the handle's wait() raises it
                 return DoneHandle(None, label, exc)
-            return self._launch(second(), finish, direct, slow_from)
+            data = second()
+            return self._launch(data, finish, self._data_direct(data), slow_from)
         future = self._two_phase(self._engine.submit(first),
                                  lambda: self._engine.submit(second()))
         return FutureHandle([future], finish, label)
@@ -370,8 +370,7 @@ class GatheringOps:
             got = state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
             return got, recv_rows.copy()
 
-        return self._phases(first, second, finish, label, self._direct_ring,
-                            LENT_WHEN_SLOW)
+        return self._phases(first, second, finish, label, LENT_WHEN_SLOW)
 
     def _gather_same(self, kind: str, x: Any, splits: Any, name: str | None, priority: int,
                      out: np.ndarray | None) -> Handle:
@@ -459,6 +458,17 @@ class GatheringOps:
             got = buf.reshape((rows, *arr.shape[1:])) if out is None else out
             return got if kind == "allgather" else (got, recv_rows.copy())
 
+        direct = self._data_direct(spec)
         if kind == "allgather":  # as the two phases' data (allgather, alltoall)
-            return self._launch(spec, finish, self._direct_ring, self._direct_bytes + 1)
-        return self._launch(spec, finish, self._direct_ring, LENT_WHEN_SLOW)
+            return self._launch(spec, finish, direct, self._direct_bytes + 1)
+        return self._launch(spec, finish, direct, LENT_WHEN_SLOW)
+
+    def _data_direct(self, spec: OpSpec) -> int:
+        """The largest gathering op (``spec``, its data) the caller's thread runs: the
+        ring's bound (thresholds.direct_ring_bytes), or where DIRECT_BYTES is auto, at 2
+        ranks, up to LENT_GATHER_BYTES where what it sends its peer would be lent."""
+        nbytes = spec.work.nbytes
+        if (self._direct_ring < nbytes <= self._lent_gathers
+                and self._engine.lends_first(spec)):
+            return nbytes
+        return self._direct_ring

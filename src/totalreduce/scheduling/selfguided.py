@@ -58,6 +58,7 @@ from .templates import (
 from .thresholds import (
     CROWDED_REDUCE_LEND_BYTES,
     HUGE_LEND_SHARE,
+    LENT_GATHER_BYTES,
     LENT_WHEN_SLOW,
     REDUCE_LEND_BYTES,
     direct_ring_bytes,
@@ -109,9 +110,13 @@ class SelfGuided(GatheringOps):
         self._direct_ring = self._direct_bytes
         self._peers = [r for r in (range(engine.size) if members is None else members)
                        if r != engine.rank]
+        # At 2 ranks, gathers up to this whose pieces are lent stay here (_data_direct).
+        self._lent_gathers = 0
         if config.direct_bytes < 0:  # auto
             self._direct_ring = direct_ring_bytes(
                 self._direct_bytes, engine.ring_room(self._peers), self.size)
+            if self.size == 2:
+                self._lent_gathers = LENT_GATHER_BYTES
         hosts = engine.hosts
         if members is not None and hosts is not None:
             hosts = tuple(hosts[m] for m in members)

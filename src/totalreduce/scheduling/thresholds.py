@@ -13,26 +13,40 @@ def direct_ring_bytes(direct: int, ring_room: int, size: int) -> int:
     runs itself where DIRECT_BYTES is auto (``direct`` for the other ops).
 
     Past DIRECT_BYTES the general path wins for ops that only move data: it lends their
-    bodies, one kernel copy instead of two through a ring.  An allreduce reads each
-    peer's data once to reduce it, out of the ring as cheaply as out of a lent copy, so
-    the caller's thread keeps it while what it sends one peer, 2 (size - 1) / size of it,
-    fits in the ring beside the room kept for small records (past that it would wait on
-    the reader for room).  At 2 ranks on the shared-memory rings, 3-4 MiB allreduces took
-    0.21-0.38 ms this way against 0.46-0.84 ms on the general path; 6-8 MiB ones, past
-    the ring, were no faster.  An allgather sends one peer (size - 1) / size of it, which
-    fits too: at 2 ranks 3 MiB allgathers took 0.23-0.24 ms this way against 0.32-0.40
-    ms lent (4 MiB ones 0.31-0.33 against 0.34-0.35).  An alltoall sends each peer
-    1 / size of it: at 2 ranks 3 MiB alltoalls took 0.24 ms this way against 0.34-0.35 ms
-    lent.  The last two stay only while the rings copy fast (see LENT_WHEN_SLOW).  A
-    broadcast sends its next peer all of it, and gains on the caller's thread only in
-    pieces of half a segment (algorithms/select.py): at 2 ranks 3 MiB ones took
-    0.39-0.49 ms this way against 0.46-1.17 ms on the loop, 4 MiB ones 0.50-0.78 against
-    0.55-1.54 ms."""
+    bodies, one kernel copy instead of two through a ring (but for 2-rank gathers, whose
+    lent pieces the caller's thread drives faster still: LENT_GATHER_BYTES). An
+    allreduce reads each peer's data once to reduce it, out of the ring as cheaply as
+    out of a lent copy, so the caller's thread keeps it while what it sends one peer, 2
+    (size - 1) / size of it, fits in the ring beside the room kept for small records
+    (past that it would wait on the reader for room). At 2 ranks on the shared-memory
+    rings, 3-4 MiB allreduces took 0.21-0.38 ms this way against 0.46-0.84 ms on the
+    general path; 6-8 MiB ones, past the ring, were no faster. An allgather sends one
+    peer (size - 1) / size of it, which fits too: at 2 ranks 3 MiB allgathers took
+    0.23-0.24 ms this way against 0.32-0.40 ms lent (4 MiB ones 0.31-0.33 against
+    0.34-0.35). An alltoall sends each peer 1 / size of it: at 2 ranks 3 MiB alltoalls
+    took 0.24 ms this way against 0.34-0.35 ms lent. The last two stay only while the
+    rings copy fast (see LENT_WHEN_SLOW). A broadcast sends its next peer all of it, and
+    gains on the caller's thread only in pieces of half a segment
+    (algorithms/select.py): at 2 ranks 3 MiB ones took 0.39-0.49 ms this way against
+    0.46-1.17 ms on the loop, 4 MiB ones 0.50-0.78 against 0.55-1.54 ms."""
     room = ring_room - RING_SMALL_ROOM
     if direct <= 0 or room <= 0 or size < 2:
         return direct
     return max(direct, room * size // (2 * (size - 1)))
 
+
+# At 2 ranks a blocking allgather or alltoall up to this size runs on the caller's thread
+# past the ring's bound (direct_ring_bytes) where what it sends its peer would be lent:
+# the express lane lends it as the loop does, and then copies its own block while the
+# peer reads, without the loop's turns between the steps (the op, its lend, the peer's
+# read, the acknowledgement: 100-200 us at 16 MB).  One job per way, alternated three
+# times (the slowest rank's median): allgathers of 6 MB took 0.25-0.26 ms against
+# 0.27-0.33 on the loop, 8 MB 0.33-0.35 against 0.36-0.42, 12 MB 0.66-0.68 against
+# 0.73-0.82, 16 MB 1.11-1.21 against 1.17-1.45; alltoalls of 6 MB 0.32-0.39 against
+# 0.37-0.47, 8 MB 0.45-0.52 against 0.48-0.64, 16 MB 1.22-1.39 against 1.32-1.60.  From
+# 24 MB the two ways were level, and at 32-64 MB the loop's (its reads in slices) the
+# faster.
+LENT_GATHER_BYTES = 16 << 20
 
 # A blocking broadcast or alltoall at least this big may leave the caller's thread while
 # most of its peers' rings copy slowly (transport/copy_pace.py; Engine.lends), for the
