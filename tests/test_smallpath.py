@@ -163,11 +163,13 @@ def test_allreduces_run_on_the_callers_thread_while_their_sends_fit_the_ring(n: 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_broadcasts_run_on_the_callers_thread_while_they_fit_the_ring(n: int) -> None:
-    # As allreduces (the same bound), in pieces of half a segment past DIRECT_BYTES
-    # (algorithms/select.py), so that each rank copies one out while the one before it
-    # copies the next in.  With the slow-ring rule off: where this host's rings copy
-    # slowly, broadcasts this big may leave the caller's thread to be lent.
-    bound = 2 * (2 << 20) * n // (2 * (n - 1))
+    # While the whole buffer, which a chain sends its next peer, fits in the ring (two
+    # segments: 4 MiB; the allreduce's bound at 2 ranks, above it from 3), in pieces of
+    # half a segment past DIRECT_BYTES (algorithms/select.py), so that each rank copies
+    # one out while the one before it copies the next in.  With the slow-ring rule off:
+    # where this host's rings copy slowly, broadcasts this big may leave the caller's
+    # thread to be lent.
+    bound = 2 * (2 << 20)
     sizes = [(2 << 20) + 24, bound - 8, bound + 4096, 6 << 20]
     result = run_ok(n, "by_size_workers:broadcasts_by_size", {"sizes": sizes},
                     timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})

@@ -61,6 +61,7 @@ from .thresholds import (
     LENT_GATHER_BYTES,
     LENT_WHEN_SLOW,
     REDUCE_LEND_BYTES,
+    direct_broadcast_bytes,
     direct_ring_bytes,
 )
 from .views import with_algorithm
@@ -112,9 +113,12 @@ class SelfGuided(GatheringOps):
                        if r != engine.rank]
         # At 2 ranks, gathers up to this whose pieces are lent stay here (_data_direct).
         self._lent_gathers = 0
+        self._direct_broadcast = self._direct_bytes
         if config.direct_bytes < 0:  # auto
-            self._direct_ring = direct_ring_bytes(
-                self._direct_bytes, engine.ring_room(self._peers), self.size)
+            room = engine.ring_room(self._peers)
+            self._direct_ring = direct_ring_bytes(self._direct_bytes, room, self.size)
+            self._direct_broadcast = direct_broadcast_bytes(self._direct_ring, room,
+                                                            self.size)
             if self.size == 2:
                 self._lent_gathers = LENT_GATHER_BYTES
         hosts = engine.hosts
@@ -614,7 +618,7 @@ class SelfGuided(GatheringOps):
                 arr[...] = work.reshape(arr.shape)
             return arr if inplace else work.reshape(arr.shape)
 
-        if (self.rank == root and work.nbytes > self._direct_ring
+        if (self.rank == root and work.nbytes > self._direct_broadcast
                 and self._engine.waits_here() and self._engine.spreads(self._peers,
                                                                        work.nbytes)):
             # The root lends its bodies and sits idle while each peer copies them with two
@@ -626,13 +630,13 @@ class SelfGuided(GatheringOps):
             spec.lend_slow = spread
             timed = self._slow_rings.timed(finish, key, spread)  # submit() may run it
             return FutureHandle([self._engine.submit(spec)], timed, spec.label)
-        return self._launch(spec, finish, self._direct_ring, slow_from=LENT_WHEN_SLOW)
+        return self._launch(spec, finish, self._direct_broadcast, slow_from=LENT_WHEN_SLOW)
 
     def _repeats_broadcast(self, nbytes: int) -> bool:
         """Whether blocking broadcasts of ``nbytes`` may run from a Repeat: those that
         :meth:`_launch` runs on the caller's thread (from LENT_WHEN_SLOW, only while the
         rings copy fast, or where that has been faster: :meth:`broadcast_now`)."""
-        return self._direct_bytes > 0 and nbytes <= self._direct_ring
+        return self._direct_bytes > 0 and nbytes <= self._direct_broadcast
 
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> np.ndarray | None:
