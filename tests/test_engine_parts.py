@@ -239,14 +239,14 @@ def test_op_table_completes_fails_once_and_tells_the_parts_that_keep_per_op_stat
     ops = OpTable()
     ops.on_fail(forgotten.append)
     op = allreduce_op((1, 0))
-    ops.active[op.spec.key] = op
+    ops.open(op)
     ops.complete(op)  # its send and receive are still due
     assert not op.future.done()
     op.recvs_left = op.sends_left = 0
     ops.complete(op)
     assert op.future.done() and op.future.error() is None and (1, 0) in ops.done
     other = allreduce_op((2, 0))
-    ops.active[other.spec.key] = other
+    ops.open(other)
     error = TotalReduceError("boom")
     ops.fail(other, error)
     ops.fail(other, TotalReduceError("again"))
@@ -256,10 +256,29 @@ def test_op_table_completes_fails_once_and_tells_the_parts_that_keep_per_op_stat
     assert (9, 4) in ops.done and (9, 3) not in ops.done
 
 
+def test_op_table_counts_its_active_ops_by_priority() -> None:
+    # What lets the inbox skip its look for ops that may pass a big body (overtaking):
+    # the count goes up as an op opens and down once, however it ends.
+    ops = OpTable()
+    low, high, other = (allreduce_op((k, 0), priority=p) for k, p in ((1, 0), (2, 5), (3, 5)))
+    for op in (low, high, other):
+        ops.open(op)
+    assert ops.priorities == {0: 1, 5: 2}
+    high.recvs_left = high.sends_left = 0
+    ops.complete(high)
+    ops.complete(high)
+    assert ops.priorities == {0: 1, 5: 1}
+    ops.fail(other, TotalReduceError("boom"))
+    ops.fail(other, TotalReduceError("again"))
+    assert ops.priorities == {0: 1}
+    ops.fail(low, TotalReduceError("boom"))
+    assert ops.priorities == {} and not ops.active
+
+
 def test_op_table_forgets_a_name_even_while_one_of_its_ops_runs() -> None:
     ops = OpTable()
     op = allreduce_op((1, 0))
-    ops.active[op.spec.key] = op
+    ops.open(op)
     ops.done.add((1, 5))
     ops.forget(1)
     assert (1, 5) not in ops.done and op.forgotten
@@ -316,7 +335,7 @@ def test_mismatch_tracker_gathers_both_views_and_fails_the_op_naming_each_rank()
     ops, outbox = OpTable(), Fake()
     tracker = MismatchTracker(0, 2, ops, outbox, grace=5.0)  # type: ignore[arg-type]
     op = allreduce_op()
-    ops.active[op.spec.key] = op
+    ops.open(op)
     fits = data_header(op)
     assert tracker.check(op, 1, fits) is op.spec.schedule.recvs[(1, 1, 0)]
     wrong = data_header(op, dtype=dtype_code(np.dtype(np.float64)), count=5)
@@ -340,7 +359,7 @@ def test_mismatch_heard_before_the_op_starts_joins_it_at_start() -> None:
     tracker = MismatchTracker(0, 2, ops, outbox, grace=5.0)  # type: ignore[arg-type]
     op = allreduce_op()
     tracker.heard(1, op.spec.key, {"kind": "broadcast"})
-    ops.active[op.spec.key] = op
+    ops.open(op)
     assert tracker.started(op)
     assert isinstance(op.future.error(), MismatchError)
     assert not tracker.started(allreduce_op((99, 0)))
@@ -350,7 +369,7 @@ def test_mismatch_due_after_the_grace_period_with_views_missing() -> None:
     ops, outbox = OpTable(), Fake()
     tracker = MismatchTracker(0, 3, ops, outbox, grace=0.5)  # type: ignore[arg-type]
     op = allreduce_op()
-    ops.active[op.spec.key] = op
+    ops.open(op)
     tracker.heard(1, op.spec.key, {"kind": "broadcast"})
     assert tracker.started(op) and not op.future.done()  # rank 2 not heard from
     assert tracker.due(0.0) == []
@@ -378,7 +397,7 @@ def test_a_message_of_another_size_fails_the_receive_at_once_and_never_the_send(
     ops, outbox = OpTable(), Fake()
     receiver = MismatchTracker(1, 2, ops, outbox, grace=5.0)  # type: ignore[arg-type]
     recv = message_op(1, 11)
-    ops.active[recv.spec.key] = recv
+    ops.open(recv)
     assert receiver.check(recv, 0, data_header(message_op(0, 10), src_step=0)) is None
     text = str(recv.future.error())
     assert "rank 0: dtype=float32, count=10 (as seen in its message header)" in text, text
@@ -387,7 +406,7 @@ def test_a_message_of_another_size_fails_the_receive_at_once_and_never_the_send(
     sender_ops = OpTable()
     sender = MismatchTracker(0, 2, sender_ops, Fake(), grace=5.0)  # type: ignore[arg-type]
     send = message_op(0, 10)
-    sender_ops.active[send.spec.key] = send
+    sender_ops.open(send)
     sender.heard(1, send.spec.key, read_view(body))
     assert not send.future.done() and len(sender) == 0
 
@@ -435,7 +454,7 @@ def test_applier_holds_a_reduction_until_the_send_it_would_overwrite_has_left() 
     ops = OpTable()
     applier, scratch = _applier(ops)
     op = allreduce_op()
-    ops.active[op.spec.key] = op
+    ops.open(op)
     peer_data = np.full(4, 10, np.float32)
     applier.deliver(op, 1, data_header(op), memoryview(peer_data).cast("B"), False)
     assert op.held and op.recvs_left == 1  # our send of the same bytes has not left
@@ -453,7 +472,7 @@ def test_applier_copies_a_piece_and_queues_the_sends_it_unlocks() -> None:
     applier, _scratch = _applier(ops, outbox)
     work = np.zeros(4, np.int32)
     op = LiveOp(spec_of(chain_broadcast(1, 2, 0, 4, 1 << 20), work), OpFuture())
-    ops.active[op.spec.key] = op
+    ops.open(op)
     body = np.array([5, 6, 7, 8], np.int32)
     applier.deliver(op, 0, data_header(op, src_step=0), memoryview(body).cast("B"), False)
     np.testing.assert_array_equal(work, body)
@@ -470,7 +489,7 @@ def test_applier_lands_a_copy_at_once_but_holds_what_it_unlocks_until_its_send_l
     applier, _scratch = _applier(ops, outbox)
     work = np.array([1, 0, 0, 0], np.int32)
     op = LiveOp(spec_of(doubling_allgather(0, 4, (0, 1, 2, 3, 4)), work), OpFuture())
-    ops.active[op.spec.key] = op
+    ops.open(op)
     for peer, step, body in ((2, 2, [3, 4]), (1, 1, [2])):
         arr = np.array(body, np.int32)
         applier.deliver(op, peer, data_header(op, src_step=step), memoryview(arr).cast("B"),
@@ -509,7 +528,7 @@ def test_applier_hands_big_reductions_to_the_reduce_thread_and_fails_on_its_erro
     ops, reducer = OpTable(), Fake()
     applier, _scratch = _applier(ops, reducer=reducer, reduce_min=1)
     op = allreduce_op()
-    ops.active[op.spec.key] = op
+    ops.open(op)
     op.left.add((1, 1, 0))
     applier.deliver(op, 1, data_header(op), memoryview(bytearray(16)), True)
     [(_ufunc, _dest, _buf, token, _left)] = reducer.named("submit")
@@ -723,7 +742,7 @@ def test_peer_goodbye_fails_only_the_ops_that_still_need_it() -> None:
     spared.sends_left = 0
     spared.left.add((1, 1, 0))
     for op in (needs, spared):
-        ops.active[op.spec.key] = op
+        ops.open(op)
     events.control(1, Header(Kind.GOODBYE), b"")
     assert 1 in parts["departures"].bye
     error = needs.future.error()
@@ -758,7 +777,7 @@ def test_inbox_routes_by_header_alone() -> None:
     ops = parts["ops"]
     work = np.zeros(4, np.int32)
     op = LiveOp(spec_of(chain_broadcast(1, 2, 0, 4, 1 << 20), work), OpFuture())
-    ops.active[op.spec.key] = op
+    ops.open(op)
     header = data_header(op, src_step=0, flags=FLAG_CREDITED)
     buf = inbox.body_buffer(0, header)
     assert np.shares_memory(np.frombuffer(buf, np.int32), work)  # straight into place
@@ -806,7 +825,7 @@ def test_breaking_the_job_fails_every_op_and_tells_every_peer_still_there() -> N
     floating, resumed = Fake(), []
     job = JobState(0, 4, outbox, ops, floating, lambda: resumed.append(1))  # type: ignore
     op = allreduce_op()
-    ops.active[op.spec.key] = op
+    ops.open(op)
     error = PeerFailureError(2, "rank 0: lost rank 2")
     job.break_job(error, lost=2)
     job.break_job(TotalReduceError("later"))
@@ -864,14 +883,14 @@ def test_loop_housekeeping_fails_overdue_ops_and_shutdown_says_goodbye() -> None
     loop, parts = _loop(Config(op_timeout=1e-9))
     ops = parts["ops"]
     op = allreduce_op()
-    ops.active[op.spec.key] = op
+    ops.open(op)
     loop._next_check = 0.0
     loop.step(0)
     assert isinstance(op.future.error(), OpTimeoutError)
     assert "TOTALREDUCE_OP_TIMEOUT" in str(op.future.error())
 
     waiting = allreduce_op((2, 0))
-    ops.active[waiting.spec.key] = waiting
+    ops.open(waiting)
     loop.commands.append(("shutdown", None, None))
     loop.step(0)
     assert isinstance(waiting.future.error(), TransportClosedError)

@@ -215,11 +215,14 @@ class Inbox:
         # of one priority the order of arrival stands, and a big op gains little by
         # passing another big one while the looking costs every big body (the
         # optimizer's buckets have priorities of their own: 1-2% of a training step).
-        active = self._ops.active
+        ops = self._ops
+        active = ops.active
         slow = active.get((front.name_key, front.seq))
         if slow is None or len(active) < 2:
             return None
         floor = slow.spec.priority
+        if all(priority <= floor for priority in ops.priorities):
+            return None
         urgent = frozenset(key for key, op in active.items()
                            if op.spec.priority > floor and not op.finished
                            and op.spec.work.nbytes <= _URGENT_BYTES)

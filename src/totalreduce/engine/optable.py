@@ -20,6 +20,9 @@ class OpTable:
     def __init__(self, timeline: Timeline | None = None) -> None:
         self.timeline = timeline
         self.active: dict[OpKey, LiveOp] = {}
+        # How many active ops have each priority: whether any may pass another is then a
+        # look at a few keys, not at every op (hundreds of per-tensor ops in flight).
+        self.priorities: dict[int, int] = {}
         self.done = DoneSet()
         # Ops a peer failed before we submitted them (OP_FAILED), with the error to raise.
         self.failed_early: LRU[OpKey, PeerFailureError] = LRU(_FAILED_EARLY_ENTRIES)
@@ -29,6 +32,21 @@ class OpTable:
         """Have ``forget(key)`` called whenever an op fails, after its future is resolved:
         the parts that keep something per op (parked pieces, mismatch views) drop it."""
         self._on_fail.append(forget)
+
+    def open(self, op: LiveOp) -> None:
+        """``op`` runs here from now on."""
+        self.active[op.spec.key] = op
+        priority = op.spec.priority
+        self.priorities[priority] = self.priorities.get(priority, 0) + 1
+
+    def _closed(self, op: LiveOp) -> None:
+        """``op`` left ``active``."""
+        priority = op.spec.priority
+        left = self.priorities[priority] - 1
+        if left:
+            self.priorities[priority] = left
+        else:
+            del self.priorities[priority]
 
     def known(self, key: OpKey) -> bool:
         """Whether op ``key`` runs here or has ended here."""
@@ -55,6 +73,7 @@ class OpTable:
         if op.recvs_left == 0 and op.sends_left == 0 and not op.finished:
             op.finished = True
             del self.active[op.spec.key]
+            self._closed(op)
             self._finished(op)
             if self.timeline is not None and self.timeline.active:
                 self._trace(op)
@@ -66,7 +85,8 @@ class OpTable:
             return
         op.finished = True
         key = op.spec.key
-        self.active.pop(key, None)
+        if self.active.pop(key, None) is not None:
+            self._closed(op)
         self._finished(op)
         if self.timeline is not None and self.timeline.active:
             self._trace(op, "FAILED ")

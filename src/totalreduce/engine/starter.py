@@ -127,7 +127,7 @@ class Starter:
         floating = self._floating
         op = LiveOp(spec, future, self._ledger.pop_early(key) | ready,
                     floating.first_arrival(key))
-        ops.active[key] = op
+        ops.open(op)
         self._resume()
         serving.forget(key)
         return op
