@@ -304,9 +304,9 @@ MPI's `per-tensor` runs in one of two modes from iteration to iteration on this 
 34-37 ms, as here, or 12-13 ms. In three runs of its own
 (`--backends mpi --rounds 1 --reps 15`) its median was 14.5-15.2 ms, p10-p90
 12.2-35.3: against that mode our grouped and optimizer modes (18-26 ms) run at 1.3-1.7x
-its time, and only `flat` (10-14 ms) keeps up. Interleaved with the other modes, each
-mode's buffers are out of the cache when its turn comes: in a job of its own (two runs)
-the optimizer's 25 MB buckets took 12.7-13.8 ms, against 20.5 here.
+its time, and only `flat` (10-14 ms) keeps up. With only 25 MB buckets in the job
+(`--buckets-mb 25`), and in a script timing that mode alone, the optimizer's buckets took
+12.7-13.8 ms, against 20.5 here, where four optimizers' buckets (102 MB each) take turns.
 
 ## Training with PyTorch: DistributedOptimizer against DDP
 
