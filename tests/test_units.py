@@ -464,14 +464,16 @@ def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded
     asked: list[np.ndarray] = []
 
     def lends(nbytes: int, crowded: bool, cma_bytes: int = -1, share: float | None = 1.0,
-              source: np.ndarray | None = None) -> tuple[bool, bool]:
+              source: np.ndarray | None = None, slow: bool = True) -> tuple[bool, bool]:
+        """``slow``: most rings copy slowly now."""
         def huge_share(buf: np.ndarray) -> float | None:
             asked.append(buf)
             return share
 
-        me = SimpleNamespace(_config=SimpleNamespace(cma_bytes=cma_bytes),
+        me = SimpleNamespace(_config=SimpleNamespace(cma_bytes=cma_bytes), _peers=[1],
                              _engine=SimpleNamespace(crowded=lambda: crowded,
-                                                     huge_share=huge_share))
+                                                     huge_share=huge_share,
+                                                     lends=lambda peers: slow))
         work = np.empty(nbytes, np.uint8)  # never touched: no pages behind it
         return SelfGuided._reduction_lends(me, work, source)  # type: ignore[arg-type]
 
@@ -483,9 +485,14 @@ def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded
     assert lends(8 << 20, True, share=0.0) == (False, False)
     assert lends(16 << 20, False, share=0.0) == (False, False)
     assert lends(32 << 20, False, share=None) == (True, True)
-    # Below the crowded bound the pages are not asked about (a small op's every call).
+    # Below the crowded bound the pages are not asked about (a small op's every call),
+    # nor for one the size would not lend while the rings copy fast: neither way turns
+    # on them then.  One the size would lend asks all the same.
     asked.clear()
     assert lends(4 << 20, False, share=0.0) == (False, True) and not asked
+    assert lends(16 << 20, False, share=0.0, slow=False) == (False, True) and not asked
+    assert lends(32 << 20, False, share=0.0, slow=False) == (False, False) and asked
+    assert lends(8 << 20, True, share=0.0, slow=False) == (False, False)
     # The buffer asked about is the caller's: the source, where the op reads one.
     source = np.ones(8 << 20, np.uint8)
     assert lends(8 << 20, True, source=source) == (True, True) and asked[-1] is source

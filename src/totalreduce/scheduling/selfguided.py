@@ -478,15 +478,23 @@ class SelfGuided(GatheringOps):
         cost nothing more, and at 2 ranks the slow-ring rule lent 64 MB allreduces of
         them (their big copies run at memory's speed), which then took 12-15 ms against
         7.5-7.7 copied.  The buffer asked about is the caller's: a fresh ``work`` is ours,
-        untouched yet, and numpy asks huge pages for it."""
+        untouched yet, and numpy asks huge pages for it.
+
+        The kernel is asked only where its answer turns a choice now: for an op that the
+        size would lend, or while most rings copy slowly (Engine.lends).  Asking costs
+        10-60 us at 16-64 MiB once the op's copies have flushed the caches (a 16 MB
+        allreduce spent 50 us of its 140 before its first copy on it); an op that starts
+        while the rings copy fast and sees one turn slow may lend small-paged pieces."""
         if self._config.cma_bytes >= 0:
             return True, True
         nbytes = work.nbytes
         if nbytes < CROWDED_REDUCE_LEND_BYTES:
             return False, True
+        big = nbytes >= REDUCE_LEND_BYTES or self._engine.crowded()
+        if not big and not self._engine.lends(self._peers):
+            return False, True
         share = self._engine.huge_share(work if source is None else source)
         pages = share is None or share >= HUGE_LEND_SHARE
-        big = nbytes >= REDUCE_LEND_BYTES or self._engine.crowded()
         return big and pages, pages
 
     def _reduce_spec(self, ident: Ident,
