@@ -133,6 +133,45 @@ def allgathers_by_size(arg: dict) -> None:
     report(direct=ran)
 
 
+def lent_gathers_by_bound(arg: dict) -> None:
+    """Blocking same-shape allgathers and alltoalls of a little under and a little over
+    ``arg["bound"]`` bytes in all (odd rows, two dtypes, new data each call, into
+    ``out=`` from the second of three calls): how many of each size's calls ran on the
+    caller's thread, each result against numpy and the input unchanged."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    bound = arg["bound"]
+    ran = {}
+    for kind in ("allgather", "alltoall"):
+        for i, nbytes in enumerate((bound - 72 * n, bound + 4096 * n)):
+            dtype = (np.float32, np.int16)[i]
+            rows = nbytes // np.dtype(dtype).itemsize // n
+            out = np.empty((rows * n, 1), dtype)
+            count = 0
+            for call in range(3):
+                size = rows * n if kind == "alltoall" else rows
+                inputs = [a.reshape(-1, 1)
+                          for a in _inputs(100 * i + call, n, size, dtype)]
+                kept = inputs[rank].copy()
+                into = out if call else None
+                before = current().engine.stats()["direct_ops"]
+                if kind == "alltoall":
+                    got, _splits = tr.alltoall(inputs[rank], name=f"lent.{kind}.{i}",
+                                               out=into, same_shape=True)
+                    want = np.concatenate([a[rank * rows:(rank + 1) * rows]
+                                           for a in inputs])
+                else:
+                    got = tr.allgather(inputs[rank], name=f"lent.{kind}.{i}", out=into,
+                                       same_shape=True)
+                    want = np.concatenate(inputs)
+                count += current().engine.stats()["direct_ops"] - before
+                _close(got, want, f"{kind} of {got.nbytes} bytes, call {call}")
+                assert np.array_equal(inputs[rank], kept), "the input changed"
+            ran[f"{kind} {'under' if i == 0 else 'over'}"] = count
+    tr.shutdown()
+    report(direct=ran)
+
+
 def same_shape_gathers_by_size(arg: dict) -> None:
     """Same_shape ``arg["kind"]``s (allgather or alltoall) of about ``arg["sizes"]`` bytes
     per rank, each size called six times under one name (the third and the sixth run from
