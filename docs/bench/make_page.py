@@ -917,31 +917,31 @@ either way, 3-13% behind in both.
   self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
   data; `same_shape=True` makes it one (0.010-0.011 ms at 4 bytes in the 2-rank table, a
-  broadcast 0.010 ms, against MPI's 0.001-0.003). A repeated one skips its
+  broadcast 0.011 ms, against MPI's 0.001-0.003). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 1.95x MPI at 1 MB, 1.69x at 4 MB and 1.20x at
-  16 MB, 2.93-3.09x from 64 MB; reducescatter 1.65-1.84x at 1-16 MB, 3.29-3.42x from
+- The 2-rank collectives table: allreduce 1.95x MPI at 1 MB, 1.77x at 4 MB and 1.25x at
+  16 MB, 2.90-3.07x from 64 MB; reducescatter 1.67-2.01x at 1-16 MB, 3.26-3.45x from
   64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
-  0.86-0.88x). MPICH's shared memory moves 16 MB at 9.0 GB/s of algorithm bandwidth
-  for the reductions here (1-4 MB at 8.6-12 GB/s), which leaves a reduction little room at
-  16 MB: a 16 MB allreduce takes us 1.56 ms against MPI's 1.87 in this run (2.06 against
-  2.00 in an earlier one), and the floor table's bare exchanges, with no engine, reach
+  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.8 GB/s of algorithm bandwidth
+  for the reductions here (1-4 MB at 9.0-12.6 GB/s), which leaves a reduction little room
+  at 16 MB: a 16 MB allreduce takes us 1.52 ms against MPI's 1.91 in this run (2.06
+  against 2.00 in an earlier one), and the floor table's bare exchanges, with no engine, reach
   1.25-1.32x MPI at 4-16 MB.
 - Calls back to back flatter both libraries, ours more: with a pause before each call
   (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.60-1.80
   ms back to back, 1.86-2.14 after 1 ms and 2.43-2.53 after 10 ms; MPI's 2.02-2.05,
   2.15-2.25 and 2.42-2.61 (one job per library, each pause in turn, two runs). After a
   pause the two are level at that size.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.13x at 1 MB, 0.93x
-  at 4 MB, 0.79x at 16 MB and 0.95x at 64 and 256 MB; alltoall 1.00x at 1 MB, 0.71x at
-  4 MB, 0.89x at 16 MB, 0.94-0.98x from 64 MB; broadcast 1.71x at 1 MB, 1.43x at 4 MB,
-  1.01x at 16 MB, 0.92x at 64 MB and 0.98x at 256 MB, where the receiver copies the root's
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.13x at 1 MB, 0.92x
+  at 4 MB, 0.76x at 16 MB and 0.94-0.95x at 64 and 256 MB; alltoall 1.09x at 1 MB, 0.78x
+  at 4 MB, 0.96x at 16 MB, 0.94-0.99x from 64 MB; broadcast 1.54x at 1 MB, 1.50x at 4 MB,
+  0.91x at 16 MB, 0.86x at 64 MB and 1.03x at 256 MB, where the receiver copies the root's
   lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
-  10-24 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.83 ms in this run). An
+  10-21 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.82 ms in this run). An
   alltoall moves what MPI's does the way MPI's does (one `process_vm_readv` of the peer's
   block, a copy of our own): a bare exchange in Python doing just that, in one job with
   MPI's and ours on the same arrays, took 0.18 ms at 4 MB (MPI 0.18, ours 0.24) and
@@ -959,12 +959,12 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
-  1 MB up on this host (0.29-0.70x) but for allreduce and reducescatter from 64 MB
-  (1.42-1.79x); its small ops run on the caller's thread as the rings' do (4 bytes:
+  1 MB up on this host (0.31-0.75x) but for allreduce and reducescatter from 64 MB
+  (1.40-1.78x); its small ops run on the caller's thread as the rings' do (4 bytes:
   0.013-0.019 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
-  allreduce and reducescatter from 64 MB (2.95-3.44x), and both at 4-16 MB (1.04-1.51x),
-  and trails it elsewhere from 1 MB (0.43-0.96x); its ops with bodies up to 256 KiB run on
-  the caller's thread (4 bytes: 0.009-0.012 ms).
+  allreduce and reducescatter from 64 MB (2.86-3.39x), and both at 4-16 MB (1.03-1.43x),
+  and trails it elsewhere from 1 MB (0.42-0.93x); its ops with bodies up to 256 KiB run on
+  the caller's thread (4 bytes: 0.009-0.013 ms).
 - 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
   allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
   0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
