@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..engine.algorithms import Algorithms
-from ..engine.engine import Engine
-from ..engine.payload import OpFuture, OpKey, OpSpec
-from ..engine.repeat import Repeat
+from ..engine.payload import OpFuture, OpSpec
 from ..engine.schedule import Schedule
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
@@ -33,7 +29,7 @@ from .checks import (
     check_same_shape_splits,
 )
 from .handle import DoneHandle, FutureHandle, Handle
-from .slow_rings import SlowRingChoice
+from .scheduler_parts import SchedulerParts
 from .templates import GatherPlan, OpTemplate, SamePlan, gather_key
 from .thresholds import LENT_WHEN_SLOW
 from .views import gathering_views, with_algorithm
@@ -80,43 +76,13 @@ def _result_buffer(out: np.ndarray | None, rows: int, count: int, dtype: np.dtyp
     return np.empty(count, dtype)
 
 
-class GatheringOps:
+class GatheringOps(SchedulerParts):
     """SelfGuided's allgather and alltoall; SelfGuided sets what is declared here."""
 
-    size: int
-    rank: int
-    _engine: Engine
-    _lock: threading.Lock
-    _members: tuple[int, ...] | None
-    _algorithms: Algorithms
     _direct_ring: int
-    _direct_bytes: int
     _lent_gathers: int
-    _peers: list[int]
-    _slow_rings: SlowRingChoice
     _gathers: LRU[tuple[Any, ...], GatherPlan]
     _same: LRU[tuple[Any, ...], SamePlan]
-
-    if TYPE_CHECKING:  # SelfGuided's
-        def _call(self, kind: str, name: str | None, phase: str = ""
-                  ) -> tuple[OpKey, str]: ...
-
-        def _ident(self, kind: str, name: str | None, phase: str = "") -> Ident: ...
-
-        def _spec(self, ident: Ident, view: dict[str, Any] | Callable[[], dict[str, Any]],
-                  dtype: np.dtype, count: int, schedule: Schedule, work: np.ndarray,
-                  priority: int, known: tuple[Any, ...] | None = None,
-                  shown: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
-                  **kw: Any) -> OpSpec: ...
-
-        def _launch(self, spec: OpSpec, finish: Callable[[], Any],
-                    direct: int | None = None, slow_from: int | None = None
-                    ) -> Handle: ...
-
-        def _label(self, kind: str, name: str | None, seq: int) -> str: ...
-
-        def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None,
-                    source: np.ndarray | None = None) -> None: ...
 
     def _two_phase(self, first: OpFuture, then: Callable[[], OpFuture]) -> OpFuture:
         """A future for ``then()``'s op, started once ``first`` succeeds."""
@@ -159,15 +125,6 @@ class GatheringOps:
         if not same_shape or priority or splits is not None:
             return None
         return self._same_now("alltoall", x, name, out)
-
-    def _repeat_way(self, kind: str, nbytes: int) -> tuple[bool, tuple[str, int] | None]:
-        """Whether a blocking call of ``kind`` and ``nbytes`` runs from its Repeat now; and,
-        while the rings copy slowly, the key to time it under as the caller's-thread way
-        against the loop's lending (as _launch times it, asking the same)."""
-        if nbytes < LENT_WHEN_SLOW or not self._engine.lends(self._peers):
-            return True, None
-        slow = SlowRingChoice.key(kind, nbytes)
-        return not self._slow_rings.leave(slow), slow
 
     def _same_now(self, kind: str, x: Any, name: str | None, out: np.ndarray | None
                   ) -> Any:

@@ -34,10 +34,10 @@ from ..transport.wire import (
     Header,
     dtype_code,
 )
+from .broadcasting import BroadcastOps
 from .call_names import CallNames, Ident, hash64
 from .checks import (
     check_allreduce,
-    check_broadcast,
     check_grouped,
     check_reducescatter,
 )
@@ -52,14 +52,12 @@ from .templates import (
     OpTemplate,
     SamePlan,
     ScatterPlan,
-    broadcast_key,
     scatter_key,
 )
 from .thresholds import (
     CROWDED_REDUCE_LEND_BYTES,
     HUGE_LEND_SHARE,
     LENT_GATHER_BYTES,
-    LENT_WHEN_SLOW,
     REDUCE_LEND_BYTES,
     direct_broadcast_bytes,
     direct_ring_bytes,
@@ -91,7 +89,7 @@ def _nothing() -> None:
     return None
 
 
-class SelfGuided(GatheringOps):
+class SelfGuided(GatheringOps, BroadcastOps):
     """Builds op specs from numpy arrays and submits them to the engine."""
 
     def __init__(self, engine: Engine, config: Config,
@@ -577,102 +575,6 @@ class SelfGuided(GatheringOps):
             return result
 
         return FutureHandle(futures, finish, f"grouped_allreduce of {len(arrs)} arrays")
-
-    # --- broadcast ------------------------------------------------------------------
-
-    def broadcast(self, x: Any, root_rank: int, name: str | None, priority: int,
-                  inplace: bool) -> Handle:
-        key = broadcast_key(x, root_rank, name, inplace)
-        kept = None
-        if key is not None:
-            with self._lock:
-                kept = self._broadcasts.get(key)
-        if kept is None:
-            arr, root = check_broadcast(x, root_rank, name, inplace, self.size,
-                                        self._members)
-        else:
-            arr, root = x, kept[1]
-        call_key, label = self._call("broadcast", name)
-        if self.rank == root or inplace:
-            work, writeback = self._working_copy(arr, inplace)
-        else:
-            work, writeback = np.empty(arr.size, arr.dtype), False
-        if kept is not None:
-            template = kept[0]
-            spec = template.spec(call_key, label, work, priority, self._members)
-            if not template.repeat_tried and not priority:
-                template.repeat_tried = True
-                if self._repeats_broadcast(work.nbytes):
-                    template.repeat = self._engine.repeat(
-                        spec, functools.partial(self._label, "broadcast", name))
-        else:
-            schedule, algorithm = self._algorithms.broadcast(root, work.size, arr.dtype)
-
-            def view() -> dict[str, Any]:
-                return {"kind": "broadcast", "dtype": str(arr.dtype),
-                        "shape": list(arr.shape), "root": int(root_rank)}
-
-            spec = self._spec(Ident(call_key, name, label),
-                              with_algorithm(view, algorithm), arr.dtype, work.size,
-                              schedule, work, priority,
-                              ("broadcast", arr.dtype, arr.shape, root, algorithm),
-                              lend=self.rank != root)
-            if key is not None:
-                with self._lock:
-                    self._broadcasts.put(key, (OpTemplate(spec), root))
-
-        def finish() -> np.ndarray:
-            if writeback:
-                arr[...] = work.reshape(arr.shape)
-            return arr if inplace else work.reshape(arr.shape)
-
-        if (self.rank == root and work.nbytes > self._direct_broadcast
-                and self._engine.waits_here() and self._engine.spreads(self._peers,
-                                                                       work.nbytes)):
-            # The root lends its bodies and sits idle while each peer copies them with two
-            # threads, or copies them through the rings as it does elsewhere: the faster
-            # way here, timed (a host whose kernel copies slowly may prefer the rings).
-            key = SlowRingChoice.key("broadcast spread", work.nbytes)
-            spread = self._slow_rings.leave(key)
-            spec.lend = spec.spread = spread
-            spec.lend_slow = spread
-            timed = self._slow_rings.timed(finish, key, spread)  # submit() may run it
-            return FutureHandle([self._engine.submit(spec)], timed, spec.label)
-        return self._launch(spec, finish, self._direct_broadcast, slow_from=LENT_WHEN_SLOW)
-
-    def _repeats_broadcast(self, nbytes: int) -> bool:
-        """Whether blocking broadcasts of ``nbytes`` may run from a Repeat: those that
-        :meth:`_launch` runs on the caller's thread (from LENT_WHEN_SLOW, only while the
-        rings copy fast, or where that has been faster: :meth:`broadcast_now`)."""
-        return self._direct_bytes > 0 and nbytes <= self._direct_broadcast
-
-    def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
-                      inplace: bool) -> np.ndarray | None:
-        """A blocking broadcast like one made before, small enough to run on this thread
-        from its template's Repeat: its result, as :meth:`allreduce_now`.  None, with
-        nothing done, where it is not one: call :meth:`broadcast` and wait."""
-        key = broadcast_key(x, root_rank, name, inplace)
-        if key is None or priority:
-            return None
-        with self._lock:
-            kept = self._broadcasts.get(key)
-        if kept is None or kept[0].repeat is None:
-            return None
-        arr: np.ndarray = x
-        here, slow = self._repeat_way("broadcast", arr.nbytes)
-        if not here:
-            return None
-        start = time.perf_counter()
-        if self.rank == kept[1] or inplace:
-            work, writeback = self._working_copy(arr, inplace)
-        else:
-            work, writeback = np.empty(arr.size, arr.dtype), False
-        self._repeat(kept[0].repeat, work, name)
-        if slow is not None:
-            self._slow_rings.took(slow, False, time.perf_counter() - start)
-        if writeback:
-            arr[...] = work.reshape(arr.shape)
-        return arr if inplace else work.reshape(arr.shape)
 
     # --- reducescatter --------------------------------------------------------------
 
