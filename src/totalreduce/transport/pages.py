@@ -78,6 +78,7 @@ class _Pagemap:
         self._pid = 0
         self._works = self._ioctl is not None
         self._never = False
+        self._regions = (_Region * _REGIONS)()  # the kernel's answers (under the lock)
 
     def huge_share(self, address: int, nbytes: int) -> float | None:
         if nbytes <= 0:
@@ -86,9 +87,9 @@ class _Pagemap:
             return self._unknown()
         start = address & ~(_PAGE - 1)
         end = (address + nbytes + _PAGE - 1) & ~(_PAGE - 1)
-        regions = (_Region * _REGIONS)()
         huge = 0
         with self._lock:
+            regions = self._regions
             fd = self._open()
             if fd < 0:
                 return self._unknown()
