@@ -231,6 +231,32 @@ def express_hand_over(arg: dict) -> None:
     tr.shutdown()
 
 
+def halving_lane(arg: dict) -> None:
+    """Blocking allreduces by recursive halving and doubling (the env forces it), whose
+    receives wait on others: the express lane runs them, and where a rank comes late
+    (3 ms, past the lane's spin) hands them to the general path mid-op.  Odd sizes, an
+    empty array, several dtypes and ops, then one call repeated (the lane's Repeat)."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    calls = [(np.float32, tr.Sum, np.sum), (np.int64, tr.Max, np.max),
+             (np.float64, tr.Average, np.mean), (np.int32, tr.Min, np.min),
+             (np.float16, tr.Sum, np.sum), (np.uint8, tr.Max, np.max)]
+    sizes = [4099, 0, 1, 50001, 777, 12345, n * 1024 + 3]
+    for i in range(arg["calls"]):
+        dtype, op, ref = calls[i % len(calls)]
+        size = sizes[i % len(sizes)] if i < arg["calls"] // 2 else 6001
+        inputs = _inputs(i, n, size, dtype)
+        want = ref(np.stack(inputs).astype(np.float64), axis=0).astype(dtype)
+        if i % 3 == 1 and rank == i % n:
+            time.sleep(0.003)
+        name = f"odd.{i}" if i < arg["calls"] // 2 else f"same.{i % len(calls)}"
+        got = tr.allreduce(inputs[rank], op=op, name=name)
+        _close(got, want, f"call {i}: {op} {np.dtype(dtype)} x {size}")
+    stats = current().engine.stats()
+    report(express=stats["express_ops"], handed=stats["express_handed_over"])
+    tr.shutdown()
+
+
 def lent_body(arg: dict) -> None:
     """A 1.5 MB blocking allreduce: rank 0 runs it on the small path, rank 1 (another
     op in flight) on the general path, which lends its body: the small path cannot take

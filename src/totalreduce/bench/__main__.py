@@ -295,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(n) for n in args.ranks.split(",")]
     jobs = [(r, n, b) for r in range(args.rounds) for n in sizes for b in backends]
 
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:  # a progress bar is optional (the dev and examples extras)
+        def tqdm(items: Any, **_kw: Any) -> Any:
+            return items
 
     raw: list[dict[str, Any]] = []
     for rnd, n, backend in tqdm(jobs, desc=args.test, unit="job", file=sys.stderr):

@@ -204,10 +204,12 @@ class Engine:
     def _run_small(self, spec: OpSpec) -> OpFuture | bool:
         loop = self.loop
         small = self._small
-        if loop.commands or loop.completions or not small.eligible(spec):
-            return False
         chain = self._express.chain(spec.schedule)
-        if chain is not None and spec.key not in self._floating:
+        lane = chain is not None and spec.key not in self._floating
+        if loop.commands or loop.completions or not small.eligible(spec, lane):
+            return False
+        if lane:
+            assert chain is not None
             return self._express.run(spec, chain)
         return small.run(spec)
 

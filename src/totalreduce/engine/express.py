@@ -58,13 +58,16 @@ class Chain:
     (peer, step, piece, receive), whose receive's ``then`` sends follow it."""
 
     __slots__ = ("first", "steps", "sources", "sends", "local_final", "tell_first",
-                 "lendable")
+                 "lendable", "waits")
 
     def __init__(self, schedule: Schedule, steps: list[tuple[int, int, int, Recv]]) -> None:
         self.first = schedule.first
         self.steps = tuple(steps)
         self.sources = tuple(sorted(schedule.sources))
         self.local_final = schedule.local_final
+        # Receives that wait on others (Recv.wait): the lane applies them in order, the
+        # small path would not, so a hand-over goes straight to the general path.
+        self.waits = schedule.waits
         # Every send, in the order the lane posts them.
         self.sends: tuple[Send, ...] = (*schedule.first,
                                         *(s for *_k, recv in steps for s in recv.then))
@@ -92,25 +95,30 @@ class Chain:
                                   and (s.peer, s.step, s.piece) not in guarded)
 
 
-def chain_of(schedule: Schedule) -> Chain | None:
+def chain_of(schedule: Schedule, waits: bool = False) -> Chain | None:
     """``schedule`` as a :class:`Chain`, or None if it is not one.
 
     The receives are waited for by step, then piece, then source.  A body must never be
     reduced before the sends that read its region (``after``) have been posted: each of
-    them must come earlier in that order, or the schedule is no chain.  The order itself
+    them must come earlier in that order, or the schedule is no chain.  With ``waits``,
+    receives may wait on others (``Recv.wait``, recursive halving's) where those come
+    earlier in that order; without it such a schedule is no chain.  The order itself
     is about speed only: a message of a step depends on earlier steps' (or, as a broadcast's
     acknowledgement, on the same step's from the rank before), so a receive's sends must be
     of its step or later; a wait on a message that cannot come yet would end in a
     hand-over to the small path after the spin, never in a hang."""
-    if schedule.waits:
+    if schedule.waits and not waits:
         return None
     steps = sorted(((src, step, piece, recv) for (src, step, piece), recv
                     in schedule.recvs.items()), key=lambda item: (item[1], item[2], item[0]))
     posted = {(s.peer, s.step, s.piece) for s in schedule.first}
-    for _src, step, _piece, recv in steps:
-        if not posted.issuperset(recv.after) or any(s.step < step for s in recv.then):
+    applied: set[tuple[int, int, int]] = set()
+    for src, step, piece, recv in steps:
+        if (not posted.issuperset(recv.after) or any(s.step < step for s in recv.then)
+                or not applied.issuperset(recv.wait)):
             return None
         posted.update((s.peer, s.step, s.piece) for s in recv.then)
+        applied.add((src, step, piece))
     return Chain(schedule, steps)
 
 
@@ -137,7 +145,7 @@ class Express:
         hit = self._chains.get(id(schedule))
         if hit is not None and hit[0] is schedule:
             return hit[1]
-        chain = chain_of(schedule)
+        chain = chain_of(schedule, waits=True)
         if chain is not None:
             transport = self._transport
             peers = set(chain.sources) | {s.peer for s in chain.sends}
@@ -324,7 +332,7 @@ class Express:
             finish_local(spec, chain.local_final)
         self.handed_over += 1
         return self._small.go_on(progress(spec, chain, ready, told, done, posted, lent),
-                                 stuck)
+                                 stuck or chain.waits)
 
 
 def progress(spec: OpSpec, chain: Chain, ready: set[int], told: set[int], done: int,

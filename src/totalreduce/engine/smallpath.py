@@ -226,15 +226,16 @@ class SmallPath:
         self.handed_over = 0  # ops that went on on the general path
         self.caught_up = 0  # ops begun with bodies that had floated in before them
 
-    def eligible(self, spec: OpSpec) -> bool:
+    def eligible(self, spec: OpSpec, waits: bool = False) -> bool:
         """Whether ``spec`` can run here now: nothing else runs or waits to (the caller
-        holds the drive lock and has checked the loop's queues)."""
-        # A schedule whose receives wait on others (Recv.wait) is a large op's: this path
-        # does not hold pieces back for them.  Bodies of this very op may have floated in
-        # (a peer ahead of us sent them while we ran the op before): run() applies them
-        # first.
+        holds the drive lock and has checked the loop's queues).  ``waits``: the express
+        lane runs it, which may take a schedule whose receives wait on others."""
+        # This path does not hold pieces back for receives that wait on others
+        # (Recv.wait, recursive halving's); the express lane takes them in order.  Bodies
+        # of this very op may have floated in (a peer ahead of us sent them while we ran
+        # the op before): run() applies them first.
         key = spec.key
-        return (not spec.schedule.waits and self._floating.only(key)
+        return ((waits or not spec.schedule.waits) and self._floating.only(key)
                 and self.quiet(key))
 
     def quiet(self, key: OpKey) -> bool:
