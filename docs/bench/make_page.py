@@ -197,9 +197,11 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 A virtual machine with 16 Intel Xeon cores and one rank per core; MPI is Open MPI 4.1.6
 (its `mpiexec`, mpi4py 4.1.2), gloo is torch 2.11's. The three tables below come from one
 run of `regenerate.py --cores16` at one commit (under each table). Such machines differ
-from one to the next: at an earlier commit two of them gave 92 and 141 us for the 16-rank
-8-byte allreduce (this table's gave 118), and 1-16 MB cells moved by up to 2x between two
-runs, MPI's too, so again compare within a table. Shared-memory rings carry all of
+from one to the next and from one sitting to the next: at an earlier commit two of them
+gave 92 and 141 us for the 16-rank 8-byte allreduce (this table's gave 82, two sittings
+of its machine at the commit before 80 and 82), and in those two sittings 64 MB cells ran
+10-25% faster than in this table, MPI's and gloo's too (gloo's 8-rank allreduce 58-59
+ms against 70), so again compare within a table. Shared-memory rings carry all of
 totalreduce's traffic.
 
 Allreduce:
@@ -207,7 +209,13 @@ Allreduce:
 `{command("cores16-allreduce")}`
 (`docs/bench/cores16-allreduce.txt`). Up to 1 MiB it is recursive doubling; above, from
 8 ranks, recursive halving then doubling (up to 8 MiB at 8 ranks, every size at 16),
-else the ring.
+else the ring. Blocking calls whose sends to a peer fit its ring run on the caller's
+thread (the express lane), recursive halving included: in the sitting before this table,
+alternated twice with the commit before (which ran halving on the loop), 2 MB at 8 ranks
+took 1.54 and 2.28 ms against 2.54 and 2.67, and at 16 ranks 4.12 and 3.57 against 4.30
+and 3.78. At 16 ranks 1 MB by halving (`--set SMALL_BYTES=262144`) was no faster than by
+doubling (2.24 and 2.20 ms against 2.24 and 2.18), nor was halving at 4 ranks for 1-4 MB
+(`--set HALVING_BYTES=16777216`) in both of two runs.
 
 4 ranks:
 
@@ -237,6 +245,9 @@ alltoall is a pairwise exchange.
 16 ranks:
 
 {table("cores16-others", lambda c: c[1] == "16")[1]}
+
+The 16-rank 1 MB allgather's median fell in a slow stretch (p10 0.54 ms): in two
+sittings at the commit before it took 0.48 and 0.50 ms (0.66-0.72x MPI).
 
 Blocking 8-byte allreduce and barrier:
 
@@ -965,14 +976,17 @@ either way, 3-13% behind in both.
   allreduce and reducescatter from 64 MB (2.86-3.39x), and both at 4-16 MB (1.03-1.43x),
   and trails it elsewhere from 1 MB (0.42-0.93x); its ops with bodies up to 256 KiB run on
   the caller's thread (4 bytes: 0.009-0.013 ms).
-- 8 to 16 ranks (16 cores): most 1-4 MB ops run at 0.34-0.81x MPI (allreduce 0.34-0.75x,
-  allgather 0.43-0.62x, alltoall 0.39-0.65x, broadcast at 16 ranks 0.41-0.52x, reducescatter
-  0.46-0.70x but for 1.35x at 8 ranks and 4 MB); from 16 MB most cells are at 1.00-5.5x,
-  but allgather at 16 ranks (0.80x), alltoall at 64 MB (0.97x at 8 ranks, 0.68x at 16)
-  and broadcast at 16 ranks and 16 MB (0.98x). A blocking 8-byte allreduce takes 3.8x its
-  2-rank time at 16 ranks and 20x MPI's in the table (2.5x and 15x on another machine of
-  the kind at an earlier commit): every step waits for the slowest of its ranks (see the
-  latency table's notes). The
+- 8 to 16 ranks (16 cores): from 16 MB every cell leads MPI (1.03-4.72x) and every
+  allreduce cell leads gloo, but at 1-4 MB most trail MPI: allreduce 0.36-0.69x at 4-16
+  ranks, allgather 0.58-0.84x, alltoall 0.47-0.65x, broadcast at 16 ranks 0.37-0.58x,
+  reducescatter 0.64-0.77x; broadcast at 8 ranks (0.93x, 1.09x) and reducescatter at 8
+  ranks and 4 MB (1.18x) are at or above par. A 1 MB allreduce at 16 ranks by recursive
+  doubling sends and reduces the whole buffer in each of four steps (2.2 ms against MPI's
+  0.61); recursive halving, half the bytes in twice the steps, was no faster. A blocking
+  8-byte allreduce takes 4.3x its 2-rank time at 16 ranks and 13x MPI's (82 us against
+  19 and 6.2); timed on every rank (1,500 calls after a barrier each), all 16 had the
+  same median within 1 us (77-78): every step waits for its partner's previous one (see
+  the latency table's notes). The
   ring at 16 ranks runs 4 MB several times slower than its bytes call for (allgather 9.0 ms
   against 3.3 with recursive doubling). Timestamps show each lent 256 KiB piece taking about
   50 us to copy out of its sender (5 GB/s), one step after another, and the size exchange
