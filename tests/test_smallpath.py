@@ -126,7 +126,9 @@ def test_the_express_lane_hands_a_late_peers_op_to_the_small_path(n: int, transp
     assert result.report(waiting)["handed"] >= 1, result.explain()
 
 
-def test_the_express_lane_runs_halving_allreduces_and_hands_late_ones_over() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_express_lane_runs_halving_allreduces_and_hands_late_ones_over(transport: str
+                                                                         ) -> None:
     # Recursive halving's receives wait on others (Recv.wait), which the small path does
     # not honour: the lane, taking them in order, runs such ops from their start, and a
     # hand-over sends them to the general path.  Sums are checked in the worker; here,
@@ -134,7 +136,7 @@ def test_the_express_lane_runs_halving_allreduces_and_hands_late_ones_over() -> 
     calls = 36
     result = run_ok(4, "smallpath_workers:halving_lane", {"calls": calls}, timeout=150,
                     env={"TOTALREDUCE_SEGMENT_BYTES": "4096", "TOTALREDUCE_SMALL_BYTES": "0",
-                         "TOTALREDUCE_HALVING_BYTES": str(1 << 30)})
+                         "TOTALREDUCE_HALVING_BYTES": str(1 << 30)}, transport=transport)
     begun = [result.report(r)["express"] + result.report(r)["handed"] for r in range(4)]
     assert sum(begun) >= calls, result.explain()
 
