@@ -215,7 +215,11 @@ alternated twice with the commit before (which ran halving on the loop), 2 MB at
 took 1.54 and 2.28 ms against 2.54 and 2.67, and at 16 ranks 4.12 and 3.57 against 4.30
 and 3.78. At 16 ranks 1 MB by halving (`--set SMALL_BYTES=262144`) was no faster than by
 doubling (2.24 and 2.20 ms against 2.24 and 2.18), nor was halving at 4 ranks for 1-4 MB
-(`--set HALVING_BYTES=16777216`) in both of two runs.
+(`--set HALVING_BYTES=16777216`) in both of two runs. Nor was the ring from 512 KiB
+(`--set SMALL_BYTES=262144 --set HALVING_BYTES=262144`, four runs alternated with the
+default): 1 MB at 4 ranks took 0.47-0.62 ms against 0.49-0.71, 4 MB at 8 ranks 6.3-11.6
+against 4.0-4.8, and at 16 ranks 1 MB 2.3-3.8 against 1.7-2.7 and 4 MB 29-37 against
+5.3-6.3.
 
 4 ranks:
 
