@@ -253,7 +253,8 @@ def halving_lane(arg: dict) -> None:
         got = tr.allreduce(inputs[rank], op=op, name=name)
         _close(got, want, f"call {i}: {op} {np.dtype(dtype)} x {size}")
     stats = current().engine.stats()
-    report(express=stats["express_ops"], handed=stats["express_handed_over"])
+    report(express=stats["express_ops"], handed=stats["express_handed_over"],
+           repeats=stats["express_repeats"] + stats["express_repeats_handed_over"])
     tr.shutdown()
 
 
