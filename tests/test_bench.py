@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import totalreduce
 from harness import mpiexec
 from totalreduce.bench.compare import compare
 from totalreduce.bench.models import bert_base_shapes, resnet50_shapes
@@ -19,6 +23,31 @@ def test_model_shapes_match_the_published_parameter_counts() -> None:
     r50, bert = resnet50_shapes(), bert_base_shapes()
     assert (len(r50), sum(math.prod(s) for s in r50)) == (161, 25_557_032)
     assert (len(bert), sum(math.prod(s) for s in bert)) == (199, 109_482_240)
+
+
+def test_the_commit_a_result_names_says_when_the_tree_differs_from_it(tmp_path) -> None:
+    # A copy of the package in a repository of its own: committed as it is, then with a
+    # change the commit lacks.
+    pkg = Path(totalreduce.__file__).parent
+    shutil.copytree(pkg, tmp_path / "src" / "totalreduce",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "copy"], check=True)
+    ask = [sys.executable, "-c", "from totalreduce.bench.__main__ import _machine; "
+           "print(_machine()['commit'])"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
+
+    def commit() -> str:
+        return subprocess.run(ask, env=env, capture_output=True, text=True, check=True,
+                              timeout=60).stdout.strip()
+
+    clean = commit()
+    assert clean and not clean.endswith("+modified"), clean
+    with open(tmp_path / "src" / "totalreduce" / "version.py", "a") as f:
+        f.write("# changed\n")
+    assert commit() == clean + "+modified"
 
 
 def _job(backend: str, n: int, per_rank_times: list[list[float]]) -> dict:

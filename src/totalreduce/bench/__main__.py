@@ -385,6 +385,13 @@ def _machine() -> dict[str, Any]:
         info["commit"] = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
                                         capture_output=True, text=True, timeout=5
                                         ).stdout.strip() or None
+        # A table made from a tree with changes the commit lacks says so: the commit
+        # alone would claim code that did not run.
+        if info["commit"] and subprocess.run(
+                ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--",
+                 os.path.dirname(here)], capture_output=True, text=True, timeout=5
+                ).stdout.strip():
+            info["commit"] += "+modified"
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None
     return info
