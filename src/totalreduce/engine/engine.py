@@ -205,11 +205,11 @@ class Engine:
         loop = self.loop
         small = self._small
         chain = self._express.chain(spec.schedule)
-        lane = chain is not None and spec.key not in self._floating
-        if loop.commands or loop.completions or not small.eligible(spec, lane):
+        if chain is not None and spec.key in self._floating:
+            chain = None  # the small path takes in what floated here first
+        if loop.commands or loop.completions or not small.eligible(spec, chain is not None):
             return False
-        if lane:
-            assert chain is not None
+        if chain is not None:
             return self._express.run(spec, chain)
         return small.run(spec)
 
