@@ -46,6 +46,16 @@ def test_every_collective_matches_numpy(n: int, transport: str) -> None:
     assert _shm_files() <= before, "shared-memory files were left in /dev/shm"
 
 
+def test_collectives_match_numpy_with_big_copies_in_pieces() -> None:
+    # 4 KiB pieces (memcopy.py): every ring body of 8 KiB or more (64 KiB segments) goes in
+    # and out of the ring in pieces, the last one short where the body's size is odd.
+    result = run_ok(3, "workers:check_collectives", {"dtypes": WIDTHS},
+                    env={"TOTALREDUCE_SEGMENT_BYTES": str(64 << 10),
+                         "TOTALREDUCE_COPY_PIECE": "4096"}, timeout=150)
+    _check(result, 3, "shm")
+    assert all(result.report(r)["copy_piece"] == 4096 for r in range(3)), result.explain()
+
+
 @pytest.mark.parametrize("n", [3, 4])
 def test_halving_allreduce_matches_numpy(n: int) -> None:
     # Every allreduce takes recursive halving then doubling, in 4 KiB pieces; at 3 ranks

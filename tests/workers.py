@@ -19,6 +19,7 @@ import numpy as np
 
 import totalreduce as tr
 from reporting import report, wait_for_report
+from totalreduce import memcopy
 
 DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64, np.float16,
           np.float32, np.float64]
@@ -181,7 +182,7 @@ def check_collectives(arg: dict) -> None:
     rings = transport.ring_peers() if hasattr(transport, "ring_peers") else []
     tr.barrier()
     tr.shutdown()
-    report(checked=checked, rings=rings)
+    report(checked=checked, rings=rings, copy_piece=memcopy.piece())
 
 
 def out_of_order(arg: dict) -> None:

@@ -92,6 +92,12 @@ TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran    
                                    only where that has; transport/copy_pace.py;
                                    0 = never; -1 = auto: as fast as the kernel
                                    copies a lent body here, measured at start)
+TOTALREDUCE_COPY_PIECE             copies of bodies of at least twice this size,  -1
+                                   and of arrays from 16 MiB, go in pieces of
+                                   this many bytes (0 = whole); -1 = auto: half
+                                   the L2 cache on AMD CPUs, whose glibc copies
+                                   blocks that big a slower way (memcopy.py),
+                                   else 0
 TOTALREDUCE_SCRATCH_BYTES          receive buffers kept idle for reuse; past it    32 MiB
                                    the least recently used sizes are freed
 TOTALREDUCE_NAME_CAPACITY          op names whose call counts a rank remembers     65536
@@ -223,6 +229,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                   "must be >= 0 (bytes; 0 = never lend), or -1 for auto"),
     "slow_ring_gbps": (lambda v: v >= 0 or v == -1,
                        "must be >= 0 (GB/s; 0 = never lend for it), or -1 for auto"),
+    "copy_piece": (lambda v: v == -1 or v == 0 or v >= 4096,
+                   "must be >= 4096 (bytes), 0 for whole copies, or -1 for auto"),
     "scratch_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
     "name_capacity": (lambda v: v >= 1, "must be >= 1 (names)"),
     "bucket_bytes": (lambda v: v >= 1, "must be >= 1 (bytes)"),
@@ -310,6 +318,7 @@ class Config:
     shm_bytes: int = -1
     cma_bytes: int = -1
     slow_ring_gbps: float = -1.0
+    copy_piece: int = -1
     scratch_bytes: int = 32 << 20
     name_capacity: int = 1 << 16
     bucket_bytes: int = 16 << 20

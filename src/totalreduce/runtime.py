@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import memcopy
 from .config import Config, horovod_notices
 from .engine.engine import Engine
 from .exceptions import PeerFailureError, ShutdownError, TotalReduceError
@@ -285,6 +286,7 @@ def init(**overrides: Any) -> Runtime:
             raise ValueError("a job with restarts (totalrun --max-restarts) initializes "
                              "once: its worlds are the launcher's restart generations")
         world, _HOLDER.worlds = _HOLDER.worlds, _HOLDER.worlds + 1
+        memcopy.set_piece(config.copy_piece)
         runtime = Runtime(config, world)
         _HOLDER.runtime = runtime
         if sys.excepthook is not _on_uncaught:

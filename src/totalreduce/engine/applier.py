@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from ..exceptions import TotalReduceError
+from ..memcopy import copy_bytes
 from ..transport.wire import Header
 from .mismatch_tracker import MismatchTracker
 from .opstate import LiveOp
@@ -49,7 +50,7 @@ class Applier:
         rkey = (peer, header.step, header.piece)
         if recv.mode == COPY:
             if body.nbytes:
-                op.region(recv.lo, recv.hi)[:] = body
+                copy_bytes(op.region(recv.lo, recv.hi), body)
             if pooled:
                 self._scratch.put(body)
             self.applied(op, rkey, recv)

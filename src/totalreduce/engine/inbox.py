@@ -9,6 +9,7 @@ piece is the applier's (applier.py); control messages go to peers.py.
 
 from __future__ import annotations
 
+from ..memcopy import copy_bytes
 from ..transport.wire import FLAG_CREDITED, FLAG_READY, HEADER_SIZE, Header, Kind
 from .applier import Applier
 from .floating import Floating
@@ -159,7 +160,7 @@ class Inbox:
                 return
         dest = self.body_buffer(peer, header)  # floating, or for the reduce thread: a copy
         if body.nbytes:
-            dest[:] = body
+            copy_bytes(dest, body)
         self.received(peer, header, dest)
 
     def _placed(self, peer: int, header: Header, route: Route) -> None:

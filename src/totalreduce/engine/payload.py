@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..interrupts import deferred as ctrl_c
+from ..memcopy import copy_array
 from .schedule import Schedule
 
 _CTRL_C_SLICE = 0.1
@@ -74,7 +75,7 @@ def finish_local(spec: OpSpec, regions: tuple[tuple[int, int], ...]) -> None:
     for lo, hi in regions:
         if hi > lo:
             if spec.fresh:
-                spec.work[lo:hi] = spec.source_part(lo, hi)
+                copy_array(spec.work[lo:hi], spec.source_part(lo, hi))
             if spec.finalize is not None:
                 spec.finalize(spec.work[lo:hi])
 

@@ -22,6 +22,7 @@ from threading import get_ident
 
 import numpy as np
 
+from ..memcopy import copy_bytes
 from ..transport.base import Port
 from ..transport.wire import (
     FLAG_CREDITED,
@@ -260,7 +261,7 @@ class Repeat:
             part = work if whole else work[lo:hi]
             if recv.mode == COPY:
                 if nbytes:
-                    part.data.cast("B")[:] = body
+                    copy_bytes(part.data.cast("B"), body)
             elif nbytes:
                 assert ufunc is not None
                 # A fresh buffer's region takes its left operand from the source: the

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Collection
 
 from ..interrupts import deferred as ctrl_c
+from ..memcopy import copy_bytes
 from ..transport.base import Transport
 from ..transport.wire import (
     FLAG_CREDITED,
@@ -126,7 +127,7 @@ def apply_piece(spec: OpSpec, recv: Recv, body: memoryview) -> None:
     work = spec.work
     if recv.mode == COPY:
         if body.nbytes:  # as bytes: a third cheaper than through np.frombuffer
-            work[recv.lo:recv.hi].data.cast("B")[:] = body
+            copy_bytes(work[recv.lo:recv.hi].data.cast("B"), body)
     else:
         assert spec.ufunc is not None
         # A buffer that starts undefined (OpSpec.fresh) takes each region's left operand

@@ -30,6 +30,7 @@ from ..engine.repeat import Repeat
 from ..engine.schedule import Schedule, even_bounds
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
+from ..memcopy import copy_array
 from ..transport.wire import (
     Header,
     dtype_code,
@@ -504,7 +505,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
         fill from it (OpSpec.fresh); copied into ``work`` if the algorithm cannot."""
         plan = self._algorithms.allreduce(work.size, dtype, source is not None)
         if source is not None and not plan.fresh:
-            np.copyto(work, source)
+            copy_array(work, source)
             source = None
         view = with_algorithm(view, plan.algorithm)
         known = None if known is None else (*known, plan.algorithm)
@@ -604,7 +605,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
         schedule, algorithm, fresh = self._algorithms.reducescatter(bounds, arr.dtype,
                                                                    source is not None)
         if source is not None and not fresh:
-            np.copyto(work, source)
+            copy_array(work, source)
             source = None
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
         lend, lend_slow = self._reduction_lends(work, source)

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ..memcopy import copy_bytes
 from .copy_pace import PACE_MIN, CopyPace
 from .wire import (
     FLAG_CHUNKED,
@@ -229,7 +230,7 @@ class RingWriter:
             t0 = time.perf_counter() if n >= PACE_MIN else 0.0  # small bodies: not timed
             at += HEADER_SIZE
             try:
-                view[at:at + n] = body
+                copy_bytes(view[at:at + n], body)
             except (TypeError, ValueError):  # not a flat byte view: numpy copies anything
                 np.copyto(self._m.data[at:at + n], np.frombuffer(body, dtype=np.uint8))
             if t0:
