@@ -181,6 +181,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .memcopy import MIN_PIECE
+
 _PREFIX = "TOTALREDUCE_"
 # Horovod's names for our settings (read when ours is unset), and the factor from its unit.
 _HOROVOD = {
@@ -229,7 +231,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                   "must be >= 0 (bytes; 0 = never lend), or -1 for auto"),
     "slow_ring_gbps": (lambda v: v >= 0 or v == -1,
                        "must be >= 0 (GB/s; 0 = never lend for it), or -1 for auto"),
-    "copy_piece": (lambda v: v == -1 or v == 0 or v >= 4096,
+    "copy_piece": (lambda v: v == -1 or v == 0 or v >= MIN_PIECE,
                    "must be >= 4096 (bytes), 0 for whole copies, or -1 for auto"),
     "scratch_bytes": (lambda v: v >= 0, "must be >= 0 (bytes)"),
     "name_capacity": (lambda v: v >= 1, "must be >= 1 (names)"),

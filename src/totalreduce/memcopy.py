@@ -37,6 +37,8 @@ import numpy as np
 
 # Private copies from this size go in pieces: below it, pieces ran no faster (see above).
 PRIVATE_FROM = 16 << 20
+# The smallest piece TOTALREDUCE_COPY_PIECE may set: a copy under twice it is never cut.
+MIN_PIECE = 4096
 
 
 def _l2_bytes() -> int:

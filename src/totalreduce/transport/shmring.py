@@ -45,7 +45,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..memcopy import copy_bytes
+from ..memcopy import MIN_PIECE, copy_bytes
 from .copy_pace import PACE_MIN, CopyPace
 from .wire import (
     FLAG_CHUNKED,
@@ -230,7 +230,10 @@ class RingWriter:
             t0 = time.perf_counter() if n >= PACE_MIN else 0.0  # small bodies: not timed
             at += HEADER_SIZE
             try:
-                copy_bytes(view[at:at + n], body)
+                if n >= 2 * MIN_PIECE:  # a small body's record skips the call
+                    copy_bytes(view[at:at + n], body)
+                else:
+                    view[at:at + n] = body
             except (TypeError, ValueError):  # not a flat byte view: numpy copies anything
                 np.copyto(self._m.data[at:at + n], np.frombuffer(body, dtype=np.uint8))
             if t0:
