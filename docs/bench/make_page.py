@@ -108,7 +108,13 @@ Here a plain copy of 16 MiB between two warm buffers runs at about 33 GB/s (1 Mi
 GB/s), the kernel's copy of a lent body (`process_vm_readv`) at 10-13.6 GB/s, and a `for`
 loop's iteration takes 17-19 ns. The host is shared and noisy: medians move by 10-50 %
 from one run to the next, MPI's too, so compare ratios within a table, not absolute
-times across tables. totalreduce's rings time their copies and lend what they would copy
+times across tables. It also moves the VM, for minutes at a time, between two placements
+of its two virtual cores: one where they share a cache and one where they do not. In the
+second, glibc's `memcpy` of 1 MiB or more into memory the other core has just read ran
+five to six times slower (129 us for 1 MiB, against 20 us in the first): MPI's copies
+slow down there, and totalreduce copies such blocks in 512 KiB pieces, which took 26 us
+(`memcopy.py`, `TOTALREDUCE_COPY_PIECE`). A run, and a table, may cross both
+placements. totalreduce's rings also time their copies and lend what they would copy
 while the copies run slower than the kernel's copy measured at start
 (`TOTALREDUCE_SLOW_RING_GBPS`, see "Why the defaults are what they are").
 
@@ -725,6 +731,22 @@ epochs more than dense.
 
 The settings in `config.py` that trade speed one way or another, and the measurements
 behind each choice (2 ranks unless said; `--set NAME=VALUE` repeats any of them).
+
+Why big copies go in pieces of half the L2 cache on AMD CPUs (`TOTALREDUCE_COPY_PIECE`,
+memcopy.py): glibc copies a block of at least the L2 size (1 MiB here) with a vector loop
+that first reads each destination line, where a smaller one goes by `rep movsb`, which
+does not; into ring lines the peer has just read, in the placement where the two cores
+share no cache, 1 MiB took 129 us whole and 26 us in two pieces. `python -m
+totalreduce.bench collectives -n 2 --sizes 1M,4M,16M,64M --rounds 2` with `--set
+COPY_PIECE=0` and without, alternated twice in that placement: allreduce 1 MB 0.073-0.085
+ms against 0.171-0.172, 4 MB 0.46-0.49 against 0.67, 16 MB 2.1-2.3 against 3.0;
+broadcast 4 MB 0.18-0.21 against 0.51-0.56; reducescatter 4 MB 0.19-0.20 against
+0.37-0.41. In the other placement, blocks of calls each way interleaved in one job: 4 MiB
+broadcasts 0.119 against 0.128 ms, allreduces 0.231 against 0.247, 1-2 MiB level.
+Private copies (an allgather's own block, an input copied into a working buffer) go in
+pieces from 16 MiB, where a copy into memory no cache holds ran 15-20 % faster so (2-8 MiB
+ones 2-5 % slower). On other CPUs glibc uses `rep movsb` up to its much larger
+non-temporal bound, and copies stay whole.
 
 Why 2 MiB segments: one process pair alternating 1 and 2 MiB per op (so both see the same
 machine state) ran 4-64 MB allreduces 5-20% faster with 2 MiB over the shared-memory rings
