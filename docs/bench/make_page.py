@@ -179,10 +179,10 @@ the cache, totalreduce reads lower here than in its own job (the collectives tab
 {table("floor-2")[1]}
 
 The bare exchanges are what copying through memory allows here: at 4 and 16 MB the
-faster of the two runs 1.25x and 1.32x as fast as MPI, at 1 MB, where a piece stays in a
-core's cache, 2.2x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
+faster of the two runs 1.23x and 1.30x as fast as MPI, at 1 MB, where a piece stays in a
+core's cache, 2.4x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
 gets much further. The gap between them and totalreduce is the engine's own cost: its
-headers, credit, handlers and turns of the loop, about 0.06 ms a call at 1 MB here
+headers, credit, handlers and turns of the loop, about 0.04 ms a call at 1 MB here
 (0.1 ms on the Intel VM). At 16 MB, where
 totalreduce lends its 2 MiB pieces, timestamps in one process pair put 70-130 us of
 handling between one piece's copy and the next's (the next record waits for a turn of
@@ -296,7 +296,7 @@ a bare loop over the same rings takes (post, poll, add, release), the other half
 engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The host
 moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks the
 8-byte allreduce took 3.4x MPI's time here (5.7x on the Intel VM), the barrier 2.9x
-(4.8x). The MPI transport took 4.0x and 3.4x; sockets 6.4x and 5.6x, where through the
+(4.8x). The MPI transport took 4.0x and 3.3x; sockets 6.4x and 5.5x, where through the
 loop, before they could show messages in place, they took 26x and 6-8x on this VM.
 At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
@@ -324,10 +324,9 @@ buffer. Modes interleaved rep by rep.
 MPI's `per-tensor` runs in one of two modes from iteration to iteration on this host:
 34-37 ms, as here, or 12-13 ms. In three runs of its own
 (`--backends mpi --rounds 1 --reps 15`) its median was 14.5-15.2 ms, p10-p90
-12.2-35.3: against that mode our grouped and optimizer modes (18-26 ms) run at 1.3-1.7x
-its time, and only `flat` (10-14 ms) keeps up. With only 25 MB buckets in the job
-(`--buckets-mb 25`), and in a script timing that mode alone, the optimizer's buckets took
-12.7-13.8 ms, against 20.5 here, where four optimizers' buckets (102 MB each) take turns.
+12.2-35.3: against that mode our grouped modes (15.8-16.6 ms here) and the optimizer's
+4-16 MB buckets (15.1-20.5) run at 1.0-1.4x its time, and `flat` (12.3) and the
+optimizer's 25 MB buckets (11.4) keep up.
 
 ## Training with PyTorch: DistributedOptimizer against DDP
 
@@ -409,10 +408,10 @@ is the op's own cost. Over the
 shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
 the application's thread posts its message into a second, small ring to the peer and
 reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.111
-ms here against 0.060 ms alone after the delay (1.85x; 1.7-5.8x in other runs here, where
+and without the big op's records ahead of it in the ring, which is read in order: 0.220
+ms here against 0.095 ms alone after the delay (2.32x; 1.7-7.7x in other runs here, where
 the time alone after the delay moved between 0.02 and 0.11 ms while the time during the
-big op stayed at 0.09-0.16; on the Intel VM, at an earlier commit, 0.229 against 0.180
+big op stayed at 0.09-0.24; on the Intel VM, at an earlier commit, 0.229 against 0.180
 ms, 1.27x). The thread that drives the big op gives its core away every 100 us
 (transport/poller.py, `GiveWay`), as well as between the slices of a lent copy: a loop
 busy with a big op never blocks, and the application's thread, woken from its sleep,
@@ -452,8 +451,8 @@ before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost
 allreduces 10-30 %.
 
 Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.120 ms against
-0.055 ms alone after the delay here (2.20x; 1.0-3.8x in other runs here, 3.87x on the
+it does not wait behind the big op's bytes in the kernel's buffers: 0.148 ms against
+0.066 ms alone after the delay here (2.22x; 1.0-3.8x in other runs here, 3.87x on the
 Intel VM at an earlier commit). Both ends of every connection and lane send at once
 (`TCP_NODELAY`): a lane's accepting end once lacked it, and a lone urgent message then
 waited for the peer's delayed ACK, up to 40 ms. Its slow tail was the two ranks' calls
@@ -468,8 +467,8 @@ the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to anoth
 keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
 two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
 lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 0.094 ms against 0.028 ms alone after the delay (3.32x; p90
-0.15 ms; 3.0-4.0x in other runs here). Its tail was a peer's thread woken from the sleep
+(transport/ring_lane.py): 0.165 ms against 0.099 ms alone after the delay (1.67x; p90
+0.26 ms; 3.0-4.0x in other runs here). Its tail was a peer's thread woken from the sleep
 late, waiting for a core which the progress thread's calls into MPI kept busy: 0.3-1 ms
 late in one call of three or four, and the median moved between 0.1 and 2 ms from run to run
 (4.1-22x; on the Intel VM, stamped in C as `clock_nanosleep` returns, 3.5-4.3 ms late at
@@ -504,15 +503,15 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 48.6
-against 28.8 µs at 2 ranks). The cache cuts the cost another 12x: without it, every
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 52.2
+against 30.4 µs at 2 ranks). The cache cuts the cost another 11x: without it, every
 tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
 whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 1.6 µs per op at 2 ranks, 4.9x faster than 1,000 of MPI's
-`Iallreduce` (8.0 µs each), and 5.8 µs at 4 ranks (four processes on two cores), 9.3x
-faster than MPI's 53.8. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
+cache and fusion, takes 1.5 µs per op at 2 ranks, 5.5x faster than 1,000 of MPI's
+`Iallreduce` (8.2 µs each), and 4.8 µs at 4 ranks (four processes on two cores), 9.0x
+faster than MPI's 43.1. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
 (see Environment), before the cycle reused a repeated step's fusion runs, 7.9 and 22.2
-µs. It varies with the host (1.4 to 3.2 µs between the 10th and 90th percentiles at 2
+µs. It varies with the host (1.4 to 1.9 µs between the 10th and 90th percentiles at 2
 ranks here): the whole cost is Python on the submitting thread and the cycle thread.
 Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
 seen before skips the argument checks and makes one new object); the cycle's taking,
@@ -531,8 +530,8 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-90 and 80 µs for the allreduce and the barrier at 2 ranks, 13-14x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (0.39 and 0.46 ms). A
+94 and 130 µs for the allreduce and the barrier at 2 ranks, 14-20x self-guided mode's
+time. At 4 ranks on 2 cores each hand-off also waits for a core (0.44 and 0.53 ms). A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -542,11 +541,11 @@ cycle and a half at the median.
 {table("skew-neg")[1]}
 
 Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.64x (2 ranks) and 0.74x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (0.94x and 1.11x). Without fusion, each of the 161
+so it finishes within 0.62x (2 ranks) and 0.74x (4 ranks) of the ideal. Negotiated mode
+first waits for a cycle to notice (0.90x and 1.03x). Without fusion, each of the 161
 tensors then runs as an engine op of its own behind that wait, which in this run beat
-fusing the few that a cycle finds together at 2 ranks (0.73x) and at 4 (1.03x), where the
-ops compete for two cores (on the Intel VM 0.99x and 1.29x).
+fusing the few that a cycle finds together at 2 ranks (0.65x) and tied it at 4 (1.01x),
+where the ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
@@ -554,11 +553,11 @@ ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 {table("replay-neg")[1]}
 
 With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
-grouped mode took 22.3 ms against negotiated's 38.1, its per-tensor mode 22.1 against
-38.1 and its optimizer mode 19.2 against 39.4 (flat: 13.0 against 14.6). Fusing big
+grouped mode took 15.1 ms against negotiated's 38.2, its per-tensor mode 19.7 against
+37.8 and its optimizer mode 15.6 against 37.9 (flat: 12.0 against 14.9). Fusing big
 tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning fusion
-off bought an eighth here (per-tensor 33.0 ms). At 4 ranks negotiated per-tensor takes
-100.5 ms, self-guided grouped 87.0.
+off bought a sixth here (per-tensor 31.6 ms). At 4 ranks negotiated per-tensor takes
+105.3 ms, self-guided grouped 80.7.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
@@ -584,15 +583,15 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
 are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
-the heavy-tailed values is the exception: in one alltoall it beats or ties dense at every
-rank count at 1 %, 0.74-0.97x, and at 2 and 4 ranks at 2 %, 0.96-0.99x; pipelined, at 4
-ranks, 1.08x and 1.29x). The point
+the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
+count at 1 %, 0.68-0.95x, and at 4 ranks at 2 %, 0.89x; pipelined, at 4 ranks, 0.95x and
+1.13x). The point
 is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
 words per k, under its bound at every size, while TopkA's grows with the ranks. On the
 million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
 thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (up to 1.5x at 4 ranks, 3.7x on the smaller
-vectors); with a core per rank and a
+cores, so one alltoall is faster here (1.3-1.4x at 4 ranks on the million values, up to
+2.7x on the smaller vectors); with a core per rank and a
 real network between them, summing one step while the next travels is what the pipeline
 is for.
 
@@ -672,14 +671,14 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 On one host the server pays for its extra processes and for a round trip per push and per
 pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
-trains at 0.26-0.31x allreduce's rate (0.28-0.40x on the Intel VM). With the straggler,
-removing the bound bought 1.92x tau = 0's throughput in this run (0.90x to 1.60x in
-others: the straggler's own steps bound the time either way) and cost 5.3 points of
+trains at 0.22-0.25x allreduce's rate (0.28-0.40x on the Intel VM). With the straggler,
+removing the bound bought 1.87x tau = 0's throughput in this run (0.90x to 1.92x in
+others: the straggler's own steps bound the time either way) and cost 2.9 points of
 accuracy (0.7 to 8.0 in those others); bounds of 1 and 4 keep tau = 0's accuracy within
-0.3 points. Averaging every 4 or 16 steps is the fastest, and every 16 loses 2 points.
-Surviving a server's loss costs 0.70x of tau = 0's throughput without a straggler (a push
-waits for a second server's round trip) and 1.03x with one, whose own steps set the pace
-(0.52-0.73x and 0.64-0.83x in other runs).
+0.5 points. Averaging every 4 or 16 steps is the fastest, and every 16 loses 2 points.
+Surviving a server's loss costs 0.58x of tau = 0's throughput without a straggler (a push
+waits for a second server's round trip) and 0.97x with one, whose own steps set the pace
+(0.52-0.73x and 0.64-1.03x in other runs).
 
 ## Across hosts
 
@@ -704,9 +703,9 @@ straddle the hosts.
 {table("hosts-10gbit")[1]}
 
 At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.101 s hierarchical at 64 MiB,
-against 0.102 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.09x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
+jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.092 s hierarchical at 64 MiB,
+against 0.098 s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself; it comes within 1.08x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
 `docs/bench/hosts-10gbit-1.txt`).
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
@@ -724,7 +723,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 With two ranks per host, four ranks share the 2 cores. The forward and backward passes
 and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.6-2.1x) turns into 0.75-1.09x dense's speed to 95 %: they need one to three
+samples/s (1.9-2.7x) turns into 0.86-1.39x dense's speed to 95 %: they need one to three
 epochs more than dense.
 
 ## Why the defaults are what they are
@@ -949,36 +948,36 @@ either way, 3-13% behind in both.
 
 - Small messages: a blocking allreduce of a few bytes costs 6.8 us at 2 ranks in the
   latency table (MPI: 2.0 us, 3.4x; 5.7x on the Intel VM), nearly all of it Python per
-  op, even from a Repeat; 7.9 us over the MPI transport, 12.7 us over sockets. A barrier
-  takes 6.5 us (2.9x). Async small allreduces, which the loop runs, cost about 29 us each
+  op, even from a Repeat; 8.1 us over the MPI transport, 12.8 us over sockets. A barrier
+  takes 6.5 us (2.9x). Async small allreduces, which the loop runs, cost about 30 us each
   self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.010-0.011 ms at 4 bytes in the 2-rank table, a
+  data; `same_shape=True` makes it one (0.011-0.012 ms at 4 bytes in the 2-rank table, a
   broadcast 0.011 ms, against MPI's 0.001-0.003). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 1.95x MPI at 1 MB, 1.77x at 4 MB and 1.25x at
-  16 MB, 2.90-3.07x from 64 MB; reducescatter 1.67-2.01x at 1-16 MB, 3.26-3.45x from
+- The 2-rank collectives table: allreduce 2.04x MPI at 1 MB, 1.82x at 4 MB and 1.23x at
+  16 MB, 2.81-2.92x from 64 MB; reducescatter 1.77-1.84x at 1-16 MB, 3.24-3.37x from
   64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
-  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.8 GB/s of algorithm bandwidth
-  for the reductions here (1-4 MB at 9.0-12.6 GB/s), which leaves a reduction little room
-  at 16 MB: a 16 MB allreduce takes us 1.52 ms against MPI's 1.91 in this run (2.06
-  against 2.00 in an earlier one), and the floor table's bare exchanges, with no engine, reach
-  1.25-1.32x MPI at 4-16 MB.
+  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.2 GB/s of algorithm bandwidth
+  for the reductions here (1-4 MB at 8.9-11.2 GB/s), which leaves a reduction little room
+  at 16 MB: a 16 MB allreduce takes us 1.67 ms against MPI's 2.05 in this run (1.52
+  against 1.91 in an earlier one), and the floor table's bare exchanges, with no engine,
+  reach 1.06-1.30x MPI at 4-16 MB.
 - Calls back to back flatter both libraries, ours more: with a pause before each call
   (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.60-1.80
   ms back to back, 1.86-2.14 after 1 ms and 2.43-2.53 after 10 ms; MPI's 2.02-2.05,
   2.15-2.25 and 2.42-2.61 (one job per library, each pause in turn, two runs). After a
   pause the two are level at that size.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.13x at 1 MB, 0.92x
-  at 4 MB, 0.76x at 16 MB and 0.94-0.95x at 64 and 256 MB; alltoall 1.09x at 1 MB, 0.78x
-  at 4 MB, 0.96x at 16 MB, 0.94-0.99x from 64 MB; broadcast 1.54x at 1 MB, 1.50x at 4 MB,
-  0.91x at 16 MB, 0.86x at 64 MB and 1.03x at 256 MB, where the receiver copies the root's
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.15x at 1 MB, 0.88x
+  at 4 MB, 0.78x at 16 MB and 0.97-1.02x at 64 and 256 MB; alltoall 0.93x at 1 MB, 0.65x
+  at 4 MB, 0.81x at 16 MB, 0.96-0.99x from 64 MB; broadcast 1.59x at 1 MB, 1.62x at 4 MB,
+  0.99x at 16 MB, 0.91x at 64 MB and 0.96x at 256 MB, where the receiver copies the root's
   lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
-  10-21 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.82 ms in this run). An
+  10-22 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.88 ms in this run). An
   alltoall moves what MPI's does the way MPI's does (one `process_vm_readv` of the peer's
   block, a copy of our own): a bare exchange in Python doing just that, in one job with
   MPI's and ours on the same arrays, took 0.18 ms at 4 MB (MPI 0.18, ours 0.24) and
@@ -996,12 +995,13 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
-  1 MB up on this host (0.31-0.75x) but for allreduce and reducescatter from 64 MB
-  (1.40-1.78x); its small ops run on the caller's thread as the rings' do (4 bytes:
-  0.013-0.019 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
-  allreduce and reducescatter from 64 MB (2.86-3.39x), and both at 4-16 MB (1.03-1.43x),
-  and trails it elsewhere from 1 MB (0.42-0.93x); its ops with bodies up to 256 KiB run on
-  the caller's thread (4 bytes: 0.009-0.013 ms).
+  1 MB up on this host (0.27-0.79x) but for allreduce and reducescatter from 64 MB
+  (1.26-1.75x); its small ops run on the caller's thread as the rings' do (4 bytes:
+  0.014-0.022 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
+  allreduce and reducescatter from 64 MB (2.83-3.29x), reducescatter at 4-16 MB
+  (1.31-1.54x) and allreduce at 16 MB (1.10x), and trails it elsewhere from 1 MB
+  (0.41-0.96x); its ops with bodies up to 256 KiB run on the caller's thread (4 bytes:
+  0.010-0.013 ms).
 - 8 to 16 ranks (16 cores): from 16 MB every cell leads MPI (1.03-4.72x) and every
   allreduce cell leads gloo, but at 1-4 MB most trail MPI: allreduce 0.36-0.69x at 4-16
   ranks, allgather 0.58-0.84x, alltoall 0.47-0.65x, broadcast at 16 ranks 0.37-0.58x,
@@ -1024,11 +1024,11 @@ either way, 3-13% behind in both.
   slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
   CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
   avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.1 ms (4.9x and 3.4x
-  MPI's 8-byte allreduce and barrier in the latency table, 5.1x and 3.6x over the MPI
-  transport, 6.3x and 4.5x over sockets; 0.27-0.40x in the 4-rank table, where every call
-  follows a barrier), and allreduces run at 0.91x MPI at 1 MB, 0.64x at 4 MB, 1.07x at
-  16 MB and 2.23x at 64 MB (1.21x, 0.80x, 0.97x and 2.81x in an earlier run here; on the
+- Oversubscribed ranks (4 on 2 cores): small ops take about 0.1 ms (5.3x and 3.6x
+  MPI's 8-byte allreduce and barrier in the latency table, 5.4x and 3.9x over the MPI
+  transport, 6.8x and 5.1x over sockets; 0.18-0.37x in the 4-rank table, where every call
+  follows a barrier), and allreduces run at 1.58x MPI at 1 MB, 1.22x at 4 MB, 0.91x at
+  16 MB and 2.68x at 64 MB (0.91x, 0.64x, 1.07x and 2.23x in an earlier run here; on the
   Intel VM 0.66x, 0.63x, 0.92x and 1.69x). Every hop waits for a peer to get a core;
   neither the small path's threshold, nor doubling up to 4 or 16 MB, nor the ring from
   256 KiB, nor recursive halving from 1 MB (or up to 16 MB), nor longer or shorter spins
@@ -1041,10 +1041,11 @@ either way, 3-13% behind in both.
   processes spinning on a shared array, yielding between looks, part within 16-49 us; a
   barrier of direct messages to every peer (one hop where recursive doubling takes two)
   let them go over 116-123 us.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 1.85x its time alone
-  after the same sleep over shared memory (1.7-5.8x in other runs, where the time alone
-  moved more than the time during the big op), 2.2x over TCP (1.0-3.8x) and 3.3x over
-  the MPI transport (3.0-4.0x), each on its own lane (the preemption section). What is
+- Preemption: a blocking urgent op during a 64 MB allreduce takes 2.3x its time alone
+  after the same sleep over shared memory (1.7-7.7x in other runs, where the time alone
+  moved more than the time during the big op), 2.2x over TCP (1.0-3.8x) and 1.7x over
+  the MPI transport (3.0-4.0x in other runs), each on its own lane (the preemption
+  section). What is
   left is the caller's Python running two to three times slower while the big op's
   copies take the cores; an urgent op the loop runs (an async one) waits much longer.
 """]
