@@ -11,6 +11,8 @@ import stat
 import numpy as np
 import pytest
 
+from totalreduce import memcopy
+from totalreduce.transport import shmring
 from totalreduce.transport.copy_pace import PACE_MIN, PROBE_EVERY, CopyPace
 from totalreduce.transport.shmring import RingReader, RingWriter, shm_available
 from totalreduce.transport.wire import (
@@ -385,3 +387,31 @@ def test_a_writer_times_its_big_copies_only() -> None:
             assert writer.post(_data(step, size), memoryview(bytes(size)))
             assert [s for s, _, _ in _drain(reader)] == [step]
         assert writer.pace.far is (size >= PACE_MIN)
+
+
+@pytest.mark.parametrize("n", [8191, 8192, 12345, 65536])
+def test_a_big_body_goes_into_the_ring_in_pieces_and_comes_out_whole(
+        n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    cuts: list[int] = []
+
+    def spy(dst: memoryview, src: memoryview) -> None:
+        cuts.append(src.nbytes)
+        memcopy.copy_bytes(dst, src)
+
+    before = memcopy.piece()
+    memcopy.set_piece(4096)
+    monkeypatch.setattr(shmring, "copy_bytes", spy)
+    writer, reader = _pair(1 << 20)
+    try:
+        body = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+        assert writer.post(_data(1, n), body.data.cast("B"))
+        header, got = reader.next()
+        assert header.nbytes == n and bytes(got) == body.tobytes()
+        got.release()
+        reader.release()
+        # Bodies of twice the smallest piece or more go through copy_bytes, which cuts them.
+        assert cuts == ([] if n < 2 * memcopy.MIN_PIECE else [n])
+    finally:
+        memcopy.set_piece(before)
+        reader.close()
+        writer.close()
