@@ -18,7 +18,10 @@ def piece() -> Iterator[None]:
 
 
 class _Recorder:
-    """A destination that keeps the slices written into it."""
+    """A flat byte destination that keeps the slices written into it."""
+
+    ndim = 1
+    format = "B"
 
     def __init__(self, n: int) -> None:
         self.buf = bytearray(n)

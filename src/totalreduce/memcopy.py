@@ -24,9 +24,10 @@ copy               whole       1 MiB pieces   512 KiB pieces
 holds, 32 and 128 MiB copies took 1.70 and 7.3 ms whole against 1.43-1.47 and 5.9-6.2 in
 512 KiB pieces (2-8 MiB ones 2-5 % longer in pieces, which is why those stay whole).
 
-So on AMD CPUs a copy into a ring (:func:`copy_bytes`) of at least ``L2`` bytes goes in
-pieces of half of it, and so does a private copy (:func:`copy_array`) from
-:data:`PRIVATE_FROM`.  ``TOTALREDUCE_COPY_PIECE`` sets the piece (0: whole copies).
+So on AMD CPUs a message body's copy (:func:`copy_bytes`: into a ring, or out of one
+into place) of at least ``L2`` bytes goes in pieces of half of it, and so does an
+array's (:func:`copy_array`) from :data:`PRIVATE_FROM`.  ``TOTALREDUCE_COPY_PIECE`` sets
+the piece (0: whole copies).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def _l2_bytes() -> int:
 
 
 def _amd() -> bool:
+    """Whether this is Linux on an AMD (or Hygon) x86-64 CPU, whose glibc stops using
+    ``rep movsb`` at the L2 size."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
@@ -93,7 +96,8 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     least twice the piece (the glibc threshold the piece is half of)."""
     n = src.nbytes
     step = _piece
-    if not step or n < 2 * step or src.ndim != 1 or src.format not in ("B", "b", "c"):
+    if (not step or n < 2 * step or src.ndim != 1 or dst.ndim != 1 or src.format != "B"
+            or dst.format != "B"):
         dst[:] = src  # raises as a slice assignment does where the two differ
         return
     for lo in range(0, n, step):
