@@ -78,13 +78,14 @@ def auto_piece() -> int:
     return l2 // 2 if l2 >= 64 << 10 else 512 << 10
 
 
-_piece = auto_piece()
+_auto = auto_piece()  # the CPU does not change: asked once
+_piece = _auto
 
 
 def set_piece(piece: int) -> None:
     """Use pieces of ``piece`` bytes from now on (0: whole copies; negative: auto)."""
     global _piece
-    _piece = auto_piece() if piece < 0 else piece
+    _piece = _auto if piece < 0 else piece
 
 
 def piece() -> int:

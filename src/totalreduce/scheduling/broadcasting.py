@@ -41,10 +41,7 @@ class BroadcastOps(SchedulerParts):
         else:
             arr, root = x, kept[1]
         call_key, label = self._call("broadcast", name)
-        if self.rank == root or inplace:
-            work, writeback = self._working_copy(arr, inplace)
-        else:
-            work, writeback = np.empty(arr.size, arr.dtype), False
+        work, writeback = self._broadcast_buffer(arr, root, inplace)
         if kept is not None:
             template = kept[0]
             spec = template.spec(call_key, label, work, priority, self._members)
@@ -70,9 +67,7 @@ class BroadcastOps(SchedulerParts):
                     self._broadcasts.put(key, (OpTemplate(spec), root))
 
         def finish() -> np.ndarray:
-            if writeback:
-                arr[...] = work.reshape(arr.shape)
-            return arr if inplace else work.reshape(arr.shape)
+            return _broadcast_result(arr, work, writeback, inplace)
 
         if (self.rank == root and work.nbytes > self._direct_broadcast
                 and self._engine.waits_here() and self._engine.spreads(self._peers,
@@ -111,13 +106,24 @@ class BroadcastOps(SchedulerParts):
         if not here:
             return None
         start = time.perf_counter()
-        if self.rank == kept[1] or inplace:
-            work, writeback = self._working_copy(arr, inplace)
-        else:
-            work, writeback = np.empty(arr.size, arr.dtype), False
+        work, writeback = self._broadcast_buffer(arr, kept[1], inplace)
         self._repeat(kept[0].repeat, work, name)
         if slow is not None:
             self._slow_rings.took(slow, False, time.perf_counter() - start)
-        if writeback:
-            arr[...] = work.reshape(arr.shape)
-        return arr if inplace else work.reshape(arr.shape)
+        return _broadcast_result(arr, work, writeback, inplace)
+
+    def _broadcast_buffer(self, arr: np.ndarray, root: int, inplace: bool
+                          ) -> tuple[np.ndarray, bool]:
+        """The buffer the op runs in, and whether the result is copied back into
+        ``arr``: the root's data (or an in-place caller's array), else a new one."""
+        if self.rank == root or inplace:
+            return self._working_copy(arr, inplace)
+        return np.empty(arr.size, arr.dtype), False
+
+
+def _broadcast_result(arr: np.ndarray, work: np.ndarray, writeback: bool, inplace: bool
+                      ) -> np.ndarray:
+    """What the call returns once ``work`` holds the root's data."""
+    if writeback:
+        arr[...] = work.reshape(arr.shape)
+    return arr if inplace else work.reshape(arr.shape)
