@@ -13,6 +13,7 @@ import totalreduce as tr
 from reporting import report
 from smallpath_workers import _close, _inputs
 from totalreduce.runtime import current
+from workers import reference_reduce
 
 
 def _by_size(sizes: list[int], dtypes: tuple[type, ...],
@@ -271,3 +272,46 @@ def repeated_big_broadcasts(arg: dict) -> None:
     repeats = current().engine.stats()["express_repeats"] - before
     tr.shutdown()
     report(calls=calls, repeats=repeats)
+
+
+def repeated_big_allreduces(arg: dict) -> None:
+    """Blocking allreduces of ``arg["sizes"]`` bytes (odd element counts, the dtypes in
+    turn, Sum, Max or Min), each size called ``arg["calls"]`` times under one name with
+    new data, in place or not by call, one rank late now and then; ``arg["async_rank"]``
+    makes its calls asynchronously, so the loop runs its side of each.  Every result
+    against numpy.  Reports how many calls there were and how many ran from a Repeat or
+    were handed over from one."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    mine = random.Random(90 + rank)
+    stats = current().engine.stats
+    before = stats()
+    dtypes = (np.float64, np.float32, np.int32, np.int64, np.float16, np.uint8)
+    ops = (("Sum", tr.Sum), ("Max", tr.Max), ("Min", tr.Min))
+    calls = 0
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = dtypes[i % len(dtypes)]
+        label, op = ops[i % len(ops)]
+        count = nbytes // np.dtype(dtype).itemsize | 1
+        for call in range(arg["calls"]):
+            inputs = _inputs(100 * i + call, n, count, dtype)
+            want = reference_reduce(inputs, label)
+            if mine.random() < 0.3:
+                time.sleep(mine.random() * 0.002)
+            mine_in = inputs[rank].copy()
+            if rank == arg.get("async_rank"):
+                got = mine_in
+                tr.allreduce_async_(got, op=op, name=f"big.{i}").wait()
+            elif call % 3 == 1:
+                got = tr.allreduce(mine_in, op=op, name=f"big.{i}")
+                assert np.array_equal(mine_in, inputs[rank]), "the input changed"
+            else:
+                got = mine_in
+                tr.allreduce_(got, op=op, name=f"big.{i}")
+            _close(got, want, f"{label} allreduce of {count} {got.dtype}, call {call}")
+            calls += 1
+    after = stats()
+    tr.shutdown()
+    report(calls=calls, repeats=after["express_repeats"] - before["express_repeats"],
+           handed_over=after["express_repeats_handed_over"]
+           - before["express_repeats_handed_over"], active=after["active_ops"])

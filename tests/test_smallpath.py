@@ -194,6 +194,46 @@ def test_broadcasts_run_on_the_callers_thread_while_they_fit_the_ring(n: int) ->
         assert result.report(r)["direct"] == [1, 1, 0, 0], result.explain()
 
 
+# 64 KiB segments: rings of 256 KiB, so ops of a few MiB are many times the ring.
+_SMALL_RING = {"TOTALREDUCE_SEGMENT_BYTES": "65536", "TOTALREDUCE_SLOW_RING_GBPS": "0"}
+
+
+@pytest.mark.parametrize(("n", "env", "sizes"), [
+    # At 2 ranks, auto: past the ring's bound (2 MiB here) up to REPEAT_ALLREDUCE_BYTES.
+    (2, {}, [(2 << 20) + 8, (5 << 19) + 24, 3 << 20, (2 << 20) + 40, 4 << 20,
+             (2 << 20) + 1]),
+    # DIRECT_BYTES set: every allreduce up to it, recursive doubling's too (under 2 MiB
+    # at 2 ranks, 1 MiB at 3), whose receives write what its waiting sends read.
+    (2, {"TOTALREDUCE_DIRECT_BYTES": "4194304"}, [(300 << 10) + 8, 1 << 20,
+                                                  (3 << 20) + 16]),
+    (3, {"TOTALREDUCE_DIRECT_BYTES": "4194304"}, [(600 << 10) + 8, (1 << 20) + 24,
+                                                  (3 << 20) + 48])])
+@pytest.mark.parametrize("async_rank", [None, 1])
+def test_allreduces_bigger_than_the_ring_run_from_a_repeat(
+        n: int, env: dict[str, str], sizes: list[int], async_rank: int | None) -> None:
+    # A repeated blocking allreduce whose sends do not fit the ring runs from its
+    # Repeat all the same: a send that does not fit waits while the caller's thread reads
+    # the peer's pieces (engine/repeat.py).  Odd sizes, dtypes and ops, in place and
+    # not, ranks late in turn; with ``async_rank`` that rank's calls run on the loop, so
+    # each op meets a peer on the general path.  Sums checked in the worker.
+    calls = 10
+    result = run_ok(n, "by_size_workers:repeated_big_allreduces",
+                    {"sizes": sizes, "calls": calls, "async_rank": async_rank},
+                    timeout=150, env={**_SMALL_RING, **env})
+    reports = [result.report(r) for r in range(n)]
+    assert all(got["calls"] == calls * len(sizes) and got["active"] == 0
+               for got in reports), reports
+    blocking = [got for r, got in enumerate(reports) if r != async_rank]
+    if n == 2 and async_rank is None:
+        # From each op's second call on, calls began from its Repeat on both ranks (one
+        # that meets a late peer hands the rest over to the loop), and some ran to
+        # their end there.
+        assert all(got["repeats"] > 0 and got["repeats"] + got["handed_over"]
+                   >= len(sizes) for got in blocking), reports
+    else:
+        assert sum(got["repeats"] + got["handed_over"] for got in blocking) > 0, reports
+
+
 @pytest.mark.parametrize(("n", "gbps"), [(2, "0"), (3, "0"), (2, "1e6")])
 def test_repeated_broadcasts_to_the_rings_bound_run_from_a_repeat(n: int, gbps: str) -> None:
     # A broadcast made again runs from its template's Repeat up to the ring's bound;

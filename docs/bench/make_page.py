@@ -793,6 +793,22 @@ way round, in the host's slow state); at 3 ranks on 2 cores 3 MB took 1.2-2.7 ag
 2.0-3.9 ms, at 4 ranks 2.5 MB 2.6-3.6 against 3.8-7.3 ms. 16 MB, on the same path either
 way, did not move.
 
+Why repeated 2-rank allreduces past the ring stay on the caller's thread up to 24 MiB
+(`REPEAT_ALLREDUCE_BYTES`, scheduling/thresholds.py): from its second call such an
+allreduce runs from its Repeat, whose sends wait for room in the ring while it reads and
+sums the peer's pieces, so each piece is copied in while the peer sums the one before,
+out of a cache that still holds it, with none of the loop's turns between. `python -m
+totalreduce.bench collectives -n 2 --backends totalreduce-shm,mpi --ops allreduce --sizes
+4M,8M,16M,32M,64M --rounds 2`, the old and the new tree alternated twice in each of the
+VM's two placements: where its two cores shared a cache, 8 MB took 0.44 ms against
+0.56-0.62 and 16 MB 1.10-1.13 against 1.29-1.47 (1.52-1.71x MPI against 1.36-1.44x); where
+they did not, 8 MB 0.94-0.95 against 0.98-0.99 and 16 MB 2.05-2.14 against 2.43-2.64. In
+jobs of their own (60 calls) where the cores shared no cache, 24 MB took 2.6-3.0 ms
+against 3.3-4.2, but 28 MB 4.2-4.5 against 3.3-4.3 and 32 MB 5.1-5.6 against 4.3-4.8
+(the loop lends the pieces of huge-paged buffers from 32 MiB); 64 MB was level. Only
+while the rings copy fast (`TOTALREDUCE_SLOW_RING_GBPS`): while they copy slowly the loop
+lends the pieces.
+
 Why 2-rank allgathers and alltoalls stay on the caller's thread up to 16 MiB where their
 pieces are lent (`LENT_GATHER_BYTES`, scheduling/thresholds.py): the express lane lends a
 piece as the loop does, then copies the rank's own block while the peer reads, with none

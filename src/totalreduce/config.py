@@ -54,7 +54,9 @@ TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the      
                                    fits in its shared-memory ring (gathers only
                                    while the ring copies fast), and at 2 ranks
                                    allgathers and alltoalls up to 16 MiB whose
-                                   pieces are lent (CMA_BYTES)
+                                   pieces are lent (CMA_BYTES), and repeated
+                                   allreduces up to 24 MiB while the rings copy
+                                   fast (their sends wait for room)
 TOTALREDUCE_TRANSPORT              shm, tcp, mpi, inproc or auto (mpi when         auto
                                    started by an MPI launcher and mpi4py imports,
                                    else shm); see transport/registry.py

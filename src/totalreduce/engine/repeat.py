@@ -10,18 +10,27 @@ where posting the record, waiting for the peer's and summing it took 8).  A
 :class:`Repeat` is made once per template; a call gives it only its buffer and identity.
 
 The messages are the express lane's, header for header.  Anything out of the ordinary (a
-message that is not the awaited one, a full ring, no credit, a peer slow to answer)
-builds the call's spec there and then and hands the op to the small path at the position
-reached, as the express lane does.
+message that is not the awaited one, a peer slow to answer) builds the call's spec there
+and then and hands the op to the small path at the position reached, as the express lane
+does.
+
+A send that does not fit (a full ring, no credit) waits instead, with every send after
+it, in the chain's order, while this thread reads what the peer sent and tries them again
+between its looks: so an op bigger than its ring runs here too, each piece copied into the
+ring while the peer reads the one before (a blocking allreduce past the ring, where the
+scheduler sends one: SelfGuided._direct_big).  A receive whose region a waiting send still
+reads waits for that send to go.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from threading import get_ident
 
 import numpy as np
 
+from ..interrupts import deferred as ctrl_c
 from ..memcopy import copy_bytes
 from ..transport.base import Port
 from ..transport.wire import (
@@ -48,6 +57,11 @@ from .smallpath import SmallPath, post_ready
 
 _KIND_READY = Kind.READY
 _frombuffer = np.frombuffer
+_now = time.perf_counter
+
+# How long this thread looks for the peer's next message, posting what waits meanwhile,
+# before the small path takes the op over (as Express.wait's spin).
+_SPIN = 200e-6
 
 # The fields Repeat._run compares by position (a header reordered must fail here).
 assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbytes",
@@ -67,7 +81,7 @@ class Repeat:
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
                  "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
-                 "_reduce_into")
+                 "_reduce_into", "_sends")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -101,9 +115,10 @@ class Repeat:
         # Each send as (its peer's port, peer, lo, hi, step, piece, bytes, whether the
         # peer is a source, so that its first data says READY, whether it reads the
         # call's source, whether it is the whole buffer); each step as (peer, its port,
-        # step, piece, its receive, the receive's bytes, the sends it unlocks, whether it
-        # is the whole buffer).  A whole buffer goes as it is: at 2 ranks every piece is,
-        # and a slice of it first cost as much again as the rest of making the body.
+        # step, piece, its receive, the receive's bytes, how many sends it unlocks (the
+        # next ones in _sends), whether it is the whole buffer).  A whole buffer goes as
+        # it is: at 2 ranks every piece is, and a slice of it first cost as much again as
+        # the rest of making the body.
         sources = chain.sources
         count = template.count
 
@@ -114,9 +129,12 @@ class Repeat:
                          for s in of)
 
         self._first = sends(chain.first)
+        # Every send in the chain's order (Chain.sends), where waiting ones queue: the
+        # first, then each step's.  A hand-over counts the ones posted in this order.
+        self._sends = sends(chain.sends)
         self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
         self._steps = tuple((peer, ports[peer], step, piece, recv,
-                             (recv.hi - recv.lo) * itemsize, sends(recv.then),
+                             (recv.hi - recv.lo) * itemsize, len(recv.then),
                              recv.lo == 0 and recv.hi == count)
                             for peer, step, piece, recv in chain.steps)
         self._sig, self._code, self._count = template.sig, template.dtype, count
@@ -188,16 +206,17 @@ class Repeat:
         told: set[int] = set()
         chain = self._chain
         post = self._post
+        sends = self._sends
         posted = 0
+        queued = len(self._first)  # sends unlocked so far: sends[posted:queued] wait
         for send in self._first:
             if not post(work, source, send, key, epoch, ready, told):
-                if not posted:  # as it was: the general path starts it
-                    for peer in ready:
-                        ledger.early_ready(key, peer)
-                    return False
-                return self._hand_over(work, source, key, epoch, ready, told, 0, posted,
-                                       True, local=True)
+                break
             posted += 1
+        if not posted and queued:  # as it was: the general path starts it
+            for peer in ready:
+                ledger.early_ready(key, peer)
+            return False
         if self._serving.early_headers.entries:  # JoinServer.forget's test, first
             self._serving.forget(key)
         finalize = self._finalize
@@ -226,7 +245,13 @@ class Repeat:
             # Header[3:10] and [1]: what a DATA message of this step must say, compared
             # as one slice where the express lane makes nine comparisons of fields.
             expected = (step, key0, key1, sig, piece, nbytes, count)
-            record = port.peek() or wait(port.peek)
+            record = port.peek()
+            if record is None:
+                if posted < queued:
+                    record, posted = self._wait_posting(port, work, source, key, epoch,
+                                                        ready, told, posted, queued)
+                else:
+                    record = wait(port.peek)
             while record is not None and record[1] is None:
                 header = record[0]
                 if not (header.kind == _KIND_READY and header.name_key == key0
@@ -238,15 +263,30 @@ class Repeat:
                     self._unpark(peer)
                 ready.add(peer)
                 port.take(header)
-                record = port.peek() or wait(port.peek)
+                record = port.peek()
+                if record is None:
+                    if posted < queued:
+                        record, posted = self._wait_posting(port, work, source, key, epoch,
+                                                            ready, told, posted, queued)
+                    else:
+                        record = wait(port.peek)
             if record is None:
                 return self._hand_over(work, source, key, epoch, ready, told, done, posted,
-                                       False)
+                                       posted < queued)
             header, body = record
             if body is None or header[3:10] != expected or header[1] != code:
                 # Not the message this step waits for: the small path looks at it again.
                 return self._hand_over(work, source, key, epoch, ready, told, done, posted,
-                                       False)
+                                       posted < queued)
+            lo, hi = recv.lo, recv.hi
+            if posted < queued:
+                # A waiting send may still read this region: it goes first.
+                gone = self._post_reading(work, source, key, epoch, ready, told, posted,
+                                          queued, lo, hi)
+                if gone < 0:
+                    return self._hand_over(work, source, key, epoch, ready, told, done,
+                                           -1 - gone, True)
+                posted = gone
             credit = header.credit
             flags = header.flags
             charge = 0 if not flags & FLAG_CREDITED else \
@@ -257,7 +297,6 @@ class Repeat:
                 self._unpark(peer)
             if flags & FLAG_READY:
                 ready.add(peer)
-            lo, hi = recv.lo, recv.hi
             part = work if whole else work[lo:hi]
             if recv.mode == COPY:
                 if nbytes:
@@ -281,15 +320,66 @@ class Repeat:
             if recv.final and finalize is not None and hi > lo:
                 finalize(part)
             port.take(header)
-            for send in then:
-                if not post(work, source, send, key, epoch, ready, told):
-                    return self._hand_over(work, source, key, epoch, ready, told, done + 1,
-                                           posted, True)
+            queued += then
+            while posted < queued and post(work, source, sends[posted], key, epoch, ready,
+                                           told):
                 posted += 1
+        if posted < queued:
+            deadline = _now() + _SPIN
+            while posted < queued:
+                if post(work, source, sends[posted], key, epoch, ready, told):
+                    posted += 1
+                elif _now() >= deadline or ctrl_c.pending:
+                    return self._hand_over(work, source, key, epoch, ready, told,
+                                           len(self._steps), posted, True)
         self._express.repeats += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one.
         self._done.add(key)  # OpTable.ran, inline
         return True
+
+    def _wait_posting(self, port: Port, work: np.ndarray, source: np.ndarray | None,
+                      key: OpKey, epoch: int, ready: set[int], told: set[int], posted: int,
+                      queued: int) -> tuple[tuple[Header, memoryview | None] | None, int]:
+        """The next record from ``port`` within the spin (None if none came), trying the
+        waiting sends ``_sends[posted:queued]`` again between looks: the peer may wait for
+        them, and reads our ring, making room, while it does.  Returns the record and how
+        many sends are posted now."""
+        post = self._post
+        sends = self._sends
+        peek = port.peek
+        deadline = _now() + _SPIN
+        while not ctrl_c.pending:
+            while posted < queued and post(work, source, sends[posted], key, epoch, ready,
+                                           told):
+                posted += 1
+            record = peek()
+            if record is not None:
+                return record, posted
+            if _now() >= deadline:
+                break
+        return None, posted
+
+    def _post_reading(self, work: np.ndarray, source: np.ndarray | None, key: OpKey,
+                      epoch: int, ready: set[int], told: set[int], posted: int, queued: int,
+                      lo: int, hi: int) -> int:
+        """Post the waiting sends up to the last one that reads ``work[lo:hi]`` (a
+        receive is about to write there), within the spin: how many sends are posted
+        then, or ``-1 - posted`` if that one could not go."""
+        last = -1
+        for i in range(posted, queued):
+            send = self._sends[i]
+            if not send[8] and send[2] < hi and lo < send[3]:  # from work, overlapping
+                last = i
+        if last < 0:
+            return posted
+        post = self._post
+        deadline = _now() + _SPIN
+        while posted <= last:
+            if post(work, source, self._sends[posted], key, epoch, ready, told):
+                posted += 1
+            elif _now() >= deadline or ctrl_c.pending:
+                return -1 - posted
+        return posted
 
     def _post(self, work: np.ndarray, source: np.ndarray | None, send: _Send,
               key: OpKey, epoch: int, ready: set[int], told: set[int]) -> bool:

@@ -62,6 +62,15 @@ def direct_broadcast_bytes(direct_ring: int, ring_room: int, size: int) -> int:
 # faster.
 LENT_GATHER_BYTES = 16 << 20
 
+# Blocking allreduces past the ring and up to this size run from their Repeat on the
+# caller's thread at 2 ranks on shared-memory rings, where each rank has a core of its
+# own and the rings copy fast (SelfGuided._big_allreduce, measured there).  Past it the
+# loop was as fast or faster: where the VM's cores shared no cache, 28 MB allreduces
+# took 4.2-4.5 ms this way against 3.3-4.3 on the loop and 32 MB 5.1-5.6 against
+# 4.3-4.8 (from 32 MiB the loop lends the pieces of huge-paged buffers:
+# REDUCE_LEND_BYTES); 64 and 128 MB were level where they shared one.
+REPEAT_ALLREDUCE_BYTES = 24 << 20
+
 # A blocking broadcast or alltoall at least this big may leave the caller's thread while
 # most of its peers' rings copy slowly (transport/copy_pace.py; Engine.lends), for the
 # loop to lend its pieces, where that has been the faster way here (slow_rings.py): on
