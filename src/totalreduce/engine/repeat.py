@@ -325,10 +325,13 @@ class Repeat:
                                            told):
                 posted += 1
         if posted < queued:
+            # The last sends: the spin starts again whenever one goes (a peer copying
+            # a big op's pieces out makes room at its own pace).
             deadline = _now() + _SPIN
             while posted < queued:
                 if post(work, source, sends[posted], key, epoch, ready, told):
                     posted += 1
+                    deadline = _now() + _SPIN
                 elif _now() >= deadline or ctrl_c.pending:
                     return self._hand_over(work, source, key, epoch, ready, told,
                                            len(self._steps), posted, True)
@@ -342,16 +345,20 @@ class Repeat:
                       queued: int) -> tuple[tuple[Header, memoryview | None] | None, int]:
         """The next record from ``port`` within the spin (None if none came), trying the
         waiting sends ``_sends[posted:queued]`` again between looks: the peer may wait for
-        them, and reads our ring, making room, while it does.  Returns the record and how
-        many sends are posted now."""
+        them, and reads our ring, making room, while it does.  The spin starts again
+        whenever one goes.  Returns the record and how many sends are posted now."""
         post = self._post
         sends = self._sends
         peek = port.peek
         deadline = _now() + _SPIN
         while not ctrl_c.pending:
-            while posted < queued and post(work, source, sends[posted], key, epoch, ready,
-                                           told):
+            if posted < queued and post(work, source, sends[posted], key, epoch, ready,
+                                        told):
                 posted += 1
+                while posted < queued and post(work, source, sends[posted], key, epoch,
+                                               ready, told):
+                    posted += 1
+                deadline = _now() + _SPIN
             record = peek()
             if record is not None:
                 return record, posted
@@ -377,6 +384,7 @@ class Repeat:
         while posted <= last:
             if post(work, source, self._sends[posted], key, epoch, ready, told):
                 posted += 1
+                deadline = _now() + _SPIN
             elif _now() >= deadline or ctrl_c.pending:
                 return -1 - posted
         return posted
