@@ -3,6 +3,7 @@ again) and report which way each took: the caller's thread, a Repeat, the loop."
 
 from __future__ import annotations
 
+import mmap
 import random
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import totalreduce as tr
 from reporting import report
 from smallpath_workers import _close, _inputs
 from totalreduce.runtime import current
+from totalreduce.transport import pages
 from workers import reference_reduce
 
 
@@ -315,3 +317,53 @@ def repeated_big_allreduces(arg: dict) -> None:
     report(calls=calls, repeats=after["express_repeats"] - before["express_repeats"],
            handed_over=after["express_repeats_handed_over"]
            - before["express_repeats_handed_over"], active=after["active_ops"])
+
+
+def _mapped(nbytes: int, huge: bool) -> tuple[mmap.mmap, np.ndarray]:
+    """``nbytes`` of private memory from a huge page's start, advised to take huge pages
+    or not to."""
+    area = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(area, np.uint8)
+    start = -whole.ctypes.data % (2 << 20)
+    area.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    return area, whole[start:start + nbytes]
+
+
+def gathers_by_pages(arg: dict) -> None:
+    """Same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]`` float32 rows,
+    three calls each, out of buffers that huge pages back or that small pages do,
+    checked against numpy.  Reports, by pages and op, how many bodies this rank lent and
+    what share of its input huge pages backed."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    rows = arg["rows"]
+    lent: dict[str, int] = {}
+    shares: dict[str, float | None] = {}
+    # Every buffer made first: none takes the place of one freed, whose pages the
+    # library may have been told of within pages._FRESH.
+    made = {(kind, op): (_mapped((rows if op == "allgather" else rows * n) * 4,
+                                 kind == "huge"), _mapped(rows * n * 4, kind == "huge"))
+            for kind in ("huge", "small") for op in ("allgather", "alltoall")}
+    for kind in ("huge", "small"):
+        for op in ("allgather", "alltoall"):
+            count = rows if op == "allgather" else rows * n
+            (area_in, raw_in), (area_out, raw_out) = made[kind, op]
+            x, out = raw_in.view(np.float32), raw_out.view(np.float32)
+            before = tr.transport_stats()["bodies_lent"]
+            for call in range(3):
+                every = [np.arange(count, dtype=np.float32) * (r + 1) + call
+                         for r in range(n)]
+                x[:] = every[rank]
+                if op == "allgather":
+                    got = tr.allgather(x, name=f"{kind}.ag", out=out, same_shape=True)
+                    want = np.concatenate(every)
+                else:
+                    got, _rows = tr.alltoall(x, name=f"{kind}.a2a", out=out,
+                                             same_shape=True)
+                    want = np.concatenate([every[r][rank * rows:(rank + 1) * rows]
+                                           for r in range(n)])
+                _close(got, want, f"{op} out of {kind} pages, call {call}")
+            lent[f"{kind}:{op}"] = tr.transport_stats()["bodies_lent"] - before
+            shares[f"{kind}:{op}"] = pages.huge_share_now(x.ctypes.data, x.nbytes)
+    tr.shutdown()
+    report(lent=lent, shares=shares)
