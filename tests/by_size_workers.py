@@ -331,26 +331,34 @@ def _mapped(nbytes: int, huge: bool) -> tuple[mmap.mmap, np.ndarray]:
 
 def gathers_by_pages(arg: dict) -> None:
     """Same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]`` float32 rows,
-    three calls each, out of buffers that huge pages back or that small pages do,
-    checked against numpy.  Reports, by pages and op, how many bodies this rank lent and
-    what share of its input huge pages backed."""
+    six calls each, out of buffers that huge pages back, that small pages do, or
+    ("mixed") huge on rank 0 and small elsewhere, checked against numpy.  Reports, by
+    pages and op, how many bodies this rank lent, what share of its input huge pages
+    backed, and how many calls the express lane handed over."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     rows = arg["rows"]
     lent: dict[str, int] = {}
     shares: dict[str, float | None] = {}
+    handed: dict[str, int] = {}
+    kinds = ("huge", "small", "mixed")
     # Every buffer made first: none takes the place of one freed, whose pages the
     # library may have been told of within pages._FRESH.
-    made = {(kind, op): (_mapped((rows if op == "allgather" else rows * n) * 4,
-                                 kind == "huge"), _mapped(rows * n * 4, kind == "huge"))
-            for kind in ("huge", "small") for op in ("allgather", "alltoall")}
-    for kind in ("huge", "small"):
+    made = {}
+    for kind in kinds:
+        huge = kind == "huge" or (kind == "mixed" and rank == 0)
+        for op in ("allgather", "alltoall"):
+            made[kind, op] = (_mapped((rows if op == "allgather" else rows * n) * 4, huge),
+                              _mapped(rows * n * 4, huge))
+    stats = current().engine.stats
+    for kind in kinds:
         for op in ("allgather", "alltoall"):
             count = rows if op == "allgather" else rows * n
             (area_in, raw_in), (area_out, raw_out) = made[kind, op]
             x, out = raw_in.view(np.float32), raw_out.view(np.float32)
             before = tr.transport_stats()["bodies_lent"]
-            for call in range(3):
+            handed_before = stats()["express_handed_over"]
+            for call in range(6):
                 every = [np.arange(count, dtype=np.float32) * (r + 1) + call
                          for r in range(n)]
                 x[:] = every[rank]
@@ -364,6 +372,7 @@ def gathers_by_pages(arg: dict) -> None:
                                            for r in range(n)])
                 _close(got, want, f"{op} out of {kind} pages, call {call}")
             lent[f"{kind}:{op}"] = tr.transport_stats()["bodies_lent"] - before
+            handed[f"{kind}:{op}"] = stats()["express_handed_over"] - handed_before
             shares[f"{kind}:{op}"] = pages.huge_share_now(x.ctypes.data, x.nbytes)
     tr.shutdown()
-    report(lent=lent, shares=shares)
+    report(lent=lent, shares=shares, handed=handed)

@@ -195,10 +195,13 @@ def test_broadcasts_run_on_the_callers_thread_while_they_fit_the_ring(n: int) ->
 
 
 def test_gathers_lend_their_bodies_only_out_of_huge_pages() -> None:
-    # Blocks of 2 MiB and a row (their bodies big enough to lend): out of buffers advised
-    # not to take huge pages they go through the ring, out of huge pages they are lent
-    # (where the kernel gave some); every result checked in the worker.
-    result = run_ok(2, "by_size_workers:gathers_by_pages", {"rows": (2 << 20) // 4 + 3},
+    # Blocks of 2 MiB less 5 rows (big enough to lend, the ops on the caller's thread):
+    # out of buffers advised not to take huge pages they go through the ring, out of
+    # huge pages they are lent (where the kernel gave some), and where only rank 0's are
+    # huge, rank 0 lends and rank 1 takes its lent piece on the express lane all the
+    # same (it handed every such call over when it did not lend itself); every result
+    # checked in the worker.
+    result = run_ok(2, "by_size_workers:gathers_by_pages", {"rows": (2 << 20) // 4 - 5},
                     timeout=120)
     for r in range(2):
         got = result.report(r)
@@ -207,6 +210,9 @@ def test_gathers_lend_their_bodies_only_out_of_huge_pages() -> None:
             share = got["shares"][f"huge:{op}"]
             if share is not None and share >= HUGE_LEND_SHARE:
                 assert got["lent"][f"huge:{op}"] > 0, got
+                mixed = got["lent"][f"mixed:{op}"]
+                assert (mixed > 0) if r == 0 else (mixed == 0), got
+                assert got["handed"][f"mixed:{op}"] < 6, got
 
 
 # 64 KiB segments: rings of 256 KiB, so ops of a few MiB are many times the ring.

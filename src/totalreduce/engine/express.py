@@ -233,7 +233,7 @@ class Express:
                     or header.step != step or header.piece != piece or header.sig != sig
                     or header.dtype != dtype or header.count != count
                     or header.nbytes != (hi - lo) * itemsize  # smallpath.fits, inline
-                    or (body is None and not (lent and header.flags & FLAG_REMOTE
+                    or (body is None and not (header.flags & FLAG_REMOTE
                                               and recv.mode == COPY and hi > lo))):
                 # Not the message this step waits for: the small path looks at it again.
                 return self.hand_over(spec, chain, ready, told, done, posted, False, lent,
