@@ -246,13 +246,17 @@ class Repeat:
             # as one slice where the express lane makes nine comparisons of fields.
             expected = (step, key0, key1, sig, piece, nbytes, count)
             record = port.peek()
-            if record is None:
-                if posted < queued:
-                    record, posted = self._wait_posting(port, work, source, key, epoch,
-                                                        ready, told, posted, queued)
-                else:
-                    record = wait(port.peek)
-            while record is not None and record[1] is None:
+            while True:
+                if record is None:
+                    if posted < queued:
+                        record, posted = self._wait_posting(port, work, source, key, epoch,
+                                                            ready, told, posted, queued)
+                    else:
+                        record = wait(port.peek)
+                    if record is None:
+                        break
+                if record[1] is not None:
+                    break
                 header = record[0]
                 if not (header.kind == _KIND_READY and header.name_key == key0
                         and header.seq == key1):
@@ -264,12 +268,6 @@ class Repeat:
                 ready.add(peer)
                 port.take(header)
                 record = port.peek()
-                if record is None:
-                    if posted < queued:
-                        record, posted = self._wait_posting(port, work, source, key, epoch,
-                                                            ready, told, posted, queued)
-                    else:
-                        record = wait(port.peek)
             if record is None:
                 return self._hand_over(work, source, key, epoch, ready, told, done, posted,
                                        posted < queued)
