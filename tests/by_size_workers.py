@@ -3,7 +3,7 @@ again) and report which way each took: the caller's thread, a Repeat, the loop."
 
 from __future__ import annotations
 
-import mmap
+import os
 import random
 import time
 from collections.abc import Callable
@@ -14,7 +14,6 @@ import totalreduce as tr
 from reporting import report
 from smallpath_workers import _close, _inputs
 from totalreduce.runtime import current
-from totalreduce.transport import pages
 from workers import reference_reduce
 
 
@@ -319,60 +318,32 @@ def repeated_big_allreduces(arg: dict) -> None:
            - before["express_repeats_handed_over"], active=after["active_ops"])
 
 
-def _mapped(nbytes: int, huge: bool) -> tuple[mmap.mmap, np.ndarray]:
-    """``nbytes`` of private memory from a huge page's start, advised to take huge pages
-    or not to."""
-    area = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = np.frombuffer(area, np.uint8)
-    start = -whole.ctypes.data % (2 << 20)
-    area.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
-    return area, whole[start:start + nbytes]
-
-
-def gathers_by_pages(arg: dict) -> None:
-    """Same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]`` float32 rows,
-    six calls each, out of buffers that huge pages back, that small pages do, or
-    ("mixed") huge on rank 0 and small elsewhere, checked against numpy.  Reports, by
-    pages and op, how many bodies this rank lent, what share of its input huge pages
-    backed, and how many calls the express lane handed over."""
-    tr.init()
-    rank, n = tr.rank(), tr.size()
-    rows = arg["rows"]
-    lent: dict[str, int] = {}
-    shares: dict[str, float | None] = {}
-    handed: dict[str, int] = {}
-    kinds = ("huge", "small", "mixed")
-    # Every buffer made first: none takes the place of one freed, whose pages the
-    # library may have been told of within pages._FRESH.
-    made = {}
-    for kind in kinds:
-        huge = kind == "huge" or (kind == "mixed" and rank == 0)
-        for op in ("allgather", "alltoall"):
-            made[kind, op] = (_mapped((rows if op == "allgather" else rows * n) * 4, huge),
-                              _mapped(rows * n * 4, huge))
+def one_rank_lends(arg: dict) -> None:
+    """2-rank same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]``
+    float32 rows, ``arg["calls"]`` of each, where only rank 0 lends (rank 1 starts with
+    ``cma_bytes`` at 1 GiB): rank 1 sends through the ring and takes rank 0's lent piece.
+    Checked against numpy; reports the bodies this rank lent and the calls the express
+    lane handed over."""
+    rank = int(os.environ["TOTALREDUCE_RANK"])
+    tr.init(cma_bytes=1 << 30) if rank == 1 else tr.init()
+    n, rows = tr.size(), arg["rows"]
     stats = current().engine.stats
-    for kind in kinds:
-        for op in ("allgather", "alltoall"):
-            count = rows if op == "allgather" else rows * n
-            (area_in, raw_in), (area_out, raw_out) = made[kind, op]
-            x, out = raw_in.view(np.float32), raw_out.view(np.float32)
-            before = tr.transport_stats()["bodies_lent"]
-            handed_before = stats()["express_handed_over"]
-            for call in range(6):
-                every = [np.arange(count, dtype=np.float32) * (r + 1) + call
-                         for r in range(n)]
-                x[:] = every[rank]
-                if op == "allgather":
-                    got = tr.allgather(x, name=f"{kind}.ag", out=out, same_shape=True)
-                    want = np.concatenate(every)
-                else:
-                    got, _rows = tr.alltoall(x, name=f"{kind}.a2a", out=out,
-                                             same_shape=True)
-                    want = np.concatenate([every[r][rank * rows:(rank + 1) * rows]
-                                           for r in range(n)])
-                _close(got, want, f"{op} out of {kind} pages, call {call}")
-            lent[f"{kind}:{op}"] = tr.transport_stats()["bodies_lent"] - before
-            handed[f"{kind}:{op}"] = stats()["express_handed_over"] - handed_before
-            shares[f"{kind}:{op}"] = pages.huge_share_now(x.ctypes.data, x.nbytes)
+    lent0, handed0 = tr.transport_stats()["bodies_lent"], stats()["express_handed_over"]
+    for op in ("allgather", "alltoall"):
+        count = rows if op == "allgather" else rows * n
+        out = np.empty(rows * n, np.float32)
+        for call in range(arg["calls"]):
+            every = [np.arange(count, dtype=np.float32) * (r + 1) + call for r in range(n)]
+            if op == "allgather":
+                got = tr.allgather(every[rank], name="ag", out=out, same_shape=True)
+                want = np.concatenate(every)
+            else:
+                got, _rows = tr.alltoall(every[rank], name="a2a", out=out,
+                                         same_shape=True)
+                want = np.concatenate([every[r][rank * rows:(rank + 1) * rows]
+                                       for r in range(n)])
+            _close(got, want, f"{op}, call {call}")
+    lent = tr.transport_stats()["bodies_lent"] - lent0
+    handed = stats()["express_handed_over"] - handed0
     tr.shutdown()
-    report(lent=lent, shares=shares, handed=handed)
+    report(lent=lent, handed=handed)

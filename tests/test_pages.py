@@ -44,17 +44,17 @@ def _anon_huge_kb(address: int) -> int:
 
 
 def test_small_pages_untouched_pages_and_nothing_count_as_no_huge_pages() -> None:
-    if pages.huge_share_now(0, 0) != 0.0:
+    if pages.huge_share(0, 0) != 0.0:
         pytest.fail("an empty range has no huge pages")
     area, small = _region(4 * _HUGE, _MADV_NOHUGEPAGE)
     try:
-        if pages.huge_share_now(small.ctypes.data, small.nbytes) is None:
+        if pages.huge_share(small.ctypes.data, small.nbytes) is None:
             pytest.skip("this kernel cannot say (PAGEMAP_SCAN came with Linux 6.7)")
-        assert pages.huge_share_now(small.ctypes.data, small.nbytes) == 0.0  # untouched
+        assert pages.huge_share(small.ctypes.data, small.nbytes) == 0.0  # untouched
         small[:] = 1
-        assert pages.huge_share_now(small.ctypes.data, small.nbytes) == 0.0
+        assert pages.huge_share(small.ctypes.data, small.nbytes) == 0.0
         # Any part of it, at any offset.
-        assert pages.huge_share_now(small.ctypes.data + 12345, 999_999) == 0.0
+        assert pages.huge_share(small.ctypes.data + 12345, 999_999) == 0.0
     finally:
         del small
         area.close()
@@ -64,7 +64,7 @@ def test_a_range_in_huge_pages_counts_whole_and_in_part() -> None:
     area, huge = _region(2 * _HUGE, _MADV_HUGEPAGE)
     try:
         huge[:] = 1
-        share = pages.huge_share_now(huge.ctypes.data, huge.nbytes)
+        share = pages.huge_share(huge.ctypes.data, huge.nbytes)
         if share is None:
             pytest.skip("this kernel cannot say (PAGEMAP_SCAN came with Linux 6.7)")
         given = _anon_huge_kb(huge.ctypes.data) << 10  # the kernel's other account
@@ -72,31 +72,7 @@ def test_a_range_in_huge_pages_counts_whole_and_in_part() -> None:
             pytest.skip("the kernel gave no huge page (transparent_hugepage off or none free)")
         assert share == given / huge.nbytes  # one of the two, or both
         if share == 1.0:
-            assert pages.huge_share_now(huge.ctypes.data + 4096, _HUGE) == 1.0  # a part
-    finally:
-        del huge
-        area.close()
-
-
-def test_answers_are_kept_a_while_then_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pages, "_FRESH", 3600.0)  # kept for the test's length
-    pages._pagemap._answers.clear()  # none from memory mapped here before
-    area, huge = _region(2 * _HUGE, _MADV_HUGEPAGE)
-    try:
-        address, nbytes = huge.ctypes.data, huge.nbytes
-        first = pages.huge_share(address, nbytes)
-        if first is None:
-            pytest.skip("this kernel cannot say (PAGEMAP_SCAN came with Linux 6.7)")
-        assert first == 0.0  # untouched
-        huge[:] = 1
-        now = pages.huge_share_now(address, nbytes)
-        if not now:
-            pytest.skip("the kernel gave no huge page (transparent_hugepage off or none free)")
-        assert pages.huge_share(address, nbytes) == 0.0  # the answer kept
-        assert pages.huge_share(address + 4096, _HUGE) == \
-            pages.huge_share_now(address + 4096, _HUGE)  # another range: asked
-        monkeypatch.setattr(pages, "_FRESH", 0.0)
-        assert pages.huge_share(address, nbytes) == now  # past its time: asked again
+            assert pages.huge_share(huge.ctypes.data + 4096, _HUGE) == 1.0  # a part
     finally:
         del huge
         area.close()

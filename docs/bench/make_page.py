@@ -847,18 +847,7 @@ against 30.3-30.8). So a reduction lends only out of a buffer at least three qua
 which huge pages back, where the kernel can say (`PAGEMAP_SCAN`, Linux 6.7;
 transport/pages.py), and from 8 MiB it does not lend such a buffer while a ring copies
 slowly either: its big copies run at memory's speed, which the slow-ring rule below took
-for slow (64 MB: 12-15 ms lent). Gathers likewise lend bodies of 1 MiB or more only out
-of memory three quarters of which huge pages back (`LEND_PAGES_FROM`, `GatheringOps._lend_pages`):
-at 2 ranks, buffers mapped with `MADV_NOHUGEPAGE` or `MADV_HUGEPAGE`, one job each way
-alternated twice, alltoalls and allgathers out of small pages took 0.22-0.23 ms lent
-against 0.17-0.19 through the ring at 4 MB, 0.45-0.53 against 0.38-0.43 at 8 MB and
-1.41-1.56 against 0.94-1.17 at 16 MB (the VM's cores sharing no cache), and out of huge
-pages 0.12 against 0.18-0.20, 0.20-0.24 against 0.39-0.40 and 0.71-0.76 against
-0.96-1.17; with the cores sharing a cache, out of small pages, the rule took 4 MB
-alltoalls from 0.24-0.25 ms to 0.20-0.21, allgathers from 0.24-0.25 to 0.17, 16 MB from
-1.88-1.90 to 1.63-1.70 and 1.61-1.74 to 1.50-1.55. The kernel's answer is kept a tenth
-of a second for the same buffer (it costs 4-6 us, more once the caches are cold). One
-exception among the gathers: a broadcast's root
+for slow (64 MB: 12-15 ms lent). One exception among the gathers: a broadcast's root
 does not lend (OpSpec.lend). Its core has nothing else to
 do, and a memcpy into the ring on its side plus one out on the receiver's beat one
 kernel copy on the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms

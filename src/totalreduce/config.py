@@ -81,9 +81,8 @@ TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to   
                                    auto: 1 MiB, reductions 32 MiB where every
                                    rank of the host has a core of its own, else
                                    8 MiB (a lent piece costs its receiver a copy
-                                   and then a sum), and those and gathers' bodies
-                                   of 1 MiB or more only out of buffers that huge
-                                   pages back where the kernel can say
+                                   and then a sum), and only out of buffers that
+                                   huge pages back where the kernel can say
 TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       -1
                                    slower than this lately (GB/s) lends every
                                    body of 64 KiB or more instead, and blocking

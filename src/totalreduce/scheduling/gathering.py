@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Config
 from ..engine.payload import OpFuture, OpSpec
 from ..engine.schedule import Schedule
 from ..interrupts import deferred as ctrl_c
@@ -32,7 +31,7 @@ from .checks import (
 from .handle import DoneHandle, FutureHandle, Handle
 from .scheduler_parts import SchedulerParts
 from .templates import GatherPlan, OpTemplate, SamePlan, gather_key
-from .thresholds import HUGE_LEND_SHARE, LEND_PAGES_FROM, LENT_WHEN_SLOW
+from .thresholds import LENT_WHEN_SLOW
 from .views import gathering_views, with_algorithm
 
 
@@ -82,8 +81,6 @@ class GatheringOps(SchedulerParts):
 
     _direct_ring: int
     _lent_gathers: int
-    _lending: bool
-    _config: Config
     _gathers: LRU[tuple[Any, ...], GatherPlan]
     _same: LRU[tuple[Any, ...], SamePlan]
 
@@ -224,10 +221,8 @@ class GatheringOps(SchedulerParts):
             source = _own_block(own, flat, buf, bounds[rank], bounds[rank + 1])
             state["out"] = buf
             if kept is not None:
-                spec = kept[0].spec(data_key, data_label, buf, priority, self._members,
+                return kept[0].spec(data_key, data_label, buf, priority, self._members,
                                     source)
-                self._lend_pages(spec)
-                return spec
             view, shown = gathering_views("allgather", arr)
             spec = self._spec(Ident(data_key, name, data_label),
                               with_algorithm(view, algorithm), arr.dtype, bounds[-1],
@@ -237,7 +232,6 @@ class GatheringOps(SchedulerParts):
                               source_at=bounds[rank] if own else 0)
             with self._lock:
                 gathered.keep(rows, OpTemplate(spec), bounds, bounds)
-            self._lend_pages(spec)
             return spec
 
         def finish() -> np.ndarray:
@@ -421,34 +415,10 @@ class GatheringOps(SchedulerParts):
             got = buf.reshape((rows, *arr.shape[1:])) if out is None else out
             return got if kind == "allgather" else (got, recv_rows.copy())
 
-        self._lend_pages(spec)
         direct = self._data_direct(spec)
         if kind == "allgather":  # as the two phases' data (allgather, alltoall)
             return self._launch(spec, finish, direct, self._direct_bytes + 1)
         return self._launch(spec, finish, direct, LENT_WHEN_SLOW)
-
-    def _lend_pages(self, spec: OpSpec) -> None:
-        """Lend a gathering op's bodies of LEND_PAGES_FROM or more only out of memory
-        that huge pages back (HUGE_LEND_SHARE), as far as the kernel can say: a lent
-        body costs its reader a pin of each of the lender's pages, which small pages
-        make dearer than the ring's two copies.  The memory asked about is what the op's
-        first sends read: an alltoall's input, an allgather's own block.  Where
-        TOTALREDUCE_CMA_BYTES is set, its rule alone decides, as for reductions."""
-        first = spec.schedule.first
-        if not (self._lending and spec.lend and first) or self._config.cma_bytes >= 0:
-            return
-        if max(s.hi - s.lo for s in first) * spec.work.itemsize < LEND_PAGES_FROM:
-            return
-        for from_source in (True, False):
-            sends = [s for s in first if s.from_source == from_source]
-            if not sends:
-                continue
-            lo, hi = min(s.lo for s in sends), max(s.hi for s in sends)
-            part = spec.source_part(lo, hi) if from_source else spec.work[lo:hi]
-            share = self._engine.huge_share(part)
-            if share is not None and share < HUGE_LEND_SHARE:
-                spec.lend = False
-                return
 
     def _data_direct(self, spec: OpSpec) -> int:
         """The largest gathering op (``spec``, its data) the caller's thread runs: the

@@ -136,7 +136,6 @@ class SelfGuided(GatheringOps, BroadcastOps):
         # (its schedules depend on it): one host, shared-memory rings, lending allowed.
         lent = (config.transport in ("auto", "shm") and config.ring_bytes > 0
                 and config.lend_bytes > 0 and hosts is not None and len(set(hosts)) == 1)
-        self._lending = lent
         self._algorithms = Algorithms(self.rank, self.size, config.segment_bytes,
                                       config.small_bytes, hosts, config.hierarchical, members,
                                       config.halving_bytes, lent)

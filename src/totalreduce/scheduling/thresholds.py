@@ -114,13 +114,3 @@ CROWDED_REDUCE_LEND_BYTES = 8 << 20
 # 30.3-30.8 (256 MB); at 4 ranks on 2 cores 16 MB ones took 10.1-11.2 ms lent against
 # 7.9-10.3 small-paged, 6.1-7.5 against 7.9-8.0 huge-paged.
 HUGE_LEND_SHARE = 0.75
-
-# A gathering op's bodies (an allgather's, an alltoall's) this big or bigger are lent only
-# out of memory that huge pages back (HUGE_LEND_SHARE; GatheringOps._lend_pages).  At 2
-# ranks (one job each way, alternated twice, buffers mapped with MADV_HUGEPAGE or
-# MADV_NOHUGEPAGE), alltoalls and allgathers out of small pages took 0.22-0.23 ms lent
-# against 0.17-0.19 through the ring at 4 MB, 0.45-0.53 against 0.38-0.43 at 8 MB, 1.41-1.56
-# against 0.94-1.17 at 16 MB; out of huge pages 0.12 against 0.18-0.20, 0.20-0.24 against
-# 0.39-0.40 and 0.71-0.76 against 0.96-1.17.  At 2 MB (1 MiB bodies) the four ways were
-# level.  Smaller bodies are lent as before: asking the kernel costs 4-6 us a buffer.
-LEND_PAGES_FROM = 1 << 20

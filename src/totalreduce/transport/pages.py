@@ -21,10 +21,7 @@ import ctypes.util
 import os
 import platform
 import threading
-import time
 from typing import Any
-
-from ..lru import LRU
 
 
 class _ScanArg(ctypes.Structure):  # struct pm_scan_arg (linux/fs.h)
@@ -47,13 +44,6 @@ _PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 
 _REGIONS = 64  # runs of huge pages reported per call (a buffer has one or a few)
 _PAGE = 4096
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-# Answers kept, by (address, bytes), and for how long: ops back to back hand the same few
-# buffers over and over, and an answer costs 4-6 us (10-60 us once an op's copies have
-# flushed the caches), a share of a 4 MB gather's time.  A buffer freed and another made
-# at its place, or pages the kernel merges into a huge one meanwhile, are seen late by
-# at most this long; either only changes whether a body is lent.
-_ANSWERS = 64
-_FRESH = 0.1
 
 
 def _load() -> Any:
@@ -89,25 +79,8 @@ class _Pagemap:
         self._works = self._ioctl is not None
         self._never = False
         self._regions = (_Region * _REGIONS)()  # the kernel's answers (under the lock)
-        self._answers: LRU[tuple[int, int], tuple[float, float]] = LRU(_ANSWERS)
 
     def huge_share(self, address: int, nbytes: int) -> float | None:
-        """:meth:`ask`'s answer, kept for _FRESH seconds."""
-        if nbytes <= 0 or not self._works:
-            return self.ask(address, nbytes)
-        now = time.monotonic()
-        with self._lock:
-            kept = self._answers.get((address, nbytes))
-        if kept is not None and now - kept[1] < _FRESH:
-            return kept[0]
-        share = self.ask(address, nbytes)
-        if share is not None:
-            with self._lock:
-                self._answers.put((address, nbytes), (share, now))
-        return share
-
-    def ask(self, address: int, nbytes: int) -> float | None:
-        """The kernel's answer for the range now (PAGEMAP_SCAN)."""
         if nbytes <= 0:
             return 0.0
         if not self._works:
@@ -166,11 +139,6 @@ _pagemap = _Pagemap()
 
 def huge_share(address: int, nbytes: int) -> float | None:
     """The share (0.0 to 1.0) of the ``nbytes`` bytes at ``address`` in this process that
-    huge pages back (pages not yet touched count as small ones), as the kernel said it at
-    most _FRESH seconds ago; None where the kernel cannot say."""
+    huge pages back now (pages not yet touched count as small ones); None where the kernel
+    cannot say."""
     return _pagemap.huge_share(address, nbytes)
-
-
-def huge_share_now(address: int, nbytes: int) -> float | None:
-    """:func:`huge_share`, asked of the kernel now."""
-    return _pagemap.ask(address, nbytes)
