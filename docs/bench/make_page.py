@@ -179,16 +179,17 @@ the cache, totalreduce reads lower here than in its own job (the collectives tab
 {table("floor-2")[1]}
 
 The bare exchanges are what copying through memory allows here: at 4 and 16 MB the
-faster of the two runs 1.23x and 1.30x as fast as MPI, at 1 MB, where a piece stays in a
-core's cache, 2.4x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
+faster of the two runs 1.40x and 1.37x as fast as MPI, at 1 MB, where a piece stays in a
+core's cache, 2.5x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
 gets much further. The gap between them and totalreduce is the engine's own cost: its
 headers, credit, handlers and turns of the loop, about 0.04 ms a call at 1 MB here
 (0.1 ms on the Intel VM). When 16 MB allreduces still lent their 2 MiB pieces (2-rank
 reductions now lend from 32 MiB), timestamps in one process pair put 70-130 us of
 handling between one piece's copy and the next's (the next record waits for a turn of
 the loop, which first posts the reduced piece), eight times a call. Here, where each op
-follows the others, the engine's 16 MB allreduce took 0.9 ms more than the bare ring's;
-in its own job (the collectives table) it takes 1.67 ms against MPI's 2.05.
+follows the others, the engine's 16 MB allreduce took 0.13 ms more than the bare ring's
+(a repeated one runs from its Repeat, "Why the defaults" below); in its own job (the
+collectives table) it takes 1.39 ms against MPI's 1.85.
 
 ## Allreduce, 4 ranks (4 processes on 2 cores)
 
@@ -970,32 +971,32 @@ either way, 3-13% behind in both.
   takes 6.5 us (2.9x). Async small allreduces, which the loop runs, cost about 30 us each
   self-guided (the `tiny` table).
   An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.011-0.012 ms at 4 bytes in the 2-rank table, a
-  broadcast 0.011 ms, against MPI's 0.001-0.003). A repeated one skips its
+  data; `same_shape=True` makes it one (0.011 ms at 4 bytes in the 2-rank table, a
+  broadcast 0.012 ms, against MPI's 0.001-0.003). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
   reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 2.04x MPI at 1 MB, 1.82x at 4 MB and 1.23x at
-  16 MB, 2.81-2.92x from 64 MB; reducescatter 1.77-1.84x at 1-16 MB, 3.24-3.37x from
+- The 2-rank collectives table: allreduce 2.08x MPI at 1 MB, 1.83x at 4 MB and 1.33x at
+  16 MB, 2.91-2.98x from 64 MB; reducescatter 1.83-2.01x at 1-16 MB, 3.29-3.59x from
   64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
-  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.2 GB/s of algorithm bandwidth
-  for the reductions here (1-4 MB at 8.9-11.2 GB/s), which leaves a reduction little room
-  at 16 MB: a 16 MB allreduce takes us 1.67 ms against MPI's 2.05 in this run (1.52
-  against 1.91 in an earlier one), and the floor table's bare exchanges, with no engine,
-  reach 1.06-1.30x MPI at 4-16 MB.
+  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.3-9.1 GB/s of algorithm bandwidth
+  for the reductions here (1-4 MB at 8.5-12.2 GB/s), which leaves a reduction little room
+  at 16 MB: a 16 MB allreduce takes us 1.39 ms against MPI's 1.85 in this run (1.10-1.13
+  against 1.72-1.89, 1.52-1.71x, in jobs of their own), and the floor table's bare
+  exchanges, with no engine, reach 1.06-1.40x MPI at 4-16 MB.
 - Calls back to back flatter both libraries, ours more: with a pause before each call
   (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.60-1.80
   ms back to back, 1.86-2.14 after 1 ms and 2.43-2.53 after 10 ms; MPI's 2.02-2.05,
   2.15-2.25 and 2.42-2.61 (one job per library, each pause in turn, two runs). After a
   pause the two are level at that size.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.15x at 1 MB, 0.88x
-  at 4 MB, 0.78x at 16 MB and 0.97-1.02x at 64 and 256 MB; alltoall 0.93x at 1 MB, 0.65x
-  at 4 MB, 0.81x at 16 MB, 0.96-0.99x from 64 MB; broadcast 1.59x at 1 MB, 1.62x at 4 MB,
-  0.99x at 16 MB, 0.91x at 64 MB and 0.96x at 256 MB, where the receiver copies the root's
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.99x at 1 MB, 0.94x
+  at 4 MB, 0.82x at 16 MB and 1.02-1.19x at 64 and 256 MB; alltoall 0.98x at 1 MB, 0.70x
+  at 4 MB, 0.90x at 16 MB, 0.99-1.02x from 64 MB; broadcast 1.65x at 1 MB, 1.50x at 4 MB,
+  0.88x at 16 MB, 1.01x at 64 MB and 1.02x at 256 MB, where the receiver copies the root's
   lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
-  10-22 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.88 ms in this run). An
+  10-21 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.82 ms in this run). An
   alltoall moves what MPI's does the way MPI's does (one `process_vm_readv` of the peer's
   block, a copy of our own): a bare exchange in Python doing just that, in one job with
   MPI's and ours on the same arrays, took 0.18 ms at 4 MB (MPI 0.18, ours 0.24) and
@@ -1013,13 +1014,13 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
-  1 MB up on this host (0.27-0.79x) but for allreduce and reducescatter from 64 MB
-  (1.26-1.75x); its small ops run on the caller's thread as the rings' do (4 bytes:
-  0.014-0.022 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
-  allreduce and reducescatter from 64 MB (2.83-3.29x), reducescatter at 4-16 MB
-  (1.31-1.54x) and allreduce at 16 MB (1.10x), and trails it elsewhere from 1 MB
-  (0.41-0.96x); its ops with bodies up to 256 KiB run on the caller's thread (4 bytes:
-  0.010-0.013 ms).
+  1 MB up on this host (0.27-0.74x) but for allreduce and reducescatter from 64 MB
+  (1.23-1.77x); its small ops run on the caller's thread as the rings' do (4 bytes:
+  0.015-0.021 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
+  allreduce and reducescatter from 64 MB (2.87-3.49x), reducescatter at 4-16 MB
+  (1.31-1.56x) and allreduce at 16 MB (1.03x), and trails it elsewhere from 1 MB
+  (0.41-0.98x); its ops with bodies up to 256 KiB run on the caller's thread (4 bytes:
+  0.009-0.014 ms).
 - 8 to 16 ranks (16 cores): from 16 MB every cell leads MPI (1.03-4.72x) and every
   allreduce cell leads gloo, but at 1-4 MB most trail MPI: allreduce 0.36-0.69x at 4-16
   ranks, allgather 0.58-0.84x, alltoall 0.47-0.65x, broadcast at 16 ranks 0.37-0.58x,
