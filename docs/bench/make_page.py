@@ -987,10 +987,11 @@ either way, 3-13% behind in both.
   against 1.72-1.89, 1.52-1.71x, in jobs of their own), and the floor table's bare
   exchanges, with no engine, reach 1.06-1.40x MPI at 4-16 MB.
 - Calls back to back flatter both libraries, ours more: with a pause before each call
-  (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.60-1.80
-  ms back to back, 1.86-2.14 after 1 ms and 2.43-2.53 after 10 ms; MPI's 2.02-2.05,
-  2.15-2.25 and 2.42-2.61 (one job per library, each pause in turn, two runs). After a
-  pause the two are level at that size.
+  (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.13-1.26
+  ms back to back, 1.38-1.59 after 1 ms and 1.88-2.08 after 10 ms; MPI's 2.04-2.05,
+  2.03-2.10 and 2.36-2.54 (one job per library, each pause in turn, three runs, the VM's
+  cores sharing a cache). Where they shared none: ours 1.87-1.96, 1.78-1.97 and 2.15-2.22
+  ms, MPI's 1.72-2.15, 1.91-2.17 and 1.85-2.08 (two runs), level.
 - The other collectives at 2 ranks, from 1 MB (medians): allgather 0.99x at 1 MB, 0.94x
   at 4 MB, 0.82x at 16 MB and 1.02-1.19x at 64 and 256 MB; alltoall 0.98x at 1 MB, 0.70x
   at 4 MB, 0.90x at 16 MB, 0.99-1.02x from 64 MB; broadcast 1.65x at 1 MB, 1.50x at 4 MB,
