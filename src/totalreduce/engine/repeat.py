@@ -323,16 +323,10 @@ class Repeat:
                                            told):
                 posted += 1
         if posted < queued:
-            # The last sends: the spin starts again whenever one goes (a peer copying
-            # a big op's pieces out makes room at its own pace).
-            deadline = _now() + _SPIN
-            while posted < queued:
-                if post(work, source, sends[posted], key, epoch, ready, told):
-                    posted += 1
-                    deadline = _now() + _SPIN
-                elif _now() >= deadline or ctrl_c.pending:
-                    return self._hand_over(work, source, key, epoch, ready, told,
-                                           len(self._steps), posted, True)
+            gone = self._post_until(queued, work, source, key, epoch, ready, told, posted)
+            if gone < 0:
+                return self._hand_over(work, source, key, epoch, ready, told,
+                                       len(self._steps), -1 - gone, True)
         self._express.repeats += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one.
         self._done.add(key)  # OpTable.ran, inline
@@ -350,12 +344,11 @@ class Repeat:
         peek = port.peek
         deadline = _now() + _SPIN
         while not ctrl_c.pending:
-            if posted < queued and post(work, source, sends[posted], key, epoch, ready,
-                                        told):
+            gone = posted
+            while posted < queued and post(work, source, sends[posted], key, epoch, ready,
+                                           told):
                 posted += 1
-                while posted < queued and post(work, source, sends[posted], key, epoch,
-                                               ready, told):
-                    posted += 1
+            if posted > gone:
                 deadline = _now() + _SPIN
             record = peek()
             if record is not None:
@@ -368,19 +361,25 @@ class Repeat:
                       epoch: int, ready: set[int], told: set[int], posted: int, queued: int,
                       lo: int, hi: int) -> int:
         """Post the waiting sends up to the last one that reads ``work[lo:hi]`` (a
-        receive is about to write there), within the spin: how many sends are posted
-        then, or ``-1 - posted`` if that one could not go."""
-        last = -1
+        receive is about to write there), as :meth:`_post_until` returns."""
+        end = posted
         for i in range(posted, queued):
             send = self._sends[i]
             if not send[8] and send[2] < hi and lo < send[3]:  # from work, overlapping
-                last = i
-        if last < 0:
-            return posted
+                end = i + 1
+        return self._post_until(end, work, source, key, epoch, ready, told, posted)
+
+    def _post_until(self, end: int, work: np.ndarray, source: np.ndarray | None,
+                    key: OpKey, epoch: int, ready: set[int], told: set[int], posted: int
+                    ) -> int:
+        """Post the waiting sends ``_sends[posted:end]`` within the spin, which starts
+        again whenever one goes (a peer copying a big op's pieces out makes room at its
+        own pace): ``end``, or ``-1 - posted`` where one could not go."""
         post = self._post
+        sends = self._sends
         deadline = _now() + _SPIN
-        while posted <= last:
-            if post(work, source, self._sends[posted], key, epoch, ready, told):
+        while posted < end:
+            if post(work, source, sends[posted], key, epoch, ready, told):
                 posted += 1
                 deadline = _now() + _SPIN
             elif _now() >= deadline or ctrl_c.pending:

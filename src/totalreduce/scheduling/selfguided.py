@@ -116,19 +116,19 @@ class SelfGuided(GatheringOps, BroadcastOps):
         # At 2 ranks, gathers up to this whose pieces are lent stay here (_data_direct).
         self._lent_gathers = 0
         self._direct_broadcast = self._direct_bytes
-        # Blocking allreduces up to this run from their Repeat on this thread from their
-        # second call, past the ring too while it copies fast (_big_allreduce).
-        self._direct_big = self._direct_ring
+        room = 0
         if config.direct_bytes < 0:  # auto
             room = engine.ring_room(self._peers)
             self._direct_ring = direct_ring_bytes(self._direct_bytes, room, self.size)
             self._direct_broadcast = direct_broadcast_bytes(self._direct_ring, room,
                                                             self.size)
-            self._direct_big = self._direct_ring
             if self.size == 2:
                 self._lent_gathers = LENT_GATHER_BYTES
-                if room > 0 and not engine.crowded():
-                    self._direct_big = max(self._direct_ring, REPEAT_ALLREDUCE_BYTES)
+        # Blocking allreduces up to this run from their Repeat on this thread from their
+        # second call, past the ring too while it copies fast (_big_allreduce).
+        self._direct_big = self._direct_ring
+        if self.size == 2 and room > 0 and not engine.crowded():
+            self._direct_big = max(self._direct_ring, REPEAT_ALLREDUCE_BYTES)
         hosts = engine.hosts
         if members is not None and hosts is not None:
             hosts = tuple(hosts[m] for m in members)
@@ -294,11 +294,9 @@ class SelfGuided(GatheringOps, BroadcastOps):
                     # came out level or slower with the first call's choice (the ring
                     # under 32 MiB).
                     self._small.put(small, OpTemplate(spec, lend=True))
-                else:
-                    kept = self._small.get(small)
+                elif plan is None or (plan.fresh and not spec.fresh):
                     # One that reads no source serves in-place calls too.
-                    if kept is None or (kept.fresh and not spec.fresh):
-                        self._small.put(small, OpTemplate(spec))
+                    self._small.put(small, OpTemplate(spec))
         return self._launch(spec, finish, self._direct_ring)
 
     def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
