@@ -322,8 +322,10 @@ def one_rank_lends(arg: dict) -> None:
     """2-rank same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]``
     float32 rows, ``arg["calls"]`` of each, where only rank 0 lends (rank 1 starts with
     ``cma_bytes`` at 1 GiB): rank 1 sends through the ring and takes rank 0's lent piece.
-    Checked against numpy; reports the bodies this rank lent and the calls the express
-    lane handed over."""
+    Rank 1 calls each a millisecond after rank 0, whose piece is then there to take: a
+    lane that waits longer than its spin for the peer hands the call over.  Checked
+    against numpy; reports the bodies this rank lent and the calls the express lane
+    handed over."""
     rank = int(os.environ["TOTALREDUCE_RANK"])
     tr.init(cma_bytes=1 << 30) if rank == 1 else tr.init()
     n, rows = tr.size(), arg["rows"]
@@ -334,6 +336,9 @@ def one_rank_lends(arg: dict) -> None:
         out = np.empty(rows * n, np.float32)
         for call in range(arg["calls"]):
             every = [np.arange(count, dtype=np.float32) * (r + 1) + call for r in range(n)]
+            tr.barrier()
+            if rank == 1:
+                time.sleep(0.001)
             if op == "allgather":
                 got = tr.allgather(every[rank], name="ag", out=out, same_shape=True)
                 want = np.concatenate(every)
@@ -347,3 +352,60 @@ def one_rank_lends(arg: dict) -> None:
     handed = stats()["express_handed_over"] - handed0
     tr.shutdown()
     report(lent=lent, handed=handed)
+
+
+def repeated_lent_gathers(arg: dict) -> None:
+    """2-rank same-shape allgathers and alltoalls of about ``arg["sizes"]`` bytes (the
+    result's), ``arg["calls"]`` of each under one name, into the same ``out=``, three
+    dtypes, odd rows, new data each call, ranks late at random; ``arg["async_rank"]``
+    makes its calls asynchronously (the loop runs its side), ``arg["plain_rank"]`` lends
+    nothing (``cma_bytes`` at 1 GiB).  Right after each call a rank checks its result
+    against numpy and scribbles over its input and result: one that returned before its
+    peer had copied what it lent would hand the peer the scribbles.  Reports the calls,
+    those that ran from a Repeat and lent, and the Repeats' hand-overs."""
+    rank = int(os.environ["TOTALREDUCE_RANK"])
+    tr.init(cma_bytes=1 << 30) if rank == arg.get("plain_rank") else tr.init()
+    n = tr.size()
+    mine = random.Random(70 + rank)
+    stats = current().engine.stats
+    before = stats()
+    calls = repeat_lent = 0
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = (np.float32, np.int16, np.float64)[i % 3]
+        rows = nbytes // np.dtype(dtype).itemsize // n // 3
+        for kind in ("allgather", "alltoall"):
+            out = np.empty((rows * n, 3), dtype)
+            for call in range(arg["calls"]):
+                size = rows * 3 * (n if kind == "alltoall" else 1)
+                inputs = [a.reshape(-1, 3) for a in _inputs(50 * i + call, n, size, dtype)]
+                if mine.random() < 0.3:
+                    time.sleep(mine.random() * 0.002)
+                lent0, repeats0 = tr.transport_stats()["bodies_lent"], \
+                    stats()["express_repeats"]
+                name = f"lent.{kind}.{i}"
+                if kind == "allgather":
+                    got = tr.allgather_async(inputs[rank], name=name, out=out,
+                                             same_shape=True).wait() \
+                        if rank == arg.get("async_rank") else \
+                        tr.allgather(inputs[rank], name=name, out=out, same_shape=True)
+                    want = np.concatenate(inputs)
+                else:
+                    got, _rows = tr.alltoall_async(inputs[rank], name=name, out=out,
+                                                   same_shape=True).wait() \
+                        if rank == arg.get("async_rank") else \
+                        tr.alltoall(inputs[rank], name=name, out=out, same_shape=True)
+                    want = np.concatenate([a[rank * rows:(rank + 1) * rows]
+                                           for a in inputs])
+                repeat_lent += (stats()["express_repeats"] > repeats0
+                                and tr.transport_stats()["bodies_lent"] > lent0)
+                assert got is out, "the result is not in out="
+                _close(got, want, f"{kind} of {got.nbytes} bytes, call {call}")
+                inputs[rank][...] = 99
+                got[...] = 77
+                calls += 1
+    tr.barrier()
+    after = stats()
+    tr.shutdown()
+    report(calls=calls, repeat_lent=repeat_lent, active=after["active_ops"],
+           handed_over=after["express_repeats_handed_over"]
+           - before["express_repeats_handed_over"])

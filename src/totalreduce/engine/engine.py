@@ -170,13 +170,15 @@ class Engine:
             self._driver.nudge()
         return ran
 
-    def repeat(self, spec: OpSpec, label_of: Callable[[int], str]) -> Repeat | None:
+    def repeat(self, spec: OpSpec, label_of: Callable[[int], str], lends: bool = False
+               ) -> Repeat | None:
         """What runs calls like ``spec`` (a small blocking op's) on this thread with
         everything they share bound once (repeat.py), while the engine is idle, if they
         can run that way here: their schedule a chain through rings this process reads.
         ``label_of(seq)``: the label of the call
         ``seq``.  Its calls keep ``spec``'s priority where they go on
-        on the general path; while the engine is idle no other op is there to pass."""
+        on the general path; while the engine is idle no other op is there to pass.
+        ``lends``: its calls lend the bodies the express lane would (else none)."""
         chain = self._express.chain(spec.schedule)
         if chain is None:
             return None
@@ -188,7 +190,7 @@ class Engine:
             ports[peer] = port
         return Repeat(spec, chain, label_of, spec.ranks, self._driver, self.loop,
                       self._small, self._express, self._ops, self._ledger, self._serving,
-                      self._floating, ports, self._outbox.unpark)
+                      self._floating, ports, self._outbox.unpark, self.transport, lends)
 
     def _adopt(self, state: Adopt) -> OpFuture:
         """The loop goes on with an op the urgent lane began (Starter.adopt)."""

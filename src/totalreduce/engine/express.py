@@ -50,7 +50,7 @@ _CHAINS = 256
 # peer took 260-290 us here, against 420-440 for the ring's two copies (in, out), and 4 MB
 # alltoalls ran about a third faster lent; at 512 KiB the two ways cost the same (80-110
 # against 105 us) and 1 MB allgathers lent were slower in some runs.
-_LEND_FROM = 1 << 20
+LEND_FROM = 1 << 20
 
 
 class Chain:
@@ -290,7 +290,7 @@ class Express:
               ) -> LentSend | None:
         """A token to lend ``send``'s body with, if it is to be lent."""
         n = (send.hi - send.lo) * spec.work.itemsize
-        if ((send.peer, send.step, send.piece) not in lendable or n < _LEND_FROM
+        if ((send.peer, send.step, send.piece) not in lendable or n < LEND_FROM
                 or not self._transport.lends_body(send.peer, spec.work.nbytes, n)):
             return None
         return LentSend(send)

@@ -384,10 +384,17 @@ class GatheringOps(SchedulerParts):
             if not template.repeat_tried and not priority:
                 template.repeat_tried = True
                 # One the caller's thread runs (_launch below): an allgather's whatever
-                # the rings' pace, an alltoall's while they copy fast (_same_now).
-                if 0 < buf.nbytes <= min(self._direct_ring, self._direct_bytes):
+                # the rings' pace, an alltoall's while they copy fast (_same_now); at 2
+                # ranks, one as big as the caller's thread runs whose bodies are lent
+                # (_data_direct), which its Repeat lends too.
+                limit = min(self._direct_ring, self._direct_bytes)
+                lends = (buf.nbytes > limit and bool(self._lent_gathers)
+                         and self._engine.lends_first(spec))
+                if lends:
+                    limit = self._data_direct(spec)
+                if 0 < buf.nbytes <= limit:
                     template.repeat = self._engine.repeat(
-                        spec, functools.partial(self._label, kind, name))
+                        spec, functools.partial(self._label, kind, name), lends)
         else:
             def view() -> dict[str, Any]:
                 return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),
