@@ -810,17 +810,25 @@ against 3.3-4.2, but 28 MB 4.2-4.5 against 3.3-4.3 and 32 MB 5.1-5.6 against 4.3
 while the rings copy fast (`TOTALREDUCE_SLOW_RING_GBPS`): while they copy slowly the loop
 lends the pieces.
 
-Why 2-rank allgathers and alltoalls stay on the caller's thread up to 16 MiB where their
+Why 2-rank allgathers and alltoalls stay on the caller's thread up to 24 MiB where their
 pieces are lent (`LENT_GATHER_BYTES`, scheduling/thresholds.py): the express lane lends a
 piece as the loop does, then copies the rank's own block while the peer reads, with none
-of the loop's turns between the steps (100-200 us at 16 MB). `python -m totalreduce.bench
-collectives -n 2 --backends totalreduce-shm,mpi --sizes 4M,6M,8M,12M,16M,24M --ops
-allgather,alltoall --rounds 2`, the old tree and the new alternated three times in jobs of
-their own: allgather 6 MB 0.24-0.25 ms against 0.28-0.30, 8 MB 0.32-0.36 against
-0.37-0.41, 12 MB 0.59-0.65 against 0.69-0.73, 16 MB 0.98-1.05 against 1.08-1.19;
-alltoall 6 MB 0.32-0.34 against 0.40-0.43, 8 MB 0.53-0.57 against 0.58-0.61, 12 MB
-0.90-0.99 against 0.98-1.06, 16 MB 1.31-1.38 against 1.37-1.42. At 24 MB the two ways
-were level, and at 32-64 MB the loop, which reads a lent piece in slices, was faster.
+of the loop's turns between the steps (100-200 us at 16 MB); from a call's second time,
+its Repeat does the same without building the call's spec (engine/repeat.py). `python -m
+totalreduce.bench collectives -n 2 --backends totalreduce-shm,mpi --sizes
+4M,6M,8M,12M,16M,24M --ops allgather,alltoall --rounds 2`, the old tree and the new
+alternated three times in jobs of their own: allgather 6 MB 0.24-0.25 ms against
+0.28-0.30, 8 MB 0.32-0.36 against 0.37-0.41, 12 MB 0.59-0.65 against 0.69-0.73, 16 MB
+0.98-1.05 against 1.08-1.19; alltoall 6 MB 0.32-0.34 against 0.40-0.43, 8 MB 0.53-0.57
+against 0.58-0.61, 12 MB 0.90-0.99 against 0.98-1.06, 16 MB 1.31-1.38 against 1.37-1.42.
+At 24 MB the lane alone was level with the loop; from a Repeat, 24 MB alltoalls took
+2.10-2.20 ms against 2.30-2.37 on the loop in three alternations of four (level in the
+fourth), allgathers 1.90-1.99 against 2.00-2.25 in three. At 32-64 MB the loop, which
+reads a lent piece in slices, was as fast or faster. The Repeat against the lane, blocks
+of ten calls interleaved in one job: 4 MB alltoalls 0.31-0.38 ms against 0.35-0.41,
+allgathers 0.24-0.26 against 0.29-0.32, 16 MB 1.51-1.52 against 1.61-1.63 and 1.68-1.71
+against 1.88-1.92 (the cores sharing a cache); 4 MB alltoalls 0.18-0.22 against 0.19-0.24
+and 16 MB 1.32 against 1.44-1.45 where they do not.
 
 Why gathers of 1 MiB and more lend their pieces, and reductions only from 32 MiB where
 every rank has a core of its own (cross-memory attach, transport/cma.py;

@@ -53,7 +53,7 @@ TOTALREDUCE_DIRECT_BYTES           blocking ops up to this size run on the      
                                    and broadcasts while what they send one peer
                                    fits in its shared-memory ring (gathers only
                                    while the ring copies fast), and at 2 ranks
-                                   allgathers and alltoalls up to 16 MiB whose
+                                   allgathers and alltoalls up to 24 MiB whose
                                    pieces are lent (CMA_BYTES), and repeated
                                    allreduces up to 24 MiB while the rings copy
                                    fast (their sends wait for room)

@@ -51,16 +51,19 @@ def direct_broadcast_bytes(direct_ring: int, ring_room: int, size: int) -> int:
 
 # At 2 ranks a blocking allgather or alltoall up to this size runs on the caller's thread
 # past the ring's bound (direct_ring_bytes) where what it sends its peer would be lent:
-# the express lane lends it as the loop does, and then copies its own block while the
-# peer reads, without the loop's turns between the steps (the op, its lend, the peer's
-# read, the acknowledgement: 100-200 us at 16 MB).  One job per way, alternated three
-# times (the slowest rank's median): allgathers of 6 MB took 0.25-0.26 ms against
-# 0.27-0.33 on the loop, 8 MB 0.33-0.35 against 0.36-0.42, 12 MB 0.66-0.68 against
-# 0.73-0.82, 16 MB 1.11-1.21 against 1.17-1.45; alltoalls of 6 MB 0.32-0.39 against
-# 0.37-0.47, 8 MB 0.45-0.52 against 0.48-0.64, 16 MB 1.22-1.39 against 1.32-1.60.  From
-# 24 MB the two ways were level, and at 32-64 MB the loop's (its reads in slices) the
+# the express lane lends it as the loop does (from its second call, its Repeat: repeat.py),
+# and then copies its own block while the peer reads, without the loop's turns between
+# the steps (the op, its lend, the peer's read, the acknowledgement: 100-200 us at 16
+# MB).  One job per way, alternated three times (the slowest rank's median): allgathers
+# of 6 MB took 0.25-0.26 ms against 0.27-0.33 on the loop, 8 MB 0.33-0.35 against
+# 0.36-0.42, 12 MB 0.66-0.68 against 0.73-0.82, 16 MB 1.11-1.21 against 1.17-1.45;
+# alltoalls of 6 MB 0.32-0.39 against 0.37-0.47, 8 MB 0.45-0.52 against 0.48-0.64, 16 MB
+# 1.22-1.39 against 1.32-1.60.  The lane alone was level with the loop from 24 MB; its
+# Repeat took 24 MB alltoalls in 2.10-2.20 ms against 2.30-2.37 on the loop in three
+# alternations of four (level in the fourth), allgathers in 1.90-1.99 against 2.00-2.25
+# (three of four).  At 32-64 MB the loop's way (its reads in slices) was as fast or
 # faster.
-LENT_GATHER_BYTES = 16 << 20
+LENT_GATHER_BYTES = 24 << 20
 
 # Blocking allreduces past the ring and up to this size run from their Repeat on the
 # caller's thread at 2 ranks on shared-memory rings, where each rank has a core of its
