@@ -179,17 +179,17 @@ the cache, totalreduce reads lower here than in its own job (the collectives tab
 {table("floor-2")[1]}
 
 The bare exchanges are what copying through memory allows here: at 4 and 16 MB the
-faster of the two runs 1.40x and 1.37x as fast as MPI, at 1 MB, where a piece stays in a
+faster of the two runs 1.50x and 1.28x as fast as MPI, at 1 MB, where a piece stays in a
 core's cache, 2.5x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
 gets much further. The gap between them and totalreduce is the engine's own cost: its
-headers, credit, handlers and turns of the loop, about 0.04 ms a call at 1 MB here
+headers, credit, handlers and turns of the loop, about 0.03 ms a call at 1 MB here
 (0.1 ms on the Intel VM). When 16 MB allreduces still lent their 2 MiB pieces (2-rank
 reductions now lend from 32 MiB), timestamps in one process pair put 70-130 us of
 handling between one piece's copy and the next's (the next record waits for a turn of
 the loop, which first posts the reduced piece), eight times a call. Here, where each op
-follows the others, the engine's 16 MB allreduce took 0.13 ms more than the bare ring's
+follows the others, the engine's 16 MB allreduce took 0.14 ms more than the bare ring's
 (a repeated one runs from its Repeat, "Why the defaults" below); in its own job (the
-collectives table) it takes 1.39 ms against MPI's 1.85.
+collectives table) it takes 1.31 ms against MPI's 2.19.
 
 ## Allreduce, 4 ranks (4 processes on 2 cores)
 
@@ -986,35 +986,38 @@ either way, 3-13% behind in both.
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 2.08x MPI at 1 MB, 1.83x at 4 MB and 1.33x at
-  16 MB, 2.91-2.98x from 64 MB; reducescatter 1.83-2.01x at 1-16 MB, 3.29-3.59x from
+- The 2-rank collectives table: allreduce 2.02x MPI at 1 MB, 2.22x at 4 MB and 1.66x at
+  16 MB, 2.89-2.90x from 64 MB; reducescatter 1.60-1.99x at 1-16 MB, 3.30-3.46x from
   64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
-  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.3-9.1 GB/s of algorithm bandwidth
-  for the reductions here (1-4 MB at 8.5-12.2 GB/s), which leaves a reduction little room
-  at 16 MB: a 16 MB allreduce takes us 1.39 ms against MPI's 1.85 in this run (1.10-1.13
+  0.86-0.88x). MPICH's shared memory moves 16 MB at 7.7-8.0 GB/s of algorithm bandwidth
+  for the reductions here (1-4 MB at 8.3-11.8 GB/s), which leaves a reduction little room
+  at 16 MB: a 16 MB allreduce takes us 1.31 ms against MPI's 2.19 in this run (1.10-1.13
   against 1.72-1.89, 1.52-1.71x, in jobs of their own), and the floor table's bare
-  exchanges, with no engine, reach 1.06-1.40x MPI at 4-16 MB.
+  exchanges, with no engine, reach 1.11-1.50x MPI at 4-16 MB.
 - Calls back to back flatter both libraries, ours more: with a pause before each call
   (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.13-1.26
   ms back to back, 1.38-1.59 after 1 ms and 1.88-2.08 after 10 ms; MPI's 2.04-2.05,
   2.03-2.10 and 2.36-2.54 (one job per library, each pause in turn, three runs, the VM's
   cores sharing a cache). Where they shared none: ours 1.87-1.96, 1.78-1.97 and 2.15-2.22
   ms, MPI's 1.72-2.15, 1.91-2.17 and 1.85-2.08 (two runs), level.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 0.99x at 1 MB, 0.94x
-  at 4 MB, 0.82x at 16 MB and 1.02-1.19x at 64 and 256 MB; alltoall 0.98x at 1 MB, 0.70x
-  at 4 MB, 0.90x at 16 MB, 0.99-1.02x from 64 MB; broadcast 1.65x at 1 MB, 1.50x at 4 MB,
-  0.88x at 16 MB, 1.01x at 64 MB and 1.02x at 256 MB, where the receiver copies the root's
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.28x at 1 MB, 1.25x
+  at 4 MB, 0.77x at 16 MB and 0.91-1.03x at 64 and 256 MB; alltoall 0.94x at 1 MB, 0.75x
+  at 4 MB, 0.90x at 16 MB, 0.95-0.98x from 64 MB; broadcast 1.35x at 1 MB, 1.27x at 4 MB,
+  0.81x at 16 MB, 0.95x at 64 MB and 1.02x at 256 MB, where the receiver copies the root's
   lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
-  10-21 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.82 ms in this run). An
+  10-21 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.83 ms in this run). An
   alltoall moves what MPI's does the way MPI's does (one `process_vm_readv` of the peer's
   block, a copy of our own): a bare exchange in Python doing just that, in one job with
   MPI's and ours on the same arrays, took 0.18 ms at 4 MB (MPI 0.18, ours 0.24) and
   1.20-1.23 ms at 16 MB (MPI 1.17-1.21, ours 1.39-1.44), its reads as long as ours within
-  5 %. The rest is ours: about 30 us of Python before the read (the call's checks, its
-  spec, the lane) and the wait for the peer's acknowledgement after it, and at 16 MB the
-  same Python run two to three times slower out of caches the copies have just flushed.
-  Repeated same-shape alltoalls up to 2 MiB and broadcasts up to the ring's bound run
-  from a Repeat, 2-rank allgathers and alltoalls up to 16 MiB on the caller's thread, and
+  5 %. The rest is ours: about 30 us of Python before the read on the express lane (the
+  call's checks, its spec, the lane; 15 us from a Repeat) and the wait for the peer's
+  acknowledgement after it, and at 16 MB the same Python run two to three times slower
+  out of caches the copies have just flushed; and which half of a 4 MB array the kernel
+  backed with a huge page (a malloc'd 4 MB array holds one), since a lent half of small
+  pages takes its reader about twice as long (130 against 70 us at 2 MiB). Repeated
+  same-shape gathers up to 2 MiB (and at 2 ranks up to 24 MiB where their pieces are
+  lent) and broadcasts up to the ring's bound run from a Repeat, and
   an allgather or alltoall sends its own block from its input and copies it
   into place itself (after its receives, up to 4 MiB); what is left at 1 MB is Python per op
   (about 0.1 ms, a third to a half of the call) and per piece. From run to run on this
