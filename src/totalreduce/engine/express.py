@@ -272,14 +272,9 @@ class Express:
         if late:
             finish_local(spec, chain.local_final)
         for token in lent:  # each peer says it has copied what we lent it
-            peer = token.send.peer
-            while not token.acked:
-                record = peek(peer) or self.wait(peer)
-                if (record is None or record[1] is not None
-                        or record[0].kind != Kind.RING_ACK
-                        or not transport.take_ack(peer, record[0])):
-                    return self.hand_over(spec, chain, ready, told, len(chain.steps),
-                                           posted, False, lent)
+            if not self.acked(token):
+                return self.hand_over(spec, chain, ready, told, len(chain.steps),
+                                       posted, False, lent)
         self.ran += 1
         # The loop never turned meanwhile, so no READY of this op was kept as an early one
         # (the small path, which turns it, forgets those here).
@@ -294,6 +289,19 @@ class Express:
                 or not self._transport.lends_body(send.peer, spec.work.nbytes, n)):
             return None
         return LentSend(send)
+
+    def acked(self, token: LentSend) -> bool:
+        """Wait until the peer says it has copied the body ``token`` lent it (the records
+        it sends before that are acknowledgements too, of other bodies); False where none
+        came within the spin, or another record stands first."""
+        transport = self._transport
+        peer = token.send.peer
+        while not token.acked:
+            record = transport.peek(peer) or self.wait(peer)
+            if (record is None or record[1] is not None or record[0].kind != Kind.RING_ACK
+                    or not transport.take_ack(peer, record[0])):
+                return False
+        return True
 
     def _credit(self, peer: int, header: Header) -> None:
         """The credit ``peer`` returned on ``header``, as the inbox takes it."""

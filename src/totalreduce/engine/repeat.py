@@ -30,7 +30,6 @@ lookups the express lane makes for it each call.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from threading import get_ident
@@ -366,7 +365,7 @@ class Repeat:
         if late:
             self._finish_local(work, source)
         for token in lent:  # each peer says it has copied what we lent it
-            if not token.acked and not self._acked(token):
+            if not self._express.acked(token):
                 return self._hand_over(work, source, key, epoch, ready, told,
                                        len(self._steps), posted, False)
         self._express.repeats += 1
@@ -386,21 +385,6 @@ class Repeat:
                     work[lo:hi] = source[lo - at:hi - at]
                 if finalize is not None:
                     finalize(work[lo:hi])
-
-    def _acked(self, token: LentSend) -> bool:
-        """Wait for the peer to say it has copied the body ``token`` lent it (the records
-        it sends before that are acknowledgements too, of other bodies); False where none
-        came within the spin, or another record stands first."""
-        transport = self._transport
-        peer = token.send.peer
-        peek = functools.partial(transport.peek, peer)
-        wait = self._express.wait_on
-        while not token.acked:
-            record = peek() or wait(peek)
-            if (record is None or record[1] is not None or record[0].kind != _KIND_ACK
-                    or not transport.take_ack(peer, record[0])):
-                return False
-        return True
 
     def _wait_posting(self, port: Port, work: np.ndarray, source: np.ndarray | None,
                       key: OpKey, epoch: int, ready: set[int], told: set[int], posted: int,
