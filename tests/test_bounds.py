@@ -66,6 +66,23 @@ def test_scratch_pool_keeps_at_most_its_cap_idle() -> None:
     assert ScratchPool(cap=0).idle_bytes == 0
 
 
+
+def test_scratch_pool_serves_a_miss_from_the_smallest_larger_idle_buffer() -> None:
+    pool = ScratchPool(cap=16 << 20)
+    two, three = pool.get(2 << 20), pool.get(3 << 20)
+    pool.put(three)
+    pool.put(two)
+    # No 1.5 MB buffer idle: the 2 MiB one serves it, not the 3 MiB one nor a new one.
+    v = pool.get(1_500_000)
+    assert id(v.obj) == id(two.obj) and v.nbytes == 1_500_000
+    assert pool.idle_bytes == 3 << 20
+    pool.put(v)  # back under its own class
+    assert pool.idle_bytes == 5 << 20 and id(pool.get(2 << 20).obj) == id(two.obj)
+    # A buffer more than twice the size is left idle: a small body gets its own.
+    w = pool.get(1 << 20)
+    assert id(w.obj) != id(three.obj) and len(w.obj) == 1 << 20
+    assert pool.idle_bytes == 3 << 20 and all(pool._free.values())
+
 def test_scratch_pool_survives_any_sequence_of_gets_and_puts() -> None:
     # A class emptied by get() once stayed behind as an empty list, and eviction popped
     # from it (IndexError inside the progress loop, seen under the skew benchmark).
