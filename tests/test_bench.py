@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import totalreduce
 from harness import mpiexec
+from totalreduce.bench.buffers import float32s
 from totalreduce.bench.compare import compare
 from totalreduce.bench.models import bert_base_shapes, resnet50_shapes
 from totalreduce.bench.report import print_table, summarize
@@ -113,6 +115,34 @@ def test_collectives_command_runs_and_reports_every_backend(tmp_path) -> None:
     for b in backends:
         assert b in proc.stdout
 
+
+
+def test_huge_arrays_start_on_a_huge_page_and_hold_what_numpys_would() -> None:
+    for count in (0, 1, 1000, (3 << 20) // 4 + 5):
+        ones = float32s(count, "huge")
+        assert ones.dtype == np.float32 and ones.shape == (count,)
+        assert np.array_equal(ones, np.ones(count))
+        assert count == 0 or ones.ctypes.data % (2 << 20) == 0
+        assert ones.flags.c_contiguous and ones.flags.writeable
+        assert float32s(count, "huge", None).shape == (count,)
+        assert np.array_equal(float32s(count, "numpy"), ones)
+    with pytest.raises(ValueError, match="huge"):
+        float32s(4, "hugh")
+
+
+def test_collectives_with_huge_arrays_run_every_backend_and_say_so() -> None:
+    backends = ["totalreduce-shm"] + (["mpi"] if mpiexec() is not None else [])
+    proc = subprocess.run(
+        [sys.executable, "-m", "totalreduce.bench", "collectives", "-n", "2", "--ops",
+         "allgather,alltoall,broadcast", "--sizes", "4,3M", "--reps-scale", "0.02",
+         "--backends", ",".join(backends), "--arrays", "huge"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "arrays: huge" in proc.stdout
+    rows = {tuple(line.split()[:4]) for line in proc.stdout.splitlines()}
+    for b in backends:
+        for op in ("allgather", "alltoall", "broadcast"):
+            assert (op, "2", "3M", b) in rows, proc.stdout
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(mpiexec() is None, reason="needs mpi4py and mpiexec")

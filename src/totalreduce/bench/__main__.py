@@ -53,6 +53,7 @@ import tempfile
 from typing import Any
 
 from ..launcher.mpiexec import find_mpiexec
+from .buffers import ARRAYS
 from .curves import plot_curves, print_curves, summarize_curves
 from .report import plot, print_table, summarize
 
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="message sizes in bytes (K/M suffixes)")
     p.add_argument("--reps-scale", type=float, default=1.0,
                    help="multiply the per-size repetition counts")
+    p.add_argument("--arrays", choices=ARRAYS, default="numpy",
+                   help="numpy: np.ones/np.empty, as a user makes them (default); huge: "
+                   "2 MiB aligned and advised for huge pages, in every backend alike")
     p = sub.add_parser("latency", parents=[common],
                        help="blocking 8-byte allreduces and barriers back to back")
     p.add_argument("--reps", type=int, default=3000, help="calls of each, timed one by one")
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg: dict[str, Any] = {"test": args.test}
     if args.test == "collectives":
         cfg.update(ops=args.ops.split(","), reps_scale=args.reps_scale,
-                   sizes=[parse_size(s) for s in args.sizes.split(",")])
+                   sizes=[parse_size(s) for s in args.sizes.split(",")], arrays=args.arrays)
     elif args.test == "replay":
         cfg.update(models=args.models.split(","), reps=args.reps,
                    buckets_mb=[int(b) for b in args.buckets_mb.split(",")])
@@ -307,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                         settings if backend.startswith("totalreduce") else None)
         raw.append({"round": rnd, "backend": backend, "ranks": n, "per_rank": ranks})
     _print_machine(_machine())
+    if cfg.get("arrays", "numpy") != "numpy":
+        print(f"arrays: {cfg['arrays']} (--arrays)")
     if args.test == "convergence":
         summary = summarize_curves(raw)
         print_curves(summary)

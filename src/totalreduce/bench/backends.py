@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+
+from .buffers import float32s
 
 Step = Callable[[], None]
 
@@ -25,8 +28,9 @@ class Backend:
     def barrier(self) -> None:
         raise NotImplementedError
 
-    def collective(self, op: str, count: int) -> Step:
-        """A closure running one ``op`` on preallocated float32 buffers of ``count``."""
+    def collective(self, op: str, count: int, arrays: str = "numpy") -> Step:
+        """A closure running one ``op`` on preallocated float32 buffers of ``count``,
+        made as ``arrays`` says (buffers.py)."""
         raise NotImplementedError
 
     def replay_modes(self, grads: list[np.ndarray], flat: np.ndarray,
@@ -75,9 +79,9 @@ class TotalReduceBackend(Backend):
     def barrier(self) -> None:
         self.tr.barrier()
 
-    def collective(self, op: str, count: int) -> Step:
+    def collective(self, op: str, count: int, arrays: str = "numpy") -> Step:
         tr = self.tr
-        x = np.ones(count, np.float32)
+        x = float32s(count, arrays)
         if op == "allreduce":
             return lambda: tr.allreduce_(x, op=tr.Sum, name="bench")
         # Results go into arrays made once, as MPI's do: a new big array a call costs its
@@ -86,12 +90,12 @@ class TotalReduceBackend(Backend):
         # (same_shape=True): no size exchange.
         if op == "allgather":
             part = x[: count // self.size]
-            gathered = np.empty(part.size * self.size, np.float32)
+            gathered = float32s(part.size * self.size, arrays, None)
             return lambda: tr.allgather(part, name="bench", out=gathered, same_shape=True)
         if op == "broadcast":
             return lambda: tr.broadcast_(x, root_rank=0, name="bench")
         if op == "alltoall":
-            swapped = np.empty_like(x)
+            swapped = float32s(x.size, arrays, None)
             return lambda: tr.alltoall(x, name="bench", out=swapped, same_shape=True)
         if op == "reducescatter":
             return lambda: tr.reducescatter(x, op=tr.Sum, name="bench")
@@ -203,23 +207,23 @@ class MpiBackend(Backend):
     def barrier(self) -> None:
         self.comm.Barrier()
 
-    def collective(self, op: str, count: int) -> Step:
+    def collective(self, op: str, count: int, arrays: str = "numpy") -> Step:
         MPI, comm, n = self.MPI, self.comm, self.size
-        x = np.ones(count, np.float32)
+        x = float32s(count, arrays)
         if op == "allreduce":
             return lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
         if op == "allgather":
-            part, out = x[: count // n], np.empty(count // n * n, np.float32)
+            part, out = x[: count // n], float32s(count // n * n, arrays, None)
             return lambda: comm.Allgather(part, out)
         if op == "broadcast":
             return lambda: comm.Bcast(x, root=0)
         if op == "alltoall":
             y = x[: count // n * n]
-            out = np.empty_like(y)
+            out = float32s(y.size, arrays, None)
             return lambda: comm.Alltoall(y, out)
         if op == "reducescatter":
             y = x[: count // n * n]
-            out = np.empty(count // n, np.float32)
+            out = float32s(count // n, arrays, None)
             return lambda: comm.Reduce_scatter_block(y, out, MPI.SUM)
         raise ValueError(op)
 
@@ -288,23 +292,29 @@ class GlooBackend(Backend):
     def barrier(self) -> None:
         self.dist.barrier()
 
-    def collective(self, op: str, count: int) -> Step:
+    def collective(self, op: str, count: int, arrays: str = "numpy") -> Step:
         torch, dist, n = self.torch, self.dist, self.size
-        x = torch.ones(count, dtype=torch.float32)
+
+        def empty(k: int) -> Any:  # torch's own allocation, as a torch user's
+            return torch.empty(k) if arrays == "numpy" else \
+                torch.from_numpy(float32s(k, arrays, None))
+
+        x = torch.ones(count, dtype=torch.float32) if arrays == "numpy" else \
+            torch.from_numpy(float32s(count, arrays))
         if op == "allreduce":
             return lambda: dist.all_reduce(x)
         if op == "allgather":
-            part, out = x[: count // n], torch.empty(count // n * n)
+            part, out = x[: count // n], empty(count // n * n)
             return lambda: dist.all_gather_into_tensor(out, part)
         if op == "broadcast":
             return lambda: dist.broadcast(x, src=0)
         if op == "alltoall":
             y = x[: count // n * n]
-            out = torch.empty_like(y)
+            out = empty(y.numel())
             return lambda: dist.all_to_all_single(out, y)
         if op == "reducescatter":
             y = x[: count // n * n]
-            out = torch.empty(count // n)
+            out = empty(count // n)
             return lambda: dist.reduce_scatter_tensor(out, y)
         raise ValueError(op)
 

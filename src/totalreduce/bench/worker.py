@@ -64,7 +64,7 @@ def collectives(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         for nbytes in cfg["sizes"]:
             count = element_count(op, nbytes, b.size)
             try:
-                step = b.collective(op, count)
+                step = b.collective(op, count, cfg.get("arrays", "numpy"))
                 times = _timed(b, step, reps_for(nbytes, cfg["reps_scale"]))
             except (NotImplementedError, RuntimeError, ValueError) as exc:
                 if b.name != "gloo":  # only gloo lacks ops; elsewhere it is a bug
