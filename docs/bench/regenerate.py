@@ -37,6 +37,9 @@ class Job(NamedTuple):
 JOBS = (
     Job("collectives-2", "python -m totalreduce.bench collectives -n 2 --rounds 6 "
         "--reps-scale 0.5 --plot collectives-2.png"),
+    Job("collectives-2-huge", "python -m totalreduce.bench collectives -n 2 --backends "
+        "totalreduce-shm,mpi --sizes 64K,1M,4M,16M,64M,256M --rounds 4 --reps-scale 0.5 "
+        "--arrays huge"),
     Job("collectives-4", "python -m totalreduce.bench collectives -n 4 --ops allreduce "
         "--sizes 4,1K,64K,1M,4M,16M,64M --rounds 2 --plot collectives-4.png"),
     Job("floor-2", "python -m totalreduce.bench floor --sizes 1M,4M,16M,64M --reps 60"),
