@@ -1044,6 +1044,10 @@ either way, 3-13% behind in both.
   about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
+- Huge pages: out of arrays that huge pages back (`--arrays huge`, the section after the
+  2-rank table), MPICH's 1-4 MB broadcasts, allgathers and alltoalls run two to three
+  times faster than out of numpy's own, ours about as fast as before, so there we trail
+  it at 0.37-0.65x from 1 to 4 MB (broadcast 0.44x at 1 MB, 0.37x at 4 MB).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
   1 MB up on this host (0.27-0.74x) but for allreduce and reducescatter from 64 MB
   (1.23-1.77x); its small ops run on the caller's thread as the rings' do (4 bytes:
