@@ -172,9 +172,9 @@ what backs their pages differs: numpy asks for huge pages only from 4 MiB, and e
 only the 2 MiB-aligned middle of an array gets them, where malloc put it (in one sitting
 a 16 MB array's halves were 1.0/1.0 huge-paged in MPI's job, 0.94/0.81 in ours). Here
 every backend gets arrays that start on a 2 MiB boundary, advised for huge pages. MPICH's
-broadcasts, allgathers and alltoalls of 1-4 MB then run two to three times faster (its
-kernel copies pin the pages one at a time: 1 MB broadcasts 0.027 ms against 0.075 with
-numpy's arrays), and ours barely move, so those cells fall to 0.37-0.65x; the reductions
+broadcasts and alltoalls of 1-4 MB and its 4 MB allgathers then run two to three times
+faster (1 MB broadcasts 0.027 ms against 0.075 with numpy's arrays), and ours barely
+move, so those cells fall to 0.37-0.65x; the reductions
 still lead (allreduce 1.16-2.89x, reducescatter 1.38-3.21x from 1 MB), and from 64 MB
 every op is at par or ahead. Torch's CPU tensors get small pages, as numpy's arrays under
 4 MiB do; on a host whose `transparent_hugepage` setting is `always`, big arrays get huge
@@ -1045,9 +1045,9 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - Huge pages: out of arrays that huge pages back (`--arrays huge`, the section after the
-  2-rank table), MPICH's 1-4 MB broadcasts, allgathers and alltoalls run two to three
-  times faster than out of numpy's own, ours about as fast as before, so there we trail
-  it at 0.37-0.65x from 1 to 4 MB (broadcast 0.44x at 1 MB, 0.37x at 4 MB).
+  2-rank table), MPICH's 1-4 MB broadcasts and alltoalls and 4 MB allgathers run two to
+  three times faster than out of numpy's own, ours about as fast as before, so there we
+  trail it at 0.37-0.65x (broadcast 0.44x at 1 MB, 0.37x at 4 MB).
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
   1 MB up on this host (0.27-0.74x) but for allreduce and reducescatter from 64 MB
   (1.23-1.77x); its small ops run on the caller's thread as the rings' do (4 bytes:
