@@ -298,7 +298,11 @@ def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ri
     # the loop; at 2, where the piece each sends its peer is lent (up to
     # LENT_GATHER_BYTES: the next test), they stay on the caller's thread, but while the
     # rings are slow the first of them tries the loop first, as the first of 2-4 MiB
-    # does.  The sizes phase is small and always runs there.
+    # does.  The sizes phase is small and always runs there.  A call whose peers' data
+    # came while this rank was still in the call before (the loop took it, and it
+    # floated here) may go on the general path instead: on a loaded host the early
+    # rank's sizes phase can end after its late peer's data went, and a floating lent
+    # piece, copied aside already, is not taken in place.
     bound = 2 * (2 << 20) * n // (2 * (n - 1))
     sizes = [(2 << 20) + 24 * n, bound - 64 * n, bound + 4096 * n, 6 << 20]
     result = run_ok(n, f"by_size_workers:{kind}_by_size", {"sizes": sizes, "warm": 12},
@@ -306,8 +310,11 @@ def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ri
     fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
     big = 2 if n == 2 and cma.cma_works() else 1
     for r in range(n):
+        got = result.report(r)
         want = [2, 2, big, big] if fast else [1, 2, 1, big]
-        assert result.report(r)["direct"] == want, result.explain()
+        assert all(ran == w or (ran == 1 and floated > 4096) for ran, w, floated
+                   in zip(got["direct"], want, got["floated"], strict=True)), \
+            (got, want, result.explain())
 
 
 @pytest.mark.skipif(not cma.cma_works(), reason="process_vm_readv not allowed")

@@ -342,6 +342,7 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         return {"floating_bytes": self._floating.bytes, "floating_peak": self._floating.peak,
+                "floated_bytes": self._floating.floated,
                 "ready_sent": self._outbox.ready_sent, "parks": self._outbox.parks,
                 "floating_cap": self._config.floating_cap,
                 "active_ops": len(self._ops.active),

@@ -46,6 +46,7 @@ class Floating:
         self.bodies: dict[OpKey, list[FloatingBody]] = {}
         self.bytes = 0  # credit charged for the bodies held now
         self.peak = 0
+        self.floated = 0  # bytes of every body that has floated here (stats)
         self._watches: list[Watch] = []
 
     def __contains__(self, key: OpKey) -> bool:
@@ -59,6 +60,7 @@ class Floating:
     def keep(self, item: FloatingBody) -> None:
         """A floating body has arrived whole."""
         self.bodies.setdefault(item.header.op_key, []).append(item)
+        self.floated += item.header.nbytes
         for watch in self._watches:
             if item.src in watch.sources and watch.match(item.src, item.header):
                 self._watches.remove(watch)
