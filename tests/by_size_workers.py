@@ -3,6 +3,7 @@ again) and report which way each took: the caller's thread, a Repeat, the loop."
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import time
@@ -13,7 +14,10 @@ import numpy as np
 import totalreduce as tr
 from reporting import report
 from smallpath_workers import _close, _inputs
+from totalreduce.bench.buffers import float32s
+from totalreduce.engine.express import ONE_WAY_HUGE
 from totalreduce.runtime import current
+from totalreduce.transport import pages
 from workers import reference_reduce
 
 
@@ -415,3 +419,65 @@ def repeated_lent_gathers(arg: dict) -> None:
     report(calls=calls, repeat_lent=repeat_lent, active=after["active_ops"],
            handed_over=after["express_repeats_handed_over"]
            - before["express_repeats_handed_over"])
+
+
+def _paged(count: int, huge: bool) -> np.ndarray:
+    """``count`` float32s on a 2 MiB boundary, huge pages asked for or refused (so the
+    kernel's setting does not decide it), touched."""
+    x = float32s(count, "huge", 0.0)
+    if not huge:
+        raw = float32s(count + (1 << 19), "numpy", None)  # room to align in
+        start = -raw.ctypes.data % (2 << 20) // 4
+        x = raw[start:start + count]
+        libc = ctypes.CDLL(None)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        # MADV_NOHUGEPAGE over its pages, before the first touch.
+        libc.madvise(x.ctypes.data, -(-x.nbytes // 4096) * 4096, 15)
+        x[...] = 0
+    return x
+
+
+def repeated_broadcasts(arg: dict) -> None:
+    """2-rank in-place broadcasts from rank 0 of about ``arg["sizes"]`` bytes, ``arg["calls"]``
+    of each under one name into the same buffer, which huge pages back or not
+    (``arg["huge"]``), float32 and int32, new data each call, ranks late at random;
+    ``arg["async_rank"]`` makes its calls asynchronously.  Right after each call the root
+    scribbles over its buffer (a root that returned before its peer had copied what it
+    lent would hand it the scribbles) and the peer checks its own against numpy.  Reports
+    the calls, those that ran from a Repeat and lent, the Repeats' hand-overs, and how
+    many of the buffers huge pages back (the kernel may find none free)."""
+    tr.init()
+    rank = tr.rank()
+    mine = random.Random(90 + rank)
+    stats = current().engine.stats
+    before = stats()
+    calls = repeat_lent = huge_buffers = 0
+    for i, nbytes in enumerate(arg["sizes"]):
+        buf = _paged(nbytes // 4, arg["huge"])
+        share = pages.huge_share(buf.ctypes.data, buf.nbytes)
+        huge_buffers += share is not None and share >= ONE_WAY_HUGE
+        x = buf if i % 2 == 0 else buf.view(np.int32)
+        for call in range(arg["calls"]):
+            want = np.arange(x.size, dtype=x.dtype) * (call + 1) + i
+            x[...] = want if rank == 0 else -1
+            if mine.random() < 0.3:
+                time.sleep(mine.random() * 0.002)
+            lent0, repeats0 = tr.transport_stats()["bodies_lent"], stats()["express_repeats"]
+            name = f"bcast.{i}"
+            if rank == arg.get("async_rank"):
+                tr.broadcast_async_(x, root_rank=0, name=name).wait()
+            else:
+                tr.broadcast_(x, root_rank=0, name=name)
+            repeat_lent += (stats()["express_repeats"] > repeats0
+                            and tr.transport_stats()["bodies_lent"] > lent0)
+            if rank == 0:
+                x[...] = 99
+            else:
+                _close(x, want, f"broadcast of {x.nbytes} bytes, call {call}")
+            calls += 1
+    tr.barrier()
+    after = stats()
+    tr.shutdown()
+    report(calls=calls, repeat_lent=repeat_lent, active=after["active_ops"],
+           handed_over=after["express_repeats_handed_over"]
+           - before["express_repeats_handed_over"], huge_buffers=huge_buffers)

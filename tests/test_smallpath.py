@@ -7,8 +7,10 @@ import os
 import pytest
 
 from harness import mpiexec, run_ok
+from totalreduce.bench.buffers import float32s
+from totalreduce.engine.express import ONE_WAY_HUGE
 from totalreduce.scheduling.thresholds import LENT_GATHER_BYTES
-from totalreduce.transport import cma
+from totalreduce.transport import cma, pages
 
 pytestmark = pytest.mark.multiprocess
 
@@ -359,6 +361,41 @@ def test_repeated_two_rank_gathers_of_lent_pieces_run_from_their_repeat(
         other = reports[0]
         assert other["repeat_lent"] + other["handed_over"] > 0, reports
 
+
+
+def _huge_pages_here() -> bool:
+    """Whether this host backs an array that asks for them with huge pages, as far as the
+    kernel can say (transport/pages.py)."""
+    x = float32s(1 << 20, "huge")
+    share = pages.huge_share(x.ctypes.data, x.nbytes)
+    return share is not None and share >= ONE_WAY_HUGE
+
+
+@pytest.mark.skipif(not cma.cma_works(), reason="process_vm_readv not allowed")
+@pytest.mark.parametrize(("async_rank", "huge"), [(None, True), (1, True), (None, False)])
+def test_a_two_rank_broadcasts_root_lends_its_pieces_out_of_huge_pages(
+        async_rank: int | None, huge: bool) -> None:
+    # From its Repeat a 2-rank broadcast's root lends each piece of 1 MiB or more that
+    # huge pages back (the peer's kernel copies it at memory's speed), and returns only
+    # once the peer has copied it: the root scribbles over its buffer right after each
+    # call, the peer checks its own against numpy.  Out of small pages the pieces go
+    # through the ring.  The peer blocking, late at random, or async (the loop's side).
+    if huge and not _huge_pages_here():
+        pytest.skip("the kernel backs no array with huge pages here, or cannot say")
+    calls = 6
+    sizes = [(2 << 20) + 12, (4 << 20) - 20]
+    result = run_ok(2, "by_size_workers:repeated_broadcasts",
+                    {"sizes": sizes, "calls": calls, "async_rank": async_rank,
+                     "huge": huge}, timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
+    root, peer = (result.report(r) for r in range(2))
+    assert root["calls"] == peer["calls"] == calls * len(sizes), (root, peer)
+    assert root["active"] == peer["active"] == 0, (root, peer)
+    if not huge:
+        assert root["repeat_lent"] == 0, root
+    elif root["huge_buffers"]:
+        assert root["repeat_lent"] > 0, root
+    else:
+        pytest.skip("the kernel had no huge pages for the root's buffers this time")
 
 @pytest.mark.parametrize("kind", ["alltoall", "allgather"])
 @pytest.mark.parametrize("n", [2, 3])

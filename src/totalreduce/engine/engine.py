@@ -170,15 +170,16 @@ class Engine:
             self._driver.nudge()
         return ran
 
-    def repeat(self, spec: OpSpec, label_of: Callable[[int], str], lends: bool = False
-               ) -> Repeat | None:
+    def repeat(self, spec: OpSpec, label_of: Callable[[int], str], lends: bool = False,
+               lends_one_way: bool = False) -> Repeat | None:
         """What runs calls like ``spec`` (a small blocking op's) on this thread with
         everything they share bound once (repeat.py), while the engine is idle, if they
         can run that way here: their schedule a chain through rings this process reads.
         ``label_of(seq)``: the label of the call
         ``seq``.  Its calls keep ``spec``'s priority where they go on
         on the general path; while the engine is idle no other op is there to pass.
-        ``lends``: its calls lend the bodies the express lane would (else none)."""
+        ``lends``: its calls lend the bodies the express lane would (else none);
+        ``lends_one_way``: and their one-way sends' where huge pages back them."""
         chain = self._express.chain(spec.schedule)
         if chain is None:
             return None
@@ -190,7 +191,8 @@ class Engine:
             ports[peer] = port
         return Repeat(spec, chain, label_of, spec.ranks, self._driver, self.loop,
                       self._small, self._express, self._ops, self._ledger, self._serving,
-                      self._floating, ports, self._outbox.unpark, self.transport, lends)
+                      self._floating, ports, self._outbox.unpark, self.transport, lends,
+                      lends_one_way)
 
     def _adopt(self, state: Adopt) -> OpFuture:
         """The loop goes on with an op the urgent lane began (Starter.adopt)."""

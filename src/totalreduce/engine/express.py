@@ -52,13 +52,26 @@ _CHAINS = 256
 # against 105 us) and 1 MB allgathers lent were slower in some runs.
 LEND_FROM = 1 << 20
 
+# A one-way send (a broadcast root's piece, which no piece comes back for in its step) is
+# lent from a Repeat only where at least this share of its bytes huge pages back
+# (transport/pages.py): the ring's two copies overlap, and out of small pages the reader's
+# kernel copy, which pins them one by one, is no faster (Chain.lendable), but out of huge
+# ones it copies at memory's speed.
+ONE_WAY_HUGE = 0.9
+# ... and only from this size.  At 2 ranks, blocks of calls alternated in one job (three
+# jobs), 4 MiB broadcasts (pieces of 1 MiB) took 0.146-0.148 ms lent against 0.163-0.172
+# through the ring out of huge pages, and 0.218-0.254 against 0.262-0.274 out of numpy's
+# arrays (whose middle 2 MiB huge pages back); 2 MiB ones (three pieces of 683 KiB) were
+# level, and 1 MiB ones (two of 512 KiB) no faster in jobs of their own.
+ONE_WAY_FROM = 640 << 10
+
 
 class Chain:
     """A schedule as one line: ``first`` sends, then the messages to wait for, each as
     (peer, step, piece, receive), whose receive's ``then`` sends follow it."""
 
     __slots__ = ("first", "steps", "sources", "sends", "local_final", "tell_first",
-                 "lendable", "waits")
+                 "lendable", "one_way", "waits")
 
     def __init__(self, schedule: Schedule, steps: list[tuple[int, int, int, Recv]]) -> None:
         self.first = schedule.first
@@ -93,6 +106,10 @@ class Chain:
         self.lendable = frozenset((s.peer, s.step, s.piece) for s in self.sends
                                   if (s.peer, s.step) in exchanged
                                   and (s.peer, s.step, s.piece) not in guarded)
+        # The others that may be lent out of huge pages (ONE_WAY_HUGE).
+        self.one_way = frozenset((s.peer, s.step, s.piece) for s in self.sends
+                                 if (s.peer, s.step) not in exchanged
+                                 and (s.peer, s.step, s.piece) not in guarded)
 
 
 def chain_of(schedule: Schedule, waits: bool = False) -> Chain | None:

@@ -25,7 +25,8 @@ Bodies the express lane would lend (an exchange's, of LEND_FROM or more, where t
 transport lends them) are lent here too: the peer's kernel copies them out of ours, and a
 call ends once every peer has said it has.  So a 2-rank allgather or alltoall of a few
 MiB, whose bodies are lent, runs here from its second call, without the spec, label and
-lookups the express lane makes for it each call.
+lookups the express lane makes for it each call.  A 2-rank broadcast's root lends its
+pieces likewise where huge pages back them (ONE_WAY_HUGE), through the ring otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ import numpy as np
 
 from ..interrupts import deferred as ctrl_c
 from ..memcopy import copy_bytes
+from ..transport import pages
 from ..transport.base import Port, Transport
+from ..transport.cma import address_of
 from ..transport.wire import (
     FLAG_CREDITED,
     FLAG_READY,
@@ -51,7 +54,7 @@ from ..transport.wire import (
     pack_fields,
 )
 from .driving import Driver
-from .express import LEND_FROM, Chain, Express
+from .express import LEND_FROM, ONE_WAY_FROM, ONE_WAY_HUGE, Chain, Express
 from .floating import Floating
 from .ledger import CreditLedger
 from .loop import Loop
@@ -77,8 +80,12 @@ assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbyt
                                 "count") and Header._fields[1] == "dtype"
 
 # A send as Repeat keeps it: (port, peer, lo, hi, step, piece, bytes, to a source,
-# from the call's source, the whole buffer, the Send where its body may be lent).
-_Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None]
+# from the call's source, the whole buffer, the Send where its body may be lent, whether
+# only out of huge pages).
+_Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None, bool]
+
+# Regions whose pages Repeat._huge remembers (a few buffers, reused call after call).
+_HUGE_REGIONS = 16
 
 
 class Repeat:
@@ -90,21 +97,24 @@ class Repeat:
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
                  "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
-                 "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes")
+                 "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
+                 "_huge_regions")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
                  small: SmallPath, express: Express, ops: OpTable, ledger: CreditLedger,
                  serving: JoinServer, floating: Floating, ports: dict[int, Port],
                  unpark: Callable[[int], None], transport: Transport,
-                 lends: bool = False) -> None:
+                 lends: bool = False, lends_one_way: bool = False) -> None:
         """``template``: a call's spec (its identity, buffers and priority unused);
         ``label_of(seq)``: the label of the call ``seq`` of it, for a spec built late;
         ``ports``: the transport's, of every peer the chain involves; ``unpark(peer)``:
         the outbox's, told when a peer returns credit; ``transport``: where bodies are
         lent, and their acknowledgements taken; ``lends``: whether calls lend the bodies
         the express lane would (through the ring, a body of 1 MiB costs less: 2 MB
-        allgathers and alltoalls at 2 ranks took 0.10 ms so against 0.12 lent)."""
+        allgathers and alltoalls at 2 ranks took 0.10 ms so against 0.12 lent);
+        ``lends_one_way``: whether calls lend their one-way sends' bodies (Chain.one_way)
+        where huge pages back them."""
         # The template's fields, not the spec: its buffers are a call's own, and the
         # templates that keep Repeats (up to a few MiB each) must not keep those alive.
         self._describe = template.describe
@@ -126,6 +136,9 @@ class Repeat:
         self._unpark = unpark
         self._transport = transport
         self._lent: list[LentSend] = []  # the call's lent sends (one call at a time)
+        # Whether huge pages back a region (address, bytes), as the kernel said when first
+        # asked (5 us a time): a training loop hands the same buffers again and again.
+        self._huge_regions: dict[tuple[int, int], bool] = {}
         itemsize = template.work.itemsize
         self._op_bytes = template.work.nbytes
         # Each send as (its peer's port, peer, lo, hi, step, piece, bytes, whether the
@@ -141,13 +154,18 @@ class Repeat:
         # the transport's size rule is asked each call).
         lendable = chain.lendable if lends and template.lend and template.ufunc is None \
             else frozenset()
+        one_way = chain.one_way if lends_one_way and template.ufunc is None \
+            else frozenset()
 
         def sends(of: tuple[Send, ...]) -> tuple[_Send, ...]:
             return tuple((ports[s.peer], s.peer, s.lo, s.hi, s.step, s.piece,
                           (s.hi - s.lo) * itemsize, s.peer in sources, s.from_source,
                           s.lo == 0 and s.hi == count,
-                          s if (s.peer, s.step, s.piece) in lendable
-                          and (s.hi - s.lo) * itemsize >= LEND_FROM else None)
+                          s if ((s.peer, s.step, s.piece) in lendable
+                                and (s.hi - s.lo) * itemsize >= LEND_FROM)
+                          or ((s.peer, s.step, s.piece) in one_way
+                              and (s.hi - s.lo) * itemsize >= ONE_WAY_FROM) else None,
+                          (s.peer, s.step, s.piece) in one_way)
                          for s in of)
 
         self._first = sends(chain.first)
@@ -443,7 +461,8 @@ class Repeat:
     def _post(self, work: np.ndarray, source: np.ndarray | None, send: _Send,
               key: OpKey, epoch: int, ready: set[int], told: set[int]) -> bool:
         """:func:`.smallpath.post_data` for this template's send."""
-        port, peer, lo, hi, step, piece, nbytes, to_source, from_source, whole, lend = send
+        port, peer, lo, hi, step, piece, nbytes, to_source, from_source, whole, lend, \
+            huge_only = send
         ledger = self._ledger
         flags = 0 if peer in ready else FLAG_CREDITED
         credit = ledger.terms(peer, nbytes if flags else -1)
@@ -464,7 +483,8 @@ class Repeat:
             body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
         token = None
         if lend is not None and body is not None and \
-                self._transport.lends_body(peer, self._op_bytes, nbytes):
+                self._transport.lends_body(peer, self._op_bytes, nbytes) and \
+                (not huge_only or self._huge(body)):
             token = LentSend(lend)
             gone = self._transport.lend_now(peer, header, body, token)
         else:
@@ -479,6 +499,18 @@ class Repeat:
         if token is not None:
             self._lent.append(token)
         return True
+
+    def _huge(self, body: memoryview) -> bool:
+        """Whether huge pages back at least ONE_WAY_HUGE of ``body``'s bytes."""
+        region = (address_of(body), body.nbytes)
+        huge = self._huge_regions.get(region)
+        if huge is None:
+            share = pages.huge_share(*region)
+            huge = share is not None and share >= ONE_WAY_HUGE
+            if len(self._huge_regions) >= _HUGE_REGIONS:
+                self._huge_regions.clear()
+            self._huge_regions[region] = huge
+        return huge
 
     def _hand_over(self, work: np.ndarray, source: np.ndarray | None, key: OpKey,
                    epoch: int, ready: set[int], told: set[int], done: int, posted: int,

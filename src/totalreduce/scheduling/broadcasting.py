@@ -48,8 +48,11 @@ class BroadcastOps(SchedulerParts):
             if not template.repeat_tried and not priority:
                 template.repeat_tried = True
                 if self._repeats_broadcast(work.nbytes):
+                    # At 2 ranks the root's Repeat lends its pieces where huge pages back
+                    # them (repeat.py): its peer copies each at memory's speed.
                     template.repeat = self._engine.repeat(
-                        spec, functools.partial(self._label, "broadcast", name))
+                        spec, functools.partial(self._label, "broadcast", name),
+                        lends_one_way=self.size == 2 and self.rank == root)
         else:
             schedule, algorithm = self._algorithms.broadcast(root, work.size, arr.dtype)
 
