@@ -172,13 +172,15 @@ what backs their pages differs: numpy asks for huge pages only from 4 MiB, and e
 only the 2 MiB-aligned middle of an array gets them, where malloc put it (in one sitting
 a 16 MB array's halves were 1.0/1.0 huge-paged in MPI's job, 0.94/0.81 in ours). Here
 every backend gets arrays that start on a 2 MiB boundary, advised for huge pages. MPICH's
-broadcasts and alltoalls of 1-4 MB and its 4 MB allgathers then run two to three times
-faster (1 MB broadcasts 0.027 ms against 0.075 with numpy's arrays), and ours barely
-move, so those cells fall to 0.37-0.65x; the reductions
-still lead (allreduce 1.16-2.89x, reducescatter 1.38-3.21x from 1 MB), and from 64 MB
-every op is at par or ahead. Torch's CPU tensors get small pages, as numpy's arrays under
-4 MiB do; on a host whose `transparent_hugepage` setting is `always`, big arrays get huge
-pages without asking.
+1 MB broadcasts and alltoalls then take 0.027-0.028 ms (0.056-0.075 out of numpy's
+arrays in the table above) and its 4 MB broadcasts 0.100 (0.191), while ours barely move,
+so broadcasts and alltoalls fall to 0.44-0.73x at 1-16 MB; the reductions still lead
+(allreduce 1.85-3.63x, reducescatter 1.28-3.32x from 1 MB), and from 64 MB every op but
+the allgather (0.77-0.82x here) is at or near par. The two tables ran in different states
+of the VM (this one with its cores sharing no cache), which moves MPI's cells too: its 4
+MB alltoall took 0.258 ms here. Torch's CPU tensors get small pages, as numpy's arrays
+under 4 MiB do; on a host whose `transparent_hugepage` setting is `always`, big arrays
+get huge pages without asking.
 
 {table("collectives-2-huge", lambda c: c[2] in ("64K", "1M", "4M", "16M", "64M", "256M"))[1]}
 
@@ -208,7 +210,7 @@ handling between one piece's copy and the next's (the next record waits for a tu
 the loop, which first posts the reduced piece), eight times a call. Here, where each op
 follows the others, the engine's 16 MB allreduce took 0.14 ms more than the bare ring's
 (a repeated one runs from its Repeat, "Why the defaults" below); in its own job (the
-collectives table) it takes 1.31 ms against MPI's 2.19.
+collectives table) it takes 1.17 ms against MPI's 2.00.
 
 ## Allreduce, 4 ranks (4 processes on 2 cores)
 
@@ -1005,12 +1007,12 @@ either way, 3-13% behind in both.
   does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 2.02x MPI at 1 MB, 2.22x at 4 MB and 1.66x at
-  16 MB, 2.89-2.90x from 64 MB; reducescatter 1.60-1.99x at 1-16 MB, 3.30-3.46x from
+- The 2-rank collectives table: allreduce 2.07x MPI at 1 MB, 1.86x at 4 MB and 1.70x at
+  16 MB, 3.04-3.13x from 64 MB; reducescatter 1.74-2.01x at 1-16 MB, 3.33-3.59x from
   64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
-  0.86-0.88x). MPICH's shared memory moves 16 MB at 7.7-8.0 GB/s of algorithm bandwidth
-  for the reductions here (1-4 MB at 8.3-11.8 GB/s), which leaves a reduction little room
-  at 16 MB: a 16 MB allreduce takes us 1.31 ms against MPI's 2.19 in this run (1.10-1.13
+  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.4-9.2 GB/s of algorithm bandwidth
+  for the reductions here (1-4 MB at 8.2-11.7 GB/s), which leaves a reduction little room
+  at 16 MB: a 16 MB allreduce takes us 1.17 ms against MPI's 2.00 in this run (1.10-1.13
   against 1.72-1.89, 1.52-1.71x, in jobs of their own), and the floor table's bare
   exchanges, with no engine, reach 1.11-1.50x MPI at 4-16 MB.
 - Calls back to back flatter both libraries, ours more: with a pause before each call
@@ -1019,12 +1021,16 @@ either way, 3-13% behind in both.
   2.03-2.10 and 2.36-2.54 (one job per library, each pause in turn, three runs, the VM's
   cores sharing a cache). Where they shared none: ours 1.87-1.96, 1.78-1.97 and 2.15-2.22
   ms, MPI's 1.72-2.15, 1.91-2.17 and 1.85-2.08 (two runs), level.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.28x at 1 MB, 1.25x
-  at 4 MB, 0.77x at 16 MB and 0.91-1.03x at 64 and 256 MB; alltoall 0.94x at 1 MB, 0.75x
-  at 4 MB, 0.90x at 16 MB, 0.95-0.98x from 64 MB; broadcast 1.35x at 1 MB, 1.27x at 4 MB,
-  0.81x at 16 MB, 0.95x at 64 MB and 1.02x at 256 MB, where the receiver copies the root's
+- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.10x at 1 MB, 0.99x
+  at 4 MB, 0.84x at 16 MB and 1.04-1.07x at 64 and 256 MB; alltoall 1.01x at 1 MB, 0.82x
+  at 4 MB, 0.92x at 16 MB, 0.97-1.02x from 64 MB; broadcast 1.73x at 1 MB, 1.30x at 4 MB,
+  1.00x at 16 MB, 0.94x at 64 MB and 1.06x at 256 MB, where the receiver copies the root's
   lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
-  10-21 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.83 ms in this run). An
+  10-22 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.79 ms in this run). Run
+  after run in one placement the gathers' 4-16 MB cells stay below par (eight runs back
+  to back at 1-16 MB, the VM's cores sharing a cache: allgather 0.88-1.08x at 4 MB and
+  0.72-0.87x at 16 MB, alltoall 0.69-0.90x and 0.81-0.96x), while across placements one
+  cell has spanned 0.45-1.96x. An
   alltoall moves what MPI's does the way MPI's does (one `process_vm_readv` of the peer's
   block, a copy of our own): a bare exchange in Python doing just that, in one job with
   MPI's and ours on the same arrays, took 0.18 ms at 4 MB (MPI 0.18, ours 0.24) and
@@ -1045,9 +1051,10 @@ either way, 3-13% behind in both.
   fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
   (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
 - Huge pages: out of arrays that huge pages back (`--arrays huge`, the section after the
-  2-rank table), MPICH's 1-4 MB broadcasts and alltoalls and 4 MB allgathers run two to
-  three times faster than out of numpy's own, ours about as fast as before, so there we
-  trail it at 0.37-0.65x (broadcast 0.44x at 1 MB, 0.37x at 4 MB).
+  2-rank table), MPICH's 1 MB broadcasts and alltoalls run twice as fast or more as out of
+  numpy's own, and its 4 MB broadcasts nearly so; ours barely move (a 2-rank broadcast's
+  root lends its huge-paged pieces from 640 KiB, which took 4 MB ones 10-15% faster), so
+  there we trail it at 0.44-0.73x for broadcasts and alltoalls at 1-16 MB.
 - `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
   1 MB up on this host (0.27-0.74x) but for allreduce and reducescatter from 64 MB
   (1.23-1.77x); its small ops run on the caller's thread as the rings' do (4 bytes:
