@@ -441,17 +441,20 @@ def repeated_broadcasts(arg: dict) -> None:
     """2-rank in-place broadcasts from rank 0 of about ``arg["sizes"]`` bytes, ``arg["calls"]``
     of each under one name into the same buffer, which huge pages back or not
     (``arg["huge"]``), float32 and int32, new data each call, ranks late at random;
-    ``arg["async_rank"]`` makes its calls asynchronously.  Right after each call the root
-    scribbles over its buffer (a root that returned before its peer had copied what it
-    lent would hand it the scribbles) and the peer checks its own against numpy.  Reports
-    the calls, those that ran from a Repeat and lent, the Repeats' hand-overs, and how
-    many of the buffers huge pages back (the kernel may find none free)."""
+    ``arg["async_rank"]`` makes its calls asynchronously, ``arg["inplace"]`` False makes
+    them return arrays of their own.  Right after each call the root scribbles over its
+    result (a root that returned before its peer had copied what it lent would hand it the
+    scribbles) and the peer checks its own against numpy.  Reports the calls, those that
+    lent (and of those, the ones that ran from a Repeat to the end), the Repeats'
+    hand-overs, and how many of the buffers huge pages back (the kernel may find none
+    free)."""
     tr.init()
     rank = tr.rank()
     mine = random.Random(90 + rank)
     stats = current().engine.stats
     before = stats()
-    calls = repeat_lent = huge_buffers = 0
+    calls = repeat_lent = lent_calls = huge_buffers = 0
+    inplace = arg.get("inplace", True)
     for i, nbytes in enumerate(arg["sizes"]):
         buf = _paged(nbytes // 4, arg["huge"])
         share = pages.huge_share(buf.ctypes.data, buf.nbytes)
@@ -464,20 +467,26 @@ def repeated_broadcasts(arg: dict) -> None:
                 time.sleep(mine.random() * 0.002)
             lent0, repeats0 = tr.transport_stats()["bodies_lent"], stats()["express_repeats"]
             name = f"bcast.{i}"
-            if rank == arg.get("async_rank"):
-                tr.broadcast_async_(x, root_rank=0, name=name).wait()
+            if not inplace:  # the result an array of its own: the root's, its working copy
+                got = tr.broadcast_async(x, root_rank=0, name=name).wait() \
+                    if rank == arg.get("async_rank") else \
+                    tr.broadcast(x, root_rank=0, name=name)
+            elif rank == arg.get("async_rank"):
+                got = tr.broadcast_async_(x, root_rank=0, name=name).wait()
             else:
-                tr.broadcast_(x, root_rank=0, name=name)
-            repeat_lent += (stats()["express_repeats"] > repeats0
-                            and tr.transport_stats()["bodies_lent"] > lent0)
+                got = tr.broadcast_(x, root_rank=0, name=name)
+            lent = tr.transport_stats()["bodies_lent"] > lent0
+            lent_calls += lent
+            repeat_lent += lent and stats()["express_repeats"] > repeats0
             if rank == 0:
-                x[...] = 99
+                got[...] = 99
             else:
-                _close(x, want, f"broadcast of {x.nbytes} bytes, call {call}")
+                _close(got, want, f"broadcast of {x.nbytes} bytes, call {call}")
             calls += 1
     tr.barrier()
     after = stats()
     tr.shutdown()
     report(calls=calls, repeat_lent=repeat_lent, active=after["active_ops"],
            handed_over=after["express_repeats_handed_over"]
-           - before["express_repeats_handed_over"], huge_buffers=huge_buffers)
+           - before["express_repeats_handed_over"], huge_buffers=huge_buffers,
+           lent_calls=lent_calls)

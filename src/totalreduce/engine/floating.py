@@ -2,8 +2,9 @@
 
 Each is kept whole in a pooled buffer until the op is submitted here (then applied) or
 ends (then dropped).  Their bytes are counted against the credit the sender spent on them
-(ledger.py), so floating memory stays under ``TOTALREDUCE_FLOATING_CAP``; the credit is
-owed back once a body leaves this store.
+(ledger.py), so the bytes floating stay under ``TOTALREDUCE_FLOATING_CAP`` (the buffers
+holding them under twice that: reducer.ScratchPool may hand a body a larger idle
+buffer); the credit is owed back once a body leaves this store.
 
 A *watch* waits for a floating body that its predicate accepts: a receive from any source
 (point-to-point) learns which op to submit from the first body that arrives for it.
