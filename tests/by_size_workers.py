@@ -364,6 +364,11 @@ def one_rank_lends(arg: dict) -> None:
     report(lent=lent, handed=handed)
 
 
+def _repeats(stats: dict[str, int]) -> tuple[int, int]:
+    """Calls run from a Repeat so far: ended there, and handed over from there."""
+    return stats["express_repeats"], stats["express_repeats_handed_over"]
+
+
 def repeated_lent_gathers(arg: dict) -> None:
     """2-rank same-shape allgathers and alltoalls of about ``arg["sizes"]`` bytes (the
     result's), ``arg["calls"]`` of each under one name, into the same ``out=``, three
@@ -372,7 +377,7 @@ def repeated_lent_gathers(arg: dict) -> None:
     nothing (``cma_bytes`` at 1 GiB).  Right after each call a rank checks its result
     against numpy and scribbles over its input and result: one that returned before its
     peer had copied what it lent would hand the peer the scribbles.  Reports the calls,
-    those that ran from a Repeat and lent, and the Repeats' hand-overs."""
+    those that began from a Repeat and lent, and the Repeats' hand-overs."""
     rank = int(os.environ["TOTALREDUCE_RANK"])
     tr.init(cma_bytes=1 << 30) if rank == arg.get("plain_rank") else tr.init()
     n = tr.size()
@@ -390,8 +395,8 @@ def repeated_lent_gathers(arg: dict) -> None:
                 inputs = [a.reshape(-1, 3) for a in _inputs(50 * i + call, n, size, dtype)]
                 if mine.random() < 0.3:
                     time.sleep(mine.random() * 0.002)
-                lent0, repeats0 = tr.transport_stats()["bodies_lent"], \
-                    stats()["express_repeats"]
+                lent0, (repeats0, handed0) = tr.transport_stats()["bodies_lent"], \
+                    _repeats(stats())
                 name = f"lent.{kind}.{i}"
                 if kind == "allgather":
                     got = tr.allgather_async(inputs[rank], name=name, out=out,
@@ -406,7 +411,11 @@ def repeated_lent_gathers(arg: dict) -> None:
                         tr.alltoall(inputs[rank], name=name, out=out, same_shape=True)
                     want = np.concatenate([a[rank * rows:(rank + 1) * rows]
                                            for a in inputs])
-                repeat_lent += (stats()["express_repeats"] > repeats0
+                # Begun from the Repeat (ended there, or handed over to the small path
+                # with its peer late) and lent: only a Repeat lends here, the express
+                # lane not running beside it.
+                repeats1, handed1 = _repeats(stats())
+                repeat_lent += ((repeats1 > repeats0 or handed1 > handed0)
                                 and tr.transport_stats()["bodies_lent"] > lent0)
                 assert got is out, "the result is not in out="
                 _close(got, want, f"{kind} of {got.nbytes} bytes, call {call}")

@@ -354,7 +354,7 @@ def test_repeated_two_rank_gathers_of_lent_pieces_run_from_their_repeat(
     assert all(got["calls"] == 2 * calls * len(sizes) and got["active"] == 0
                for got in reports), reports
     if async_rank is None and plain_rank is None:
-        # Calls ran from the Repeat and lent there, on both ranks.
+        # Calls began from the Repeat and lent there, on both ranks.
         assert all(got["repeat_lent"] > 0 for got in reports), reports
     else:
         # The blocking (or lending) rank's calls began from their Repeat.
