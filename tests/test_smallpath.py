@@ -36,6 +36,16 @@ def test_small_and_general_paths_mix_rank_by_rank(n: int, transport: str) -> Non
         assert got["active"] == 0 and got["floating"] == 0, got
 
 
+def test_max_and_min_reductions_warn_of_nothing() -> None:
+    # numpy 2.4 deprecates a third positional argument to np.maximum and np.minimum (it
+    # will not be taken for the output), which every path that reduces passed: run
+    # repeated Sum, Max and Min allreduces (the Repeat, the express lane, the loop) with
+    # deprecation warnings as errors.
+    result = run_ok(2, "smallpath_workers:repeated_calls", {"steps": 120}, timeout=150,
+                    env={"PYTHONWARNINGS": "error::DeprecationWarning"})
+    for r in range(2):
+        assert result.report(r)["repeats"] > 0, result.report(r)
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int, transport: str

@@ -360,11 +360,11 @@ class Repeat:
                 if slow_reduce:
                     reduce_into(ufunc, part, body, left)
                 elif quiet is None:
-                    ufunc(left, _frombuffer(body, dtype, hi - lo), part)
+                    ufunc(left, _frombuffer(body, dtype, hi - lo), out=part)
                 else:
                     token = quiet[0].set(quiet[1])
                     try:
-                        ufunc(left, _frombuffer(body, dtype, hi - lo), part)
+                        ufunc(left, _frombuffer(body, dtype, hi - lo), out=part)
                     finally:
                         quiet[0].reset(token)
             if recv.final and finalize is not None and hi > lo:
