@@ -364,6 +364,17 @@ def one_rank_lends(arg: dict) -> None:
     report(lent=lent, handed=handed)
 
 
+def _end_repeats(stats: Callable[[], dict[str, int]], before: dict[str, int],
+                 **counts: int) -> None:
+    """Once every rank is done: shut down and report ``counts``, the ops still active and
+    the Repeats' hand-overs since ``before``."""
+    tr.barrier()
+    after = stats()
+    tr.shutdown()
+    report(active=after["active_ops"], handed_over=after["express_repeats_handed_over"]
+           - before["express_repeats_handed_over"], **counts)
+
+
 def _repeats(stats: dict[str, int]) -> tuple[int, int]:
     """Calls run from a Repeat so far: ended there, and handed over from there."""
     return stats["express_repeats"], stats["express_repeats_handed_over"]
@@ -422,12 +433,7 @@ def repeated_lent_gathers(arg: dict) -> None:
                 inputs[rank][...] = 99
                 got[...] = 77
                 calls += 1
-    tr.barrier()
-    after = stats()
-    tr.shutdown()
-    report(calls=calls, repeat_lent=repeat_lent, active=after["active_ops"],
-           handed_over=after["express_repeats_handed_over"]
-           - before["express_repeats_handed_over"])
+    _end_repeats(stats, before, calls=calls, repeat_lent=repeat_lent)
 
 
 def _paged(count: int, huge: bool) -> np.ndarray:
@@ -492,10 +498,5 @@ def repeated_broadcasts(arg: dict) -> None:
             else:
                 _close(got, want, f"broadcast of {x.nbytes} bytes, call {call}")
             calls += 1
-    tr.barrier()
-    after = stats()
-    tr.shutdown()
-    report(calls=calls, repeat_lent=repeat_lent, active=after["active_ops"],
-           handed_over=after["express_repeats_handed_over"]
-           - before["express_repeats_handed_over"], huge_buffers=huge_buffers,
-           lent_calls=lent_calls)
+    _end_repeats(stats, before, calls=calls, repeat_lent=repeat_lent,
+                 huge_buffers=huge_buffers, lent_calls=lent_calls)
