@@ -72,12 +72,23 @@ class OpSpec:
 def finish_local(spec: OpSpec, regions: tuple[tuple[int, int], ...]) -> None:
     """The regions this rank finishes without a receive (Schedule.local_final): taken from
     the source where the buffer starts undefined (OpSpec.fresh), then finalized."""
+    assert spec.source is not None or not spec.fresh
+    finish_regions(spec.work, spec.source if spec.fresh else None, spec.source_at,
+                   spec.finalize, regions)
+
+
+def finish_regions(work: np.ndarray, source: np.ndarray | None, at: int,
+                   finalize: Callable[[np.ndarray], None] | None,
+                   regions: tuple[tuple[int, int], ...]) -> None:
+    """:func:`finish_local` on buffers of a call's own: each region copied from
+    ``source`` (its element ``lo - at`` for the buffer's ``lo``) where one is given, then
+    finalized (a Repeat keeps no spec)."""
     for lo, hi in regions:
         if hi > lo:
-            if spec.fresh:
-                copy_array(spec.work[lo:hi], spec.source_part(lo, hi))
-            if spec.finalize is not None:
-                spec.finalize(spec.work[lo:hi])
+            if source is not None:
+                copy_array(work[lo:hi], source[lo - at:hi - at])
+            if finalize is not None:
+                finalize(work[lo:hi])
 
 
 # A gathering op's own block up to this size is copied into place after the op's

@@ -60,7 +60,7 @@ from .ledger import CreditLedger
 from .loop import Loop
 from .opstate import LentSend
 from .optable import OpTable
-from .payload import OpFuture, OpKey, OpSpec, copied_last
+from .payload import OpFuture, OpKey, OpSpec, copied_last, finish_regions
 from .reducer import QUIET, reduce_into
 from .schedule import COPY, Send
 from .serving import JoinServer
@@ -393,16 +393,9 @@ class Repeat:
 
     def _finish_local(self, work: np.ndarray, source: np.ndarray | None) -> None:
         """payload.finish_local for the call's buffers."""
-        finalize = self._finalize
-        fresh = self._fresh
-        at = self._source_at
-        for lo, hi in self._chain.local_final:
-            if hi > lo:
-                if fresh:
-                    assert source is not None
-                    work[lo:hi] = source[lo - at:hi - at]
-                if finalize is not None:
-                    finalize(work[lo:hi])
+        assert source is not None or not self._fresh
+        finish_regions(work, source if self._fresh else None, self._source_at,
+                       self._finalize, self._chain.local_final)
 
     def _wait_posting(self, port: Port, work: np.ndarray, source: np.ndarray | None,
                       key: OpKey, epoch: int, ready: set[int], told: set[int], posted: int,
