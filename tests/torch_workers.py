@@ -427,30 +427,46 @@ def misuse(arg: dict) -> None:
     report(misuse_ok=True)
 
 
-def _gloo_world() -> None:
-    """``dist.init_process_group("gloo")`` from the variables totalrun exports (env://).
+# Whether this process has made a gloo group from the variables totalrun exports (env://).
+_gloo_env_used = False
 
-    gloo's TCP pair set-up has been seen to hang on one rank while the other got through
-    (a flaw of gloo's, not what these checks test): the group gets a bounded timeout, a
-    barrier proves it works on every rank, and the ranks agree through totalreduce
-    whether to try again on a fresh port."""
+
+def _gloo_world() -> None:
+    """``dist.init_process_group("gloo")``: the job's first group from the variables
+    totalrun exports (env://, as a user's script does), later ones on a port rank 0 has
+    just found free.
+
+    Not again on the MASTER_PORT totalrun exports: made there after an earlier part had
+    destroyed its group, the group failed to form in 2 of 26 runs of the 2-rank shared
+    job (one rank's gloo was refused a connection, the other's timed out), and gloo gave
+    up only after 100 s, whatever the timeout; on a fresh port each time, in none of 85.
+    gloo's TCP pair set-up has also been seen to hang on one rank while the other got
+    through (a flaw of gloo's, not what these checks test): the group gets a bounded
+    timeout, a barrier proves it works on every rank, and the ranks agree through
+    totalreduce whether to try again on a fresh port."""
     import datetime
+    import socket
 
     import torch.distributed as dist
 
+    global _gloo_env_used
     timeout = datetime.timedelta(seconds=20)
     for attempt in range(3):
         ok = 1
-        try:
-            if attempt == 0:
-                dist.init_process_group("gloo", timeout=timeout)
-            else:
-                import socket
-
+        # Every rank runs the same parts in the same order, so all agree on this.
+        from_env = not _gloo_env_used
+        _gloo_env_used = True
+        port = 0
+        if not from_env:
+            if hvd.rank() == 0:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
-                    port = hvd.broadcast_object(s.getsockname()[1], 0,
-                                                name=f"gloo_port.{attempt}")
+                    port = s.getsockname()[1]
+            port = hvd.broadcast_object(port, 0, name=f"gloo_port.{attempt}")
+        try:
+            if from_env:
+                dist.init_process_group("gloo", timeout=timeout)
+            else:
                 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                         rank=hvd.rank(), world_size=hvd.size(),
                                         timeout=timeout)
@@ -474,7 +490,8 @@ def _gloo_world() -> None:
 
 
 def ddp_hook(arg: dict) -> None:
-    """DDP under totalrun (env:// init) with our comm hook matches DDP with gloo."""
+    """DDP under totalrun with our comm hook matches DDP with gloo (the job's first gloo
+    group forms from the variables totalrun exports: _gloo_world)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
