@@ -3,7 +3,6 @@ again) and report which way each took: the caller's thread, a Repeat, the loop."
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import time
@@ -14,7 +13,7 @@ import numpy as np
 import totalreduce as tr
 from reporting import report
 from smallpath_workers import _close, _inputs
-from totalreduce.bench.buffers import float32s
+from totalreduce.bench.buffers import aligned_float32s
 from totalreduce.engine.express import ONE_WAY_HUGE
 from totalreduce.runtime import current
 from totalreduce.transport import pages
@@ -439,17 +438,7 @@ def repeated_lent_gathers(arg: dict) -> None:
 def _paged(count: int, huge: bool) -> np.ndarray:
     """``count`` float32s on a 2 MiB boundary, huge pages asked for or refused (so the
     kernel's setting does not decide it), touched."""
-    x = float32s(count, "huge", 0.0)
-    if not huge:
-        raw = float32s(count + (1 << 19), "numpy", None)  # room to align in
-        start = -raw.ctypes.data % (2 << 20) // 4
-        x = raw[start:start + count]
-        libc = ctypes.CDLL(None)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        # MADV_NOHUGEPAGE over its pages, before the first touch.
-        libc.madvise(x.ctypes.data, -(-x.nbytes // 4096) * 4096, 15)
-        x[...] = 0
-    return x
+    return aligned_float32s(count, 0.0, huge)
 
 
 def repeated_broadcasts(arg: dict) -> None:

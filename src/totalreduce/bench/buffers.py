@@ -22,12 +22,12 @@ import numpy as np
 ARRAYS = ("numpy", "huge")
 
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
 
 
-def _madvise_huge(address: int, nbytes: int) -> None:
-    """Ask for huge pages over ``nbytes`` at ``address`` (2 MiB aligned); where the kernel
-    cannot (not Linux, no transparent huge pages) the array keeps small ones."""
+def _madvise(address: int, nbytes: int, advice: int) -> None:
+    """``madvise`` over ``nbytes`` at ``address`` (2 MiB aligned); where the kernel cannot
+    take the advice (not Linux, no transparent huge pages) the pages stay as they come."""
     if platform.system() != "Linux" or nbytes <= 0:
         return
     try:
@@ -36,7 +36,7 @@ def _madvise_huge(address: int, nbytes: int) -> None:
         return
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    madvise(address, nbytes, _MADV_HUGEPAGE)
+    madvise(address, nbytes, advice)
 
 
 def float32s(count: int, arrays: str, fill: float | None = 1.0) -> np.ndarray:
@@ -47,11 +47,18 @@ def float32s(count: int, arrays: str, fill: float | None = 1.0) -> np.ndarray:
                                                                           np.float32)
     if arrays != "huge":
         raise ValueError(f"arrays must be one of {', '.join(ARRAYS)}, not {arrays!r}")
+    return aligned_float32s(count, fill)
+
+
+def aligned_float32s(count: int, fill: float | None, huge: bool = True) -> np.ndarray:
+    """``count`` float32s on a 2 MiB boundary, filled as :func:`float32s` does, whose
+    pages the kernel was asked before their first touch to back with huge pages
+    (``huge``) or never to."""
     nbytes = count * 4
     span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     raw = np.empty(span + _HUGE_PAGE, np.uint8)
     start = -raw.ctypes.data % _HUGE_PAGE
-    _madvise_huge(raw.ctypes.data + start, span)  # before the first touch faults them in
+    _madvise(raw.ctypes.data + start, span, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
     out = raw[start:start + nbytes].view(np.float32)
     if fill is None:
         out[::1024] = 0  # mapped, as a reused np.empty array's pages are
