@@ -330,13 +330,14 @@ def repeated_big_allreduces(arg: dict) -> None:
 def one_rank_lends(arg: dict) -> None:
     """2-rank same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]``
     float32 rows, ``arg["calls"]`` of each, where only rank 0 lends (rank 1 starts with
-    ``cma_bytes`` at 1 GiB): rank 1 sends through the ring and takes rank 0's lent piece.
+    ``cma_bytes`` at 1 GiB, rank 0 at 1 MiB: lent by size, whatever backs the pages):
+    rank 1 sends through the ring and takes rank 0's lent piece.
     Rank 1 calls each a millisecond after rank 0, whose piece is then there to take: a
     lane that waits longer than its spin for the peer hands the call over.  Checked
     against numpy; reports the bodies this rank lent and the calls the express lane
     handed over."""
     rank = int(os.environ["TOTALREDUCE_RANK"])
-    tr.init(cma_bytes=1 << 30) if rank == 1 else tr.init()
+    tr.init(cma_bytes=1 << 30 if rank == 1 else 1 << 20)
     n, rows = tr.size(), arg["rows"]
     stats = current().engine.stats
     lent0, handed0 = tr.transport_stats()["bodies_lent"], stats()["express_handed_over"]
@@ -439,6 +440,47 @@ def _paged(count: int, huge: bool) -> np.ndarray:
     """``count`` float32s on a 2 MiB boundary, huge pages asked for or refused (so the
     kernel's setting does not decide it), touched."""
     return aligned_float32s(count, 0.0, huge)
+
+
+def exchanges_by_pages(arg: dict) -> None:
+    """2-rank same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]`` float32
+    rows, ``arg["calls"]`` of each under one name (the first on the express lane, the
+    rest from its Repeat), out of inputs that huge pages back or that small pages must
+    (a fresh 2 MiB-aligned buffer each), new data each call, checked against numpy:
+    "small" on both ranks, "huge" on both, "mixed" huge on rank 0 only.  Reports, for
+    each way, the bodies this rank lent, and whether huge pages back its huge inputs
+    (the kernel may have none free)."""
+    tr.init()
+    rank, n, rows = tr.rank(), tr.size(), arg["rows"]
+    lent: dict[str, int] = {}
+    huge_inputs = True
+    for way in ("small", "huge", "mixed"):
+        lent0 = tr.transport_stats()["bodies_lent"]
+        huge = way == "huge" or (way == "mixed" and rank == 0)
+        for op in ("allgather", "alltoall"):
+            count = rows if op == "allgather" else rows * n
+            x = aligned_float32s(count, 0.0, huge=huge)
+            if huge:
+                share = pages.huge_share(x.ctypes.data, x.nbytes)
+                huge_inputs &= share is not None and share >= ONE_WAY_HUGE
+            out = np.empty(rows * n, np.float32)
+            for call in range(arg["calls"]):
+                every = [np.arange(count, dtype=np.float32) * (r + 1) + call
+                         for r in range(n)]
+                x[...] = every[rank]
+                if op == "allgather":
+                    got = tr.allgather(x, name=f"ag.{way}", out=out, same_shape=True)
+                    want = np.concatenate(every)
+                else:
+                    got, _rows = tr.alltoall(x, name=f"a2a.{way}", out=out,
+                                             same_shape=True)
+                    want = np.concatenate([every[r][rank * rows:(rank + 1) * rows]
+                                           for r in range(n)])
+                _close(got, want, f"{op} out of {way} pages, call {call}")
+                x[...] = -1  # a body lent and not yet copied would carry this
+        lent[way] = tr.transport_stats()["bodies_lent"] - lent0
+    tr.shutdown()
+    report(lent=lent, huge_inputs=huge_inputs)
 
 
 def repeated_broadcasts(arg: dict) -> None:

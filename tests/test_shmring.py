@@ -378,6 +378,34 @@ def test_copy_pace_lends_while_every_recent_copy_is_slow() -> None:
     assert not off.far and not off.lend()
 
 
+def test_copy_pace_says_the_ring_beats_lending_small_pages_by_its_median_pace() -> None:
+    # 10 GB/s lent: the ring beats it while the median of its recent copies runs at 20
+    # GB/s or more, and it is tried again (True) once nothing has been timed for a while.
+    now = [0.0]
+    pace = CopyPace(10e9, clock=lambda: now[0])
+    assert pace.beats_lending()  # nothing timed yet: try the ring
+    for seconds in (1e-4, 1e-4, 1e-4, 1e-4):  # 10.5 GB/s
+        pace.timed(1 << 20, seconds)
+        now[0] += 0.01
+    assert not pace.beats_lending()
+    for _ in range(3):  # 105 GB/s: the median is still a slow copy
+        pace.timed(1 << 20, 1e-5)
+    assert not pace.beats_lending()
+    pace.timed(1 << 20, 1e-5)  # now most of them are fast
+    assert pace.beats_lending()
+    for _ in range(20):  # a long slow spell fills the window
+        pace.timed(1 << 20, 1e-4)
+    assert not pace.beats_lending()
+    now[0] += 2 * PROBE_EVERY  # nothing timed since: the ring is tried again
+    assert pace.beats_lending()
+    pace.timed(1 << 20, 1e-4)  # and its copy, slow too, says lend again
+    assert not pace.beats_lending()
+    off = CopyPace(0.0)  # TOTALREDUCE_SLOW_RING_GBPS=0, or no lending: never lend
+    for _ in range(5):
+        off.timed(1 << 20, 1.0)
+    assert off.beats_lending()
+
+
 def test_a_writer_times_its_big_copies_only() -> None:
     writer, reader = _pair(4 << 20)
     assert writer.pace.cold == 4 << 20  # a lap of a new ring is not judged

@@ -382,6 +382,34 @@ def _huge_pages_here() -> bool:
 
 
 @pytest.mark.skipif(not cma.cma_works(), reason="process_vm_readv not allowed")
+@pytest.mark.parametrize("cma_bytes", [None, 1 << 20])
+def test_an_exchanges_body_the_ring_holds_is_lent_only_out_of_huge_pages(
+        cma_bytes: int | None) -> None:
+    # Blocks of 1.5 MiB less 3 rows: big enough to lend, and the ring holds them whole.
+    # Out of small pages the ring's two copies beat the peer's kernel pinning each page,
+    # so they go through the ring (the slow-ring rule off: the ring is taken as fast);
+    # out of huge pages on both ranks they are lent, from a Repeat's second call on
+    # (once each rank has heard that its peer would); huge on one rank only, neither
+    # lends.  TOTALREDUCE_CMA_BYTES set lends by size alone.
+    calls = 6
+    env = {"TOTALREDUCE_SLOW_RING_GBPS": "0"}
+    if cma_bytes is not None:
+        env["TOTALREDUCE_CMA_BYTES"] = str(cma_bytes)
+    result = run_ok(2, "by_size_workers:exchanges_by_pages",
+                    {"rows": (3 << 19) // 4 - 3, "calls": calls}, timeout=120, env=env)
+    for r in range(2):
+        got = result.report(r)
+        if cma_bytes is None:
+            assert got["lent"]["small"] == got["lent"]["mixed"] == 0, result.explain()
+        else:
+            assert got["lent"]["small"] > 0 and got["lent"]["mixed"] > 0, \
+                result.explain()
+    if all(result.report(r)["huge_inputs"] for r in range(2)):
+        assert all(result.report(r)["lent"]["huge"] > 0 for r in range(2)), \
+            result.explain()
+
+
+@pytest.mark.skipif(not cma.cma_works(), reason="process_vm_readv not allowed")
 @pytest.mark.parametrize(("async_rank", "huge", "inplace"),
                          [(None, True, True), (1, True, True), (None, False, True),
                           (None, True, False)])
@@ -487,9 +515,11 @@ def test_an_exchange_on_the_callers_thread_lends_its_big_pieces(late: int, pause
     # ranks take turns to be late: by 2 ms, the early one hands its op to the small path
     # (the lane waits 200 us), which takes the late one's lent piece; by 0.4 s, the early
     # one hands an op of one phase (same_shape) to the general path with its piece lent
-    # and not yet copied, and that op ends only once it has been.
+    # and not yet copied, and that op ends only once it has been.  CMA_BYTES set: lent
+    # by size alone (auto, pieces the ring holds whole go through it out of small pages).
     result = run_ok(2, "smallpath_workers:lent_exchanges",
-                    {"ops": 8, "late": late, "pause": pause}, timeout=120)
+                    {"ops": 8, "late": late, "pause": pause}, timeout=120,
+                    env={"TOTALREDUCE_CMA_BYTES": str(1 << 20)})
     for r in range(2):
         got = result.report(r)
         # An op that finds its peer's piece already copied aside (it came while the loop

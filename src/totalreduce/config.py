@@ -82,7 +82,9 @@ TOTALREDUCE_CMA_BYTES              ops at least this big lend their pieces to   
                                    rank of the host has a core of its own, else
                                    8 MiB (a lent piece costs its receiver a copy
                                    and then a sum), and only out of buffers that
-                                   huge pages back where the kernel can say
+                                   huge pages back where the kernel can say (a
+                                   blocking gather's piece that the ring holds
+                                   whole, also while the ring copies slowly)
 TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran       -1
                                    slower than this lately (GB/s) lends every
                                    body of 64 KiB or more instead, and blocking

@@ -122,7 +122,8 @@ class Engine:
                                         serving, starter, applier, transport, loop.step,
                                         self.wait, outbox.unpark)
         inbox.small = small
-        self._express = Express(small, ops, ledger, serving, transport, outbox.unpark)
+        self._express = Express(small, ops, ledger, serving, transport, outbox.unpark,
+                                exchange_pages=config.cma_bytes < 0)
         self._serving = serving
         self._urgent = UrgentLane(job, ops, floating, mismatches, departures, serving,
                                   transport, self._adopt, loop.ran_elsewhere)

@@ -65,6 +65,21 @@ ONE_WAY_HUGE = 0.9
 # level, and 1 MiB ones (two of 512 KiB) no faster in jobs of their own.
 ONE_WAY_FROM = 640 << 10
 
+# An exchange's body that the ring holds whole (Chain.lendable) is lent only where at
+# least this share of its bytes huge pages back, or where the ring copies slowly
+# (CopyPace.beats_lending: its cores share no cache), and only where the peer would lend
+# its own too (Repeat._agrees; the express lane, which cannot know the peer's pages,
+# lends it only while the ring copies slowly).  The reader's kernel pins the lender's
+# pages one by one: out of small ones a 2 MiB body took 180-210 us to copy, out of huge
+# ones 85-100, where the ring's two copies (in, out, both ranks at once) took 120-130 in
+# all.  A rank that sends through the ring while its peer lends copies in, then out of
+# the peer.  At 2 ranks, the cores sharing a cache, 3 MB alltoalls and allgathers, whose
+# 1.5 MiB halves small pages back, took 0.125 ms through the ring against 0.180 lent
+# (MPI 0.146); 4 MB alltoalls 0.134 lent where huge pages backed both ranks' halves,
+# 0.17-0.19 through the ring, 0.23 lent where one half was small-paged, and 0.22-0.27
+# where one rank lent and the other did not.
+EXCHANGE_HUGE = ONE_WAY_HUGE  # one bar for both: Repeat._huge keeps one answer a region
+
 
 class Chain:
     """A schedule as one line: ``first`` sends, then the messages to wait for, each as
@@ -142,8 +157,11 @@ def chain_of(schedule: Schedule, waits: bool = False) -> Chain | None:
 class Express:
     def __init__(self, small: SmallPath, ops: OpTable, ledger: CreditLedger,
                  serving: JoinServer, transport: Transport,
-                 unpark: Callable[[int], None]) -> None:
-        """``unpark(peer)``: the outbox's, told when a peer returns credit."""
+                 unpark: Callable[[int], None], exchange_pages: bool = False) -> None:
+        """``unpark(peer)``: the outbox's, told when a peer returns credit;
+        ``exchange_pages``: an exchange's body the ring holds whole is lent only by
+        EXCHANGE_HUGE's rule (TOTALREDUCE_CMA_BYTES auto), else by size alone."""
+        self.exchange_pages = exchange_pages
         self._small = small
         self._unpark = unpark
         self._ops = ops
@@ -302,8 +320,15 @@ class Express:
               ) -> LentSend | None:
         """A token to lend ``send``'s body with, if it is to be lent."""
         n = (send.hi - send.lo) * spec.work.itemsize
-        if ((send.peer, send.step, send.piece) not in lendable or n < LEND_FROM
-                or not self._transport.lends_body(send.peer, spec.work.nbytes, n)):
+        peer = send.peer
+        transport = self._transport
+        if ((peer, send.step, send.piece) not in lendable or n < LEND_FROM
+                or not transport.lends_body(peer, spec.work.nbytes, n)):
+            return None
+        if self.exchange_pages and n <= transport.ring_body(peer) and \
+                transport.ring_beats_lending(peer):
+            # Through the ring, whatever backs the pages: that the peer's would be huge
+            # too, only a Repeat learns (its calls lend where both ranks' would).
             return None
         return LentSend(send)
 

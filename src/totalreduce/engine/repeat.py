@@ -46,6 +46,7 @@ from ..transport.wire import (
     FLAG_CREDITED,
     FLAG_READY,
     FLAG_REMOTE,
+    FLAG_WOULD_LEND,
     HEADER_SIZE,
     KIND_DATA,
     MAGIC,
@@ -80,9 +81,13 @@ assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbyt
                                 "count") and Header._fields[1] == "dtype"
 
 # A send as Repeat keeps it: (port, peer, lo, hi, step, piece, bytes, to a source,
-# from the call's source, the whole buffer, the Send where its body may be lent, whether
-# only out of huge pages).
-_Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None, bool]
+# from the call's source, the whole buffer, the Send where its body may be lent, when
+# else it is lent: 0 by its size alone, _ONE_WAY only out of huge pages (ONE_WAY_HUGE),
+# _EXCHANGE where it would be lent out of huge pages or while the ring copies slowly
+# (EXCHANGE_HUGE) and the peer would lend too (Repeat._agrees)).
+_Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None, int]
+_ONE_WAY = 1
+_EXCHANGE = 2
 
 # Regions whose pages Repeat._huge remembers (a few buffers, reused call after call).
 _HUGE_REGIONS = 16
@@ -98,7 +103,7 @@ class Repeat:
                  "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions")
+                 "_huge_regions", "_agrees", "_peer_would")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -165,13 +170,24 @@ class Repeat:
                                 and (s.hi - s.lo) * itemsize >= LEND_FROM)
                           or ((s.peer, s.step, s.piece) in one_way
                               and (s.hi - s.lo) * itemsize >= ONE_WAY_FROM) else None,
-                          (s.peer, s.step, s.piece) in one_way)
+                          _ONE_WAY if (s.peer, s.step, s.piece) in one_way
+                          else _EXCHANGE if express.exchange_pages
+                          and (s.hi - s.lo) * itemsize <= transport.ring_body(s.peer)
+                          else 0)
                          for s in of)
 
         self._first = sends(chain.first)
         # Every send in the chain's order (Chain.sends), where waiting ones queue: the
         # first, then each step's.  A hand-over counts the ones posted in this order.
         self._sends = sends(chain.sends)
+        # Whether a send goes by the exchange's rule (_EXCHANGE), and whether each peer
+        # said on its last body that it would lend (FLAG_WOULD_LEND): a call lends such a
+        # body only where both ranks would.  One lending while the other copies through
+        # the ring was slower than both ways (2-rank 4 MB alltoalls, 0.22-0.27 ms against
+        # 0.13 lent and 0.17-0.19 copied), and numpy's arrays of a few MiB get huge
+        # pages for one part only, which part differing from rank to rank.
+        self._agrees = any(send[11] == _EXCHANGE for send in self._sends)
+        self._peer_would: dict[int, int] = {}
         self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
         self._steps = tuple((peer, ports[peer], step, piece, recv,
                              (recv.hi - recv.lo) * itemsize, len(recv.then),
@@ -340,6 +356,8 @@ class Repeat:
                                        posted < queued, late)
             credit = header.credit
             flags = header.flags
+            if self._agrees:
+                self._peer_would[peer] = flags & FLAG_WOULD_LEND
             charge = 0 if not flags & FLAG_CREDITED else \
                 nbytes if nbytes > HEADER_SIZE else HEADER_SIZE  # charge_of
             if credit or charge:
@@ -455,7 +473,7 @@ class Repeat:
               key: OpKey, epoch: int, ready: set[int], told: set[int]) -> bool:
         """:func:`.smallpath.post_data` for this template's send."""
         port, peer, lo, hi, step, piece, nbytes, to_source, from_source, whole, lend, \
-            huge_only = send
+            pages_rule = send
         ledger = self._ledger
         flags = 0 if peer in ready else FLAG_CREDITED
         credit = ledger.terms(peer, nbytes if flags else -1)
@@ -464,20 +482,27 @@ class Repeat:
         tell = to_source and peer not in told
         if tell:
             flags |= FLAG_READY
-        # pack_header, its fields in wire order without the call between.
-        header = pack_fields(MAGIC, KIND_DATA, self._code, flags, self._recipe, step, key[0],
-                       key[1], self._sig, piece, epoch & 0xFFFFFFFF, nbytes, self._count,
-                       credit)
         if from_source:  # OpSpec.source_part
             assert source is not None
             at = self._source_at
             body = None if not nbytes else source[lo - at:hi - at].data.cast("B")
         else:
             body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
-        token = None
+        lends = False
         if lend is not None and body is not None and \
-                self._transport.lends_body(peer, self._op_bytes, nbytes) and \
-                (not huge_only or self._huge(body)):
+                self._transport.lends_body(peer, self._op_bytes, nbytes):
+            if pages_rule != _EXCHANGE:
+                lends = not pages_rule or self._huge(body)
+            elif self._huge(body) or not self._transport.ring_beats_lending(peer):
+                flags |= FLAG_WOULD_LEND
+                lends = bool(self._peer_would.get(peer))
+        # pack_header, its fields in wire order without the call between.
+        header = pack_fields(MAGIC, KIND_DATA, self._code, flags, self._recipe, step, key[0],
+                       key[1], self._sig, piece, epoch & 0xFFFFFFFF, nbytes, self._count,
+                       credit)
+        token = None
+        if lends:
+            assert lend is not None and body is not None
             token = LentSend(lend)
             gone = self._transport.lend_now(peer, header, body, token)
         else:
@@ -494,7 +519,8 @@ class Repeat:
         return True
 
     def _huge(self, body: memoryview) -> bool:
-        """Whether huge pages back at least ONE_WAY_HUGE of ``body``'s bytes."""
+        """Whether huge pages back at least ONE_WAY_HUGE (EXCHANGE_HUGE) of ``body``'s
+        bytes."""
         region = (address_of(body), body.nbytes)
         huge = self._huge_regions.get(region)
         if huge is None:

@@ -206,6 +206,15 @@ class Transport(abc.ABC):
         ring to it)."""
         return 0
 
+    def ring_body(self, peer: int) -> int:
+        """The biggest body the ring to ``peer`` holds whole (0: no ring to it)."""
+        return 0
+
+    def ring_beats_lending(self, peer: int) -> bool:
+        """Whether a body out of small pages that the ring to ``peer`` holds whole goes
+        faster through it than lent, by its copies' recent pace (copy_pace.py)."""
+        return True
+
     def lends(self, peer: int) -> bool:
         """Whether a big body to ``peer`` would be lent now rather than copied through a
         ring that has been slow lately (copy_pace.py): the caller's thread, which cannot

@@ -167,6 +167,11 @@ class RingLink(Link):
         if self.ring_out is not None:
             self.ring_out.pace.far_rate = slow_rate if self._lend_bytes else 0.0
 
+    def ring_beats_lending(self) -> bool:
+        """CopyPace.beats_lending of this ring (True where there is none)."""
+        ring = self.ring_out
+        return ring is None or ring.pace.beats_lending()
+
     def lends_big(self) -> bool:
         """Whether the next big body would be lent because this ring is slow."""
         ring = self.ring_out

@@ -162,6 +162,15 @@ class TcpTransport(Transport):
         ring = link.ring_out if type(link) is RingLink else None
         return 0 if ring is None else ring.capacity
 
+    def ring_body(self, peer: int) -> int:
+        link = self._links.get(peer)
+        ring = link.ring_out if type(link) is RingLink else None
+        return 0 if ring is None else ring.max_body
+
+    def ring_beats_lending(self, peer: int) -> bool:
+        link = self._links.get(peer)
+        return type(link) is not RingLink or link.ring_beats_lending()
+
     def lends(self, peer: int) -> bool:
         link = self._links.get(peer)
         return type(link) is RingLink and link.lends_big()

@@ -38,6 +38,10 @@ FLAG_REMOTE = 8
 # Shared-memory ring only, with FLAG_REMOTE: the lender sits idle while the body is copied
 # (a broadcast's root), so the reader may copy it with two threads (spread_copy.py).
 FLAG_SPREAD = 16
+# On DATA of an exchange sent from a Repeat (engine/repeat.py): the sender would lend
+# bodies like this one (huge pages back it, or its ring copies slowly); its peer lends it
+# its own only then, so that both ranks lend or neither.
+FLAG_WOULD_LEND = 32
 REMOTE_BODY = struct.Struct("<QQ")
 
 
