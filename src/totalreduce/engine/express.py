@@ -76,7 +76,7 @@ ONE_WAY_FROM = 640 << 10
 # the peer.  At 2 ranks, the cores sharing a cache, 3 MB alltoalls and allgathers, whose
 # 1.5 MiB halves small pages back, took 0.125 ms through the ring against 0.180 lent
 # (MPI 0.146); 4 MB alltoalls 0.134 lent where huge pages backed both ranks' halves,
-# 0.17-0.19 through the ring, 0.23 lent where one half was small-paged, and 0.22-0.27
+# 0.18-0.20 through the ring, 0.23 lent where one half was small-paged, and 0.22-0.27
 # where one rank lent and the other did not.
 EXCHANGE_HUGE = ONE_WAY_HUGE  # one bar for both: Repeat._huge keeps one answer a region
 
