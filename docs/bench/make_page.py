@@ -863,7 +863,18 @@ alternated twice in the host's fast state: allreduce 8 MB 1.01-1.15 against 0.82
 ms, 16 MB 2.34-2.58 against 1.95-2.06, 64 and 256 MB level; reducescatter 4 MB 0.34-0.43
 against 0.25-0.26, 8 MB 0.84-0.97 against 0.58-0.64, 16 MB 1.90-2.09 against 1.45-1.53;
 but allgather 8 MB 0.67-0.68 against 0.84-0.97 and 16 MB 1.67-1.89 against 2.04-2.19, so
-gathers keep lending. At 4 ranks on 2 cores the sender's copy takes a core a peer wanted
+gathers keep lending. But for a piece the ring holds whole (a blocking 2-rank allgather
+or alltoall of up to 4 MB): out of small pages the reader's kernel pins each one, and a
+2 MiB half took it 110-235 us to read where the ring's copy in and copy out took 85-105
+in all. Such a piece is lent from a Repeat only where huge pages back it and the peer's
+too (each rank says so in its data, `FLAG_WOULD_LEND`: one rank lending while the other
+copied was slower than both ways), or where the rings copy slowly
+(`CopyPace.beats_lending`). `--ops allgather,alltoall --sizes 1M,3M,4M,16M --rounds 2`,
+this rule against lending every such piece, alternated three times in jobs of their own,
+cores sharing a cache: alltoall 3 MB 0.125-0.132 ms against 0.193-0.194, allgather 3 MB
+0.112-0.144 against 0.172-0.191, 4 MB 0.148-0.170 against 0.190-0.195; alltoall 4 MB
+0.189-0.205 against 0.169-0.258. Where the cores share no cache, both ways lend.
+At 4 ranks on 2 cores the sender's copy takes a core a peer wanted
 (16 MB allreduces 8.3 ms lent, 9.2-10.2 not, `-n 4`; 8 MB ones 4.1-4.2 lent, 4.8-5.2
 not), so where ranks outnumber cores reductions lend from 8 MiB; below that the ring was
 as fast or faster (4 MB at 3 ranks: 1.8-3.2 ms against 2.9-4.3 lent). Ops of up to 2 MiB
