@@ -163,18 +163,21 @@ class Repeat:
             else frozenset()
 
         def sends(of: tuple[Send, ...]) -> tuple[_Send, ...]:
-            return tuple((ports[s.peer], s.peer, s.lo, s.hi, s.step, s.piece,
-                          (s.hi - s.lo) * itemsize, s.peer in sources, s.from_source,
-                          s.lo == 0 and s.hi == count,
-                          s if ((s.peer, s.step, s.piece) in lendable
-                                and (s.hi - s.lo) * itemsize >= LEND_FROM)
-                          or ((s.peer, s.step, s.piece) in one_way
-                              and (s.hi - s.lo) * itemsize >= ONE_WAY_FROM) else None,
-                          _ONE_WAY if (s.peer, s.step, s.piece) in one_way
-                          else _EXCHANGE if express.exchange_pages
-                          and (s.hi - s.lo) * itemsize <= transport.ring_body(s.peer)
-                          else 0)
-                         for s in of)
+            out = []
+            for s in of:
+                nbytes = (s.hi - s.lo) * itemsize
+                which = (s.peer, s.step, s.piece)
+                if which in lendable and nbytes >= LEND_FROM:
+                    lend, rule = s, _EXCHANGE if express.exchange_pages and \
+                        nbytes <= transport.ring_body(s.peer) else 0
+                elif which in one_way and nbytes >= ONE_WAY_FROM:
+                    lend, rule = s, _ONE_WAY
+                else:
+                    lend, rule = None, 0
+                out.append((ports[s.peer], s.peer, s.lo, s.hi, s.step, s.piece, nbytes,
+                            s.peer in sources, s.from_source, s.lo == 0 and s.hi == count,
+                            lend, rule))
+            return tuple(out)
 
         self._first = sends(chain.first)
         # Every send in the chain's order (Chain.sends), where waiting ones queue: the
