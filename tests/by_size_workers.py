@@ -447,14 +447,16 @@ def exchanges_by_pages(arg: dict) -> None:
     rows, ``arg["calls"]`` of each under one name (the first on the express lane, the
     rest from its Repeat), out of inputs that huge pages back or that small pages must
     (a fresh 2 MiB-aligned buffer each), new data each call, checked against numpy:
-    "small" on both ranks, "huge" on both, "mixed" huge on rank 0 only.  Reports, for
-    each way, the bodies this rank lent, and whether huge pages back its huge inputs
-    (the kernel may have none free)."""
+    "small" on both ranks, "huge" on both, "mixed" huge on rank 0 only, "async" small on
+    both with rank 1's calls async (the loop's side, which lends by size alone).
+    Reports, for each way, the bodies this rank lent, and whether huge pages back its
+    huge inputs (the kernel may have none free)."""
     tr.init()
     rank, n, rows = tr.rank(), tr.size(), arg["rows"]
     lent: dict[str, int] = {}
     huge_inputs = True
-    for way in ("small", "huge", "mixed"):
+    for way in ("small", "huge", "mixed", "async"):
+        waits = way == "async" and rank == 1
         lent0 = tr.transport_stats()["bodies_lent"]
         huge = way == "huge" or (way == "mixed" and rank == 0)
         for op in ("allgather", "alltoall"):
@@ -469,11 +471,14 @@ def exchanges_by_pages(arg: dict) -> None:
                          for r in range(n)]
                 x[...] = every[rank]
                 if op == "allgather":
-                    got = tr.allgather(x, name=f"ag.{way}", out=out, same_shape=True)
+                    got = tr.allgather_async(x, name=f"ag.{way}", out=out,
+                                             same_shape=True).wait() if waits else \
+                        tr.allgather(x, name=f"ag.{way}", out=out, same_shape=True)
                     want = np.concatenate(every)
                 else:
-                    got, _rows = tr.alltoall(x, name=f"a2a.{way}", out=out,
-                                             same_shape=True)
+                    got, _rows = tr.alltoall_async(x, name=f"a2a.{way}", out=out,
+                                                   same_shape=True).wait() if waits else \
+                        tr.alltoall(x, name=f"a2a.{way}", out=out, same_shape=True)
                     want = np.concatenate([every[r][rank * rows:(rank + 1) * rows]
                                            for r in range(n)])
                 _close(got, want, f"{op} out of {way} pages, call {call}")

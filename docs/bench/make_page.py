@@ -868,28 +868,28 @@ or alltoall of up to 4 MB): out of small pages the reader's kernel pins each one
 2 MiB half took it 110-235 us to read where the ring's copy in and copy out took 85-105
 in all. Such a piece is lent from a Repeat only where huge pages back it and the peer's
 too (each rank says so in its data, `FLAG_WOULD_LEND`: one rank lending while the other
-copied was slower than both ways), or where the rings copy slowly
-(`CopyPace.beats_lending`). `--ops allgather,alltoall --sizes 1M,3M,4M,16M --rounds 2`,
-this rule against lending every such piece, alternated three times in jobs of their own,
-cores sharing a cache: alltoall 3 MB 0.125-0.132 ms against 0.193-0.194, allgather 3 MB
-0.112-0.144 against 0.172-0.191, 4 MB 0.148-0.170 against 0.190-0.195; alltoall 4 MB
-0.189-0.205 against 0.169-0.258. Where the cores share no cache, both ways lend.
-At 4 ranks on 2 cores the sender's copy takes a core a peer wanted
-(16 MB allreduces 8.3 ms lent, 9.2-10.2 not, `-n 4`; 8 MB ones 4.1-4.2 lent, 4.8-5.2
-not), so where ranks outnumber cores reductions lend from 8 MiB; below that the ring was
-as fast or faster (4 MB at 3 ranks: 1.8-3.2 ms against 2.9-4.3 lent). Ops of up to 2 MiB
-that run on the caller's thread (the small path) never lend. Those measurements were of
-numpy's arrays, which huge pages back but for their ends; a lent piece costs its reader a
-pin of each of the lender's pages, and out of small pages (torch's CPU tensors, by
-default) the ring wins instead: at 2 ranks, one job per way alternated twice, 32 MB
-allreduces took 6.5 ms lent against 3.7-3.9 through the ring, 64 MB 12.1-12.5 against
-7.5-7.7, 256 MB 46.5-46.9 against 30.8-32.9 (numpy's: 3.5-3.6 against 3.6-3.7, 29.4-29.7
-against 30.3-30.8). So a reduction lends only out of a buffer at least three quarters of
-which huge pages back, where the kernel can say (`PAGEMAP_SCAN`, Linux 6.7;
-transport/pages.py), and from 8 MiB it does not lend such a buffer while a ring copies
-slowly either: its big copies run at memory's speed, which the slow-ring rule below took
-for slow (64 MB: 12-15 ms lent). One exception among the gathers: a broadcast's root
-does not lend (OpSpec.lend). Its core has nothing else to
+copied was slower than both ways), where the peer lends by size alone (an async call's
+side), or where the rings copy slowly (`CopyPace.beats_lending`). `--ops
+allgather,alltoall --sizes 1M,3M,4M,16M --rounds 2`, this rule against lending every
+such piece, alternated three times in jobs of their own, cores sharing a cache: alltoall
+3 MB 0.125-0.132 ms against 0.193-0.194, allgather 3 MB 0.112-0.144 against 0.172-0.191,
+4 MB 0.148-0.170 against 0.190-0.195; alltoall 4 MB 0.189-0.205 against 0.169-0.258.
+Where the cores share no cache, both ways lend. At 4 ranks on 2 cores the sender's copy
+takes a core a peer wanted (16 MB allreduces 8.3 ms lent, 9.2-10.2 not, `-n 4`; 8 MB
+ones 4.1-4.2 lent, 4.8-5.2 not), so where ranks outnumber cores reductions lend from 8
+MiB; below that the ring was as fast or faster (4 MB at 3 ranks: 1.8-3.2 ms against
+2.9-4.3 lent). Ops of up to 2 MiB that run on the caller's thread (the small path) never
+lend. Those measurements were of numpy's arrays, which huge pages back but for their
+ends; a lent piece costs its reader a pin of each of the lender's pages, and out of
+small pages (torch's CPU tensors, by default) the ring wins instead: at 2 ranks, one job
+per way alternated twice, 32 MB allreduces took 6.5 ms lent against 3.7-3.9 through the
+ring, 64 MB 12.1-12.5 against 7.5-7.7, 256 MB 46.5-46.9 against 30.8-32.9 (numpy's:
+3.5-3.6 against 3.6-3.7, 29.4-29.7 against 30.3-30.8). So a reduction lends only out of
+a buffer at least three quarters of which huge pages back, where the kernel can say
+(`PAGEMAP_SCAN`, Linux 6.7; transport/pages.py), and from 8 MiB it does not lend such a
+buffer while a ring copies slowly either: its big copies run at memory's speed, which
+the slow-ring rule below took for slow (64 MB: 12-15 ms lent). One exception among the
+gathers: a broadcast's root does not lend (OpSpec.lend). Its core has nothing else to
 do, and a memcpy into the ring on its side plus one out on the receiver's beat one
 kernel copy on the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms
 instead of 10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Unless the

@@ -68,16 +68,16 @@ ONE_WAY_FROM = 640 << 10
 # An exchange's body that the ring holds whole (Chain.lendable) is lent only where at
 # least this share of its bytes huge pages back, or where the ring copies slowly
 # (CopyPace.beats_lending: its cores share no cache), and only where the peer would lend
-# its own too (Repeat._agrees; the express lane, which cannot know the peer's pages,
-# lends it only while the ring copies slowly).  The reader's kernel pins the lender's
-# pages one by one: out of small ones a 2 MiB body took 180-210 us to copy, out of huge
-# ones 85-100, where the ring's two copies (in, out, both ranks at once) took 120-130 in
-# all.  A rank that sends through the ring while its peer lends copies in, then out of
-# the peer.  At 2 ranks, the cores sharing a cache, 3 MB alltoalls and allgathers, whose
-# 1.5 MiB halves small pages back, took 0.125 ms through the ring against 0.180 lent
-# (MPI 0.146); 4 MB alltoalls 0.134 lent where huge pages backed both ranks' halves,
-# 0.18-0.20 through the ring, 0.23 lent where one half was small-paged, and 0.22-0.27
-# where one rank lent and the other did not.
+# its own too, or lends by size alone (Repeat._agrees; the express lane, which cannot
+# know the peer's pages, lends it only while the ring copies slowly). The reader's
+# kernel pins the lender's pages one by one: out of small ones a 2 MiB body took 180-210
+# us to copy, out of huge ones 85-100, where the ring's two copies (in, out, both ranks
+# at once) took 120-130 in all. A rank that sends through the ring while its peer lends
+# copies in, then out of the peer. At 2 ranks, the cores sharing a cache, 3 MB alltoalls
+# and allgathers, whose 1.5 MiB halves small pages back, took 0.125 ms through the ring
+# against 0.180 lent (MPI 0.146); 4 MB alltoalls 0.134 lent where huge pages backed both
+# ranks' halves, 0.18-0.20 through the ring, 0.23 lent where one half was small-paged,
+# and 0.22-0.27 where one rank lent and the other did not.
 EXCHANGE_HUGE = ONE_WAY_HUGE  # one bar for both: Repeat._huge keeps one answer a region
 
 

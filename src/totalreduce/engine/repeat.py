@@ -43,6 +43,7 @@ from ..transport import pages
 from ..transport.base import Port, Transport
 from ..transport.cma import address_of
 from ..transport.wire import (
+    FLAG_AGREES,
     FLAG_CREDITED,
     FLAG_READY,
     FLAG_REMOTE,
@@ -89,6 +90,20 @@ _Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None,
 _ONE_WAY = 1
 _EXCHANGE = 2
 
+# What a peer's last body of an exchange said of its lending (Repeat._peer_lends): it
+# lends only where we would too, it would not, or it lends by size alone.
+_WONT = 0
+_WOULD = 1
+_BY_SIZE = 2
+
+
+def _peer_lends(flags: int) -> int:
+    """What a DATA's ``flags`` say of its sender's lending (_WONT, _WOULD, _BY_SIZE)."""
+    if flags & FLAG_AGREES:
+        return _WOULD if flags & FLAG_WOULD_LEND else _WONT
+    return _BY_SIZE if flags & FLAG_REMOTE else _WONT
+
+
 # Regions whose pages Repeat._huge remembers (a few buffers, reused call after call).
 _HUGE_REGIONS = 16
 
@@ -103,7 +118,7 @@ class Repeat:
                  "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions", "_agrees", "_peer_would")
+                 "_huge_regions", "_agrees", "_peer_lends")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -183,14 +198,15 @@ class Repeat:
         # Every send in the chain's order (Chain.sends), where waiting ones queue: the
         # first, then each step's.  A hand-over counts the ones posted in this order.
         self._sends = sends(chain.sends)
-        # Whether a send goes by the exchange's rule (_EXCHANGE), and whether each peer
-        # said on its last body that it would lend (FLAG_WOULD_LEND): a call lends such a
-        # body only where both ranks would.  One lending while the other copies through
-        # the ring was slower than both ways (2-rank 4 MB alltoalls, 0.22-0.27 ms against
-        # 0.13 lent and 0.17-0.19 copied), and numpy's arrays of a few MiB get huge
-        # pages for one part only, which part differing from rank to rank.
+        # Whether a send goes by the exchange's rule (_EXCHANGE), and what each peer's
+        # last body said of its own (_peer_lends): a call lends such a body where both
+        # ranks would, or where the peer lends by size alone (the loop's, an async call's
+        # side), as it does.  One lending while the other copies through the ring was
+        # slower than both ways (2-rank 4 MB alltoalls, 0.22-0.27 ms against 0.13 lent
+        # and 0.17-0.19 copied), and numpy's arrays of a few MiB get huge pages for one
+        # part only, which part differing from rank to rank.
         self._agrees = any(send[11] == _EXCHANGE for send in self._sends)
-        self._peer_would: dict[int, int] = {}
+        self._peer_lends: dict[int, int] = {}
         self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
         self._steps = tuple((peer, ports[peer], step, piece, recv,
                              (recv.hi - recv.lo) * itemsize, len(recv.then),
@@ -360,7 +376,7 @@ class Repeat:
             credit = header.credit
             flags = header.flags
             if self._agrees:
-                self._peer_would[peer] = flags & FLAG_WOULD_LEND
+                self._peer_lends[peer] = _peer_lends(flags)
             charge = 0 if not flags & FLAG_CREDITED else \
                 nbytes if nbytes > HEADER_SIZE else HEADER_SIZE  # charge_of
             if credit or charge:
@@ -496,9 +512,14 @@ class Repeat:
                 self._transport.lends_body(peer, self._op_bytes, nbytes):
             if pages_rule != _EXCHANGE:
                 lends = not pages_rule or self._huge(body)
-            elif self._huge(body) or not self._transport.ring_beats_lending(peer):
-                flags |= FLAG_WOULD_LEND
-                lends = bool(self._peer_would.get(peer))
+            else:
+                flags |= FLAG_AGREES
+                peer_lends = self._peer_lends.get(peer, _WONT)
+                if self._huge(body) or not self._transport.ring_beats_lending(peer):
+                    flags |= FLAG_WOULD_LEND
+                    lends = peer_lends != _WONT
+                else:
+                    lends = peer_lends == _BY_SIZE
         # pack_header, its fields in wire order without the call between.
         header = pack_fields(MAGIC, KIND_DATA, self._code, flags, self._recipe, step, key[0],
                        key[1], self._sig, piece, epoch & 0xFFFFFFFF, nbytes, self._count,

@@ -38,10 +38,12 @@ FLAG_REMOTE = 8
 # Shared-memory ring only, with FLAG_REMOTE: the lender sits idle while the body is copied
 # (a broadcast's root), so the reader may copy it with two threads (spread_copy.py).
 FLAG_SPREAD = 16
-# On DATA of an exchange sent from a Repeat (engine/repeat.py): the sender would lend
-# bodies like this one (huge pages back it, or its ring copies slowly); its peer lends it
-# its own only then, so that both ranks lend or neither.
+# On DATA of an exchange sent from a Repeat (engine/repeat.py): the sender lends such a
+# body only where its peer would too (FLAG_AGREES), and would (FLAG_WOULD_LEND: huge pages
+# back it, or its ring copies slowly), so that both ranks lend or neither.  A DATA without
+# FLAG_AGREES comes from a sender that lends by size alone.
 FLAG_WOULD_LEND = 32
+FLAG_AGREES = 64
 REMOTE_BODY = struct.Struct("<QQ")
 
 
