@@ -515,7 +515,7 @@ class Repeat:
             else:
                 flags |= FLAG_AGREES
                 peer_lends = self._peer_lends.get(peer, _WONT)
-                if self._huge(body) or not self._transport.ring_beats_lending(peer):
+                if not self._transport.ring_beats_lending(peer) or self._huge(body):
                     flags |= FLAG_WOULD_LEND
                     lends = peer_lends != _WONT
                 else:

@@ -50,12 +50,14 @@ _PLACEMENT_WINDOW = 15
 class CopyPace:
     """The recent speed of one ring's big copies, and what to do with the next body."""
 
-    __slots__ = ("_rates", "_recent", "_clock", "_last", "_lap", "cold", "far", "far_rate")
+    __slots__ = ("_rates", "_recent", "_median", "_clock", "_last", "_lap", "cold", "far",
+                 "far_rate")
 
     def __init__(self, far_rate: float = 0.0, lap: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._rates: deque[float] = deque(maxlen=_WINDOW)
         self._recent: deque[float] = deque(maxlen=_PLACEMENT_WINDOW)  # beats_lending
+        self._median = 0.0  # of _recent, kept here: a call lending or not asks each time
         self._clock = clock
         self._last = 0.0  # when the last copy was timed
         # Bytes still to copy before copies are judged: a lap of the ring (``lap``) at
@@ -82,7 +84,9 @@ class CopyPace:
             return
         rates = self._rates
         rate = nbytes / max(seconds, 1e-9)
-        self._recent.append(rate)
+        recent = self._recent
+        recent.append(rate)
+        self._median = sorted(recent)[len(recent) // 2]
         if self.far and rate >= self.far_rate:
             rates.clear()
             self.far = False
@@ -106,7 +110,7 @@ class CopyPace:
         """Whether a body out of small pages that the ring holds whole goes faster
         through it than lent (_PLACEMENT_WINDOW); also where far_rate is 0, and where no
         copy was timed for PROBE_EVERY (the ring is tried, and its copies timed)."""
-        recent = self._recent
-        if not recent or not self.far_rate or self._clock() - self._last >= PROBE_EVERY:
+        if not self._recent or not self.far_rate or \
+                self._clock() - self._last >= PROBE_EVERY:
             return True
-        return sorted(recent)[len(recent) // 2] >= 2 * self.far_rate
+        return self._median >= 2 * self.far_rate
