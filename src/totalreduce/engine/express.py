@@ -65,20 +65,19 @@ ONE_WAY_HUGE = 0.9
 # level, and 1 MiB ones (two of 512 KiB) no faster in jobs of their own.
 ONE_WAY_FROM = 640 << 10
 
-# An exchange's body that the ring holds whole (Chain.lendable) is lent only where at
-# least this share of its bytes huge pages back, or where the ring copies slowly
-# (CopyPace.beats_lending: its cores share no cache), and only where the peer would lend
-# its own too, or lends by size alone (Repeat._agrees; the express lane, which cannot
-# know the peer's pages, lends it only while the ring copies slowly). The reader's
-# kernel pins the lender's pages one by one: out of small ones a 2 MiB body took 180-210
-# us to copy, out of huge ones 85-100, where the ring's two copies (in, out, both ranks
-# at once) took 120-130 in all. A rank that sends through the ring while its peer lends
-# copies in, then out of the peer. At 2 ranks, the cores sharing a cache, 3 MB alltoalls
-# and allgathers, whose 1.5 MiB halves small pages back, took 0.125 ms through the ring
-# against 0.180 lent (MPI 0.146); 4 MB alltoalls 0.134 lent where huge pages backed both
-# ranks' halves, 0.18-0.20 through the ring, 0.23 lent where one half was small-paged,
-# and 0.22-0.27 where one rank lent and the other did not.
-EXCHANGE_HUGE = ONE_WAY_HUGE  # one bar for both: Repeat._huge keeps one answer a region
+# The exchange's rule: an exchange's body that the ring holds whole (Chain.lendable) is
+# lent only where huge pages back ONE_WAY_HUGE of its bytes, or where the ring copies
+# slowly (CopyPace.beats_lending: its cores share no cache), and only where the peer
+# would lend its own too, or lends by size alone (Repeat._agrees; the express lane,
+# which cannot know the peer's pages, lends it only while the ring copies slowly). The
+# reader's kernel pins the lender's pages one by one: out of small ones a 2 MiB body
+# took 180-210 us to copy, out of huge ones 85-100, where the ring's two copies (in,
+# out, both ranks at once) took 120-130 in all. A rank that sends through the ring while
+# its peer lends copies in, then out of the peer. At 2 ranks, the cores sharing a cache,
+# 3 MB alltoalls and allgathers, whose 1.5 MiB halves small pages back, took 0.125 ms
+# through the ring against 0.180 lent (MPI 0.146); 4 MB alltoalls 0.134 lent where huge
+# pages backed both ranks' halves, 0.18-0.20 through the ring, 0.23 lent where one half
+# was small-paged, and 0.22-0.27 where one rank lent and the other did not.
 
 
 class Chain:
@@ -159,8 +158,9 @@ class Express:
                  serving: JoinServer, transport: Transport,
                  unpark: Callable[[int], None], exchange_pages: bool = False) -> None:
         """``unpark(peer)``: the outbox's, told when a peer returns credit;
-        ``exchange_pages``: an exchange's body the ring holds whole is lent only by
-        EXCHANGE_HUGE's rule (TOTALREDUCE_CMA_BYTES auto), else by size alone."""
+        ``exchange_pages``: an exchange's body the ring holds whole is lent only by the
+        exchange's rule (the comment before Chain; TOTALREDUCE_CMA_BYTES auto), else by
+        size alone."""
         self.exchange_pages = exchange_pages
         self._small = small
         self._unpark = unpark

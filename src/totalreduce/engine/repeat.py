@@ -85,7 +85,7 @@ assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbyt
 # from the call's source, the whole buffer, the Send where its body may be lent, when
 # else it is lent: 0 by its size alone, _ONE_WAY only out of huge pages (ONE_WAY_HUGE),
 # _EXCHANGE where it would be lent out of huge pages or while the ring copies slowly
-# (EXCHANGE_HUGE) and the peer would lend too (Repeat._agrees)).
+# (express.py, the exchange's rule) and the peer would lend too (Repeat._agrees)).
 _Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None, int]
 _ONE_WAY = 1
 _EXCHANGE = 2
@@ -543,8 +543,8 @@ class Repeat:
         return True
 
     def _huge(self, body: memoryview) -> bool:
-        """Whether huge pages back at least ONE_WAY_HUGE (EXCHANGE_HUGE) of ``body``'s
-        bytes."""
+        """Whether huge pages back at least ONE_WAY_HUGE of ``body``'s bytes (the bar of
+        one-way sends and of exchanges alike)."""
         region = (address_of(body), body.nbytes)
         huge = self._huge_regions.get(region)
         if huge is None:
