@@ -478,18 +478,20 @@ def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded
         return SelfGuided._reduction_lends(me, work, source)  # type: ignore[arg-type]
 
     # (lend, lend while a ring is slow), by size and host, out of huge pages.
-    assert lends(4 << 20, True) == (False, True) and lends(8 << 20, True) == (True, True)
+    assert lends(4 << 20, True) == (False, False) and lends(8 << 20, True) == (True, True)
     assert lends(16 << 20, False) == (False, True) and lends(32 << 20, False) == (True, True)
     # Out of small pages, neither; where the kernel cannot say, by size as before.
     assert lends(32 << 20, False, share=0.5) == (False, False)
     assert lends(8 << 20, True, share=0.0) == (False, False)
     assert lends(16 << 20, False, share=0.0) == (False, False)
     assert lends(32 << 20, False, share=None) == (True, True)
-    # Below the crowded bound the pages are not asked about (a small op's every call),
-    # nor for one the size would not lend while the rings copy fast: neither way turns
-    # on them then.  One the size would lend asks all the same.
+    # Below the crowded bound neither, even while the rings copy slowly, and the pages are
+    # not asked about (a small op's every call); nor for one the size would not lend
+    # while the rings copy fast: neither way turns on them then.  One the size would lend
+    # asks all the same.
     asked.clear()
-    assert lends(4 << 20, False, share=0.0) == (False, True) and not asked
+    assert lends(4 << 20, False, share=1.0) == (False, False) and not asked
+    assert lends(1 << 20, True, share=1.0) == (False, False) and not asked
     assert lends(16 << 20, False, share=0.0, slow=False) == (False, True) and not asked
     assert lends(32 << 20, False, share=0.0, slow=False) == (False, False) and asked
     assert lends(8 << 20, True, share=0.0, slow=False) == (False, False)

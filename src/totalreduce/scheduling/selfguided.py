@@ -287,15 +287,17 @@ class SelfGuided(GatheringOps, BroadcastOps):
 
         if small is not None:
             with self._lock:
-                if arr.nbytes <= self._direct_ring:
-                    # Repeats may lend their big pieces where the loop runs them (async
-                    # ones, beside others there), as they did before templates kept the
-                    # flag: the replay and skew benchmarks were measured that way, and
-                    # came out level or slower with the first call's choice (the ring
-                    # under 32 MiB).
-                    self._small.put(small, OpTemplate(spec, lend=True))
-                elif plan is None or (plan.fresh and not spec.fresh):
-                    # One that reads no source serves in-place calls too.
+                # Its calls lend as this first one chose, the loop's async ones too: with
+                # every piece of a 1-2 MiB template lent by size, and any while a ring
+                # copied slowly, async allreduces submitted at once took 1 MB ones 16.5 ms
+                # for 48 of them against 7.9 through the ring, 2 MB 21.2 against 7.2
+                # (2 ranks, cores sharing a cache), and a ResNet-50 gradient set 26.6-27.1
+                # ms tensor by tensor against 18.2-18.4, and 21.2-26.6 grouped in 25 MB
+                # buckets against 16.8-17.6 (thresholds.CROWDED_REDUCE_LEND_BYTES).  A
+                # bigger one's template is replaced by one that reads no source, which
+                # serves in-place calls too.
+                if (arr.nbytes <= self._direct_ring or plan is None
+                        or (plan.fresh and not spec.fresh)):
                     self._small.put(small, OpTemplate(spec))
         return self._launch(spec, finish, self._direct_ring)
 
@@ -390,8 +392,10 @@ class SelfGuided(GatheringOps, BroadcastOps):
         where they did not, 8 MB 0.94-0.95 against 0.98-0.99, 16 MB 2.05-2.14 against
         2.43-2.64, and 24 MB 2.6-3.0 against 3.3-4.2 (three alternations).  Not while the
         rings copy slowly (copy_pace.py), where the loop lends the pieces, nor for an
-        urgent call."""
-        if priority or self._engine.lends(self._peers):
+        urgent call.  Below CROWDED_REDUCE_LEND_BYTES the loop would not lend them: they
+        stay here then too."""
+        if priority or (x.nbytes >= CROWDED_REDUCE_LEND_BYTES
+                        and self._engine.lends(self._peers)):
             return None
         source = None
         if plan.fresh:  # its Repeat reads the call's input: not one in place
@@ -528,8 +532,9 @@ class SelfGuided(GatheringOps, BroadcastOps):
         """Whether a reduction into ``work`` (from ``source``, where it reads one: OpSpec.
         fresh) may lend its pieces (OpSpec.lend), and may while a ring copies slowly
         (OpSpec.lend_slow).  The first: as any op where CMA_BYTES is set, else from
-        REDUCE_LEND_BYTES, or CROWDED_REDUCE_LEND_BYTES where the host is crowded.  From
-        CROWDED_REDUCE_LEND_BYTES on, neither but out of a buffer that huge pages back
+        REDUCE_LEND_BYTES, or CROWDED_REDUCE_LEND_BYTES where the host is crowded.  Below
+        CROWDED_REDUCE_LEND_BYTES neither (thresholds.py has why).  From there on, neither
+        but out of a buffer that huge pages back
         (HUGE_LEND_SHARE), as far as the kernel can say: through the ring small pages
         cost nothing more, and at 2 ranks the slow-ring rule lent 64 MB allreduces of
         them (their big copies run at memory's speed), which then took 12-15 ms against
@@ -545,7 +550,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
             return True, True
         nbytes = work.nbytes
         if nbytes < CROWDED_REDUCE_LEND_BYTES:
-            return False, True
+            return False, False
         big = nbytes >= REDUCE_LEND_BYTES or self._engine.crowded()
         if not big and not self._engine.lends(self._peers):
             return False, True

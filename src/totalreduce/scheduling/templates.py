@@ -31,10 +31,10 @@ class OpTemplate:
     """An op's spec without its identity, buffers and priority."""
 
     __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
-                 "recipe", "lend", "fresh", "source_at", "repeat", "repeat_tried")
+                 "recipe", "lend", "lend_slow", "fresh", "source_at", "repeat",
+                 "repeat_tried")
 
-    def __init__(self, spec: OpSpec, lend: bool | None = None) -> None:
-        """``lend``: OpSpec.lend for the repeats (default: ``spec``'s)."""
+    def __init__(self, spec: OpSpec) -> None:
         self.sig = spec.sig
         self.describe = spec.describe
         self.code = spec.dtype
@@ -43,7 +43,8 @@ class OpTemplate:
         self.ufunc = spec.ufunc
         self.finalize = spec.finalize
         self.recipe = spec.recipe
-        self.lend = spec.lend if lend is None else lend
+        self.lend = spec.lend
+        self.lend_slow = spec.lend_slow
         self.fresh = spec.fresh
         self.source_at = spec.source_at
         # What runs blocking calls of it at priority 0 (engine/repeat.py), once asked
@@ -59,7 +60,7 @@ class OpTemplate:
         return OpSpec(key, label, self.sig, self.code, self.count, self.describe,
                       self.schedule, work, source, self.ufunc, self.finalize, priority,
                       self.recipe, -1, members, self.fresh and source is not None,
-                      self.lend, source_at=self.source_at)
+                      self.lend, self.lend_slow, source_at=self.source_at)
 
 
 class GatherPlan:

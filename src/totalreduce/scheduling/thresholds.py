@@ -89,7 +89,8 @@ REPEAT_ALLREDUCE_BYTES = 24 << 20
 LENT_WHEN_SLOW = 512 << 10
 
 # Reductions below this size do not lend their pieces where every rank has a core of its
-# own and CMA_BYTES is auto (rings that copy slowly still lend them, copy_pace.py).  A
+# own and CMA_BYTES is auto (from CROWDED_REDUCE_LEND_BYTES, rings that copy slowly still
+# lend those out of huge pages, copy_pace.py).  A
 # lent piece is one kernel copy on the receiver's core, which then sums it in a second
 # pass; through the ring the sender's core copies it in while the receiver's sums it
 # straight out of the ring.  For a copied piece (a gather's) the kernel's one copy is the
@@ -105,6 +106,19 @@ REDUCE_LEND_BYTES = 32 << 20
 # cores 8 MB allreduces took 4.1-4.2 ms lent against 4.8-5.2 through the ring; but at 3
 # ranks 4 MB ones took 2.9-4.3 ms lent against 1.8-3.2, at 4 ranks as long either way
 # (one job each, alternated two or three times; the slowest rank's time).
+#
+# Below it a reduction is not lent even while the rings copy slowly: a ring's copies of
+# buffers that no cache holds run at memory's speed (9-20 GB/s here), below the kernel's
+# copy of a warm lent body, so CopyPace takes the ring for slow where it is not (on the
+# loop, where an async op's source is most often cold), and lent, the reader sums in a
+# second pass.  Async allreduces submitted all at once, lending on and off alternated in
+# blocks of three in one job (24 MB in all, medians, ms): where the VM's two cores shared a
+# cache, 1 MB ones took 7.5 lent against 4.0 through the ring, 2 MB 7.5 against 3.9, 4 MB
+# 4.7 against 3.2; where they did not (four jobs), 0.5 MB 9.7-10.5 against 5.9-6.1, 1 MB
+# 8.1-9.0 against 5.5-6.1, 2 MB 7.6-8.1 against 5.2-6.0, 4 MB 5.8-6.3 against 4.1-4.6.
+# 8 and 16 MB were level either way (64 MB in all), 4 MB ones 10.5-10.7 lent against
+# 11.5-11.6 there.  At 4 ranks on 2 cores: 1 MB 27.3 lent against 19.4, 2 MB 17.6 against
+# 13.7, 0.5 and 4 MB level.
 CROWDED_REDUCE_LEND_BYTES = 8 << 20
 
 # ... and only from a buffer at least this share of which huge pages back, where the
