@@ -934,8 +934,11 @@ it lends while the rings are slow. On a third VM of the kind (its kernel copying
 bodies at 4-7 GB/s) 4 MiB broadcasts took 1.39-1.88 ms lent against 0.83-1.31 ms through
 the ring, alternated within one job, in the slow state as in the fast one; with every ring
 taken for slow, 16 MiB broadcasts went from 4.6-5.2 ms (every one lent) to 2.7-2.8 ms (the
-ring, lent every 16th). Allreduces lend while the rings are slow without being timed: 16
-MiB ones took 7.2 ms lent against 9.0 through the ring there. Allgathers up to 2 MiB,
+ring, lent every 16th). Allreduces of 8 MiB or more lend while the rings are slow without
+being timed: 16 MiB ones took 7.2 ms lent against 9.0 through the ring there. Smaller
+reductions never lend: on this VM async allreduces of 0.5-4 MB ran 1.1-1.9x faster
+through the rings than lent, where the cores shared a cache and where they did not
+(docs/dev/perf-log.md). Allgathers up to 2 MiB,
 reducescatters and allreduces stay on the caller's thread: on the general path 1 MiB allgathers took
 0.42-0.46 ms against 0.25-0.31 ms, reducescatters 0.42 against 0.19-0.25 ms. Where ranks
 outnumber cores the rule is off: a copy preempted halfway looks slow whatever the caches
