@@ -112,8 +112,9 @@ class Repeat:
     """One template's calls on the express lane (see the module docstring).  Made by
     :meth:`.Engine.repeat` for a chain."""
 
-    __slots__ = ("_describe", "_schedule", "_priority", "_lend", "_chain", "_label_of",
-                 "_members", "_driver", "_loop", "_small", "_express", "_ops", "_ledger",
+    __slots__ = ("_describe", "_schedule", "_priority", "_lend", "_lend_slow", "_chain",
+                 "_label_of", "_members", "_driver", "_loop", "_small", "_express", "_ops",
+                 "_ledger",
                  "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
                  "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
@@ -141,6 +142,7 @@ class Repeat:
         self._schedule = template.schedule
         self._priority = template.priority
         self._lend = template.lend
+        self._lend_slow = template.lend_slow
         self._chain = chain
         self._label_of = label_of
         self._members = members
@@ -262,7 +264,7 @@ class Repeat:
         return OpSpec(key, self._label_of(key[1]), self._sig, self._code, self._count,
                       self._describe, self._schedule, work, source, self._ufunc,
                       self._finalize, self._priority, self._recipe, -1, self._members,
-                      self._fresh and source is not None, self._lend,
+                      self._fresh and source is not None, self._lend, self._lend_slow,
                       source_at=self._source_at)
 
     def label(self, seq: int) -> str:
