@@ -165,6 +165,20 @@ def test_a_slow_ring_lends_what_it_would_copy(n: int, gbps: str) -> None:
         assert True in root and False in root, result.explain()
 
 
+def test_reductions_under_8_mib_are_not_lent_while_the_rings_are_slow() -> None:
+    # Every ring copies slower than 1e6 GB/s, so the loop lends what it may; a reduction
+    # under 8 MiB may not: through the ring it went 1.1-1.9x faster than lent on the
+    # machines measured (thresholds.CROWDED_REDUCE_LEND_BYTES).  Async allreduces and
+    # reducescatters of 0.75-3 MiB, results against numpy.
+    result = run_ok(2, "workers:slow_ring_reductions", {},
+                    env={"TOTALREDUCE_SLOW_RING_GBPS": "1e6"}, timeout=120)
+    for r in range(2):
+        got = result.report(r)
+        assert got["lent"] == 0, result.explain()
+        if cma_works() and len(os.sched_getaffinity(0)) >= 2:
+            assert got["slow"], result.explain()  # the rule had something to refuse
+
+
 def test_big_broadcasts_are_copied_with_two_threads_or_through_the_ring() -> None:
     # At 2 ranks a big broadcast goes in one piece; its root either lends it and sits
     # idle while the receiver copies it with two threads, or copies it through the ring,

@@ -350,6 +350,54 @@ def slow_ring(arg: dict) -> None:
     report(lent=lent, direct=direct, big_lent=ways)
 
 
+def slow_ring_reductions(arg: dict) -> None:
+    """With every ring taken for slow (TOTALREDUCE_SLOW_RING_GBPS huge): async allreduces
+    of 0.75-3 MiB, repeated under one name (a template's) and named anew each call, in
+    place and not, and async reducescatters, several dtypes, odd sizes, submitted in a
+    different order on each rank, a rank a little late now and then; each against numpy.
+    Reports the bodies this rank lent meanwhile, and whether its rings were judged slow."""
+    from totalreduce.runtime import current
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    engine = current().engine
+    for i in range(12):  # a lap of each ring and more, for the copies to be judged
+        got = tr.allreduce(np.full((960 << 10) // 4, rank, np.float32), op=tr.Sum,
+                           name=f"warm.{i}")
+        assert np.all(got == n * (n - 1) / 2), "warm-up"
+    slow = engine.lends([p for p in range(n) if p != rank])
+    before = tr.transport_stats()["bodies_lent"]
+    for i in range(6):
+        if rank == i % n:
+            time.sleep(0.002)
+        calls = []
+        for j in range(4):
+            dtype = (np.float32, np.float64, np.int32)[(i + j) % 3]
+            count = ((768 << 10) + (701 << 10) * j) // np.dtype(dtype).itemsize + 2 * j + 1
+            rows = count // n * n
+            ins = [data(10 * i + j, r, (count,), dtype) for r in range(n)]
+            mine = ins[rank].copy()
+            name = f"same.{j}" if j % 2 else f"new.{i}.{j}"
+            if j == 3:
+                b = rows // n
+                want = reference_reduce([a[:rows] for a in ins], "Sum")[rank * b:(rank + 1) * b]
+                handle = tr.reducescatter_async(mine[:rows], op=tr.Sum, name=name)
+            elif j == 1:
+                want = reference_reduce(ins, "Sum")
+                handle = tr.allreduce_async_(mine, op=tr.Sum, name=name)
+            else:
+                want = reference_reduce(ins, "Sum")
+                handle = tr.allreduce_async(mine, op=tr.Sum, name=name)
+            calls.append((handle, want, f"call {i}.{j} of {count} {np.dtype(dtype)}"))
+        order = calls if rank % 2 == 0 else calls[::-1]
+        for handle, want, what in order:
+            assert_same(handle.wait(), want, what)
+    lent = tr.transport_stats()["bodies_lent"] - before
+    tr.barrier()
+    tr.shutdown()
+    report(lent=lent, slow=slow)
+
+
 def spread_broadcasts(arg: dict) -> None:
     """Blocking broadcasts of 9-12 MiB from rank 0 (lent bodies big enough for a receiver
     to copy with two threads: transport/spread_copy.py), into new arrays and in place,
