@@ -114,9 +114,8 @@ class Repeat:
 
     __slots__ = ("_describe", "_schedule", "_priority", "_lend", "_lend_slow", "_chain",
                  "_label_of", "_members", "_driver", "_loop", "_small", "_express", "_ops",
-                 "_ledger",
-                 "_serving", "_floating", "_unpark", "_first", "_steps", "_sig", "_code",
-                 "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
+                 "_ledger", "_serving", "_floating", "_unpark", "_first", "_steps", "_sig",
+                 "_code", "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
                  "_huge_regions", "_agrees", "_peer_lends")
