@@ -602,8 +602,12 @@ def _sparse_optimizer_case(alg: str) -> None:
 def overlap_matches_step(arg: dict) -> None:
     """For dense and each sparse compression: 20 steps with buckets reduced while backward
     runs give the weights that reducing them all at step() gives (same seeds, same data,
-    several buckets, every rank a different shard)."""
+    several buckets, every rank a different shard).  Reports how many ops ran on the
+    caller's thread in the dense run at step() (each bucket a blocking allreduce there)."""
+    from totalreduce.runtime import current
+
     hvd.init()
+    stats = current().engine.stats
     r, n = hvd.rank(), hvd.size()
     batches = _batches(20, 12 * n)
     compressions: dict[str, Any] = {
@@ -615,6 +619,7 @@ def overlap_matches_step(arg: dict) -> None:
     for label, make in compressions.items():
         weights = []
         for overlap in (True, False):
+            direct = stats()["direct_ops"]
             model = _model(7, hidden=24)
             opt = hvd.DistributedOptimizer(
                 torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5),
@@ -626,6 +631,9 @@ def overlap_matches_step(arg: dict) -> None:
                 torch.nn.functional.cross_entropy(model(x[r::n]), y[r::n]).backward()
                 opt.step()
             weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            if label == "none" and not overlap:
+                report(at_step_direct=stats()["direct_ops"] - direct,
+                       at_step_buckets=len(opt._buckets) * len(batches))
         start = _model(7, hidden=24)
         moved = float((weights[0] - torch.cat([p.detach().reshape(-1)
                                                for p in start.parameters()])).abs().max())

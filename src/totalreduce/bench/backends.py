@@ -138,8 +138,8 @@ class TotalReduceBackend(Backend):
         return modes
 
     def _optimizer_mode(self, grads: list[np.ndarray], bucket_bytes: int) -> Step | None:
-        """The torch DistributedOptimizer's buckets, all launched at once as if backward
-        had just ended (None without torch)."""
+        """The torch DistributedOptimizer's buckets reduced at ``synchronize()``, as if
+        backward had just ended (None without torch)."""
         if importlib.util.find_spec("torch") is None:
             return None
         import torch

@@ -74,6 +74,19 @@ class StepTimings:
     waited: float
 
 
+
+class _Reduced:
+    """A bucket reduced at once, as its handle's result (:meth:`_launch` with ``now``)."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def wait(self) -> Any:
+        return self._array
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -113,8 +126,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rank must pass the same.
         overlap: reduce each bucket as soon as backward has filled it (the default).
             False reduces every bucket when the step synchronizes, after backward: the
-            same results (bucket by bucket, in the same order), without the overlap;
-            faster where a rank has no core to spare for its communication.
+            same results (bucket by bucket, in the same order, each as a blocking
+            allreduce on the step's thread), without the overlap; faster where a rank has
+            no core to spare for its communication.
         autotune: try bucket sizes and overlap on and off for the first steps (8 steps
             each), then keep the fastest (``autotune.py``; default
             ``TOTALREDUCE_AUTOTUNE``, or Horovod's ``HOROVOD_AUTOTUNE``; the trials go
@@ -385,7 +399,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if b.pending is None:
                     self._launch(b)
 
-    def _launch(self, bucket: _buckets.Bucket) -> None:
+    def _launch(self, bucket: _buckets.Bucket, now: bool = False) -> None:
+        """Start reducing ``bucket``; with ``now``, reduce it to its end on this thread
+        (a blocking allreduce: :meth:`synchronize` with nothing in flight)."""
         if bucket.solo:
             p = bucket.params[0]
             if p in self._sparse_params:  # its gradient is sparse: the bucket sends zeros
@@ -416,6 +432,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle = _tr.allgather_async(staged.array.reshape(1, -1),
                                          name=f"{self._prefix}.b{bucket.index}",
                                          priority=bucket.index)
+        elif now:
+            # Priority 0: nothing else is in flight to pass, and a blocking call of a
+            # higher one takes the urgent lane, which holds only small ops.
+            _tr.allreduce_(staged.array, op=self._op, name=f"{self._prefix}.b{bucket.index}",
+                           process_set=self._process_set)
+            bucket.done_time = time.monotonic()
+            bucket.pending = (_Reduced(staged.array), staged, wire, ctx)
+            return
         else:
             handle = _tr.allreduce_async_(staged.array, op=self._op,
                                           name=f"{self._prefix}.b{bucket.index}",
@@ -505,9 +529,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "call it after every backward_passes_per_step-th backward()")
         if self._synchronized and self._passes == 0 and not force:
             return  # already reduced, and no backward since
+        # With nothing launched yet (overlap off, or no hook fired), the buckets are
+        # reduced one after another as blocking allreduces, each from its Repeat on this
+        # thread, rather than all submitted to the engine's loop and waited for: the
+        # loop's turns cost an op more (docs/dev/perf-log.md, "What the loop costs").
+        now = (self._op is not Adasum and not isinstance(self._compression, SparseCompressor)
+               and all(b.pending is None for b in self._buckets))
         for b in self._buckets:
             if b.pending is None:
-                self._launch(b)
+                self._launch(b, now)
         start = time.monotonic()
         try:
             for b in self._buckets:
