@@ -425,24 +425,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wire, ctx = self._whole.compress(flat)
         staged = stage(wire, "DistributedOptimizer")
         bucket.launch_time = time.monotonic()
+        name = f"{self._prefix}.b{bucket.index}"
         if self._op is Adasum:
             _adasum.check_dtype(staged.array.dtype, f"DistributedOptimizer bucket of "
                                 f"{', '.join(bucket.names)}")
             # Every rank's bucket gathered; _complete combines parameter by parameter.
-            handle = _tr.allgather_async(staged.array.reshape(1, -1),
-                                         name=f"{self._prefix}.b{bucket.index}",
+            handle = _tr.allgather_async(staged.array.reshape(1, -1), name=name,
                                          priority=bucket.index)
         elif now:
             # Priority 0: nothing else is in flight to pass, and a blocking call of a
             # higher one takes the urgent lane, which holds only small ops.
-            _tr.allreduce_(staged.array, op=self._op, name=f"{self._prefix}.b{bucket.index}",
+            _tr.allreduce_(staged.array, op=self._op, name=name,
                            process_set=self._process_set)
             bucket.done_time = time.monotonic()
             bucket.pending = (_Reduced(staged.array), staged, wire, ctx)
             return
         else:
-            handle = _tr.allreduce_async_(staged.array, op=self._op,
-                                          name=f"{self._prefix}.b{bucket.index}",
+            handle = _tr.allreduce_async_(staged.array, op=self._op, name=name,
                                           priority=bucket.index,
                                           process_set=self._process_set)
 
