@@ -932,8 +932,9 @@ def test_driver_drives_the_loop_on_the_waiting_thread_until_the_future_resolves(
     class FakeLoop:
         ended = False
 
-        def step(self, timeout: float | None, until: OpFuture | None = None) -> None:
-            turns.append((timeout, until))
+        def step(self, timeout: float | None, until: OpFuture | None = None,
+                 top: bool = False) -> None:
+            turns.append((timeout, until, top))
             if len(turns) == 3:
                 future.resolve(None)
 
@@ -948,7 +949,8 @@ def test_driver_drives_the_loop_on_the_waiting_thread_until_the_future_resolves(
 
     driver = Driver(0, Fake(), FakeLoop(), threading.Event())  # type: ignore[arg-type]
     assert driver.wait(future, timeout=5.0)
-    assert len(turns) == 3 and all(until is future for _t, until in turns)
+    assert len(turns) == 3 and all(until is future for _t, until, _top in turns)
+    assert all(top for *_k, top in turns)  # its own turns: it may run queued calls
     assert turns[0][0] is not None  # a waiting turn may block in poll
     assert not driver.wait(OpFuture(), timeout=0.0)
 

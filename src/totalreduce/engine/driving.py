@@ -32,10 +32,12 @@ HOUSEKEEPING = 0.25  # the longest a turn blocks, and the period of the engine's
 class Loop(Protocol):
     """What the driver drives (the engine)."""
 
-    def step(self, timeout: float | None, until: OpFuture | None = None) -> None:
+    def step(self, timeout: float | None, until: OpFuture | None = None,
+             top: bool = False) -> None:
         """One turn.  ``timeout=None``: start what was submitted and flush, but read
         nothing; ``until``: the future the driving thread waits for (the turn that
-        resolves it never blocks)."""
+        resolves it never blocks); ``top``: a turn of the driver's own, not one taken
+        from inside an op it runs (which may then run queued ops: Loop.queued)."""
 
     def wanted(self) -> bool:
         """Whether the progress thread has work (may be read without the lock)."""
@@ -107,7 +109,7 @@ class Driver:
             while not future.done() and not self._loop.ended:
                 if ctrl_c.pending:
                     ctrl_c.raise_if_pending()
-                self._step(HOUSEKEEPING, future)
+                self._step(HOUSEKEEPING, future, True)
 
     def waits_here(self) -> bool:
         return getattr(self._local, "waits", 0) > 0
@@ -172,7 +174,7 @@ class Driver:
                         if left is not None and left <= 0:
                             return False
                         self._step(HOUSEKEEPING if left is None else min(left, HOUSEKEEPING),
-                                   future)
+                                   future, True)
             if ctrl_c.pending:  # the op may have ended meanwhile; Ctrl-C still wins
                 ctrl_c.raise_if_pending()
             return True
@@ -223,7 +225,7 @@ class Driver:
                 if self._drivers and not self._loop.leaving():
                     continue
                 if not self._closed.is_set():
-                    self._step(0 if can_wait or tick else HOUSEKEEPING, None)
+                    self._step(0 if can_wait or tick else HOUSEKEEPING, None, True)
 
 
 class _Driving:

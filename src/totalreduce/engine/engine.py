@@ -29,6 +29,7 @@ business; ops a joined rank serves, serving.py's.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
@@ -54,7 +55,7 @@ from .loop import Loop
 from .mismatch_tracker import MismatchTracker
 from .optable import OpTable
 from .outbox import Outbox
-from .payload import OpFuture, OpSpec
+from .payload import OpFuture, OpKey, OpSpec
 from .peers import PeerEvents
 from .reducer import ReduceThread, ScratchPool
 from .repeat import Repeat
@@ -152,6 +153,23 @@ class Engine:
             ctrl_c.raise_if_pending()
         return future
 
+    def submit_repeat(self, repeat: Repeat, work: Any, key: OpKey,
+                      source: Any = None) -> OpFuture:
+        """Queue an async call of ``repeat`` (buffer ``work``, identity ``key``): the loop's
+        driver runs it from the Repeat, to its end, once nothing else is in flight (see
+        loop.py), and on the general path where it cannot.  The future resolves as
+        :meth:`submit`'s does."""
+        future = OpFuture(self.wait)
+        if self.job.closing or self._closed.is_set():
+            future.resolve(ShutdownError("cannot submit after shutdown()"))
+            return future
+        self.loop.queued.append((repeat, work, key, source, future, time.monotonic()))
+        self.transport.wake()  # a driver blocked in poll() takes it up
+        self._driver.nudge()
+        if ctrl_c.pending:
+            ctrl_c.raise_if_pending()
+        return future
+
     def run_now(self, spec: OpSpec) -> OpFuture | bool:
         """Run a small op to its end on this thread (smallpath.py), if nothing else is in
         flight here and no other thread drives: True once it is done, False if it did not
@@ -212,7 +230,8 @@ class Engine:
         chain = self._express.chain(spec.schedule)
         if chain is not None and spec.key in self._floating:
             chain = None  # the small path takes in what floated here first
-        if loop.commands or loop.completions or not small.eligible(spec, chain is not None):
+        if (loop.commands or loop.completions or loop.queued
+                or not small.eligible(spec, chain is not None)):
             return False
         if chain is not None:
             return self._express.run(spec, chain)
@@ -360,6 +379,8 @@ class Engine:
                 "express_handed_over": self._express.handed_over,
                 "direct_handed_over": self._small.handed_over,
                 "direct_caught_up": self._small.caught_up,
+                "queued_ran": self.loop.queued_ran,
+                "queued_general": self.loop.queued_general,
                 "urgent_ops": self._urgent.ran,
                 "urgent_handed_over": self._urgent.handed_over}
 

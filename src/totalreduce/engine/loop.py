@@ -5,6 +5,16 @@ shutdown), takes the reduce thread's results, lets the transport do its I/O (whi
 the outbox, the inbox and peers.py), and every ``HOUSEKEEPING`` seconds fails the ops that
 are mismatched or overdue.  Whoever drives (driving.py) calls :meth:`Loop.step`.
 
+Async calls of a repeated op wait in :attr:`Loop.queued` instead (Engine.submit_repeat):
+the driver runs them one after another from their Repeats (repeat.py), each to its end,
+while nothing else is in flight, as a thread calling them blocking would.  Started on the
+general path together, ResNet-50's 161 gradients took 17-19 ms at 2 ranks where the same
+calls blocking took 12 (each op's pieces, records and callbacks in the loop's hands, and
+bytes written into the rings long before the peer read them).  A queued op that waits
+while the driver runs another op that stalls (a peer that takes its ops in another order)
+goes to the general path after ``STALE_QUEUED``, so no order of calls across ranks can
+hold one up for longer.
+
 Shutting down: fail what is pending (as Horovod does), tell every peer GOODBYE, wait
 until that is out, half-close, and wait only for each peer's transport to close its end
 (which it does on reading our EOF, whatever its application is doing), never for the
@@ -13,6 +23,7 @@ peers' own shutdown().
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -38,11 +49,31 @@ from .starter import Starter
 
 logger = logging.getLogger(__name__)
 
+# Queued ops waiting while a queued op before them has run this long (it stalls: its
+# peer may be waiting for one of them) start on the general path ...
+STALE_QUEUED = 1e-3
+# ... and this long while ops on the general path are in flight (each queued op waits for
+# them: a peer may run them in another order).
+STALE_BEHIND = 20e-3
+# The progress thread leaves a queued op this long to an application thread, which may be
+# about to wait for it (and would drive it itself, with no hand-off between threads).
+QUEUED_GRACE = 1e-3
+
+# A queued call (Engine.submit_repeat): its Repeat, buffer, identity, source, future and
+# when it was queued.
+Queued = tuple[Any, Any, Any, Any, Any, float]
+
 
 class Awaited(Protocol):
     """What a driving thread waits for: an op's future, or a small op (smallpath.py)."""
 
     def done(self) -> bool: ...
+
+
+
+def _resolve_from(future: Any, done: Any) -> None:
+    """Resolve ``future`` as ``done`` (the op a queued call became) was."""
+    future.resolve(done.error())
 
 
 class Loop:
@@ -64,6 +95,11 @@ class Loop:
         self._serving = serving
         self._floating = floating
         self.commands: deque[tuple[str, Any, Any]] = deque()
+        # Appended by any thread (deque.append is atomic), taken by the driver only.
+        self.queued: deque[Queued] = deque()
+        self._running_since: float | None = None  # when the queued op running began
+        self.queued_ran = 0  # queued calls that ran to their end from their Repeats
+        self.queued_general = 0  # ... and that went to the general path
         # Ops that ran to their end on the urgent lane (urgent.py), to be counted ended:
         # kept apart from the commands, which a long copy stops for.
         self.ran_elsewhere: deque[Any] = deque()
@@ -82,13 +118,16 @@ class Loop:
     # --- what the driver asks (driving.Loop) -------------------------------------------
 
     def wanted(self) -> bool:
-        return bool(self._ops.active or self.commands or self.completions) \
+        return bool(self._ops.active or self.commands or self.completions or self.queued) \
             or self._floating.watched() or self._shutdown_deadline is not None \
             or self._transport.has_backlog()
 
     def idle_for(self) -> float | None:
         if self.commands or self.completions:
             return None
+        queued = self.queued
+        if queued and not self._ops.active:
+            return max(0.0, queued[0][5] + QUEUED_GRACE - time.monotonic())
         if self._writes_closed and set(self._outbox.peers) <= self._outbox.closed:
             # Every peer's end has been read: the next turn finishes the shutdown, and no
             # event would come to end a wait (every process paid a housekeeping period
@@ -104,7 +143,8 @@ class Loop:
         of a long copy: a submitted op, say an urgent one, then starts sooner)."""
         return bool(self.commands)
 
-    def step(self, timeout: float | None, until: Awaited | None = None) -> None:
+    def step(self, timeout: float | None, until: Awaited | None = None,
+             top: bool = False) -> None:
         """One turn; the caller holds the drive lock (or, unthreaded, is the only thread).
         ``timeout=None``: start what was submitted and flush, but read nothing (a submit
         returns quickly); ``until``: the driver's future (the turn that resolves it never
@@ -125,6 +165,8 @@ class Loop:
             if timeout is None:
                 self._transport.flush()
                 return
+            if self.queued and self._run_queued(until, top):
+                return
             busy = bool(self.commands or self.completions) or (
                 until is not None and until.done())  # done: do not block in poll()
             self._transport.poll(0 if busy else timeout)
@@ -143,6 +185,54 @@ class Loop:
             self._job.break_job(TotalReduceError(f"rank {rank}: internal error in the "
                                                  f"progress loop: {exc!r}"))
             self.finish()
+
+    def _run_queued(self, until: Awaited | None, top: bool) -> bool:
+        """Run the queued ops one after another while nothing else is in flight, in a
+        turn of the driver's own (``top``); start stale ones on the general path.  A
+        thread that waits (``until``) runs every one, not only up to its own: a caller
+        that submits many and waits for each in turn then finds the rest done (ResNet-50's
+        161 gradients at 2 ranks: 12.1 ms against 14.6 stopping at the caller's op, each
+        wait a hand-over between threads and back).  Returns whether the turn ends here
+        (some ran and nothing is in flight: the transport is not polled)."""
+        queued = self.queued
+        ops = self._ops
+        now = time.monotonic()
+        if not top or ops.active:
+            if top:
+                stale = now - STALE_BEHIND
+            else:
+                # Inside a queued op that stalls: how long it has, not how long the rest
+                # waited (a burst queued at once waits its turn, which is no stall).
+                stale = now - STALE_QUEUED
+                if self._running_since is not None and self._running_since > stale:
+                    return False
+            while queued and queued[0][5] <= stale:
+                repeat, work, key, source, future, _at = queued.popleft()
+                self.queued_general += 1
+                self._starter.start(repeat.spec(work, key, source), future)
+            return False
+        if until is None and now < queued[0][5] + QUEUED_GRACE:
+            # Nor does it read meanwhile: what it read would float (a copy more).
+            return True
+        ran = False
+        while queued and not ops.active and not self.commands and not self.completions:
+            repeat, work, key, source, future, _at = queued.popleft()
+            self._running_since = time.monotonic()
+            try:
+                done = repeat.run_queued(work, key, source)
+            finally:
+                self._running_since = None
+            if done is True:
+                self.queued_ran += 1
+                future.resolve(None)
+            elif done is False:
+                self.queued_general += 1
+                self._starter.start(repeat.spec(work, key, source), future)
+            else:
+                self.queued_general += 1
+                done.add_done_callback(functools.partial(_resolve_from, future))
+            ran = True
+        return ran and not ops.active
 
     def _run(self, cmd: str, arg: Any, future: Any) -> None:
         if cmd == "submit":
@@ -185,6 +275,7 @@ class Loop:
         for op in ops.live():
             ops.fail(op, TransportClosedError(
                 f"rank {job.rank}: {op.spec.label} was still pending at shutdown()"))
+        self._fail_queued(None)
         self._floating.end_watches(TransportClosedError(
             f"rank {job.rank}: a receive was still pending at shutdown()"))
         if job.broken is None:  # a broken job has told its peers already (ABORT)
@@ -195,6 +286,15 @@ class Loop:
                 outbox.control(peer, Header(Kind.GOODBYE,
                                             seq=self._transport.lane_sent(peer)))
         return time.monotonic() + self._config.shutdown_timeout
+
+    def _fail_queued(self, error: BaseException | None) -> None:
+        """Resolve every queued call with ``error``, or as pending at shutdown()."""
+        queued = self.queued
+        while queued:
+            repeat, _work, key, _source, future, _at = queued.popleft()
+            future.resolve(error or TransportClosedError(
+                f"rank {self._job.rank}: {repeat.label(key[1])} was still pending at "
+                "shutdown()"))
 
     def _shutdown_done(self, deadline: float) -> bool:
         """Once our last message is out, half-close and wait only until every peer's
@@ -222,6 +322,7 @@ class Loop:
         for op in ops.live():
             ops.fail(op, job.broken or TransportClosedError(
                 f"rank {job.rank}: {op.spec.label} was still pending at shutdown()"))
+        self._fail_queued(job.broken)
         self._floating.end_watches(job.broken or TransportClosedError(
             f"rank {job.rank}: a receive was still pending at shutdown()"))
         while self.commands:

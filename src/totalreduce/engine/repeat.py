@@ -257,6 +257,14 @@ class Repeat:
             driver.owner = None
             lock.release()
 
+    def run_queued(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
+                   ) -> OpFuture | bool:
+        """:meth:`run` for a call the loop queued (Loop.queued), by the driver, which
+        holds the lock: the calls queued after it do not count as work in flight."""
+        if source is None and self._needs_source:
+            return False
+        return self._run(work, source, key, True)
+
     def spec(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
              ) -> OpSpec:
         """The call's spec, as the scheduler would have built it."""
@@ -270,14 +278,15 @@ class Repeat:
         """The label of the call ``seq``, for messages."""
         return self._label_of(seq)
 
-    def _run(self, work: np.ndarray, source: np.ndarray | None, key: OpKey
-             ) -> OpFuture | bool:
+    def _run(self, work: np.ndarray, source: np.ndarray | None, key: OpKey,
+             dequeued: bool = False) -> OpFuture | bool:
         loop = self._loop
         floating = self._floating
         # Floating.empty() and CreditLedger.pop_early(), inline: nearly always nothing
-        # floats and no peer said READY first.
-        if (loop.commands or loop.completions or floating.bodies or floating.bytes
-                or not self._small.quiet(key)):
+        # floats and no peer said READY first.  A blocking call does not pass the calls
+        # queued before it (``dequeued``: this call is one of them).
+        if (loop.commands or loop.completions or (loop.queued and not dequeued)
+                or floating.bodies or floating.bytes or not self._small.quiet(key)):
             return False
         ledger = self._ledger
         early = ledger.early

@@ -127,8 +127,14 @@ class SelfGuided(GatheringOps, BroadcastOps):
         # Blocking allreduces up to this run from their Repeat on this thread from their
         # second call, past the ring too while it copies fast (_big_allreduce).
         self._direct_big = self._direct_ring
+        # Async allreduces like ones made before wait in the loop's queue, to run from
+        # their Repeats (_queued), where that has been measured faster: at 2 ranks on the
+        # rings.  At 3 and 4 ranks most of their Repeats handed over (each after a spin)
+        # and times moved both ways within the noise; over sockets they did not move.
+        self._queues = False
         if self.size == 2 and room > 0 and not engine.crowded():
             self._direct_big = max(self._direct_ring, REPEAT_ALLREDUCE_BYTES)
+            self._queues = True
         hosts = engine.hosts
         if members is not None and hosts is not None:
             hosts = tuple(hosts[m] for m in members)
@@ -148,6 +154,8 @@ class SelfGuided(GatheringOps, BroadcastOps):
         self._known: LRU[tuple[Any, ...], tuple[dict[str, Any], int]] = LRU(_SPEC_CACHE)
         # (dtype, shape, op, name) -> what its small blocking allreduces share.
         self._small: LRU[tuple[Any, ...], OpTemplate] = LRU(_SPEC_CACHE)
+        # (name, dtype, shapes, op) -> a grouped allreduce's part, for its async calls.
+        self._grouped: LRU[tuple[Any, ...], OpTemplate] = LRU(_SPEC_CACHE)
         self._barrier: OpTemplate | None = None
         # What every repeated barrier reduces: its result is never read, so calls (even
         # at once, on several threads) may share it, and a call allocates nothing.
@@ -256,6 +264,10 @@ class SelfGuided(GatheringOps, BroadcastOps):
         if small is not None:
             with self._lock:
                 plan = self._small.get(small)
+            if plan is not None and not priority and not self._engine.waits_here():
+                queued = self._queue_repeat(plan, x, name, inplace)
+                if queued is not None:
+                    return queued
             # A bigger op's template serves its Repeat alone (_big_allreduce): every
             # other call of it builds its spec, whose lending depends on the call.
             if plan is not None and x.nbytes <= self._direct_ring:
@@ -300,6 +312,42 @@ class SelfGuided(GatheringOps, BroadcastOps):
                         or (plan.fresh and not spec.fresh)):
                     self._small.put(small, OpTemplate(spec))
         return self._launch(spec, finish, self._direct_ring)
+
+    def _queue_repeat(self, plan: OpTemplate, x: np.ndarray, name: str | None,
+                      inplace: bool) -> Handle | None:
+        """An async allreduce like one made before, queued (:meth:`_queued`); None,
+        nothing done, where it cannot be (submit it)."""
+        work = (x if x.ndim == 1 else x.ravel()) if inplace else x.flatten()
+        queued = self._queued(plan, work, "allreduce", name)
+        if queued is None:
+            return None
+        result = x if inplace else work.reshape(x.shape)
+        return FutureHandle([queued[0]], lambda: result, queued[1])
+
+    def _queued(self, plan: OpTemplate, work: np.ndarray, kind: str, name: str | None
+                ) -> tuple[OpFuture, str] | None:
+        """An async reduction into ``work`` made from ``plan``, queued for the loop's
+        driver to run from the plan's Repeat (Engine.submit_repeat): its future and
+        label.  None, nothing done, where it cannot run that way (submit its spec): where
+        calls do not queue (``_queues``), past _direct_big, an op that reads its input in
+        place (never async), or one the loop would lend while the rings copy slowly (as
+        _big_allreduce)."""
+        if (not self._queues or work.nbytes > self._direct_big or plan.fresh
+                or (work.nbytes >= CROWDED_REDUCE_LEND_BYTES
+                    and self._engine.lends(self._peers))):
+            return None
+        repeat = plan.repeat
+        if repeat is None:
+            if plan.repeat_tried:
+                return None
+            plan.repeat_tried = True
+            plan.repeat = repeat = self._engine.repeat(
+                plan.spec(_NO_CALL, "", work, 0, self._members),
+                functools.partial(self._label, kind, name))
+            if repeat is None:
+                return None
+        ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
+        return self._engine.submit_repeat(repeat, work, ident), repeat.label(ident[1])
 
     def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
                    ) -> tuple[Any, ...] | None:
@@ -608,21 +656,33 @@ class SelfGuided(GatheringOps, BroadcastOps):
                 fused[a.dtype].append(i)
         futures: list[OpFuture] = []
         outputs: list[tuple[list[int], np.ndarray, bool]] = []
+        queue = not priority and not self._engine.waits_here()
         for k, idx in enumerate(parts):
             gname = None if name is None else (name if len(parts) == 1 else f"{name}.{k}")
-            ident = self._ident("grouped_allreduce", gname)
             dtype = arrs[idx[0]].dtype
             if len(idx) == 1:
                 work, writeback = self._working_copy(arrs[idx[0]], inplace)
             else:
                 work = np.concatenate([arrs[i].reshape(-1) for i in idx])
                 writeback = inplace
+            outputs.append((idx, work, writeback))
+            key = (gname, dtype, tuple(arrs[i].shape for i in idx), rop)
+            with self._lock:
+                plan = self._grouped.get(key)
+            if queue and plan is not None:
+                queued = self._queued(plan, work, "grouped_allreduce", gname)
+                if queued is not None:
+                    futures.append(queued[0])
+                    continue
+            ident = self._ident("grouped_allreduce", gname)
             view = {"kind": "grouped_allreduce", "dtype": str(dtype),
                     "shape": [list(arrs[i].shape) for i in idx], "op": rop.label}
             spec = self._reduce_spec(ident, view, dtype, work, rop, priority)
+            if plan is None:
+                with self._lock:
+                    self._grouped.put(key, OpTemplate(spec))
             # _launch runs it here when this thread waits for it, else submits it.
             futures.extend(self._launch(spec, _nothing, self._direct_ring).futures)
-            outputs.append((idx, work, writeback))
 
         def finish() -> list[np.ndarray]:
             result: list[np.ndarray] = [np.empty(0)] * len(arrs)

@@ -1,0 +1,112 @@
+"""Workers for the async calls of repeated reductions, which wait in the loop's queue and
+run from their Repeats, one after another, on whichever thread drives (engine/loop.py:
+Loop.queued), and peers that take them in other orders."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import totalreduce as tr
+from reporting import report
+from totalreduce.exceptions import TotalReduceError
+from totalreduce.runtime import current
+from workers import OPS, assert_same, data, reference_reduce
+
+# (dtype, count, op, in place): odd sizes from an empty array to past the ring's size.
+CALLS = [
+    (np.float32, 1001, "Sum", True),
+    (np.float64, 0, "Sum", False),
+    (np.int32, 70_001, "Max", True),
+    (np.float32, (1 << 20) // 4 + 3, "Average", False),
+    (np.float16, 4097, "Sum", True),
+    (np.int64, 33_333, "Min", False),
+    (np.float32, (5 << 20) // 4 + 1, "Sum", True),
+    (np.uint8, 999, "Sum", True),
+    (np.float64, 250_001, "Product", False),
+    (np.float32, 17, "Sum", True),
+]
+GROUP = [(np.float32, 40_001), (np.float32, 3), (np.float32, 90_007), (np.float64, 12_345),
+         (np.float32, 1)]
+
+
+def _ins(seed: int, n: int, shape: tuple[int, ...], dtype: type, op: str
+         ) -> list[np.ndarray]:
+    ins = [data(seed, r, shape, dtype) for r in range(n)]
+    if op == "Product" and np.dtype(dtype).kind == "f":
+        ins = [1 + (a - 1) / 64 for a in ins]  # near 1: the product neither under- nor overflows
+    return ins
+
+
+def queued_bursts(arg: dict) -> None:
+    """Rounds of async allreduces (CALLS) and a grouped one (GROUP), each under the same
+    name every round, submitted at once and then waited for; a blocking allreduce amid the
+    burst.  In some rounds the odd ranks submit and wait in the reverse order, in others a
+    rank is late.  Each result against numpy.  Reports how many calls ran from a Repeat in
+    the rounds after the first where every rank took them in one order, none late."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    engine = current().engine
+    repeats = 0
+    for rnd in range(8):
+        if rnd % 4 == 3 and rank == rnd % n:
+            time.sleep(0.003)
+        turned = rnd % 4 == 1 and rank % 2 == 1
+        before = engine.stats()["queued_ran"]
+        order = list(range(len(CALLS)))[::-1] if turned else list(range(len(CALLS)))
+        # Every input first: the burst goes out at once, as a training step's does.
+        inputs = {j: _ins(100 * rnd + j, n, (CALLS[j][1],), CALLS[j][0], CALLS[j][2])
+                  for j in order}
+        amid = _ins(7000 + rnd, n, (5,), np.float64, "Sum")
+        group = [_ins(9000 + 10 * rnd + k, n, (count,), dtype, "Sum")
+                 for k, (dtype, count) in enumerate(GROUP)]
+        mine_group = [g[rank].copy() for g in group]
+        calls = []
+        for j in order:
+            dtype, count, op, inplace = CALLS[j]
+            mine = inputs[j][rank].copy()
+            call = tr.allreduce_async_ if inplace else tr.allreduce_async
+            handle = call(mine, op=OPS[op], name=f"burst.{j}")
+            calls.append((handle, inputs[j], op, mine if inplace else None,
+                          f"round {rnd}: {op} of {count} {np.dtype(dtype)}"))
+            if j == 4:
+                got = tr.allreduce(amid[rank], op=tr.Sum, name="amid")
+                assert_same(got, reference_reduce(amid, "Sum"), f"round {rnd}: amid a burst")
+        grouped = tr.grouped_allreduce_async_(mine_group, op=tr.Sum, name="burst.group")
+        for handle, ins, op, buffer, what in (calls[::-1] if turned else calls):
+            got = handle.wait()
+            assert_same(got, reference_reduce(ins, op), what)
+            if buffer is not None:
+                assert got is buffer, what
+        for k, got in enumerate(grouped.wait()):
+            assert got is mine_group[k]
+            assert_same(got, reference_reduce(group[k], "Sum"), f"round {rnd}: group {k}")
+        if rnd and rnd % 2 == 0:  # in one order, none late
+            repeats += engine.stats()["queued_ran"] - before
+    tr.barrier()
+    stats = engine.stats()
+    report(repeats=repeats, active=stats["active_ops"], general=stats["queued_general"])
+    tr.shutdown()
+
+
+def queued_at_shutdown(arg: dict) -> None:
+    """Async allreduces queued and never waited for when shutdown() comes (rank 1 submits
+    fewer, so some can never finish): shutdown returns, and each handle either has its
+    result or raises a totalreduce error, on every rank, soon."""
+    tr.init()
+    rank = tr.rank()
+    x = np.ones(4099, np.float32)
+    for _ in range(2):  # the second call of each name is queued
+        tr.allreduce_async_(x.copy(), op=tr.Sum, name="early").wait()
+    handles = [tr.allreduce_async_(np.ones(4099, np.float32), op=tr.Sum, name="early")
+               for _ in range(3 if rank == 0 else 1)]
+    start = time.monotonic()
+    tr.shutdown()
+    outcomes = []
+    for h in handles:
+        try:
+            outcomes.append(float(h.wait()[0]))
+        except TotalReduceError as exc:
+            outcomes.append(type(exc).__name__)
+    report(outcomes=outcomes, seconds=time.monotonic() - start)
