@@ -42,9 +42,10 @@ def _ins(seed: int, n: int, shape: tuple[int, ...], dtype: type, op: str
 def queued_bursts(arg: dict) -> None:
     """Rounds of async allreduces (CALLS) and a grouped one (GROUP), each under the same
     name every round, submitted at once and then waited for; a blocking allreduce amid the
-    burst.  In some rounds the odd ranks submit and wait in the reverse order, in others a
-    rank is late.  Each result against numpy.  Reports how many calls ran from a Repeat in
-    the rounds after the first where every rank took them in one order, none late."""
+    burst (the calls queued before it then go to the general path).  In some rounds the odd
+    ranks submit and wait in the reverse order, in others a rank is late.  Each result
+    against numpy.  Reports how many calls ran from a Repeat in the rounds after the first
+    where every rank took them in one order, none late."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     engine = current().engine
@@ -74,16 +75,20 @@ def queued_bursts(arg: dict) -> None:
                 got = tr.allreduce(amid[rank], op=tr.Sum, name="amid")
                 assert_same(got, reference_reduce(amid, "Sum"), f"round {rnd}: amid a burst")
         grouped = tr.grouped_allreduce_async_(mine_group, op=tr.Sum, name="burst.group")
-        for handle, ins, op, buffer, what in (calls[::-1] if turned else calls):
-            got = handle.wait()
+        # Every result first, then the checks: a caller that computes between its waits
+        # has the progress thread start its calls on the general path meanwhile.
+        results = [(handle.wait(), ins, op, buffer, what)
+                   for handle, ins, op, buffer, what in (calls[::-1] if turned else calls)]
+        group_results = grouped.wait()
+        if rnd and rnd % 2 == 0:  # in one order, none late
+            repeats += engine.stats()["queued_ran"] - before
+        for got, ins, op, buffer, what in results:
             assert_same(got, reference_reduce(ins, op), what)
             if buffer is not None:
                 assert got is buffer, what
-        for k, got in enumerate(grouped.wait()):
+        for k, got in enumerate(group_results):
             assert got is mine_group[k]
             assert_same(got, reference_reduce(group[k], "Sum"), f"round {rnd}: group {k}")
-        if rnd and rnd % 2 == 0:  # in one order, none late
-            repeats += engine.stats()["queued_ran"] - before
     tr.barrier()
     stats = engine.stats()
     report(repeats=repeats, active=stats["active_ops"], general=stats["queued_general"])

@@ -47,6 +47,7 @@ class Loop(Protocol):
         loop's next check; None: it has queued work and must not wait."""
 
     ended: bool  # the loop has closed for good
+    waited: float  # set when a thread stops waiting (the loop's queued calls' grace)
 
     def leaving(self) -> bool:
         """Whether the engine is shutting down (the progress thread then drives even
@@ -175,9 +176,17 @@ class Driver:
                             return False
                         self._step(HOUSEKEEPING if left is None else min(left, HOUSEKEEPING),
                                    future, True)
+            # Before the progress thread is woken on the way out: a caller that waits for
+            # its calls one after another is back in a moment (Loop.QUEUED_GRACE).
+            self._loop.waited = time.monotonic()
             if ctrl_c.pending:  # the op may have ended meanwhile; Ctrl-C still wins
                 ctrl_c.raise_if_pending()
             return True
+
+    def waiting_callers(self) -> int:
+        """How many application threads wait for an op now, driving (read without the
+        lock: a hint)."""
+        return self._drivers
 
     def nudge(self) -> None:
         """Have the progress thread drive, unless a caller does."""

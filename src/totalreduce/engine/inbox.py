@@ -126,6 +126,8 @@ class Inbox:
             item = FloatingBody(peer, header, route.buf, route.charge)
             key = header.op_key
             op = self._ops.active.get(key)
+            if op is None and self._starter.unqueue(key):  # queued while it arrived
+                op = self._ops.active.get(key)
             if op is None and key not in self._ops.done:
                 self._floating.keep(item)
                 return

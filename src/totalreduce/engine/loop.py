@@ -5,15 +5,16 @@ shutdown), takes the reduce thread's results, lets the transport do its I/O (whi
 the outbox, the inbox and peers.py), and every ``HOUSEKEEPING`` seconds fails the ops that
 are mismatched or overdue.  Whoever drives (driving.py) calls :meth:`Loop.step`.
 
-Async calls of a repeated op wait in :attr:`Loop.queued` instead (Engine.submit_repeat):
-the driver runs them one after another from their Repeats (repeat.py), each to its end,
-while nothing else is in flight, as a thread calling them blocking would.  Started on the
-general path together, ResNet-50's 161 gradients took 17-19 ms at 2 ranks where the same
-calls blocking took 12 (each op's pieces, records and callbacks in the loop's hands, and
-bytes written into the rings long before the peer read them).  A queued op that waits
-while the driver runs another op that stalls (a peer that takes its ops in another order)
-goes to the general path after ``STALE_QUEUED``, so no order of calls across ranks can
-hold one up for longer.
+Async calls of a repeated reduction may wait in :attr:`Loop.queued` instead
+(Engine.submit_repeat): a thread that waits runs them one after another from their
+Repeats (repeat.py), each to its end, while nothing else is in flight, as a thread calling
+them blocking would.  Started on the general path together, ResNet-50's 161 gradients took
+17-19 ms at 2 ranks where the same calls blocking took 12 (each op's pieces, records and
+callbacks in the loop's hands, and bytes written into the rings long before the peer read
+them).  Whatever may be out of step across ranks goes to the general path, which takes
+ops in any order: calls queued while others are in flight, or behind a queued call that
+stalls, or that nobody waits for (_run_queued); a call a peer already runs
+(Starter.try_serve); calls that come slowly (BURST_GAP).
 
 Shutting down: fail what is pending (as Horovod does), tell every peer GOODBYE, wait
 until that is out, half-close, and wait only for each peer's transport to close its end
@@ -49,15 +50,20 @@ from .starter import Starter
 
 logger = logging.getLogger(__name__)
 
-# Queued ops waiting while a queued op before them has run this long (it stalls: its
-# peer may be waiting for one of them) start on the general path ...
+# Calls queued within this of the one before form a burst, which stays queued for a
+# thread that waits to run; one that comes later has the calls before it started on the
+# general path (Engine.submit_repeat).  A burst of async calls comes 5-20 us apart, a
+# grouped call's parts up to 2 ms apart now and then (the GIL elsewhere): at 500 us their
+# bursts broke, and the pieces ran out of step across ranks.
+BURST_GAP = 2e-3
+# Once no call has been queued, and no application thread has waited (which would run
+# them itself, with no hand-off between threads), for this long, the progress thread
+# starts the queued calls on the general path, where each goes as soon as its peers are
+# there, whatever order they come in: their caller computes meanwhile.
+QUEUED_GRACE = 200e-6
+# Queued calls waiting while a queued call before them has run this long (it stalls: its
+# peer may be waiting for one of them) start on the general path.
 STALE_QUEUED = 1e-3
-# ... and this long while ops on the general path are in flight (each queued op waits for
-# them: a peer may run them in another order).
-STALE_BEHIND = 20e-3
-# The progress thread leaves a queued op this long to an application thread, which may be
-# about to wait for it (and would drive it itself, with no hand-off between threads).
-QUEUED_GRACE = 1e-3
 
 # A queued call (Engine.submit_repeat): its Repeat, buffer, identity, source, future and
 # when it was queued.
@@ -97,6 +103,8 @@ class Loop:
         self.commands: deque[tuple[str, Any, Any]] = deque()
         # Appended by any thread (deque.append is atomic), taken by the driver only.
         self.queued: deque[Queued] = deque()
+        self.queued_keys: set[Any] = set()  # the queued calls' keys (added by submitters)
+        self.waited = 0.0  # when a thread last stopped waiting (Driver.wait)
         self._running_since: float | None = None  # when the queued op running began
         self.queued_ran = 0  # queued calls that ran to their end from their Repeats
         self.queued_general = 0  # ... and that went to the general path
@@ -126,8 +134,9 @@ class Loop:
         if self.commands or self.completions:
             return None
         queued = self.queued
-        if queued and not self._ops.active:
-            return max(0.0, queued[0][5] + QUEUED_GRACE - time.monotonic())
+        if queued:  # the progress thread starts them once that has passed (_run_queued)
+            return max(0.0, min(max(queued[-1][5], self.waited) + QUEUED_GRACE,
+                                self._next_check) - time.monotonic())
         if self._writes_closed and set(self._outbox.peers) <= self._outbox.closed:
             # Every peer's end has been read: the next turn finishes the shutdown, and no
             # event would come to end a wait (every process paid a housekeeping period
@@ -187,36 +196,44 @@ class Loop:
             self.finish()
 
     def _run_queued(self, until: Awaited | None, top: bool) -> bool:
-        """Run the queued ops one after another while nothing else is in flight, in a
-        turn of the driver's own (``top``); start stale ones on the general path.  A
-        thread that waits (``until``) runs every one, not only up to its own: a caller
-        that submits many and waits for each in turn then finds the rest done (ResNet-50's
-        161 gradients at 2 ranks: 12.1 ms against 14.6 stopping at the caller's op, each
-        wait a hand-over between threads and back).  Returns whether the turn ends here
-        (some ran and nothing is in flight: the transport is not polled)."""
+        """In a turn of a thread that waits (``until``; ``top``: not one taken from inside
+        an op it runs), run the queued calls one after another, each from its Repeat to
+        its end, while nothing else is in flight; where something is, start them on the
+        general path.  In one of the progress thread's, start them there once
+        QUEUED_GRACE has passed.  Inside a queued call that stalls, start the rest there
+        after STALE_QUEUED.  Returns whether the turn ends here, without the transport's
+        poll (which would read the next calls' messages and float them: a copy more).
+
+        A thread that waits runs every queued call, not only up to its own: a caller that
+        submits many and waits for each in turn then finds the rest done (ResNet-50's 161
+        gradients at 2 ranks: 12.1 ms against 14.6 stopping at the caller's call, each
+        wait a hand-over between threads and back)."""
         queued = self.queued
         ops = self._ops
         now = time.monotonic()
-        if not top or ops.active:
-            if top:
-                stale = now - STALE_BEHIND
-            else:
-                # Inside a queued op that stalls: how long it has, not how long the rest
-                # waited (a burst queued at once waits its turn, which is no stall).
-                stale = now - STALE_QUEUED
-                if self._running_since is not None and self._running_since > stale:
-                    return False
-            while queued and queued[0][5] <= stale:
-                repeat, work, key, source, future, _at = queued.popleft()
-                self.queued_general += 1
-                self._starter.start(repeat.spec(work, key, source), future)
+        if not top:
+            # How long the call in hand has run, not how long the rest waited (a burst
+            # waits its turn, which is no stall).
+            stale = now - STALE_QUEUED
+            if self._running_since is None or self._running_since <= stale:
+                self._start_queued(stale)
             return False
-        if until is None and now < queued[0][5] + QUEUED_GRACE:
-            # Nor does it read meanwhile: what it read would float (a copy more).
-            return True
+        if until is None:
+            if now >= max(queued[-1][5], self.waited) + QUEUED_GRACE:
+                self._start_queued(now)
+                return False
+            return not ops.active
+        if ops.active:
+            # Those in flight may wait for peers that come to them only after these:
+            # with these held until those had ended, bench skew took 74-77 ms against
+            # 50-52, and grouped calls (a few of whose parts went ahead) 17.7 against 15.7.
+            self._start_queued(now)
+            return False
         ran = False
+        keys = self.queued_keys
         while queued and not ops.active and not self.commands and not self.completions:
             repeat, work, key, source, future, _at = queued.popleft()
+            keys.discard(key)
             self._running_since = time.monotonic()
             try:
                 done = repeat.run_queued(work, key, source)
@@ -234,9 +251,36 @@ class Loop:
             ran = True
         return ran and not ops.active
 
+    def _start_queued(self, stale: float) -> None:
+        """Start the queued calls queued at ``stale`` or before on the general path."""
+        queued = self.queued
+        keys = self.queued_keys
+        while queued and queued[0][5] <= stale:
+            repeat, work, key, source, future, _at = queued.popleft()
+            keys.discard(key)
+            self.queued_general += 1
+            self._starter.start(repeat.spec(work, key, source), future)
+
+    def unqueue(self, key: Any) -> bool:
+        """Start the queued call ``key`` on the general path now, if one waits; returns
+        whether one did (Starter.try_serve)."""
+        if key not in self.queued_keys:
+            return False
+        for call in list(self.queued):  # a snapshot: submitters append meanwhile
+            if call[2] == key:
+                self.queued.remove(call)
+                self.queued_keys.discard(key)
+                repeat, work, _key, source, future, _at = call
+                self.queued_general += 1
+                self._starter.start(repeat.spec(work, key, source), future)
+                return True
+        return False
+
     def _run(self, cmd: str, arg: Any, future: Any) -> None:
         if cmd == "submit":
             self._starter.start(arg, future)
+        elif cmd == "unqueue":
+            self._start_queued(arg)
         elif cmd == "adopt":
             spec, ready, told, sent, unsent, got, needs = arg
             self._transport.resume()  # a message of it may wait unread in a ring
@@ -290,6 +334,7 @@ class Loop:
     def _fail_queued(self, error: BaseException | None) -> None:
         """Resolve every queued call with ``error``, or as pending at shutdown()."""
         queued = self.queued
+        self.queued_keys.clear()
         while queued:
             repeat, _work, key, _source, future, _at = queued.popleft()
             future.resolve(error or TransportClosedError(

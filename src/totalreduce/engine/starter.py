@@ -27,6 +27,10 @@ from .schedule import Recv, Send
 from .serving import JoinServer, Server
 
 
+def _never(key: OpKey) -> bool:
+    return False
+
+
 class Starter:
     def __init__(self, job: JobState, ops: OpTable, ledger: CreditLedger, outbox: Outbox,
                  floating: Floating, applier: Applier, mismatches: MismatchTracker,
@@ -44,6 +48,8 @@ class Starter:
         self._serving = serving
         self._scratch = scratch
         self._resume = resume
+        # Starts the queued call of a key on the general path, if one waits (Loop.unqueue).
+        self.unqueue: Callable[[OpKey], bool] = _never
 
     def start(self, spec: OpSpec, future: OpFuture) -> None:
         op = self._open(spec, future, set())
@@ -185,8 +191,12 @@ class Starter:
         return self._serving.serves(header)
 
     def try_serve(self, header: Header) -> bool:
-        """If the op of ``header`` (not submitted here) is this rank's to serve, start its
-        part of it now, or refuse it; returns whether it was."""
+        """If the op of ``header`` (not submitted here) waits in the loop's queue, or is
+        this rank's to serve, start it (its part of it) now, or refuse it; returns whether
+        it was.  A peer's message shows the peer runs the op now: a queued call waiting
+        for another to end first may be what that peer waits for."""
+        if self.unqueue(header.op_key):
+            return True
         if not self._serving.serves(header):
             return False
         key = header.op_key
