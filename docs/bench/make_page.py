@@ -336,9 +336,10 @@ The same ops inside the 2-rank collectives table (each call after a barrier):
 `per-tensor`: one async allreduce per tensor, then wait for all. `grouped NMB`:
 `grouped_allreduce_async_` over buckets of N MB (arrays of 128 KiB and more go as ops of
 their own, smaller ones are fused). `flat`: one buffer of which the gradients are views.
-`optimizer NMB`: the torch DistributedOptimizer's buckets, all launched at once as if
-backward had just ended. MPI: `Iallreduce` per tensor, or one `Allreduce` of the flat
-buffer. Modes interleaved rep by rep.
+`optimizer NMB`: the torch DistributedOptimizer's buckets at `synchronize()`, as if
+backward had just ended with no hook fired: each bucket a blocking allreduce in turn.
+MPI: `Iallreduce` per tensor, or one `Allreduce` of the flat buffer. Modes interleaved rep
+by rep.
 
 `{command("replay-2-optimizer")}`
 (`docs/bench/replay-2-optimizer.txt`):
@@ -347,10 +348,14 @@ buffer. Modes interleaved rep by rep.
 
 MPI's `per-tensor` runs in one of two modes from iteration to iteration on this host:
 34-37 ms, as here, or 12-13 ms. In three runs of its own
-(`--backends mpi --rounds 1 --reps 15`) its median was 14.5-15.2 ms, p10-p90
-12.2-35.3: against that mode our grouped modes (15.8-16.6 ms here) and the optimizer's
-4-16 MB buckets (15.1-20.5) run at 1.0-1.4x its time, and `flat` (12.3) and the
-optimizer's 25 MB buckets (11.4) keep up.
+(`--backends mpi --rounds 1 --reps 15`) its median was 12.2-12.6 ms, p10-p90
+12.0-35.4: against that mode the optimizer's buckets (10.2-10.6 ms here) and `flat`
+(11.5) run at 0.8-0.9x its time, our `per-tensor` (12.6) keeps up, and the grouped modes
+(16.0-17.3) take 1.3-1.4x. At 2 ranks, async allreduces like ones made before that are
+submitted together wait for the first `wait()`, which runs them one after another, each
+as a blocking call would run (DESIGN-NOTES, queued async calls); a grouped call's part
+whose peer is late sends the parts after it to the general path, which runs them all at
+once, as it ran every call before (`per-tensor` took 15.7-20.7 ms that way here).
 
 ## Training with PyTorch: DistributedOptimizer against DDP
 
@@ -527,15 +532,17 @@ default, both scheduling modes):
 {table("tiny-neg")[1]}
 
 Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 52.2
-against 30.4 µs at 2 ranks). The cache cuts the cost another 11x: without it, every
-tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays a
-whole engine op, tens of µs of Python, per tensor. The faster mode, negotiated with
-cache and fusion, takes 1.5 µs per op at 2 ranks, 5.5x faster than 1,000 of MPI's
-`Iallreduce` (8.2 µs each), and 4.8 µs at 4 ranks (four processes on two cores), 9.0x
-faster than MPI's 43.1. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
+more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 37.5
+against 11.7 µs at 2 ranks). The cache cuts the cost another 9x: without it, every
+tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays an
+op per tensor: at 2 ranks its calls wait for the first `wait()`, which runs them one
+after another each as a blocking call (11.7 µs; 20-24 µs each on the loop all at once),
+and at 4 ranks each is a whole engine op on the loop (100.5 µs). The faster mode,
+negotiated with cache and fusion, takes 1.4 µs per op at 2 ranks, 4.7x faster than 1,000
+of MPI's `Iallreduce` (6.5 µs each), and 4.1 µs at 4 ranks (four processes on two
+cores), 9.5x faster than MPI's 38.9. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
 (see Environment), before the cycle reused a repeated step's fusion runs, 7.9 and 22.2
-µs. It varies with the host (1.4 to 1.9 µs between the 10th and 90th percentiles at 2
+µs. It varies with the host (1.3 to 1.5 µs between the 10th and 90th percentiles at 2
 ranks here): the whole cost is Python on the submitting thread and the cycle thread.
 Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
 seen before skips the argument checks and makes one new object); the cycle's taking,
@@ -577,11 +584,11 @@ where the ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 {table("replay-neg")[1]}
 
 With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
-grouped mode took 15.1 ms against negotiated's 38.2, its per-tensor mode 19.7 against
-37.8 and its optimizer mode 15.6 against 37.9 (flat: 12.0 against 14.9). Fusing big
+grouped mode took 14.9 ms against negotiated's 36.4, its per-tensor mode 12.3 against
+36.8 and its optimizer mode 10.1 against 20.7 (flat: 11.8 against 13.9). Fusing big
 tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning fusion
-off bought a sixth here (per-tensor 31.6 ms). At 4 ranks negotiated per-tensor takes
-105.3 ms, self-guided grouped 80.7.
+off bought a seventh here (per-tensor 31.9 ms). At 4 ranks negotiated per-tensor takes
+93.0 ms, self-guided grouped 78.5.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
