@@ -42,7 +42,8 @@ def _ins(seed: int, n: int, shape: tuple[int, ...], dtype: type, op: str
 def queued_bursts(arg: dict) -> None:
     """Rounds of async allreduces (CALLS) and a grouped one (GROUP), each under the same
     name every round, submitted at once and then waited for; a blocking allreduce amid the
-    burst (the calls queued before it then go to the general path).  In some rounds the odd
+    burst (the calls queued before it then go to the general path); then a grouped call
+    blocking on every rank, or async on rank 0 in odd rounds.  In some rounds the odd
     ranks submit and wait in the reverse order, in others a rank is late.  Each result
     against numpy.  Reports how many calls ran from a Repeat in the rounds after the first
     where every rank took them in one order, none late."""
@@ -50,9 +51,7 @@ def queued_bursts(arg: dict) -> None:
     rank, n = tr.rank(), tr.size()
     engine = current().engine
     repeats = 0
-    for rnd in range(8):
-        if rnd % 4 == 3 and rank == rnd % n:
-            time.sleep(0.003)
+    for rnd in range(12):
         turned = rnd % 4 == 1 and rank % 2 == 1
         before = engine.stats()["queued_ran"]
         order = list(range(len(CALLS)))[::-1] if turned else list(range(len(CALLS)))
@@ -63,10 +62,14 @@ def queued_bursts(arg: dict) -> None:
         group = [_ins(9000 + 10 * rnd + k, n, (count,), dtype, "Sum")
                  for k, (dtype, count) in enumerate(GROUP)]
         mine_group = [g[rank].copy() for g in group]
+        mines = {j: inputs[j][rank].copy() for j in order}
+        tr.barrier()  # every rank's burst at once, as a training step's
+        if rnd % 4 == 3 and rank == rnd % n:
+            time.sleep(0.003)
         calls = []
         for j in order:
             dtype, count, op, inplace = CALLS[j]
-            mine = inputs[j][rank].copy()
+            mine = mines[j]
             call = tr.allreduce_async_ if inplace else tr.allreduce_async
             handle = call(mine, op=OPS[op], name=f"burst.{j}")
             calls.append((handle, inputs[j], op, mine if inplace else None,
@@ -89,6 +92,18 @@ def queued_bursts(arg: dict) -> None:
         for k, got in enumerate(group_results):
             assert got is mine_group[k]
             assert_same(got, reference_reduce(group[k], "Sum"), f"round {rnd}: group {k}")
+        # The same grouped call blocking on one rank and async on the other, then both
+        # blocking: its parts line up either way.
+        again = [_ins(9500 + 10 * rnd + k, n, (count,), dtype, "Max")
+                 for k, (dtype, count) in enumerate(GROUP)]
+        mine_again = [g[rank].copy() for g in again]
+        if rnd % 2 and rank == 0:
+            got_again = tr.grouped_allreduce_async(mine_again, op=tr.Max,
+                                                   name="burst.again").wait()
+        else:
+            got_again = tr.grouped_allreduce(mine_again, op=tr.Max, name="burst.again")
+        for k, got in enumerate(got_again):
+            assert_same(got, reference_reduce(again[k], "Max"), f"round {rnd}: again {k}")
     tr.barrier()
     stats = engine.stats()
     report(repeats=repeats, active=stats["active_ops"], general=stats["queued_general"])

@@ -216,7 +216,8 @@ def _submit_and_wait(ops: Scheduler, x: Any, op: ReduceOp, name: str | None,
 def grouped_allreduce_async(xs: Sequence[Any], op: ReduceOp = Average,
                             name: str | None = None, priority: int = 0,
     process_set: ProcessSet = global_process_set) -> Handle:
-    """Allreduce a list of arrays as one fused op per dtype; ``wait()`` returns a list."""
+    """Allreduce a list of arrays as one call (the small ones fused per dtype where ops
+    cost more than the copies); ``wait()`` returns a list."""
     return _ops(process_set, "grouped_allreduce").grouped_allreduce(xs, op, name, priority,
                                                                  inplace=False)
 
