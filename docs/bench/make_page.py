@@ -348,14 +348,15 @@ by rep.
 
 MPI's `per-tensor` runs in one of two modes from iteration to iteration on this host:
 34-37 ms, as here, or 12-13 ms. In three runs of its own
-(`--backends mpi --rounds 1 --reps 15`) its median was 12.2-12.6 ms, p10-p90
-12.0-35.4: against that mode the optimizer's buckets (10.2-10.6 ms here) and `flat`
-(11.5) run at 0.8-0.9x its time, our `per-tensor` (12.6) keeps up, and the grouped modes
-(16.0-17.3) take 1.3-1.4x. At 2 ranks, async allreduces like ones made before that are
-submitted together wait for the first `wait()`, which runs them one after another, each
-as a blocking call would run (DESIGN-NOTES, queued async calls); a grouped call's part
-whose peer is late sends the parts after it to the general path, which runs them all at
-once, as it ran every call before (`per-tensor` took 15.7-20.7 ms that way here).
+(`--backends mpi --rounds 1 --reps 15`) its median was 16.7-18.7 ms, p10-p90
+15.4-46.1 (12.2-12.6 in three other runs, the host in another state): against that mode
+`flat` (9.9 ms here) and the optimizer's buckets (10.6-10.9) run at 0.53-0.89x its time,
+and `per-tensor` (12.9) and the grouped modes (13.0-13.4) at 0.69-1.10x. At 2 ranks,
+async allreduces like ones made before that are submitted together wait for the first
+`wait()`, which runs them one after another, each as a blocking call would run
+(DESIGN-NOTES, queued async calls), and a grouped call there fuses nothing: every array is
+a call of its own. Started on the general path all at once instead, `per-tensor` took
+15.7-20.7 ms here, and the grouped modes, fused, 14.0-20.2.
 
 ## Training with PyTorch: DistributedOptimizer against DDP
 
@@ -584,11 +585,11 @@ where the ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 {table("replay-neg")[1]}
 
 With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
-grouped mode took 14.9 ms against negotiated's 36.4, its per-tensor mode 12.3 against
-36.8 and its optimizer mode 10.1 against 20.7 (flat: 11.8 against 13.9). Fusing big
-tensors only adds a copy in and a copy out of every byte, and at 2 ranks turning fusion
-off bought a seventh here (per-tensor 31.9 ms). At 4 ranks negotiated per-tensor takes
-93.0 ms, self-guided grouped 78.5.
+grouped mode took 13.0 ms against negotiated's 31.8, its per-tensor mode 12.9 against
+28.8 and its optimizer mode 10.8 against 20.9 (flat: 9.8 against 12.7). Turning
+negotiated mode's fusion off took its per-tensor mode from 28.8 to 35.1 ms here (from
+36.8 to 31.9 in another run: fusing big tensors adds a copy in and a copy out of every
+byte). At 4 ranks negotiated per-tensor takes 101.0 ms, self-guided grouped 80.2.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
