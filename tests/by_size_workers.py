@@ -449,15 +449,24 @@ def exchanges_by_pages(arg: dict) -> None:
     (a fresh 2 MiB-aligned buffer each), new data each call, checked against numpy:
     "small" on both ranks, "huge" on both, "mixed" huge on rank 0 only, "async" small on
     both with rank 1's calls async (the loop's side, which lends by size alone).
-    Reports, for each way, the bodies this rank lent, and whether huge pages back its
-    huge inputs (the kernel may have none free)."""
+    Reports, for each way, the bodies this rank lent and the calls its small path handed
+    to the loop (a peer late by 200 us, say: the loop lends by size alone, and a peer's
+    Repeat then lends too), and whether huge pages back its huge inputs (the kernel may
+    have none free)."""
     tr.init()
     rank, n, rows = tr.rank(), tr.size(), arg["rows"]
+    engine = current().engine
     lent: dict[str, int] = {}
+    handed: dict[str, int] = {}
     huge_inputs = True
+
+    def handovers() -> int:  # ops the small path handed to the loop
+        return engine.stats()["direct_handed_over"]
+
     for way in ("small", "huge", "mixed", "async"):
         waits = way == "async" and rank == 1
         lent0 = tr.transport_stats()["bodies_lent"]
+        handed0 = handovers()
         huge = way == "huge" or (way == "mixed" and rank == 0)
         for op in ("allgather", "alltoall"):
             count = rows if op == "allgather" else rows * n
@@ -484,8 +493,9 @@ def exchanges_by_pages(arg: dict) -> None:
                 _close(got, want, f"{op} out of {way} pages, call {call}")
                 x[...] = -1  # a body lent and not yet copied would carry this
         lent[way] = tr.transport_stats()["bodies_lent"] - lent0
+        handed[way] = handovers() - handed0
     tr.shutdown()
-    report(lent=lent, huge_inputs=huge_inputs)
+    report(lent=lent, handed=handed, huge_inputs=huge_inputs)
 
 
 def repeated_broadcasts(arg: dict) -> None:
