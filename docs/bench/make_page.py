@@ -348,15 +348,16 @@ by rep.
 
 MPI's `per-tensor` runs in one of two modes from iteration to iteration on this host:
 34-37 ms, as here, or 12-13 ms. In three runs of its own
-(`--backends mpi --rounds 1 --reps 15`) its median was 16.7-18.7 ms, p10-p90
-15.4-46.1 (12.2-12.6 in three other runs, the host in another state): against that mode
-`flat` (9.9 ms here) and the optimizer's buckets (10.6-10.9) run at 0.53-0.89x its time,
-and `per-tensor` (12.9) and the grouped modes (13.0-13.4) at 0.69-1.10x. At 2 ranks,
-async allreduces like ones made before that are submitted together wait for the first
-`wait()`, which runs them one after another, each as a blocking call would run
-(DESIGN-NOTES, queued async calls), and a grouped call there fuses nothing: every array is
-a call of its own. Started on the general path all at once instead, `per-tensor` took
-15.7-20.7 ms here, and the grouped modes, fused, 14.0-20.2.
+(`--backends mpi --rounds 1 --reps 15`) its median was 16.8-17.5 ms, p10-p90
+12.3-38.9 (12.2-12.6 in three other runs, the host in another state): against that mode
+the optimizer's buckets (9.9-10.4 ms here) run at 0.56-0.85x its time, `flat` (12.1) and
+`per-tensor` (12.4) at 0.69-1.02x, and the grouped modes (11.8-16.1) at 0.67-1.32x. At 2
+ranks, async allreduces like ones made before that are submitted together wait for the
+first `wait()`, which runs them one after another, each as a blocking call would run
+(DESIGN-NOTES, queued async calls); so do a grouped call's parts, whose arrays under 128
+KiB are fused, and whose parts come out of step across ranks more often (a part whose
+peer is late sends the rest to the general path). Started on the general path all at
+once instead, `per-tensor` took 15.7-20.7 ms here, and the grouped modes 14.0-20.2.
 
 ## Training with PyTorch: DistributedOptimizer against DDP
 
@@ -585,11 +586,11 @@ where the ops compete for two cores (on the Intel VM 0.99x and 1.29x).
 {table("replay-neg")[1]}
 
 With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
-grouped mode took 13.0 ms against negotiated's 31.8, its per-tensor mode 12.9 against
-28.8 and its optimizer mode 10.8 against 20.9 (flat: 9.8 against 12.7). Turning
-negotiated mode's fusion off took its per-tensor mode from 28.8 to 35.1 ms here (from
-36.8 to 31.9 in another run: fusing big tensors adds a copy in and a copy out of every
-byte). At 4 ranks negotiated per-tensor takes 101.0 ms, self-guided grouped 80.2.
+grouped mode took 16.3 ms against negotiated's 34.3, its per-tensor mode 13.6 against
+35.1 and its optimizer mode 11.3 against 19.1 (flat: 11.6 against 13.4). Turning
+negotiated mode's fusion off left its per-tensor mode at 35.1 ms here (31.9 against 36.8
+in another run: fusing big tensors adds a copy in and a copy out of every byte). At 4
+ranks negotiated per-tensor takes 96.3 ms, self-guided grouped 80.3.
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
