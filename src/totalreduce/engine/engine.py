@@ -168,24 +168,24 @@ class Engine:
             # A peer runs it already, and may wait for it before it comes to the calls
             # that would run first here: the general path takes it now.
             return self.submit(repeat.spec(work, key, source))
-        queued = self.loop.queued
-        now = time.monotonic()
         loop = self.loop
+        queued = loop.queued
+        now = time.monotonic()
+        # Not a burst: the calls before it start on the general path (loop.py).
+        slow = bool(queued) and now - queued[-1][5] > BURST_GAP
+        # The rest of a burst: the progress thread, woken for its first call, looks
+        # again once the grace has passed (waking it for each cost the burst's submits
+        # the GIL, and their gaps then ended bursts).
+        quiet = bool(queued) and not slow and not self._driver.waiting_callers()
         loop.queued_keys.add(key)
-        if queued and now - queued[-1][5] > BURST_GAP:
-            # Not a burst: the calls before it start on the general path (loop.py).
+        if slow:
             self._commands.append(("unqueue", now, None))
-            queued.append((repeat, work, key, source, future, now))
+        queued.append((repeat, work, key, source, future, now))
+        if slow:
             self._driver.kick(future)
-            self._driver.nudge()
-        elif queued and not self._driver.waiting_callers():
-            # The rest of a burst: the progress thread, woken for its first call, looks
-            # again once the grace has passed (waking it for each cost the burst's
-            # submits the GIL, and their gaps then ended bursts).
-            queued.append((repeat, work, key, source, future, now))
-        else:
-            queued.append((repeat, work, key, source, future, now))
+        elif not quiet:
             self.transport.wake()  # a driver blocked in poll() looks again
+        if not quiet:
             self._driver.nudge()
         if ctrl_c.pending:
             ctrl_c.raise_if_pending()

@@ -76,7 +76,6 @@ class Awaited(Protocol):
     def done(self) -> bool: ...
 
 
-
 def _resolve_from(future: Any, done: Any) -> None:
     """Resolve ``future`` as ``done`` (the op a queued call became) was."""
     future.resolve(done.error())
@@ -244,8 +243,7 @@ class Loop:
                 self.queued_ran += 1
                 future.resolve(None)
             elif done is False:
-                self.queued_general += 1
-                self._starter.start(repeat.spec(work, key, source), future)
+                self._go_general(repeat, work, key, source, future)
             else:
                 self.queued_general += 1
                 done.add_done_callback(functools.partial(_resolve_from, future))
@@ -259,8 +257,13 @@ class Loop:
         while queued and queued[0][5] <= stale:
             repeat, work, key, source, future, _at = queued.popleft()
             keys.discard(key)
-            self.queued_general += 1
-            self._starter.start(repeat.spec(work, key, source), future)
+            self._go_general(repeat, work, key, source, future)
+
+    def _go_general(self, repeat: Any, work: Any, key: Any, source: Any,
+                    future: Any) -> None:
+        """Start a call taken out of the queue on the general path."""
+        self.queued_general += 1
+        self._starter.start(repeat.spec(work, key, source), future)
 
     def unqueue(self, key: Any) -> bool:
         """Start the queued call ``key`` on the general path now, if one waits; returns
@@ -272,8 +275,7 @@ class Loop:
                 self.queued.remove(call)
                 self.queued_keys.discard(key)
                 repeat, work, _key, source, future, _at = call
-                self.queued_general += 1
-                self._starter.start(repeat.spec(work, key, source), future)
+                self._go_general(repeat, work, key, source, future)
                 return True
         return False
 

@@ -355,13 +355,18 @@ class SelfGuided(GatheringOps, BroadcastOps):
                 or (work.nbytes >= CROWDED_REDUCE_LEND_BYTES
                     and self._engine.lends(self._peers))):
             return None
-        repeat = plan.repeat
-        if repeat is None and not plan.repeat_tried:
+        return self._plan_repeat(plan, work, kind, name)
+
+    def _plan_repeat(self, plan: OpTemplate, work: np.ndarray, kind: str,
+                     name: str | None, source: np.ndarray | None = None) -> Repeat | None:
+        """``plan``'s Repeat, made the first time it is asked for (None where the engine
+        cannot make one: Engine.repeat)."""
+        if plan.repeat is None and not plan.repeat_tried:
             plan.repeat_tried = True
-            plan.repeat = repeat = self._engine.repeat(
-                plan.spec(_NO_CALL, "", work, 0, self._members),
+            plan.repeat = self._engine.repeat(
+                plan.spec(_NO_CALL, "", work, 0, self._members, source),
                 functools.partial(self._label, kind, name))
-        return repeat
+        return plan.repeat
 
     def _queued(self, plan: OpTemplate, work: np.ndarray, kind: str, name: str | None
                 ) -> tuple[OpFuture, str] | None:
@@ -481,16 +486,9 @@ class SelfGuided(GatheringOps, BroadcastOps):
             source = x.reshape(-1)
         else:
             work = x.reshape(-1) if inplace else x.flatten()
-        repeat = plan.repeat
+        repeat = self._plan_repeat(plan, work, "allreduce", name, source)
         if repeat is None:
-            if plan.repeat_tried:
-                return None
-            plan.repeat_tried = True
-            plan.repeat = repeat = self._engine.repeat(
-                plan.spec(_NO_CALL, "", work, 0, self._members, source),
-                functools.partial(self._label, "allreduce", name))
-            if repeat is None:
-                return None
+            return None
         self._repeat(repeat, work, name, source)
         return x if inplace else work.reshape(x.shape)
 
