@@ -15,6 +15,10 @@ from collections.abc import Callable
 from ..engine.payload import OpKey
 from ..lru import LRU
 
+# The name counted for calls made without one; the leading NUL keeps it apart from the
+# names users give.
+UNNAMED = "\x00unnamed"
+
 
 def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

@@ -36,7 +36,7 @@ from ..transport.wire import (
     dtype_code,
 )
 from .broadcasting import BroadcastOps
-from .call_names import CallNames, Ident, hash64
+from .call_names import UNNAMED, CallNames, Ident, hash64
 from .checks import (
     check_allreduce,
     check_grouped,
@@ -46,6 +46,7 @@ from .gathering import GatheringOps
 from .handle import DoneHandle, FutureHandle, Handle
 from .joining import served_spec
 from .ops import UFUNCS, ReduceOp, averager
+from .queued_calls import QueuedCalls, nothing
 from .slow_rings import SlowRingChoice
 from .templates import (
     GATHER_PLANS,
@@ -66,10 +67,7 @@ from .thresholds import (
 )
 from .views import with_algorithm
 
-_UNNAMED = "\x00unnamed"
 _JOIN = "\x00join"
-# The identity a Repeat is built with: it keeps none of its template's (repeat.py).
-_NO_CALL: OpKey = (0, 0)
 
 
 # Entries of each spec cache: a training loop repeats a few hundred (name, shape) pairs;
@@ -89,11 +87,7 @@ def _freeze(obj: Any) -> Any:
     return obj
 
 
-def _nothing() -> None:
-    return None
-
-
-class SelfGuided(GatheringOps, BroadcastOps):
+class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
     """Builds op specs from numpy arrays and submits them to the engine."""
 
     def __init__(self, engine: Engine, config: Config,
@@ -205,7 +199,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
     def _call(self, kind: str, name: str | None, phase: str = "") -> tuple[OpKey, str]:
         """This rank's next call of ``name`` (``phase``: a part of an op with an identity
         of its own): its key, (name hash, call count), and its label for messages."""
-        h, seq = self._names.next_call((_UNNAMED if name is None else name) + phase
+        h, seq = self._names.next_call((UNNAMED if name is None else name) + phase
                                        + self._tag)
         return (h, seq), self._label(kind, name, seq)
 
@@ -313,75 +307,6 @@ class SelfGuided(GatheringOps, BroadcastOps):
                     self._small.put(small, OpTemplate(spec))
         return self._launch(spec, finish, self._direct_ring)
 
-    def _queue_repeat(self, plan: OpTemplate, x: np.ndarray, name: str | None,
-                      inplace: bool) -> Handle | None:
-        """An async allreduce like one made before, queued (:meth:`_queued`); None,
-        nothing done, where it cannot be (submit it)."""
-        work = (x if x.ndim == 1 else x.ravel()) if inplace else x.flatten()
-        queued = self._queued(plan, work, "allreduce", name)
-        if queued is None:
-            return None
-        result = x if inplace else work.reshape(x.shape)
-        return FutureHandle([queued[0]], lambda: result, queued[1])
-
-    def _part_now(self, plan: OpTemplate, work: np.ndarray, name: str | None
-                  ) -> list[OpFuture] | None:
-        """A blocking grouped allreduce's part like one made before, run from its plan's
-        Repeat on this thread where calls queue (as _queued would, blocking): the futures
-        it left to wait for (none where it ran to its end here; the general path's where
-        it went on there, failing at ``wait()`` as a part does, the parts after it still
-        going).  None, nothing done, where it cannot run that way (submit its spec)."""
-        repeat = self._repeat_of(plan, work, "grouped_allreduce", name)
-        if repeat is None:
-            return None
-        ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
-        ran = repeat.run(work, ident)
-        if ran is False:
-            # Not begun: its spec, as any call's, under the identity it has taken.
-            spec = repeat.spec(work, ident)
-            return list(self._launch(spec, _nothing, self._direct_ring).futures)
-        if ran is True:
-            ctrl_c.raise_if_pending()
-            return []
-        return [ran]
-
-    def _repeat_of(self, plan: OpTemplate, work: np.ndarray, kind: str, name: str | None
-                   ) -> Repeat | None:
-        """The Repeat that runs calls of ``plan`` into ``work`` where calls queue (made
-        once); None where they do not, past _direct_big, for an op that reads its input
-        in place (never async), or one the loop would lend while the rings copy slowly
-        (as _big_allreduce)."""
-        if (not self._queues or work.nbytes > self._direct_big or plan.fresh
-                or (work.nbytes >= CROWDED_REDUCE_LEND_BYTES
-                    and self._engine.lends(self._peers))):
-            return None
-        return self._plan_repeat(plan, work, kind, name)
-
-    def _plan_repeat(self, plan: OpTemplate, work: np.ndarray, kind: str,
-                     name: str | None, source: np.ndarray | None = None) -> Repeat | None:
-        """``plan``'s Repeat, made the first time it is asked for (None where the engine
-        cannot make one: Engine.repeat)."""
-        if plan.repeat is None and not plan.repeat_tried:
-            plan.repeat_tried = True
-            plan.repeat = self._engine.repeat(
-                plan.spec(_NO_CALL, "", work, 0, self._members, source),
-                functools.partial(self._label, kind, name))
-        return plan.repeat
-
-    def _queued(self, plan: OpTemplate, work: np.ndarray, kind: str, name: str | None
-                ) -> tuple[OpFuture, str] | None:
-        """An async reduction into ``work`` made from ``plan``, queued for the loop's
-        driver to run from the plan's Repeat (Engine.submit_repeat): its future and
-        label.  None, nothing done, where it cannot run that way (submit its spec): where
-        calls do not queue (``_queues``), past _direct_big, an op that reads its input in
-        place (never async), or one the loop would lend while the rings copy slowly (as
-        _big_allreduce)."""
-        repeat = self._repeat_of(plan, work, kind, name)
-        if repeat is None:
-            return None
-        ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
-        return self._engine.submit_repeat(repeat, work, ident), repeat.label(ident[1])
-
     def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
                    ) -> tuple[Any, ...] | None:
         """The key of the :class:`OpTemplate` a call may reuse (the one a
@@ -453,7 +378,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
         work = (x if x.ndim == 1 else x.ravel()) if inplace else x.flatten()
         # The start of _repeat, inline (kept in step with it): a frame fewer on every
         # repeated blocking allreduce.
-        ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
+        ident = self._names.next_call((UNNAMED if name is None else name) + self._tag)
         ran = repeat.run(work, ident)
         if ran is not True or ctrl_c.pending:
             self._repeat_ended(repeat, work, ident, None, ran)
@@ -497,7 +422,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
         """Run the next call of ``name`` on ``work`` (and ``source``, where its op reads
         one) from ``repeat`` (engine/repeat.py: the buffers and the identity are all the
         call's own), or the usual way where the engine is not idle; raises its error."""
-        ident = self._names.next_call((_UNNAMED if name is None else name) + self._tag)
+        ident = self._names.next_call((UNNAMED if name is None else name) + self._tag)
         ran = repeat.run(work, ident, source)
         if ran is not True or ctrl_c.pending:
             self._repeat_ended(repeat, work, ident, source, ran)
@@ -513,7 +438,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
             self._run_blocking(repeat.spec(work, ident, source))
         else:
             with self._caller_waits:
-                FutureHandle([ran], _nothing, repeat.label(ident[1])).wait()
+                FutureHandle([ran], nothing, repeat.label(ident[1])).wait()
 
     def barrier_now(self) -> bool:
         """A barrier run to its end on this thread, as :meth:`allreduce_now`: False, with
@@ -542,7 +467,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
         if ran is not True:
             with self._caller_waits:
                 future = self._engine.submit(spec) if ran is False else ran
-                FutureHandle([future], _nothing, spec.label).wait()
+                FutureHandle([future], nothing, spec.label).wait()
         elif ctrl_c.pending:
             ctrl_c.raise_if_pending()
 
@@ -719,7 +644,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
                 with self._lock:
                     self._grouped.put(key, OpTemplate(spec))
             # _launch runs it here when this thread waits for it, else submits it.
-            futures.extend(self._launch(spec, _nothing, self._direct_ring).futures)
+            futures.extend(self._launch(spec, nothing, self._direct_ring).futures)
 
         def finish() -> list[np.ndarray]:
             result: list[np.ndarray] = [np.empty(0)] * len(arrs)
@@ -861,7 +786,7 @@ class SelfGuided(GatheringOps, BroadcastOps):
     # --- barrier --------------------------------------------------------------------
 
     def barrier(self) -> Handle:
-        return self._launch(self._barrier_spec(), _nothing)
+        return self._launch(self._barrier_spec(), nothing)
 
     def _barrier_spec(self) -> OpSpec:
         ident = self._ident("barrier", None)
