@@ -327,6 +327,59 @@ def repeated_big_allreduces(arg: dict) -> None:
            - before["express_repeats_handed_over"], active=after["active_ops"])
 
 
+def repeated_lent_allreduces(arg: dict) -> None:
+    """2-rank blocking allreduces of ``arg["sizes"]`` bytes (odd element counts, the
+    dtypes in turn, Sum, Max or Min), ``arg["calls"]`` of each under one name with new
+    data, in place or not by call, a rank late now and then; rank r starts with
+    ``cma_bytes`` at ``arg["cma"][r]`` (1 MiB: every piece of 1 MiB or more is lent, a
+    Repeat's too; 1 GiB: none).  ``arg["async_rank"]`` makes its calls asynchronously.
+    Right after each call a rank checks its result against numpy and scribbles over its
+    input and result: one that returned before its peer had copied what it lent would
+    hand the peer the scribbles.  Reports the calls, those that ran to their end from a
+    Repeat and lent, and the Repeats' hand-overs."""
+    rank = int(os.environ["TOTALREDUCE_RANK"])
+    tr.init(cma_bytes=arg["cma"][rank]) if arg["cma"] else tr.init()
+    n = tr.size()
+    mine = random.Random(110 + rank)
+    stats = current().engine.stats
+    before = stats()
+    dtypes = (np.float64, np.float32, np.int32)
+    ops = (("Sum", tr.Sum), ("Max", tr.Max), ("Min", tr.Min))
+    calls = repeat_lent = 0
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = dtypes[i % len(dtypes)]
+        label, op = ops[i % len(ops)]
+        count = nbytes // np.dtype(dtype).itemsize | 1
+        for call in range(arg["calls"]):
+            inputs = _inputs(100 * i + call, n, count, dtype)
+            want = reference_reduce(inputs, label)
+            mine_in = inputs[rank].copy()
+            # Ranks start together but now and then one late: a Repeat waits for its
+            # peer's messages only so long before the loop takes over.
+            tr.barrier()
+            if mine.random() < 0.3:
+                time.sleep(mine.random() * 0.002)
+            lent0, (repeats0, handed0) = tr.transport_stats()["bodies_lent"], \
+                _repeats(stats())
+            if rank == arg.get("async_rank"):
+                got = mine_in
+                tr.allreduce_async_(got, op=op, name=f"lent.{i}").wait()
+            elif call % 3 == 1:
+                got = tr.allreduce(mine_in, op=op, name=f"lent.{i}")
+            else:
+                got = mine_in
+                tr.allreduce_(got, op=op, name=f"lent.{i}")
+            # Run to its end from the Repeat, and lent: no other part of the engine ran it.
+            repeats1, handed1 = _repeats(stats())
+            repeat_lent += (repeats1 > repeats0 and handed1 == handed0
+                            and tr.transport_stats()["bodies_lent"] > lent0)
+            _close(got, want, f"{label} allreduce of {count} {got.dtype}, call {call}")
+            mine_in[...] = 99
+            got[...] = 77
+            calls += 1
+    _end_repeats(stats, before, calls=calls, repeat_lent=repeat_lent)
+
+
 def one_rank_lends(arg: dict) -> None:
     """2-rank same-shape allgathers and alltoalls whose blocks hold ``arg["rows"]``
     float32 rows, ``arg["calls"]`` of each, where only rank 0 lends (rank 1 starts with

@@ -376,6 +376,38 @@ def test_repeated_two_rank_gathers_of_lent_pieces_run_from_their_repeat(
 
 
 
+@pytest.mark.skipif(not cma.cma_works(), reason="process_vm_readv not allowed")
+@pytest.mark.parametrize(("cma_bytes", "async_rank", "slow_gbps"), [
+    ((1 << 20, 1 << 20), None, "0"), ((1 << 20, 1 << 30), None, "0"),
+    ((1 << 20, 1 << 20), 1, "0"), (None, None, "1e6")])
+def test_repeated_two_rank_allreduces_lend_their_pieces_from_their_repeat(
+        cma_bytes: tuple[int, int] | None, async_rank: int | None, slow_gbps: str) -> None:
+    # A repeated blocking allreduce past the ring runs from its Repeat, which lends its
+    # pieces where the loop would (by size, CMA_BYTES; or while the rings copy slowly,
+    # every ring here with the bar at 1e6 GB/s, out of huge pages where the kernel gives
+    # them), sums the peer's lent pieces and returns only once the peer has copied what
+    # it lent (the worker scribbles over both arrays right after each call).  Beside a
+    # peer that lends nothing (its pieces come through the ring) or whose calls are
+    # async (the loop), the results are the same.
+    calls = 6
+    sizes = [(5 << 20) + 24, (9 << 20) + 8, (13 << 20) + 40]
+    result = run_ok(2, "by_size_workers:repeated_lent_allreduces",
+                    {"sizes": sizes, "calls": calls, "cma": cma_bytes,
+                     "async_rank": async_rank}, timeout=150,
+                    env={"TOTALREDUCE_SLOW_RING_GBPS": slow_gbps})
+    reports = [result.report(r) for r in range(2)]
+    assert all(got["calls"] == calls * len(sizes) and got["active"] == 0
+               for got in reports), reports
+    if async_rank is None and cma_bytes is not None and cma_bytes[1] < 1 << 30:
+        # Calls ran from the Repeat to their end and lent there, on both ranks.
+        assert all(got["repeat_lent"] > 0 for got in reports), reports
+    else:
+        # Rank 0's calls began from their Repeat: beside a peer on the loop, or one that
+        # copies its pieces into the ring (slower than the Repeat waits, where the ring
+        # copies slowly), they may go on there.
+        assert reports[0]["repeat_lent"] + reports[0]["handed_over"] > 0, reports
+
+
 def _huge_pages_here() -> bool:
     """Whether this host backs an array that asks for them with huge pages, as far as the
     kernel can say (transport/pages.py)."""

@@ -232,7 +232,7 @@ class Engine:
         return Repeat(spec, chain, label_of, spec.ranks, self._driver, self.loop,
                       self._small, self._express, self._ops, self._ledger, self._serving,
                       self._floating, ports, self._outbox.unpark, self.transport, lends,
-                      lends_one_way)
+                      lends_one_way, self._scratch)
 
     def _adopt(self, state: Adopt) -> OpFuture:
         """The loop goes on with an op the urgent lane began (Starter.adopt)."""

@@ -63,7 +63,7 @@ from .loop import Loop
 from .opstate import LentSend
 from .optable import OpTable
 from .payload import OpFuture, OpKey, OpSpec, copied_last, finish_regions
-from .reducer import QUIET, reduce_into
+from .reducer import QUIET, ScratchPool, reduce_into
 from .schedule import COPY, Send
 from .serving import JoinServer
 from .smallpath import SmallPath, post_ready
@@ -85,10 +85,12 @@ assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbyt
 # from the call's source, the whole buffer, the Send where its body may be lent, when
 # else it is lent: 0 by its size alone, _ONE_WAY only out of huge pages (ONE_WAY_HUGE),
 # _EXCHANGE where it would be lent out of huge pages or while the ring copies slowly
-# (express.py, the exchange's rule) and the peer would lend too (Repeat._agrees)).
+# (express.py, the exchange's rule) and the peer would lend too (Repeat._agrees), _SLOW
+# a reduction's only while the ring copies slowly, as the loop's (OpSpec.lend_slow)).
 _Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None, int]
 _ONE_WAY = 1
 _EXCHANGE = 2
+_SLOW = 3
 
 # What a peer's last body of an exchange said of its lending (Repeat._peer_lends): it
 # lends only where we would too, it would not, or it lends by size alone.
@@ -118,14 +120,15 @@ class Repeat:
                  "_code", "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions", "_agrees", "_peer_lends")
+                 "_huge_regions", "_agrees", "_peer_lends", "_scratch")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
                  small: SmallPath, express: Express, ops: OpTable, ledger: CreditLedger,
                  serving: JoinServer, floating: Floating, ports: dict[int, Port],
                  unpark: Callable[[int], None], transport: Transport,
-                 lends: bool = False, lends_one_way: bool = False) -> None:
+                 lends: bool = False, lends_one_way: bool = False,
+                 scratch: ScratchPool | None = None) -> None:
         """``template``: a call's spec (its identity, buffers and priority unused);
         ``label_of(seq)``: the label of the call ``seq`` of it, for a spec built late;
         ``ports``: the transport's, of every peer the chain involves; ``unpark(peer)``:
@@ -134,7 +137,17 @@ class Repeat:
         the express lane would (through the ring, a body of 1 MiB costs less: 2 MB
         allgathers and alltoalls at 2 ranks took 0.10 ms so against 0.12 lent);
         ``lends_one_way``: whether calls lend their one-way sends' bodies (Chain.one_way)
-        where huge pages back them."""
+        where huge pages back them; ``scratch``: where a reduction's lent pieces are
+        copied to be summed (the engine's pool; without it a call hands such a piece
+        over to the small path).
+
+        A reduction's calls lend the pieces of its exchanges where the loop would (with
+        ``lends``): by size where the template's spec lends (OpSpec.lend), or while the
+        ring copies slowly where it lends then (OpSpec.lend_slow); and take the peer's
+        lent pieces.  So a 2-rank allreduce whose pieces are lent runs here too: on a VM
+        whose rings copied slowly, 16 MB ones spent a third of their time on the loop
+        between the copies and sums (200 us before the first, about 100 between one
+        piece's sum and the next copy, 200 waiting at the end)."""
         # The template's fields, not the spec: its buffers are a call's own, and the
         # templates that keep Repeats (up to a few MiB each) must not keep those alive.
         self._describe = template.describe
@@ -173,8 +186,9 @@ class Repeat:
         count = template.count
         # The sends whose bodies may be lent, as the express lane picks them (Express._lend;
         # the transport's size rule is asked each call).
-        lendable = chain.lendable if lends and template.lend and template.ufunc is None \
-            else frozenset()
+        reduces = template.ufunc is not None
+        lendable = chain.lendable if lends and (template.lend or (
+            reduces and template.lend_slow)) else frozenset()
         one_way = chain.one_way if lends_one_way and template.ufunc is None \
             else frozenset()
 
@@ -184,8 +198,11 @@ class Repeat:
                 nbytes = (s.hi - s.lo) * itemsize
                 which = (s.peer, s.step, s.piece)
                 if which in lendable and nbytes >= LEND_FROM:
-                    lend, rule = s, _EXCHANGE if express.exchange_pages and \
-                        nbytes <= transport.ring_body(s.peer) else 0
+                    if reduces:
+                        lend, rule = s, 0 if template.lend else _SLOW
+                    else:
+                        lend, rule = s, _EXCHANGE if express.exchange_pages and \
+                            nbytes <= transport.ring_body(s.peer) else 0
                 elif which in one_way and nbytes >= ONE_WAY_FROM:
                     lend, rule = s, _ONE_WAY
                 else:
@@ -232,6 +249,7 @@ class Repeat:
         # as the express lane does).
         self._late = template.fresh and bool(chain.steps) and \
             copied_last(template, chain.local_final)
+        self._scratch = scratch if reduces else None
 
     def run(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
             ) -> OpFuture | bool:
@@ -363,8 +381,8 @@ class Repeat:
                                        posted < queued, late)
             header, body = record
             if header[3:10] != expected or header[1] != code or (
-                    body is None and not (header.flags & FLAG_REMOTE and recv.mode == COPY
-                                          and nbytes)):
+                    body is None and not (header.flags & FLAG_REMOTE and nbytes and (
+                        recv.mode == COPY or self._scratch is not None))):
                 # Not the message this step waits for: the small path looks at it again.
                 return self._hand_over(work, source, key, epoch, ready, told, done, posted,
                                        posted < queued, late)
@@ -378,11 +396,21 @@ class Repeat:
                                            -1 - gone, True, late)
                 posted = gone
             part = work if whole else work[lo:hi]
-            # Lent to us: our kernel copies it out of the peer, straight into place (and
-            # frees its record).
-            if body is None and not self._transport.take_lent(peer, part.data.cast("B")):
-                return self._hand_over(work, source, key, epoch, ready, told, done, posted,
-                                       posted < queued, late)
+            # Lent to us: our kernel copies it out of the peer (and frees its record),
+            # straight into place, or aside to be summed.
+            pooled = None
+            if body is None:
+                if recv.mode == COPY:
+                    taken = self._transport.take_lent(peer, part.data.cast("B"))
+                else:
+                    assert self._scratch is not None
+                    pooled = self._scratch.get(nbytes)
+                    taken = self._transport.take_lent(peer, pooled)
+                    if not taken:
+                        self._scratch.put(pooled)
+                if not taken:
+                    return self._hand_over(work, source, key, epoch, ready, told, done,
+                                           posted, posted < queued, late)
             credit = header.credit
             flags = header.flags
             if self._agrees:
@@ -399,21 +427,26 @@ class Repeat:
                 if nbytes and body is not None:  # (else lent: copied in place above)
                     copy_bytes(part.data.cast("B"), body)
             elif nbytes:
-                assert ufunc is not None and body is not None  # never lent (Chain.lendable)
+                assert ufunc is not None
+                operand = body if pooled is None else pooled
+                assert operand is not None
                 # A fresh buffer's region takes its left operand from the source: the
                 # chains that start one reduce into each region once (apply_piece).
                 left = part if source is None or not fresh else source[lo - at:hi - at]
                 # reduce_into, inline (its checks made once for the template).
                 if slow_reduce:
-                    reduce_into(ufunc, part, body, left)
+                    reduce_into(ufunc, part, operand, left)
                 elif quiet is None:
-                    ufunc(left, _frombuffer(body, dtype, hi - lo), out=part)
+                    ufunc(left, _frombuffer(operand, dtype, hi - lo), out=part)
                 else:
                     token = quiet[0].set(quiet[1])
                     try:
-                        ufunc(left, _frombuffer(body, dtype, hi - lo), out=part)
+                        ufunc(left, _frombuffer(operand, dtype, hi - lo), out=part)
                     finally:
                         quiet[0].reset(token)
+                if pooled is not None:
+                    assert self._scratch is not None
+                    self._scratch.put(pooled)
             if recv.final and finalize is not None and hi > lo:
                 finalize(part)
             if body is not None:
@@ -518,7 +551,9 @@ class Repeat:
         else:
             body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
         lends = False
-        if lend is not None and body is not None and \
+        if lend is not None and body is not None and pages_rule == _SLOW:
+            lends = self._transport.lends(peer)
+        elif lend is not None and body is not None and \
                 self._transport.lends_body(peer, self._op_bytes, nbytes):
             if pages_rule != _EXCHANGE:
                 lends = not pages_rule or self._huge(body)

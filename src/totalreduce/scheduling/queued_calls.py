@@ -83,12 +83,13 @@ class QueuedCalls(SchedulerParts):
     def _plan_repeat(self, plan: OpTemplate, work: np.ndarray, kind: str,
                      name: str | None, source: np.ndarray | None = None) -> Repeat | None:
         """``plan``'s Repeat, made the first time it is asked for (None where the engine
-        cannot make one: Engine.repeat)."""
+        cannot make one: Engine.repeat).  Its calls lend their pieces where the loop would
+        (repeat.py)."""
         if plan.repeat is None and not plan.repeat_tried:
             plan.repeat_tried = True
             plan.repeat = self._engine.repeat(
                 plan.spec(NO_CALL, "", work, 0, self._members, source),
-                functools.partial(self._label, kind, name))
+                functools.partial(self._label, kind, name), lends=True)
         return plan.repeat
 
     def _queued(self, plan: OpTemplate, work: np.ndarray, kind: str, name: str | None
