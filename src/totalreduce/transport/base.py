@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
@@ -246,6 +246,14 @@ class Transport(abc.ABC):
         """Copy the lent body of the DATA message :meth:`peek` showed from ``peer`` (its
         header flagged FLAG_REMOTE, no body) into ``dest``, then free the message and
         acknowledge the body.  False, nothing taken, if that cannot be done here."""
+        return False
+
+    def take_lent_each(self, peer: int, scratch: memoryview, nbytes: int,
+                       each: Callable[[memoryview, int], None]) -> bool:
+        """As :meth:`take_lent`, for a body of ``nbytes`` copied into ``scratch`` a slice
+        of its size at a time, ``each(slice, offset)`` called after each one (where the
+        slice is used at once, it is still in the cache).  False, nothing taken, if that
+        cannot be done here, or where a copy failed part way (the peer is then lost)."""
         return False
 
     def take_ack(self, peer: int, header: Header) -> bool:

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from . import cma
 from .base import Outgoing
@@ -490,6 +491,50 @@ class RingLink(Link):
         try:
             cma.read_into(pid, dest, address)
         except OSError:
+            return False
+        freed = ring.release()
+        self._acknowledge(lend)
+        counters = self.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+        if freed and not self.closed:
+            self.doorbell()
+        return True
+
+    def take_lent_each(self, scratch: memoryview, nbytes: int,
+                       each: Callable[[memoryview, int], None]) -> bool:
+        """:meth:`take_lent` for a body of ``nbytes`` copied in slices of ``scratch``'s
+        size, ``each(slice, offset)`` called after each one: a slice used at once is still
+        in the reader's cache (2 MiB lent pieces summed after they were copied whole took
+        16 MB of them 3.0-3.3 ms to copy and sum, in 512 KiB slices 2.2-2.3).  A copy that
+        fails after the first slice loses the link (the op fails where it goes on) and
+        returns False."""
+        ring = self.ring_in
+        if (ring is None or ring.lender_pid is None or self.body is not None
+                or self.lent_in is not None or self.closed):
+            return False
+        pid = ring.lender_pid
+        try:
+            record = ring.next()
+        except WireError:
+            return False
+        if record is None:
+            return False
+        header, desc = record
+        if not header.flags & FLAG_REMOTE or header.nbytes != nbytes:
+            return False
+        address, lend = REMOTE_BODY.unpack_from(desc)
+        step = scratch.nbytes
+        at = 0
+        try:
+            while at < nbytes:
+                view = scratch if nbytes - at >= step else scratch[:nbytes - at]
+                cma.read_into(pid, view, address + at)
+                each(view, at)
+                at += view.nbytes
+        except OSError as exc:
+            if at:
+                self.owner.lost(self, f"cannot copy a body out of rank {self.peer}: {exc}")
             return False
         freed = ring.release()
         self._acknowledge(lend)

@@ -14,6 +14,7 @@ import contextlib
 import selectors
 import socket
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from . import cma
@@ -191,6 +192,11 @@ class TcpTransport(Transport):
     def take_lent(self, peer: int, dest: memoryview) -> bool:
         link = self._links.get(peer)
         return type(link) is RingLink and link.take_lent(dest)
+
+    def take_lent_each(self, peer: int, scratch: memoryview, nbytes: int,
+                       each: Callable[[memoryview, int], None]) -> bool:
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.take_lent_each(scratch, nbytes, each)
 
     def take_ack(self, peer: int, header: Header) -> bool:
         link = self._links.get(peer)
