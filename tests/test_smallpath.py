@@ -382,7 +382,8 @@ def test_repeated_two_rank_gathers_of_lent_pieces_run_from_their_repeat(
     ((1 << 20, 1 << 20), 1, "0"), (None, None, "1e6")])
 def test_repeated_two_rank_allreduces_lend_their_pieces_from_their_repeat(
         cma_bytes: tuple[int, int] | None, async_rank: int | None, slow_gbps: str) -> None:
-    # A repeated blocking allreduce past the ring runs from its Repeat, which lends its
+    # A repeated blocking allreduce past the ring (to REPEAT_ALLREDUCE_BYTES: 40 MB here
+    # too) runs from its Repeat, which lends its
     # pieces where the loop would (by size, CMA_BYTES; or while the rings copy slowly,
     # every ring here with the bar at 1e6 GB/s, out of huge pages where the kernel gives
     # them), sums the peer's lent pieces and returns only once the peer has copied what
@@ -390,7 +391,7 @@ def test_repeated_two_rank_allreduces_lend_their_pieces_from_their_repeat(
     # peer that lends nothing (its pieces come through the ring) or whose calls are
     # async (the loop), the results are the same.
     calls = 6
-    sizes = [(5 << 20) + 24, (9 << 20) + 8, (13 << 20) + 40]
+    sizes = [(5 << 20) + 24, (9 << 20) + 8, (13 << 20) + 40, (40 << 20) + 24]
     result = run_ok(2, "by_size_workers:repeated_lent_allreduces",
                     {"sizes": sizes, "calls": calls, "cma": cma_bytes,
                      "async_rank": async_rank}, timeout=150,

@@ -824,7 +824,7 @@ way round, in the host's slow state); at 3 ranks on 2 cores 3 MB took 1.2-2.7 ag
 2.0-3.9 ms, at 4 ranks 2.5 MB 2.6-3.6 against 3.8-7.3 ms. 16 MB, on the same path either
 way, did not move.
 
-Why repeated 2-rank allreduces past the ring stay on the caller's thread up to 24 MiB
+Why repeated 2-rank allreduces past the ring stay on the caller's thread up to 256 MiB
 (`REPEAT_ALLREDUCE_BYTES`, scheduling/thresholds.py): from its second call such an
 allreduce runs from its Repeat, whose sends wait for room in the ring while it reads and
 sums the peer's pieces, so each piece is copied in while the peer sums the one before,
@@ -836,9 +836,14 @@ VM's two placements: where its two cores shared a cache, 8 MB took 0.44 ms again
 they did not, 8 MB 0.94-0.95 against 0.98-0.99 and 16 MB 2.05-2.14 against 2.43-2.64. In
 jobs of their own (60 calls) where the cores shared no cache, 24 MB took 2.6-3.0 ms
 against 3.3-4.2, but 28 MB 4.2-4.5 against 3.3-4.3 and 32 MB 5.1-5.6 against 4.3-4.8
-(the loop lends the pieces of huge-paged buffers from 32 MiB); 64 MB was level. Only
-while the rings copy fast (`TOTALREDUCE_SLOW_RING_GBPS`): while they copy slowly the loop
-lends the pieces.
+(the loop lends the pieces of huge-paged buffers from 32 MiB); 64 MB was level. That was
+while a Repeat lent nothing. Now it lends the pieces the loop would (by size, or while
+the rings copy slowly) and sums each 512 KiB slice of a lent piece as it lands: on an
+Intel VM whose rings copied slowly, with the bound at 24 MiB and at 256 MiB alternated
+twice, 32 MB took 7.3-7.5 ms against 8.6-8.7, 64 MB 15.9-16.1 against 18.1-18.4 and 256
+MB 67.6-69.0 against 76.9-77.1 (1.59-1.77x MPI against 1.37-1.53x). Async allreduces
+wait in the loop's queue for their Repeats up to 24 MiB (`QUEUED_ALLREDUCE_BYTES`), as
+measured there.
 
 Why 2-rank allgathers and alltoalls stay on the caller's thread up to 24 MiB where their
 pieces are lent (`LENT_GATHER_BYTES`, scheduling/thresholds.py): the express lane lends a

@@ -34,7 +34,7 @@ class QueuedCalls(SchedulerParts):
     _tag: str
     _queues: bool
     _direct_ring: int
-    _direct_big: int
+    _queued_big: int
 
     def _queue_repeat(self, plan: OpTemplate, x: np.ndarray, name: str | None,
                       inplace: bool) -> Handle | None:
@@ -71,10 +71,10 @@ class QueuedCalls(SchedulerParts):
     def _repeat_of(self, plan: OpTemplate, work: np.ndarray, kind: str, name: str | None
                    ) -> Repeat | None:
         """The Repeat that runs calls of ``plan`` into ``work`` where calls queue (made
-        once); None where they do not, past _direct_big, for an op that reads its input
+        once); None where they do not, past _queued_big, for an op that reads its input
         in place (never async), or one the loop would lend while the rings copy slowly
         (as _big_allreduce)."""
-        if (not self._queues or work.nbytes > self._direct_big or plan.fresh
+        if (not self._queues or work.nbytes > self._queued_big or plan.fresh
                 or (work.nbytes >= CROWDED_REDUCE_LEND_BYTES
                     and self._engine.lends(self._peers))):
             return None
@@ -97,7 +97,7 @@ class QueuedCalls(SchedulerParts):
         """An async reduction into ``work`` made from ``plan``, queued for the loop's
         driver to run from the plan's Repeat (Engine.submit_repeat): its future and
         label.  None, nothing done, where it cannot run that way (submit its spec): where
-        calls do not queue (``_queues``), past _direct_big, an op that reads its input in
+        calls do not queue (``_queues``), past _queued_big, an op that reads its input in
         place (never async), or one the loop would lend while the rings copy slowly (as
         _big_allreduce)."""
         repeat = self._repeat_of(plan, work, kind, name)

@@ -60,6 +60,7 @@ from .thresholds import (
     CROWDED_REDUCE_LEND_BYTES,
     HUGE_LEND_SHARE,
     LENT_GATHER_BYTES,
+    QUEUED_ALLREDUCE_BYTES,
     REDUCE_LEND_BYTES,
     REPEAT_ALLREDUCE_BYTES,
     direct_broadcast_bytes,
@@ -119,8 +120,9 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
             if self.size == 2:
                 self._lent_gathers = LENT_GATHER_BYTES
         # Blocking allreduces up to this run from their Repeat on this thread from their
-        # second call, past the ring too while it copies fast (_big_allreduce).
-        self._direct_big = self._direct_ring
+        # second call, past the ring too (_big_allreduce); async ones up to _queued_big
+        # wait in the loop's queue to run from theirs (_queued).
+        self._direct_big = self._queued_big = self._direct_ring
         # Async allreduces like ones made before wait in the loop's queue, to run from
         # their Repeats (_queued), where that has been measured faster: at 2 ranks on the
         # rings.  At 3 and 4 ranks most of their Repeats handed over (each after a spin)
@@ -128,6 +130,7 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         self._queues = False
         if self.size == 2 and room > 0 and not engine.crowded():
             self._direct_big = max(self._direct_ring, REPEAT_ALLREDUCE_BYTES)
+            self._queued_big = max(self._direct_ring, QUEUED_ALLREDUCE_BYTES)
             self._queues = True
         hosts = engine.hosts
         if members is not None and hosts is not None:

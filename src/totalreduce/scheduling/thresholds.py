@@ -67,12 +67,19 @@ LENT_GATHER_BYTES = 24 << 20
 
 # Blocking allreduces past the ring and up to this size run from their Repeat on the
 # caller's thread at 2 ranks on shared-memory rings, where each rank has a core of its
-# own and the rings copy fast (SelfGuided._big_allreduce, measured there).  Past it the
-# loop was as fast or faster: where the VM's cores shared no cache, 28 MB allreduces
-# took 4.2-4.5 ms this way against 3.3-4.3 on the loop and 32 MB 5.1-5.6 against
-# 4.3-4.8 (from 32 MiB the loop lends the pieces of huge-paged buffers:
-# REDUCE_LEND_BYTES); 64 and 128 MB were level where they shared one.
-REPEAT_ALLREDUCE_BYTES = 24 << 20
+# own (SelfGuided._big_allreduce).  While Repeats lent nothing the loop was as fast or
+# faster past 24 MiB, where it lends: where an AMD VM's cores shared no cache, 28 MB
+# allreduces took 4.2-4.5 ms from the Repeat against 3.3-4.3 on the loop and 32 MB
+# 5.1-5.6 against 4.3-4.8; 64 and 128 MB were level where they shared one.  A Repeat
+# now lends where the loop would and sums each slice of a lent piece as it lands: on an
+# Intel VM whose rings copied slowly, 32 MB took 7.4-7.6 ms this way against 8.8-8.9 on
+# the loop, 64 MB 15.4-15.8 against 18.0-18.3, 128 MB 33.3-33.9 against 37.8-38.0 (the
+# old and the new bound alternated twice).
+REPEAT_ALLREDUCE_BYTES = 256 << 20
+
+# Async allreduces up to this size wait in the loop's queue for a thread that waits to
+# run them from their Repeats (SelfGuided._queued), where that was measured.
+QUEUED_ALLREDUCE_BYTES = 24 << 20
 
 # A blocking broadcast or alltoall at least this big may leave the caller's thread while
 # most of its peers' rings copy slowly (transport/copy_pace.py; Engine.lends), for the
