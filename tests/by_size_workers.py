@@ -328,7 +328,8 @@ def repeated_big_allreduces(arg: dict) -> None:
 
 
 def repeated_lent_allreduces(arg: dict) -> None:
-    """2-rank blocking allreduces of ``arg["sizes"]`` bytes (odd element counts, the
+    """2-rank blocking allreduces (reducescatters where ``arg["kind"]`` says so) of
+    ``arg["sizes"]`` bytes (odd element counts, the
     dtypes in turn, Sum, Max or Min), ``arg["calls"]`` of each under one name with new
     data, in place or not by call, a rank late now and then; rank r starts with
     ``cma_bytes`` at ``arg["cma"][r]`` (1 MiB: every piece of 1 MiB or more is lent, a
@@ -361,7 +362,15 @@ def repeated_lent_allreduces(arg: dict) -> None:
                 time.sleep(mine.random() * 0.002)
             lent0, (repeats0, handed0) = tr.transport_stats()["bodies_lent"], \
                 _repeats(stats())
-            if rank == arg.get("async_rank"):
+            if arg.get("kind") == "reducescatter":
+                # Rows as evenly as possible, the lower ranks taking the extra ones.
+                per, extra = divmod(count, n)
+                lo = rank * per + min(rank, extra)
+                want = want[lo:lo + per + (rank < extra)]
+                got = tr.reducescatter_async(mine_in, op=op, name=f"lent.{i}").wait() \
+                    if rank == arg.get("async_rank") else \
+                    tr.reducescatter(mine_in, op=op, name=f"lent.{i}")
+            elif rank == arg.get("async_rank"):
                 got = mine_in
                 tr.allreduce_async_(got, op=op, name=f"lent.{i}").wait()
             elif call % 3 == 1:
@@ -373,7 +382,8 @@ def repeated_lent_allreduces(arg: dict) -> None:
             repeats1, handed1 = _repeats(stats())
             repeat_lent += (repeats1 > repeats0 and handed1 == handed0
                             and tr.transport_stats()["bodies_lent"] > lent0)
-            _close(got, want, f"{label} allreduce of {count} {got.dtype}, call {call}")
+            _close(got, want, f"{label} {arg.get('kind', 'allreduce')} of {count} "
+                              f"{got.dtype}, call {call}")
             mine_in[...] = 99
             got[...] = 77
             calls += 1

@@ -377,13 +377,15 @@ def test_repeated_two_rank_gathers_of_lent_pieces_run_from_their_repeat(
 
 
 @pytest.mark.skipif(not cma.cma_works(), reason="process_vm_readv not allowed")
+@pytest.mark.parametrize("kind", ["allreduce", "reducescatter"])
 @pytest.mark.parametrize(("cma_bytes", "async_rank", "slow_gbps"), [
     ((1 << 20, 1 << 20), None, "0"), ((1 << 20, 1 << 30), None, "0"),
     ((1 << 20, 1 << 20), 1, "0"), (None, None, "1e6")])
-def test_repeated_two_rank_allreduces_lend_their_pieces_from_their_repeat(
-        cma_bytes: tuple[int, int] | None, async_rank: int | None, slow_gbps: str) -> None:
+def test_repeated_two_rank_reductions_lend_their_pieces_from_their_repeat(
+        cma_bytes: tuple[int, int] | None, async_rank: int | None, slow_gbps: str,
+        kind: str) -> None:
     # A repeated blocking allreduce past the ring (to REPEAT_ALLREDUCE_BYTES: 40 MB here
-    # too) runs from its Repeat, which lends its
+    # too), or reducescatter past DIRECT_BYTES, runs from its Repeat, which lends its
     # pieces where the loop would (by size, CMA_BYTES; or while the rings copy slowly,
     # every ring here with the bar at 1e6 GB/s, out of huge pages where the kernel gives
     # them), sums the peer's lent pieces and returns only once the peer has copied what
@@ -394,7 +396,7 @@ def test_repeated_two_rank_allreduces_lend_their_pieces_from_their_repeat(
     sizes = [(5 << 20) + 24, (9 << 20) + 8, (13 << 20) + 40, (40 << 20) + 24]
     result = run_ok(2, "by_size_workers:repeated_lent_allreduces",
                     {"sizes": sizes, "calls": calls, "cma": cma_bytes,
-                     "async_rank": async_rank}, timeout=150,
+                     "async_rank": async_rank, "kind": kind}, timeout=150,
                     env={"TOTALREDUCE_SLOW_RING_GBPS": slow_gbps})
     reports = [result.report(r) for r in range(2)]
     assert all(got["calls"] == calls * len(sizes) and got["active"] == 0

@@ -796,33 +796,36 @@ the body and the small path copies it through the ring. Allreduce decided it.
 Why blocking allreduces go further on the caller's thread (DIRECT_BYTES auto: while what
 one sends a peer, 2 (n - 1) / n of it, fits in the ring's two segments; 4 MiB at 2 ranks,
 3 MiB at 3, 2.7 MiB at 4): an allreduce reads its peer's data once to reduce it, as
-cheaply out of the ring as out of a lent copy, so lending gains it nothing and the
-general path only adds hand-offs between threads. `python -m totalreduce.bench
-collectives -n 2 --backends totalreduce-shm,mpi --ops allreduce --sizes 1M,3M,4M,6M,16M
---rounds 1`, run alternately with the 2 MiB limit and with this one, twice each: 3 MB
-took 0.449/0.480 ms and then 0.199/0.195 ms, 4 MB 0.456/0.483 and then 0.262/0.274 ms
-(1.54-1.60x MPI); 1, 6 and 16 MB, on the same path either way, did not move.
-Reducescatter, whose input is read in place on the general path, lost on the caller's
-thread at 4 and 8 MB and keeps 2 MiB. Allgathers, which send one peer (n - 1) / n of
-their result, take the same bound while the rings copy fast (below): at 2 ranks 3 MB took
-0.217 ms against 0.322 ms lent, 4 MB 0.327 against 0.376 ms (`--ops allgather --sizes
-1M,3M,4M,6M`, old and new tree alternated); while the rings copy slowly they keep 2 MiB,
-and then lend. Alltoalls, which send each peer 1 / n of theirs, take it too while the
-rings copy fast: at 2 ranks 3 MB took 0.24 ms against 0.34-0.35 ms lent (`--ops alltoall
---sizes 1M,2M,3M,4M,8M`, old and new tree alternated three times), 4 MB 0.33-0.36 ms
-against 0.35-0.40 ms; while the rings copy slowly their data leaves the caller's thread
-from 512 KiB (below). Broadcasts take the allreduce's bound at 2 ranks, and from 3 ranks
-the ring's room (a chain sends its next peer the whole buffer; at 4 ranks on 2 cores 3
-MiB broadcasts took 0.82-1.05 ms there against 1.46-1.88 on the loop, 4 MiB ones
-0.99-1.23 against 1.49-1.57, old and new tree alternated three times in jobs of their
-own), and past 2 MiB go in pieces of half a segment so that a rank copies one piece out
-while the one before it copies the next in (in two whole segments the copies ran one
-after the other, and the caller's thread gained nothing): with the old and the new tree
-alternated six times in separate jobs, 60 broadcasts each, 4 MB took 0.50-0.78 ms against
-0.55-1.54 ms on the loop and 3 MB 0.39-0.49 against 0.46-1.17 (one pair of each the other
-way round, in the host's slow state); at 3 ranks on 2 cores 3 MB took 1.2-2.7 against
-2.0-3.9 ms, at 4 ranks 2.5 MB 2.6-3.6 against 3.8-7.3 ms. 16 MB, on the same path either
-way, did not move.
+cheaply out of the ring as out of a lent copy, so lending gains it nothing and the general
+path only adds hand-offs between threads. `python -m totalreduce.bench collectives -n 2
+--backends totalreduce-shm,mpi --ops allreduce --sizes 1M,3M,4M,6M,16M --rounds 1`, run
+alternately with the 2 MiB limit and with this one, twice each: 3 MB took 0.449/0.480 ms
+and then 0.199/0.195 ms, 4 MB 0.456/0.483 and then 0.262/0.274 ms (1.54-1.60x MPI); 1, 6
+and 16 MB, on the same path either way, did not move. Reducescatter, whose input is read
+in place on the general path, lost on the caller's thread at 4 and 8 MB (the express lane,
+through the ring) and keeps 2 MiB there; at 2 ranks a repeated one past it runs from its
+Repeat up to `REPEAT_ALLREDUCE_BYTES`, lending its piece where the loop would and summing
+the peer's as it lands (on an Intel VM whose rings copied slowly, 4 MB 0.58-0.64 ms
+against 0.72-0.73 on the loop, 16 MB 2.36-2.60 against 2.81-2.90, 64 MB 17.8-18.0 against
+18.7-19.8). Allgathers, which send one peer (n - 1) / n of their result, take the same
+bound while the rings copy fast (below): at 2 ranks 3 MB took 0.217 ms against 0.322 ms
+lent, 4 MB 0.327 against 0.376 ms (`--ops allgather --sizes 1M,3M,4M,6M`, old and new tree
+alternated); while the rings copy slowly they keep 2 MiB, and then lend. Alltoalls, which
+send each peer 1 / n of theirs, take it too while the rings copy fast: at 2 ranks 3 MB
+took 0.24 ms against 0.34-0.35 ms lent (`--ops alltoall --sizes 1M,2M,3M,4M,8M`, old and
+new tree alternated three times), 4 MB 0.33-0.36 ms against 0.35-0.40 ms; while the rings
+copy slowly their data leaves the caller's thread from 512 KiB (below). Broadcasts take
+the allreduce's bound at 2 ranks, and from 3 ranks the ring's room (a chain sends its next
+peer the whole buffer; at 4 ranks on 2 cores 3 MiB broadcasts took 0.82-1.05 ms there
+against 1.46-1.88 on the loop, 4 MiB ones 0.99-1.23 against 1.49-1.57, old and new tree
+alternated three times in jobs of their own), and past 2 MiB go in pieces of half a
+segment so that a rank copies one piece out while the one before it copies the next in (in
+two whole segments the copies ran one after the other, and the caller's thread gained
+nothing): with the old and the new tree alternated six times in separate jobs, 60
+broadcasts each, 4 MB took 0.50-0.78 ms against 0.55-1.54 ms on the loop and 3 MB
+0.39-0.49 against 0.46-1.17 (one pair of each the other way round, in the host's slow
+state); at 3 ranks on 2 cores 3 MB took 1.2-2.7 against 2.0-3.9 ms, at 4 ranks 2.5 MB
+2.6-3.6 against 3.8-7.3 ms. 16 MB, on the same path either way, did not move.
 
 Why repeated 2-rank allreduces past the ring stay on the caller's thread up to 256 MiB
 (`REPEAT_ALLREDUCE_BYTES`, scheduling/thresholds.py): from its second call such an
