@@ -512,10 +512,12 @@ def exchanges_by_pages(arg: dict) -> None:
     (a fresh 2 MiB-aligned buffer each), new data each call, checked against numpy:
     "small" on both ranks, "huge" on both, "mixed" huge on rank 0 only, "async" small on
     both with rank 1's calls async (the loop's side, which lends by size alone).
-    Reports, for each way, the bodies this rank lent and the calls its small path handed
-    to the loop (a peer late by 200 us, say: the loop lends by size alone, and a peer's
-    Repeat then lends too), and whether huge pages back its huge inputs (the kernel may
-    have none free)."""
+    Reports, for each way, the bodies this rank lent and its calls after the second of
+    each name (the first two take the express lane; the second makes the Repeat) that
+    did not run to their end from their Repeat (a peer late by 200 us, a
+    Repeat that declined: the loop, which may have run such a call, lends by size alone,
+    and a peer's Repeat then lends too), and whether huge pages back its huge inputs (the
+    kernel may have none free)."""
     tr.init()
     rank, n, rows = tr.rank(), tr.size(), arg["rows"]
     engine = current().engine
@@ -523,13 +525,13 @@ def exchanges_by_pages(arg: dict) -> None:
     handed: dict[str, int] = {}
     huge_inputs = True
 
-    def handovers() -> int:  # ops the small path handed to the loop
-        return engine.stats()["direct_handed_over"]
+    def repeats() -> int:  # calls that ran to their end from a Repeat
+        return engine.stats()["express_repeats"]
 
     for way in ("small", "huge", "mixed", "async"):
         waits = way == "async" and rank == 1
         lent0 = tr.transport_stats()["bodies_lent"]
-        handed0 = handovers()
+        handed[way] = 0
         huge = way == "huge" or (way == "mixed" and rank == 0)
         for op in ("allgather", "alltoall"):
             count = rows if op == "allgather" else rows * n
@@ -542,6 +544,7 @@ def exchanges_by_pages(arg: dict) -> None:
                 every = [np.arange(count, dtype=np.float32) * (r + 1) + call
                          for r in range(n)]
                 x[...] = every[rank]
+                repeats0 = repeats()
                 if op == "allgather":
                     got = tr.allgather_async(x, name=f"ag.{way}", out=out,
                                              same_shape=True).wait() if waits else \
@@ -553,10 +556,10 @@ def exchanges_by_pages(arg: dict) -> None:
                         tr.alltoall(x, name=f"a2a.{way}", out=out, same_shape=True)
                     want = np.concatenate([every[r][rank * rows:(rank + 1) * rows]
                                            for r in range(n)])
+                handed[way] += call > 1 and repeats() == repeats0
                 _close(got, want, f"{op} out of {way} pages, call {call}")
                 x[...] = -1  # a body lent and not yet copied would carry this
         lent[way] = tr.transport_stats()["bodies_lent"] - lent0
-        handed[way] = handovers() - handed0
     tr.shutdown()
     report(lent=lent, handed=handed, huge_inputs=huge_inputs)
 

@@ -439,9 +439,10 @@ def test_an_exchanges_body_the_ring_holds_is_lent_only_out_of_huge_pages(
     for r in range(2):
         got = result.report(r)
         if cma_bytes is None:
-            # None but where a call went to a rank's loop, which lends by size alone (a
-            # peer late by 200 us on a busy host), and then its peer's Repeat, told so:
-            # a body each at most.
+            # None but where a call went elsewhere than its Repeat on a rank (the loop,
+            # which lends by size alone: a peer late by 200 us on a busy host, or a
+            # Repeat that declined), and then its peer's Repeat, told so: a body each
+            # at most.
             for way in ("small", "mixed"):
                 went = sum(result.report(q)["handed"][way] for q in range(2))
                 assert got["lent"][way] <= went, result.explain()
