@@ -1048,19 +1048,20 @@ either way, 3-13% behind in both.
   exchanges, with no engine, reach 1.11-1.50x MPI at 4-16 MB.
 - On a 2-vCPU Intel VM whose rings copied slowly (no model named; `bench collectives -n
   2 --backends mpi,totalreduce-shm --sizes 1M,4M,16M,64M,256M --rounds 2 --reps-scale
-  0.5`, one run), every op from 64 MB led MPI or was near it (allreduce 1.41-1.47x,
-  reducescatter 1.51-1.68x, broadcast 1.43-1.59x; allgather and alltoall 0.78-0.93x) but
-  at 1-16 MB most trailed it: allreduce 0.98x, 0.85x and 0.95x (three more runs of 1-16
-  MB: 0.98-1.09x, 0.83-0.86x, 0.94-0.95x), reducescatter 0.89-1.03x, allgather
-  0.68-0.87x, alltoall 0.40-0.94x, broadcast 0.61-0.70x. The bare exchanges of the floor
-  table reached 0.85-0.89x MPI at 4 MB and 1.09-1.12x at 16 MB through a ring, 1.08-1.17x
-  and 1.52-1.59x reading the peer's memory (`bench floor`, four runs), as MPICH does there
-  (`process_vm_readv`): on such a host the ring's two copies cost more than the kernel's
-  one. A 2-rank allreduce from 8 MB lends its pieces from its Repeat there and sums each
-  512 KiB slice as it lands (0.88-1.00x at 8-16 MB, against 0.65-0.72x on the loop). At 4
-  ranks on its 2 vCPUs allreduce ran 0.52x at 1 MB, 0.56x at 4 MB, 0.93x at 16 MB and
-  1.40x at 64 MB; a blocking 8-byte allreduce 11.5 us against MPI's 1.5 (7.8x), a
-  barrier 10.0 against 1.8 (5.7x). docs/dev/perf-log.md has where the time went.
+  0.5`, one run), allreduce and reducescatter led MPI from 64 MB (1.47-1.74x) and
+  reducescatter from 4 MB (1.25-1.29x at 4-16 MB), allreduce ran 1.01x at 1 MB, 0.88x at
+  4 MB and 0.98x at 16 MB, and the gathers and broadcasts trailed it below 256 MB:
+  allgather 0.62-0.96x, alltoall 0.42-0.95x, broadcast 0.45-0.94x (1.65x at 256 MB;
+  its 64 MB cell took 6.4 ms in one run and 10.7 in another). The bare exchanges of the
+  floor table reached 0.85-0.89x MPI at 4 MB and 1.09-1.12x at 16 MB through a ring,
+  1.08-1.17x and 1.52-1.59x reading the peer's memory (`bench floor`, four runs), as
+  MPICH does there (`process_vm_readv`): on such a host the ring's two copies cost more
+  than the kernel's one. A 2-rank allreduce from 8 MB, or reducescatter past DIRECT_BYTES,
+  lends its pieces from its Repeat there and sums each 512 KiB slice of the peer's as it
+  lands. At 4 ranks on its 2 vCPUs allreduce ran 0.52x at 1 MB, 0.56x at 4 MB, 0.93x at
+  16 MB and 1.40x at 64 MB; a blocking 8-byte allreduce 11.5 us against MPI's 1.5
+  (7.8x), a barrier 10.0 against 1.8 (5.7x). docs/dev/perf-log.md has where the time
+  went.
 - Calls back to back flatter both libraries, ours more: with a pause before each call
   (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.13-1.26
   ms back to back, 1.38-1.59 after 1 ms and 1.88-2.08 after 10 ms; MPI's 2.04-2.05,
