@@ -1050,9 +1050,9 @@ either way, 3-13% behind in both.
   2 --backends mpi,totalreduce-shm --sizes 1M,4M,16M,64M,256M --rounds 2 --reps-scale
   0.5`, one run), allreduce and reducescatter led MPI from 64 MB (1.47-1.74x) and
   reducescatter from 4 MB (1.25-1.29x at 4-16 MB), allreduce ran 1.01x at 1 MB, 0.88x at
-  4 MB and 0.98x at 16 MB, and the gathers and broadcasts trailed it below 256 MB:
-  allgather 0.62-0.96x, alltoall 0.42-0.95x, broadcast 0.45-0.94x (1.65x at 256 MB;
-  its 64 MB cell took 6.4 ms in one run and 10.7 in another). The bare exchanges of the
+  4 MB and 0.98x at 16 MB; the gathers trailed it at every size (allgather 0.62-0.96x,
+  alltoall 0.42-0.95x) and broadcast below 256 MB (0.45-0.94x, 1.65x at 256 MB; its 64
+  MB cell took 6.4 ms in one run and 10.7 in another). The bare exchanges of the
   floor table reached 0.85-0.89x MPI at 4 MB and 1.09-1.12x at 16 MB through a ring,
   1.08-1.17x and 1.52-1.59x reading the peer's memory (`bench floor`, four runs), as
   MPICH does there (`process_vm_readv`): on such a host the ring's two copies cost more
