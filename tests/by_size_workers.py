@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -284,6 +284,25 @@ def repeated_big_broadcasts(arg: dict) -> None:
     report(calls=calls, repeats=repeats)
 
 
+_OPS = (("Sum", tr.Sum), ("Max", tr.Max), ("Min", tr.Min))
+
+
+def _reductions(arg: dict, n: int, dtypes: tuple[type, ...]
+                ) -> Iterator[tuple[int, str, tr.ReduceOp, int, int, list[np.ndarray],
+                                    np.ndarray]]:
+    """The calls of reductions of ``arg["sizes"]`` bytes (odd element counts, ``dtypes``
+    and Sum, Max, Min in turn), ``arg["calls"]`` of each with new data: (the size's index,
+    the op's label, the op, the element count, the call, every rank's input, the
+    reduction by numpy)."""
+    for i, nbytes in enumerate(arg["sizes"]):
+        dtype = dtypes[i % len(dtypes)]
+        label, op = _OPS[i % len(_OPS)]
+        count = nbytes // np.dtype(dtype).itemsize | 1
+        for call in range(arg["calls"]):
+            inputs = _inputs(100 * i + call, n, count, dtype)
+            yield i, label, op, count, call, inputs, reference_reduce(inputs, label)
+
+
 def repeated_big_allreduces(arg: dict) -> None:
     """Blocking allreduces of ``arg["sizes"]`` bytes (odd element counts, the dtypes in
     turn, Sum, Max or Min), each size called ``arg["calls"]`` times under one name with
@@ -297,29 +316,22 @@ def repeated_big_allreduces(arg: dict) -> None:
     stats = current().engine.stats
     before = stats()
     dtypes = (np.float64, np.float32, np.int32, np.int64, np.float16, np.uint8)
-    ops = (("Sum", tr.Sum), ("Max", tr.Max), ("Min", tr.Min))
     calls = 0
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = dtypes[i % len(dtypes)]
-        label, op = ops[i % len(ops)]
-        count = nbytes // np.dtype(dtype).itemsize | 1
-        for call in range(arg["calls"]):
-            inputs = _inputs(100 * i + call, n, count, dtype)
-            want = reference_reduce(inputs, label)
-            if mine.random() < 0.3:
-                time.sleep(mine.random() * 0.002)
-            mine_in = inputs[rank].copy()
-            if rank == arg.get("async_rank"):
-                got = mine_in
-                tr.allreduce_async_(got, op=op, name=f"big.{i}").wait()
-            elif call % 3 == 1:
-                got = tr.allreduce(mine_in, op=op, name=f"big.{i}")
-                assert np.array_equal(mine_in, inputs[rank]), "the input changed"
-            else:
-                got = mine_in
-                tr.allreduce_(got, op=op, name=f"big.{i}")
-            _close(got, want, f"{label} allreduce of {count} {got.dtype}, call {call}")
-            calls += 1
+    for i, label, op, count, call, inputs, want in _reductions(arg, n, dtypes):
+        if mine.random() < 0.3:
+            time.sleep(mine.random() * 0.002)
+        mine_in = inputs[rank].copy()
+        if rank == arg.get("async_rank"):
+            got = mine_in
+            tr.allreduce_async_(got, op=op, name=f"big.{i}").wait()
+        elif call % 3 == 1:
+            got = tr.allreduce(mine_in, op=op, name=f"big.{i}")
+            assert np.array_equal(mine_in, inputs[rank]), "the input changed"
+        else:
+            got = mine_in
+            tr.allreduce_(got, op=op, name=f"big.{i}")
+        _close(got, want, f"{label} allreduce of {count} {got.dtype}, call {call}")
+        calls += 1
     after = stats()
     tr.shutdown()
     report(calls=calls, repeats=after["express_repeats"] - before["express_repeats"],
@@ -336,8 +348,8 @@ def repeated_lent_allreduces(arg: dict) -> None:
     Repeat's too; 1 GiB: none).  ``arg["async_rank"]`` makes its calls asynchronously.
     Right after each call a rank checks its result against numpy and scribbles over its
     input and result: one that returned before its peer had copied what it lent would
-    hand the peer the scribbles.  Reports the calls, those that ran to their end from a
-    Repeat and lent, and the Repeats' hand-overs."""
+    hand the peer the scribbles.  Reports the calls, those whose Repeat lent a body (it
+    may have handed the call over after), and the Repeats' hand-overs."""
     rank = int(os.environ["TOTALREDUCE_RANK"])
     tr.init(cma_bytes=arg["cma"][rank]) if arg["cma"] else tr.init()
     n = tr.size()
@@ -345,48 +357,37 @@ def repeated_lent_allreduces(arg: dict) -> None:
     stats = current().engine.stats
     before = stats()
     dtypes = (np.float64, np.float32, np.int32)
-    ops = (("Sum", tr.Sum), ("Max", tr.Max), ("Min", tr.Min))
     calls = repeat_lent = 0
-    for i, nbytes in enumerate(arg["sizes"]):
-        dtype = dtypes[i % len(dtypes)]
-        label, op = ops[i % len(ops)]
-        count = nbytes // np.dtype(dtype).itemsize | 1
-        for call in range(arg["calls"]):
-            inputs = _inputs(100 * i + call, n, count, dtype)
-            want = reference_reduce(inputs, label)
-            mine_in = inputs[rank].copy()
-            # Ranks start together but now and then one late: a Repeat waits for its
-            # peer's messages only so long before the loop takes over.
-            tr.barrier()
-            if mine.random() < 0.3:
-                time.sleep(mine.random() * 0.002)
-            lent0, (repeats0, handed0) = tr.transport_stats()["bodies_lent"], \
-                _repeats(stats())
-            if arg.get("kind") == "reducescatter":
-                # Rows as evenly as possible, the lower ranks taking the extra ones.
-                per, extra = divmod(count, n)
-                lo = rank * per + min(rank, extra)
-                want = want[lo:lo + per + (rank < extra)]
-                got = tr.reducescatter_async(mine_in, op=op, name=f"lent.{i}").wait() \
-                    if rank == arg.get("async_rank") else \
-                    tr.reducescatter(mine_in, op=op, name=f"lent.{i}")
-            elif rank == arg.get("async_rank"):
-                got = mine_in
-                tr.allreduce_async_(got, op=op, name=f"lent.{i}").wait()
-            elif call % 3 == 1:
-                got = tr.allreduce(mine_in, op=op, name=f"lent.{i}")
-            else:
-                got = mine_in
-                tr.allreduce_(got, op=op, name=f"lent.{i}")
-            # Run to its end from the Repeat, and lent: no other part of the engine ran it.
-            repeats1, handed1 = _repeats(stats())
-            repeat_lent += (repeats1 > repeats0 and handed1 == handed0
-                            and tr.transport_stats()["bodies_lent"] > lent0)
-            _close(got, want, f"{label} {arg.get('kind', 'allreduce')} of {count} "
-                              f"{got.dtype}, call {call}")
-            mine_in[...] = 99
-            got[...] = 77
-            calls += 1
+    for i, label, op, count, call, inputs, want in _reductions(arg, n, dtypes):
+        mine_in = inputs[rank].copy()
+        # Ranks start together but now and then one late: a Repeat waits for its
+        # peer's messages only so long before the loop takes over.
+        tr.barrier()
+        if mine.random() < 0.3:
+            time.sleep(mine.random() * 0.002)
+        lent0 = stats()["express_repeats_lent"]
+        if arg.get("kind") == "reducescatter":
+            # Rows as evenly as possible, the lower ranks taking the extra ones.
+            per, extra = divmod(count, n)
+            lo = rank * per + min(rank, extra)
+            want = want[lo:lo + per + (rank < extra)]
+            got = tr.reducescatter_async(mine_in, op=op, name=f"lent.{i}").wait() \
+                if rank == arg.get("async_rank") else \
+                tr.reducescatter(mine_in, op=op, name=f"lent.{i}")
+        elif rank == arg.get("async_rank"):
+            got = mine_in
+            tr.allreduce_async_(got, op=op, name=f"lent.{i}").wait()
+        elif call % 3 == 1:
+            got = tr.allreduce(mine_in, op=op, name=f"lent.{i}")
+        else:
+            got = mine_in
+            tr.allreduce_(got, op=op, name=f"lent.{i}")
+        repeat_lent += stats()["express_repeats_lent"] > lent0
+        _close(got, want, f"{label} {arg.get('kind', 'allreduce')} of {count} "
+                          f"{got.dtype}, call {call}")
+        mine_in[...] = 99
+        got[...] = 77
+        calls += 1
     _end_repeats(stats, before, calls=calls, repeat_lent=repeat_lent)
 
 

@@ -402,7 +402,7 @@ def test_repeated_two_rank_reductions_lend_their_pieces_from_their_repeat(
     assert all(got["calls"] == calls * len(sizes) and got["active"] == 0
                for got in reports), reports
     if async_rank is None and cma_bytes is not None and cma_bytes[1] < 1 << 30:
-        # Calls ran from the Repeat to their end and lent there, on both ranks.
+        # Calls lent from their Repeat, on both ranks.
         assert all(got["repeat_lent"] > 0 for got in reports), reports
     else:
         # Rank 0's calls began from their Repeat: beside a peer on the loop, or one that

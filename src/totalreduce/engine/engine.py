@@ -397,6 +397,7 @@ class Engine:
                 "express_ops": self._express.ran + self._express.repeats,
                 "express_repeats": self._express.repeats,
                 "express_repeats_handed_over": self._express.repeats_handed_over,
+                "express_repeats_lent": self._express.repeats_lent,
                 "express_handed_over": self._express.handed_over,
                 "direct_handed_over": self._small.handed_over,
                 "direct_caught_up": self._small.caught_up,

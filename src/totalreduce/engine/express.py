@@ -172,6 +172,7 @@ class Express:
         self.ran = 0  # ops that ran to their end on this lane
         self.repeats = 0  # ops a Repeat ran to their end on this lane (repeat.py)
         self.repeats_handed_over = 0  # ops a Repeat began (counted in handed_over too)
+        self.repeats_lent = 0  # bodies Repeats lent
         self.handed_over = 0  # ops the small path went on with
 
     def chain(self, schedule: Schedule) -> Chain | None:

@@ -604,6 +604,7 @@ class Repeat:
             told.add(peer)
         if token is not None:
             self._lent.append(token)
+            self._express.repeats_lent += 1
         return True
 
     def _huge(self, body: memoryview) -> bool:
