@@ -365,7 +365,7 @@ def repeated_lent_allreduces(arg: dict) -> None:
         tr.barrier()
         if mine.random() < 0.3:
             time.sleep(mine.random() * 0.002)
-        lent0 = stats()["express_repeats_lent"]
+        repeat_lent0 = stats()["express_repeats_lent"]
         if arg.get("kind") == "reducescatter":
             # Rows as evenly as possible, the lower ranks taking the extra ones.
             per, extra = divmod(count, n)
@@ -382,7 +382,7 @@ def repeated_lent_allreduces(arg: dict) -> None:
         else:
             got = mine_in
             tr.allreduce_(got, op=op, name=f"lent.{i}")
-        repeat_lent += stats()["express_repeats_lent"] > lent0
+        repeat_lent += stats()["express_repeats_lent"] > repeat_lent0
         _close(got, want, f"{label} {arg.get('kind', 'allreduce')} of {count} "
                           f"{got.dtype}, call {call}")
         mine_in[...] = 99

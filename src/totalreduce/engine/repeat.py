@@ -402,12 +402,15 @@ class Repeat:
                                            -1 - gone, True, late)
                 posted = gone
             part = work if whole else work[lo:hi]
+            # A reduction's left operand: a fresh buffer's region takes it from the
+            # source (the chains that start one reduce into each region once: apply_piece).
+            left = part if recv.mode == COPY or source is None or not fresh \
+                else source[lo - at:hi - at]
             # Lent to us: our kernel copies it out of the peer (and frees its record),
             # straight into place, or a slice at a time, each summed in as it lands.
             if body is None and not (
                     self._transport.take_lent(peer, part.data.cast("B")) if recv.mode == COPY
-                    else self._take_summed(peer, part, None if source is None or not fresh
-                                           else source[lo - at:hi - at], nbytes)):
+                    else self._take_summed(peer, part, left, nbytes)):
                 return self._hand_over(work, source, key, epoch, ready, told, done, posted,
                                        posted < queued, late)
             credit = header.credit
@@ -427,9 +430,6 @@ class Repeat:
                     copy_bytes(part.data.cast("B"), body)
             elif nbytes and body is not None:  # (else lent: summed in as it landed)
                 assert ufunc is not None
-                # A fresh buffer's region takes its left operand from the source: the
-                # chains that start one reduce into each region once (apply_piece).
-                left = part if source is None or not fresh else source[lo - at:hi - at]
                 # reduce_into, inline (its checks made once for the template).
                 if slow_reduce:
                     reduce_into(ufunc, part, body, left)
@@ -465,24 +465,21 @@ class Repeat:
         self._done.add(key)  # OpTable.ran, inline
         return True
 
-    def _take_summed(self, peer: int, part: np.ndarray, left: np.ndarray | None,
-                     nbytes: int) -> bool:
+    def _take_summed(self, peer: int, part: np.ndarray, left: np.ndarray, nbytes: int
+                     ) -> bool:
         """Take the peer's lent piece of ``nbytes`` for ``part`` (Transport.take_lent_each),
-        summing each slice into ``part`` as it lands (``left``: the left operand where not
-        ``part``, a fresh buffer's region of the source); False, nothing summed, where it
-        cannot be taken here."""
-        scratch = self._scratch
-        if scratch is None:
-            return False
-        ufunc, dtype = self._ufunc, self._dtype
-        assert ufunc is not None
-        size = dtype.itemsize
-        into = left if left is not None else part
+        summing each slice into ``part`` as it lands (``left``: the left operand, ``part``
+        or a fresh buffer's region of the source); False, nothing summed, where it cannot
+        be taken here.  Only a reduction's Repeat, which keeps ``_scratch``, gets here
+        (_run hands a lent piece over otherwise)."""
+        scratch, ufunc = self._scratch, self._ufunc
+        assert scratch is not None and ufunc is not None
+        size = self._dtype.itemsize
 
         def each(view: memoryview, offset: int) -> None:
             lo = offset // size
             hi = lo + view.nbytes // size
-            reduce_into(ufunc, part[lo:hi], view, into[lo:hi])
+            reduce_into(ufunc, part[lo:hi], view, left[lo:hi])
 
         spare = scratch.get(min(nbytes, _LENT_SLICE))
         try:
