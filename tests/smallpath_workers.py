@@ -300,6 +300,52 @@ def piecewise_broadcasts(arg: dict) -> None:
     report(calls=calls, direct=direct)
 
 
+def acks_before_copies(arg: dict) -> None:
+    """Repeated blocking broadcasts of a few pieces from one root: the chain's last rank
+    (algorithms/chain.py) posts its empty acknowledgement of piece 0 before it copies that
+    piece's body out of the ring (repeat.py), and every result matches the root's."""
+    from totalreduce.engine import repeat
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    events: list[tuple[str, int]] = []
+    post, copy = repeat.Repeat._post, repeat.copy_bytes
+
+    def posting(self: repeat.Repeat, work: np.ndarray, source: np.ndarray | None,
+                send: tuple, *rest: object) -> bool:
+        events.append(("post", send[6]))
+        return post(self, work, source, send, *rest)
+
+    def copying(dst: memoryview, src: memoryview) -> None:
+        events.append(("copy", src.nbytes))
+        copy(dst, src)
+
+    repeat.Repeat._post = posting  # type: ignore[method-assign]
+    repeat.copy_bytes = copying
+    try:
+        for dtype in (np.float32, np.uint8):
+            count = (1 << 20) // np.dtype(dtype).itemsize + 5
+            for call in range(8):
+                inputs = _inputs(call, n, count, dtype)
+                events.append(("call", call))
+                got = tr.broadcast_(inputs[rank].copy(), root_rank=0, name=f"acks.{dtype}")
+                _close(got, inputs[0], f"broadcast {call} of {count} {np.dtype(dtype)}")
+    finally:
+        repeat.Repeat._post = post  # type: ignore[method-assign]
+        repeat.copy_bytes = copy
+    calls: list[list[tuple[str, int]]] = []
+    for event in events:
+        if event[0] == "call":
+            calls.append([])
+        else:
+            calls[-1].append(event)
+    # Per call from a Repeat: whether an empty post came before the first body copy.
+    order = [[kind for kind, nbytes in call if kind == "copy" or nbytes == 0][:2]
+             for call in calls if call]
+    tr.shutdown()
+    report(order=order)
+
+
 def repeated_gathers(arg: dict) -> None:
     """Allgathers, alltoalls and broadcasts under a few names, dtypes and shapes, each
     repeated (a repeat reuses the plan its first call made), with each rank's rows and

@@ -179,6 +179,22 @@ def test_small_broadcasts_in_several_pieces_match_numpy(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_a_broadcasts_last_rank_acknowledges_before_it_copies(n: int) -> None:
+    # The root's call waits for that acknowledgement (algorithms/chain.py): sent after the
+    # copy of a 512 KiB piece, it kept the root waiting as long again.
+    result = run_ok(n, "smallpath_workers:acks_before_copies", {}, timeout=120,
+                    env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
+    last = result.report(n - 1)["order"]
+    # Calls whose Repeat handed them over before the first body (a peer late under load,
+    # or taking turns on the cores) went on the small path and are not counted.
+    assert last, result.explain()
+    assert all(kinds == ["post", "copy"] for kinds in last), result.explain()
+    for r in range(n - 1):  # the others send no empty message ahead of a copy
+        assert all(kinds != ["post", "copy"] for kinds in result.report(r)["order"]), \
+            result.explain()
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_allreduces_run_on_the_callers_thread_while_their_sends_fit_the_ring(n: int) -> None:
     # DIRECT_BYTES auto: other ops up to 2 MiB, an allreduce while the 2 (n - 1) / n of it
     # that it sends one peer fits in the default ring's two 2 MiB segments.

@@ -185,7 +185,8 @@ class Repeat:
         # peer is a source, so that its first data says READY, whether it reads the
         # call's source, whether it is the whole buffer); each step as (peer, its port,
         # step, piece, its receive, the receive's bytes, how many sends it unlocks (the
-        # next ones in _sends), whether it is the whole buffer).  A whole buffer goes as
+        # next ones in _sends), whether it is the whole buffer, whether those sends are
+        # all bodiless, so that they go before its body is copied).  A whole buffer goes as
         # it is: at 2 ranks every piece is, and a slice of it first cost as much again as
         # the rest of making the body.
         sources = chain.sources
@@ -234,7 +235,8 @@ class Repeat:
         self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
         self._steps = tuple((peer, ports[peer], step, piece, recv,
                              (recv.hi - recv.lo) * itemsize, len(recv.then),
-                             recv.lo == 0 and recv.hi == count)
+                             recv.lo == 0 and recv.hi == count,
+                             bool(recv.then) and all(s.hi == s.lo for s in recv.then))
                             for peer, step, piece, recv in chain.steps)
         self._sig, self._code, self._count = template.sig, template.dtype, count
         # reduce_into's choices, made once: the dtype is the template's.  _quiet: the
@@ -349,7 +351,7 @@ class Repeat:
         wait = self._express.wait_on
         ufunc = self._ufunc
         dtype, quiet, slow_reduce = self._dtype, self._quiet, self._reduce_into
-        for done, (peer, port, step, piece, recv, nbytes, then, whole) in enumerate(
+        for done, (peer, port, step, piece, recv, nbytes, then, whole, bare) in enumerate(
                 self._steps):
             # Header[3:10] and [1]: what a DATA message of this step must say, compared
             # as one slice where the express lane makes nine comparisons of fields.
@@ -401,6 +403,17 @@ class Repeat:
                     return self._hand_over(work, source, key, epoch, ready, told, done,
                                            -1 - gone, True, late)
                 posted = gone
+            if bare and body is not None and posted == queued:
+                # What this step unlocks carries no body (a chain broadcast's
+                # acknowledgement, algorithms/chain.py, which needs only this header
+                # checked): it goes before the copy, so the root waiting for it stops
+                # waiting a piece's copy sooner.  Not for a lent body, whose copy may
+                # fail and hand the op over as if this step had sent nothing.
+                queued += then
+                while posted < queued and post(work, source, sends[posted], key, epoch,
+                                               ready, told):
+                    posted += 1
+                then = 0
             part = work if whole else work[lo:hi]
             # A reduction's left operand: a fresh buffer's region takes it from the
             # source (the chains that start one reduce into each region once: apply_piece).
