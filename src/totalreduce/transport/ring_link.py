@@ -40,6 +40,10 @@ from .wire import (
 )
 
 _DOORBELL = b"\x01"
+
+
+def _unused_slice(view: memoryview, offset: int) -> None:
+    """take_lent's ``each``: its one slice is the destination itself."""
 _LEND_MIN = 64 << 10  # smaller bodies are copied: a lent body costs the reader a syscall
 # Before handling a body at least this big (lent, or in the ring), more urgent messages
 # posted behind it are handled first (_overtake): it takes tens of microseconds or more.
@@ -473,16 +477,7 @@ class RingLink(Link):
         peer into ``dest``, its size, then free the record and acknowledge the body; False,
         nothing taken, if it cannot be copied here now (the loop then reads it again and
         reports a peer whose memory is gone)."""
-        lent = self._next_lent(dest.nbytes)
-        if lent is None:
-            return False
-        pid, header, address, lend = lent
-        try:
-            cma.read_into(pid, dest, address)
-        except OSError:
-            return False
-        self._lent_taken(header, lend)
-        return True
+        return self.take_lent_each(dest, dest.nbytes, _unused_slice)
 
     def take_lent_each(self, scratch: memoryview, nbytes: int,
                        each: Callable[[memoryview, int], None]) -> bool:
@@ -492,10 +487,21 @@ class RingLink(Link):
         16 MB of them 3.0-3.3 ms to copy and sum, in 512 KiB slices 2.2-2.3).  A copy that
         fails after the first slice loses the link (the op fails where it goes on) and
         returns False."""
-        lent = self._next_lent(nbytes)
-        if lent is None:
+        ring = self.ring_in
+        pid = None if ring is None else ring.lender_pid
+        if (ring is None or pid is None or self.body is not None
+                or self.lent_in is not None or self.closed):
             return False
-        pid, header, address, lend = lent
+        try:
+            record = ring.next()
+        except WireError:
+            return False
+        if record is None:
+            return False
+        header, desc = record
+        if not header.flags & FLAG_REMOTE or header.nbytes != nbytes:
+            return False
+        address, lend = REMOTE_BODY.unpack_from(desc)
         step = scratch.nbytes
         at = 0
         try:
@@ -508,39 +514,14 @@ class RingLink(Link):
             if at:
                 self.owner.lost(self, f"cannot copy a body out of rank {self.peer}: {exc}")
             return False
-        self._lent_taken(header, lend)
-        return True
-
-    def _next_lent(self, nbytes: int) -> tuple[int, Header, int, int] | None:
-        """The lender's pid, the header, the body's address and its lend id of the lent
-        body of ``nbytes`` :meth:`peek` showed, its record read but not freed; None where
-        it cannot be taken here."""
-        ring = self.ring_in
-        if (ring is None or ring.lender_pid is None or self.body is not None
-                or self.lent_in is not None or self.closed):
-            return None
-        try:
-            record = ring.next()
-        except WireError:
-            return None
-        if record is None:
-            return None
-        header, desc = record
-        if not header.flags & FLAG_REMOTE or header.nbytes != nbytes:
-            return None
-        address, lend = REMOTE_BODY.unpack_from(desc)
-        return ring.lender_pid, header, address, lend
-
-    def _lent_taken(self, header: Header, lend: int) -> None:
-        """A lent body is copied: free its record and acknowledge it."""
-        assert self.ring_in is not None
-        freed = self.ring_in.release()
+        freed = ring.release()
         self._acknowledge(lend)
         counters = self.counters
         counters.messages_received += 1
         counters.bytes_received += HEADER_SIZE + header.nbytes
         if freed and not self.closed:
             self.doorbell()
+        return True
 
     def take_ack(self, header: Header) -> bool:
         """Take the peer's RING_ACK :meth:`peek` showed (``header``): the body we lent
