@@ -346,6 +346,61 @@ def acks_before_copies(arg: dict) -> None:
     report(order=order)
 
 
+def single_exchanges(arg: dict) -> None:
+    """Repeated blocking 2-rank allreduces and barriers, each a Repeat's one exchange
+    (repeat.py: Repeat._run_single), on every dtype and op, empty arrays too.  Rank 1
+    makes some calls of the same templates async (the loop's messages, not a Repeat's)
+    and comes late to others, past the Repeat's patience, which hands rank 0's call
+    over; every result matches numpy's."""
+    from totalreduce.engine import repeat
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    entered = [0]
+    single = repeat.Repeat._run_single
+
+    def counting(self: repeat.Repeat, work: np.ndarray, key: tuple[int, int]) -> object:
+        entered[0] += 1
+        return single(self, work, key)
+
+    repeat.Repeat._run_single = counting  # type: ignore[method-assign]
+    stats = current().engine.stats
+    before = stats()
+    common = random.Random(31)
+    mine = random.Random(600 + rank)
+    templates = [(dtype, op, count) for dtype in DTYPES
+                 for op, count in (("Sum", 7), ("Average", 1), ("Max", 0), ("Min", 1001),
+                                   ("Product", 3))]
+    blocking = 0
+    try:
+        for i in range(arg["steps"]):
+            if common.random() < 0.1:
+                tr.barrier()
+                continue
+            dtype, op, count = common.choice(templates)
+            inputs = _inputs(i, n, count, dtype)
+            if op == "Product":  # small factors: no overflow in any dtype
+                inputs = [(a % 3).astype(dtype) for a in inputs]
+            late = common.random() < 0.1  # drawn on every rank: the same calls
+            if rank == 1 and late:
+                time.sleep(0.02)  # rank 0's call hands over, then ends on the loop
+            x = inputs[rank].copy()
+            if rank == 1 and mine.random() < 0.2:
+                tr.synchronize(tr.allreduce_async_(x, op=getattr(tr, op)))
+            else:
+                blocking += 1
+                assert tr.allreduce_(x, op=getattr(tr, op)) is x
+            _close(x, reference_reduce(inputs, op), f"step {i}: {op} of {count} {dtype}")
+    finally:
+        repeat.Repeat._run_single = single  # type: ignore[method-assign]
+    after = stats()
+    report(blocking=blocking, entered=entered[0],
+           repeats=after["express_repeats"] - before["express_repeats"],
+           handed_over=after["express_repeats_handed_over"]
+           - before["express_repeats_handed_over"])
+    tr.shutdown()
+
+
 def repeated_gathers(arg: dict) -> None:
     """Allgathers, alltoalls and broadcasts under a few names, dtypes and shapes, each
     repeated (a repeat reuses the plan its first call made), with each rank's rows and

@@ -47,6 +47,23 @@ def test_max_and_min_reductions_warn_of_nothing() -> None:
         assert result.report(r)["repeats"] > 0, result.report(r)
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_rank_repeats_of_one_exchange_match_numpy_and_hand_late_calls_over(
+        transport: str) -> None:
+    # A 2-rank allreduce of up to SMALL_BYTES, or a barrier, is one message each way: its
+    # Repeat runs it without _run's loops (repeat.py, Repeat._run_single).
+    result = run_ok(2, "smallpath_workers:single_exchanges", {"steps": 240}, timeout=150,
+                    transport=transport)
+    for r in range(2):
+        got = result.report(r)
+        # Every template's first call builds its Repeat; most later blocking ones run
+        # from it, by this path only.
+        assert got["entered"] > got["blocking"] // 2, result.explain()
+        assert got["repeats"] > 0, result.explain()
+    # Rank 1 came 20 ms late to some calls: rank 0's Repeat handed those over.
+    assert result.report(0)["handed_over"] > 0, result.explain()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int, transport: str
                                                                ) -> None:
