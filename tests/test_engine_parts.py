@@ -153,9 +153,11 @@ def test_ledger_terms_and_settle_do_what_their_two_calls_each_do() -> None:
     assert ledger.terms(1, -1) == 10  # a ready peer: no credit spent, the owed collected
     assert ledger.credit(1) == 3096
     assert ledger.terms(2, 0) == 0 and ledger.credit(2) == 4096 - 64  # a header's worth
-    ledger.settle(1, 1000, 0)
-    assert ledger.credit(1) == 4096 and wants == []
-    ledger.settle(2, 0, 1100)  # 1100 owed >= 4096 / 4: ask to send
+    ledger.settle(1, 1000, 0, 5000)  # not credited: the body cost the peer nothing
+    assert ledger.credit(1) == 4096 and wants == [] and ledger.take_owed(1) == 0
+    ledger.settle(2, 0, FLAG_CREDITED, 10)  # a body under a header's size costs a header
+    assert ledger.take_owed(2) == 64 and wants == []
+    ledger.settle(2, 0, FLAG_CREDITED | FLAG_READY, 1100)  # 1100 owed >= 4096 / 4: ask
     assert wants == [2] and ledger.take_owed(2) == 1100
 
 

@@ -73,11 +73,13 @@ class CreditLedger:
         self._owed[peer] = 0
         return owed
 
-    def settle(self, peer: int, credit: int, charge: int) -> None:
-        """A message from ``peer`` was consumed: it returned ``credit`` and cost ``peer``
-        ``charge`` (now owed): :meth:`grant` and :meth:`owe` in one call."""
+    def settle(self, peer: int, credit: int, flags: int, nbytes: int) -> None:
+        """A DATA message from ``peer`` was consumed: it returned ``credit``, and where its
+        ``flags`` say FLAG_CREDITED its body of ``nbytes`` cost ``peer`` credit, now owed:
+        :meth:`grant` and :meth:`owe` in one call."""
         self._credit[peer] += credit
-        if charge:
+        if flags & FLAG_CREDITED:
+            charge = nbytes if nbytes > HEADER_SIZE else HEADER_SIZE  # charge_of, inline
             owed = self._owed[peer] + charge
             self._owed[peer] = owed
             if owed >= self._return_at:

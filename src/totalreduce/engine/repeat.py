@@ -445,10 +445,7 @@ class Repeat:
             flags = header.flags
             if self._agrees:
                 self._peer_lends[peer] = _peer_lends(flags)
-            charge = 0 if not flags & FLAG_CREDITED else \
-                nbytes if nbytes > HEADER_SIZE else HEADER_SIZE  # charge_of
-            if credit or charge:
-                ledger.settle(peer, credit, charge)
+            ledger.settle(peer, credit, flags, nbytes)
             if credit:
                 self._unpark(peer)
             if flags & FLAG_READY:
@@ -535,12 +532,8 @@ class Repeat:
                 or header[1] != code:
             return self._hand_over(work, None, key, epoch, set(), {peer} if tell else set(),
                                    0, 1, False)
-        flags = header.flags
         credit = header.credit
-        charge = 0 if not flags & FLAG_CREDITED else \
-            nbytes if nbytes > HEADER_SIZE else HEADER_SIZE  # charge_of
-        if credit or charge:
-            ledger.settle(peer, credit, charge)
+        ledger.settle(peer, credit, header.flags, nbytes)
         if credit:
             self._unpark(peer)
         if nbytes:
