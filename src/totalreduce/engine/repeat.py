@@ -92,6 +92,11 @@ _ONE_WAY = 1
 _EXCHANGE = 2
 _SLOW = 3
 
+# What every call of a one-exchange template shares (Repeat._run_single): the send's port,
+# peer, step, piece, bytes and flags; the receive's port, step, piece and bytes; whether
+# it finishes the op's values (Recv.final, with a finalize).
+_Single = tuple[Port, int, int, int, int, int, Port, int, int, int, bool]
+
 # A reduction's lent piece is copied out of the peer and summed a slice of this size at a
 # time (Repeat._take_summed), while the slice is still in the cache: 16 MB of 2 MiB
 # pieces took 3.0-3.3 ms to copy whole and sum, 2.7-3.2 in 1 MiB slices, 2.2-2.3 in 512
@@ -260,17 +265,24 @@ class Repeat:
         self._scratch = scratch if reduces else None
         self._single = self._one_exchange()
 
-    def _one_exchange(self) -> bool:
-        """Whether every call is one reduction's exchange (:meth:`_run_single`): the whole
+    def _one_exchange(self) -> _Single | None:
+        """Where every call is one reduction's exchange (:meth:`_run_single`): the whole
         buffer sent to one peer, never lent, and that peer's whole buffer summed in, with
-        nothing finished locally and nothing else sent or read."""
+        nothing finished locally and nothing else sent or read, what its calls share."""
         if len(self._first) != 1 or len(self._steps) != 1 or self._tell_first \
                 or self._needs_source or self._late or self._agrees \
                 or self._chain.local_final or self._ufunc is None:
-            return False
-        send, step = self._first[0], self._steps[0]
-        return (send[10] is None and send[1] == step[0] and send[9] and step[7]
-                and not step[6] and step[4].mode != COPY)
+            return None
+        port, peer, _lo, _hi, step, piece, nbytes, tell, _src, whole, lend, _rule = \
+            self._first[0]
+        source, in_port, in_step, in_piece, recv, in_bytes, unlocks, in_whole, _bare = \
+            self._steps[0]
+        if lend is not None or source != peer or not (whole and in_whole) or unlocks \
+                or recv.mode == COPY:
+            return None
+        flags = FLAG_CREDITED | FLAG_READY if tell else FLAG_CREDITED
+        return (port, peer, step, piece, nbytes, flags, in_port, in_step, in_piece,
+                in_bytes, recv.final and self._finalize is not None)
 
     def run(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
             ) -> OpFuture | bool:
@@ -507,36 +519,35 @@ class Repeat:
                 or floating.bytes or ledger.early.entries or serving.early_headers.entries
                 or not self._small.quiet(key)):
             return self._run(work, None, key)
-        port, peer, _lo, _hi, step, piece, nbytes, tell, _s, _w, _l, _r = self._first[0]
+        single = self._single
+        assert single is not None
+        port, peer, step, piece, nbytes, flags, port_in, step_in, piece_in, nbytes_in, \
+            finalizes = single
         credit = ledger.terms(peer, nbytes)
         if credit < 0:
             return False
         epoch = serving.epoch
         key0, key1 = key
         sig, code, count = self._sig, self._code, self._count
-        packed = pack_fields(MAGIC, KIND_DATA, code,
-                             FLAG_CREDITED | FLAG_READY if tell else FLAG_CREDITED,
-                             self._recipe, step, key0, key1, sig, piece, epoch & 0xFFFFFFFF,
-                             nbytes, count, credit)
+        packed = pack_fields(MAGIC, KIND_DATA, code, flags, self._recipe, step, key0, key1,
+                             sig, piece, epoch & 0xFFFFFFFF, nbytes, count, credit)
         if not port.post_now(packed, work.data.cast("B") if nbytes else None):
             ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
             ledger.restore_owed(peer, credit)
             return False
-        _peer, port, step, piece, recv, nbytes, _t, _w, _b = self._steps[0]
-        record = port.peek() or self._express.wait_on(port.peek)
-        if record is None:
-            return self._hand_over(work, None, key, epoch, set(), {peer} if tell else set(),
-                                   0, 1, False)
+        record = port_in.peek() or self._express.wait_on(port_in.peek)
+        if record is None or record[1] is None \
+                or record[0][3:10] != (step_in, key0, key1, sig, piece_in, nbytes_in, count) \
+                or record[0][1] != code:
+            told = {peer} if flags & FLAG_READY else set()
+            return self._hand_over(work, None, key, epoch, set(), told, 0, 1, False)
         header, body = record
-        if body is None or header[3:10] != (step, key0, key1, sig, piece, nbytes, count) \
-                or header[1] != code:
-            return self._hand_over(work, None, key, epoch, set(), {peer} if tell else set(),
-                                   0, 1, False)
+        assert body is not None
         credit = header.credit
-        ledger.settle(peer, credit, header.flags, nbytes)
+        ledger.settle(peer, credit, header.flags, nbytes_in)
         if credit:
             self._unpark(peer)
-        if nbytes:
+        if nbytes_in:
             ufunc = self._ufunc
             assert ufunc is not None
             if self._reduce_into:
@@ -551,10 +562,10 @@ class Repeat:
                         ufunc(work, _frombuffer(body, self._dtype, count), out=work)
                     finally:
                         quiet[0].reset(token)
-            finalize = self._finalize
-            if finalize is not None and recv.final:
-                finalize(work)
-        port.take(header)
+            if finalizes:
+                assert self._finalize is not None
+                self._finalize(work)
+        port_in.take(header)
         self._express.repeats += 1
         self._done.add(key)
         return True

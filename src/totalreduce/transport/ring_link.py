@@ -40,10 +40,6 @@ from .wire import (
 )
 
 _DOORBELL = b"\x01"
-
-
-def _unused_slice(view: memoryview, offset: int) -> None:
-    """take_lent's ``each``: its one slice is the destination itself."""
 _LEND_MIN = 64 << 10  # smaller bodies are copied: a lent body costs the reader a syscall
 # Before handling a body at least this big (lent, or in the ring), more urgent messages
 # posted behind it are handled first (_overtake): it takes tens of microseconds or more.
@@ -56,6 +52,10 @@ _OVERTAKE_MIN = 256 << 10
 _SLICE = 1 << 20
 # ... and while a more urgent op runs here, in slices of this size.
 _URGENT_SLICE = 256 << 10
+
+
+def _unused_slice(view: memoryview, offset: int) -> None:
+    """take_lent's ``each``: its one slice is the destination itself."""
 
 
 class _Scan:
