@@ -5,6 +5,7 @@ import os
 import pytest
 
 from harness import mpiexec, run_ok
+from totalreduce.scheduling.thresholds import HUGE_LEND_SHARE
 from totalreduce.transport.cma import cma_works
 from workers import WIDTHS
 
@@ -177,6 +178,25 @@ def test_reductions_under_8_mib_are_not_lent_while_the_rings_are_slow() -> None:
         assert got["lent"] == 0, result.explain()
         if cma_works() and len(os.sched_getaffinity(0)) >= 2:
             assert got["slow"], result.explain()  # the rule had something to refuse
+
+
+def test_async_reductions_under_32_mib_are_copied_and_blocking_ones_lent() -> None:
+    # Every ring copies slower than 1e6 GB/s.  Where every rank has a core, an async
+    # reduction under 32 MiB is not lent, on the loop or from a queued Repeat: among other
+    # ops the ring's copies went faster (thresholds.py).  Blocking calls of the same
+    # template, from its Repeat, lend: its first call's buffer was out of huge pages, as
+    # far as the kernel can say.
+    # Results against numpy.
+    result = run_ok(2, "workers:async_mid_reductions", {},
+                    env={"TOTALREDUCE_SLOW_RING_GBPS": "1e6"}, timeout=180)
+    cores = len(os.sched_getaffinity(0)) >= 2
+    for r in range(2):
+        got = result.report(r)
+        if cores:
+            assert got["lent"] == 0, result.explain()
+        if cores and cma_works() and got["slow"] and (got["huge"] is None
+                                                      or got["huge"] >= HUGE_LEND_SHARE):
+            assert got["repeat_lent"] > 0, result.explain()
 
 
 def test_big_broadcasts_are_copied_with_two_threads_or_through_the_ring() -> None:

@@ -398,6 +398,73 @@ def slow_ring_reductions(arg: dict) -> None:
     report(lent=lent, slow=slow)
 
 
+def async_mid_reductions(arg: dict) -> None:
+    """With every ring taken for slow (TOTALREDUCE_SLOW_RING_GBPS huge): async allreduces
+    of 9-13 MiB, each name called again and again (so a template's Repeat runs the later
+    calls, queued), and async reducescatters of 9 MiB, several dtypes, odd sizes,
+    submitted in a different order on each rank, a rank a little late now and then; then
+    blocking calls of the first allreduce's name, shape and dtype, which run from the
+    Repeat its async first call made.  Each result against numpy.  Reports the bodies
+    lent during the async calls, the blocking calls whose Repeat lent a body, whether the
+    rings were judged slow and the share of the first async call's buffer that huge
+    pages back (its template lends while the rings are slow where most of it is)."""
+    from totalreduce.runtime import current
+    from totalreduce.transport import pages
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    engine = current().engine
+    for i in range(12):  # a lap of each ring and more, for the copies to be judged
+        got = tr.allreduce(np.full((960 << 10) // 4, rank, np.float32), op=tr.Sum,
+                           name=f"warm.{i}")
+        assert np.all(got == n * (n - 1) / 2), "warm-up"
+    slow = engine.lends([p for p in range(n) if p != rank])
+    sizes = ((9 << 20) + 24, (13 << 20) + 40, (9 << 20) + 8)
+    huge: float | None = None
+    dtypes = (np.float32, np.float64, np.int32)
+    before = tr.transport_stats()["bodies_lent"]
+    for i in range(4):
+        if rank == i % n:
+            time.sleep(0.002)
+        calls = []
+        for j, nbytes in enumerate(sizes):
+            dtype = dtypes[j]
+            count = nbytes // np.dtype(dtype).itemsize + 2 * j + 1
+            ins = [data(20 * i + j, r, (count,), dtype) for r in range(n)]
+            mine = ins[rank].copy()
+            if j == 2:
+                rows = count // n * n
+                b = rows // n
+                want = reference_reduce([a[:rows] for a in ins], "Sum")[rank * b:(rank + 1) * b]
+                handle = tr.reducescatter_async(mine[:rows], op=tr.Sum, name=f"mid.{j}")
+            else:
+                if i == j == 0:
+                    huge = pages.huge_share(mine.ctypes.data, mine.nbytes)
+                want = reference_reduce(ins, "Sum")
+                handle = tr.allreduce_async_(mine, op=tr.Sum, name=f"mid.{j}")
+            calls.append((handle, want, f"async call {i}.{j} of {count} {np.dtype(dtype)}"))
+        for handle, want, what in (calls if rank % 2 == 0 else calls[::-1]):
+            assert_same(handle.wait(), want, what)
+    lent = tr.transport_stats()["bodies_lent"] - before
+    stats = engine.stats
+    count = sizes[0] // 4 + 1
+    buf = np.empty(count, np.float32)
+    repeat_lent = 0
+    for i in range(6):
+        ins = [data(500 + i, r, (count,), np.float32) for r in range(n)]
+        buf[...] = ins[rank]
+        tr.barrier()
+        if rank == i % n:
+            time.sleep(0.001)
+        lent0 = stats()["express_repeats_lent"]
+        tr.allreduce_(buf, op=tr.Sum, name="mid.0")
+        repeat_lent += stats()["express_repeats_lent"] > lent0
+        assert_same(buf, reference_reduce(ins, "Sum"), f"blocking call {i}")
+    tr.barrier()
+    tr.shutdown()
+    report(lent=lent, repeat_lent=repeat_lent, slow=slow, huge=huge)
+
+
 def spread_broadcasts(arg: dict) -> None:
     """Blocking broadcasts of 9-12 MiB from rank 0 (lent bodies big enough for a receiver
     to copy with two threads: transport/spread_copy.py), into new arrays and in place,

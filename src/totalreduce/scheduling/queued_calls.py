@@ -16,7 +16,6 @@ from .call_names import UNNAMED, CallNames
 from .handle import FutureHandle, Handle
 from .scheduler_parts import SchedulerParts
 from .templates import OpTemplate
-from .thresholds import CROWDED_REDUCE_LEND_BYTES
 
 # The identity a Repeat is built with: it keeps none of its template's (repeat.py).
 NO_CALL: OpKey = (0, 0)
@@ -72,11 +71,9 @@ class QueuedCalls(SchedulerParts):
                    ) -> Repeat | None:
         """The Repeat that runs calls of ``plan`` into ``work`` where calls queue (made
         once); None where they do not, past _queued_big, for an op that reads its input
-        in place (never async), or one the loop would lend while the rings copy slowly
-        (as _big_allreduce)."""
-        if (not self._queues or work.nbytes > self._queued_big or plan.fresh
-                or (work.nbytes >= CROWDED_REDUCE_LEND_BYTES
-                    and self._engine.lends(self._peers))):
+        in place (never async).  Its queued calls lend as the loop's async calls
+        would: by size, not while the rings copy slowly (Repeat._slow_lends)."""
+        if not self._queues or work.nbytes > self._queued_big or plan.fresh:
             return None
         return self._plan_repeat(plan, work, kind, name)
 
