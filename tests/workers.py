@@ -350,6 +350,16 @@ def slow_ring(arg: dict) -> None:
     report(lent=lent, direct=direct, big_lent=ways)
 
 
+def _judge_rings(engine: object, rank: int, n: int) -> bool:
+    """Blocking allreduces of 960 KiB, a lap of each ring and more, for the copies to be
+    judged (transport/copy_pace.py); returns whether most rings are now taken for slow."""
+    for i in range(12):
+        got = tr.allreduce(np.full((960 << 10) // 4, rank, np.float32), op=tr.Sum,
+                           name=f"warm.{i}")
+        assert np.all(got == n * (n - 1) / 2), "warm-up"
+    return engine.lends([p for p in range(n) if p != rank])  # type: ignore[attr-defined]
+
+
 def slow_ring_reductions(arg: dict) -> None:
     """With every ring taken for slow (TOTALREDUCE_SLOW_RING_GBPS huge): async allreduces
     of 0.75-3 MiB, repeated under one name (a template's) and named anew each call, in
@@ -361,11 +371,7 @@ def slow_ring_reductions(arg: dict) -> None:
     tr.init()
     rank, n = tr.rank(), tr.size()
     engine = current().engine
-    for i in range(12):  # a lap of each ring and more, for the copies to be judged
-        got = tr.allreduce(np.full((960 << 10) // 4, rank, np.float32), op=tr.Sum,
-                           name=f"warm.{i}")
-        assert np.all(got == n * (n - 1) / 2), "warm-up"
-    slow = engine.lends([p for p in range(n) if p != rank])
+    slow = _judge_rings(engine, rank, n)
     before = tr.transport_stats()["bodies_lent"]
     for i in range(6):
         if rank == i % n:
@@ -414,11 +420,7 @@ def async_mid_reductions(arg: dict) -> None:
     tr.init()
     rank, n = tr.rank(), tr.size()
     engine = current().engine
-    for i in range(12):  # a lap of each ring and more, for the copies to be judged
-        got = tr.allreduce(np.full((960 << 10) // 4, rank, np.float32), op=tr.Sum,
-                           name=f"warm.{i}")
-        assert np.all(got == n * (n - 1) / 2), "warm-up"
-    slow = engine.lends([p for p in range(n) if p != rank])
+    slow = _judge_rings(engine, rank, n)
     sizes = ((9 << 20) + 24, (13 << 20) + 40, (9 << 20) + 8)
     huge: float | None = None
     dtypes = (np.float32, np.float64, np.int32)
