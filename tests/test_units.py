@@ -464,9 +464,8 @@ def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded
     asked: list[np.ndarray] = []
 
     def lends(nbytes: int, crowded: bool, cma_bytes: int = -1, share: float | None = 1.0,
-              source: np.ndarray | None = None, slow: bool = True,
-              waits: bool = True) -> tuple[bool, bool]:
-        """``slow``: most rings copy slowly now; ``waits``: the caller waits for the op."""
+              source: np.ndarray | None = None, slow: bool = True) -> tuple[bool, bool]:
+        """``slow``: most rings copy slowly now."""
         def huge_share(buf: np.ndarray) -> float | None:
             asked.append(buf)
             return share
@@ -474,27 +473,13 @@ def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded
         me = SimpleNamespace(_config=SimpleNamespace(cma_bytes=cma_bytes), _peers=[1],
                              _engine=SimpleNamespace(crowded=lambda: crowded,
                                                      huge_share=huge_share,
-                                                     lends=lambda peers: slow,
-                                                     waits_here=lambda: waits))
+                                                     lends=lambda peers: slow))
         work = np.empty(nbytes, np.uint8)  # never touched: no pages behind it
         return SelfGuided._reduction_lends(me, work, source)  # type: ignore[arg-type]
 
     # (lend, lend while a ring is slow), by size and host, out of huge pages.
     assert lends(4 << 20, True) == (False, False) and lends(8 << 20, True) == (True, True)
     assert lends(16 << 20, False) == (False, True) and lends(32 << 20, False) == (True, True)
-    # An async op under 32 MiB where every rank has a core: neither, even while the rings
-    # copy slowly; where the host is crowded, or from 32 MiB, as a blocking one.
-    assert lends(16 << 20, False, waits=False) == (False, False)
-    assert lends((32 << 20) - 1, False, waits=False) == (False, False)
-    assert lends(32 << 20, False, waits=False) == (True, True)
-    assert lends(8 << 20, True, waits=False) == (True, True)
-    assert SelfGuided._reduction_lends(  # the caller's word over this thread's
-        SimpleNamespace(_config=SimpleNamespace(cma_bytes=-1), _peers=[1],
-                        _engine=SimpleNamespace(crowded=lambda: False,
-                                                huge_share=lambda buf: 1.0,
-                                                lends=lambda peers: True,
-                                                waits_here=lambda: False)),
-        np.empty(16 << 20, np.uint8), None, True) == (False, True)  # type: ignore[arg-type]
     # Out of small pages, neither; where the kernel cannot say, by size as before.
     assert lends(32 << 20, False, share=0.5) == (False, False)
     assert lends(8 << 20, True, share=0.0) == (False, False)

@@ -167,7 +167,7 @@ class Engine:
         if key in self._floating or key in self._ledger.early.entries:
             # A peer runs it already, and may wait for it before it comes to the calls
             # that would run first here: the general path takes it now.
-            return self.submit(repeat.spec(work, key, source, False))
+            return self.submit(repeat.spec(work, key, source))
         loop = self.loop
         queued = loop.queued
         now = time.monotonic()

@@ -263,7 +263,7 @@ class Loop:
                     future: Any) -> None:
         """Start a call taken out of the queue on the general path."""
         self.queued_general += 1
-        self._starter.start(repeat.spec(work, key, source, False), future)
+        self._starter.start(repeat.spec(work, key, source), future)
 
     def unqueue(self, key: Any) -> bool:
         """Start the queued call ``key`` on the general path now, if one waits; returns

@@ -131,7 +131,7 @@ class Repeat:
                  "_code", "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single", "_slow_lends")
+                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -181,10 +181,6 @@ class Repeat:
         self._unpark = unpark
         self._transport = transport
         self._lent: list[LentSend] = []  # the call's lent sends (one call at a time)
-        # Whether this call lends by the slow-ring rule: a queued (async) one does not,
-        # as the loop's async calls under REDUCE_LEND_BYTES do not
-        # (SelfGuided._reduction_lends).
-        self._slow_lends = True
         # Whether huge pages back a region (address, bytes), as the kernel said when first
         # asked (5 us a time): a training loop hands the same buffers again and again.
         self._huge_regions: dict[tuple[int, int], bool] = {}
@@ -322,15 +318,14 @@ class Repeat:
             return False
         return self._run(work, source, key, True)
 
-    def spec(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None,
-             waits: bool = True) -> OpSpec:
-        """The call's spec, as the scheduler would have built it; ``waits``: whether its
-        caller waits for it (an async one does not lend by the slow-ring rule)."""
+    def spec(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
+             ) -> OpSpec:
+        """The call's spec, as the scheduler would have built it."""
         return OpSpec(key, self._label_of(key[1]), self._sig, self._code, self._count,
                       self._describe, self._schedule, work, source, self._ufunc,
                       self._finalize, self._priority, self._recipe, -1, self._members,
-                      self._fresh and source is not None, self._lend,
-                      self._lend_slow and waits, source_at=self._source_at)
+                      self._fresh and source is not None, self._lend, self._lend_slow,
+                      source_at=self._source_at)
 
     def label(self, seq: int) -> str:
         """The label of the call ``seq``, for messages."""
@@ -346,7 +341,6 @@ class Repeat:
         if (loop.commands or loop.completions or (loop.queued and not dequeued)
                 or floating.bodies or floating.bytes or not self._small.quiet(key)):
             return False
-        self._slow_lends = not dequeued
         ledger = self._ledger
         early = ledger.early
         ready = (early.pop(key) or set()) if early.entries else set()
@@ -679,7 +673,7 @@ class Repeat:
             body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
         lends = False
         if lend is not None and body is not None and pages_rule == _SLOW:
-            lends = self._slow_lends and self._transport.lends(peer)
+            lends = self._transport.lends(peer)
         elif lend is not None and body is not None and \
                 self._transport.lends_body(peer, self._op_bytes, nbytes):
             if pages_rule != _EXCHANGE:
@@ -733,7 +727,7 @@ class Repeat:
                    stuck: bool, local: bool = False) -> OpFuture | bool:
         """``local``: as Express.hand_over's."""
         self._express.repeats_handed_over += 1
-        spec = self.spec(work, key, source, self._slow_lends)
+        spec = self.spec(work, key, source)
         spec.epoch = epoch
         return self._express.hand_over(spec, self._chain, ready, told, done, posted, stuck,
                                        list(self._lent), local)

@@ -307,12 +307,7 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
                 # serves in-place calls too.
                 if (arr.nbytes <= self._direct_ring or plan is None
                         or (plan.fresh and not spec.fresh)):
-                    template = OpTemplate(spec)
-                    if arr.nbytes > self._direct_ring and not self._engine.waits_here():
-                        # Only its Repeat uses it, for calls that wait.
-                        template.lend, template.lend_slow = self._reduction_lends(
-                            work, source, waits=True)
-                    self._small.put(small, template)
+                    self._small.put(small, OpTemplate(spec))
         return self._launch(spec, finish, self._direct_ring)
 
     def _small_key(self, x: Any, op: Any, name: Any, inplace: bool
@@ -532,16 +527,14 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
             raise ValueError("in-place collective on a read-only array")
         return np.array(arr, copy=True, order="C").reshape(-1), inplace
 
-    def _reduction_lends(self, work: np.ndarray, source: np.ndarray | None = None,
-                         waits: bool | None = None) -> tuple[bool, bool]:
+    def _reduction_lends(self, work: np.ndarray, source: np.ndarray | None = None
+                         ) -> tuple[bool, bool]:
         """Whether a reduction into ``work`` (from ``source``, where it reads one: OpSpec.
         fresh) may lend its pieces (OpSpec.lend), and may while a ring copies slowly
         (OpSpec.lend_slow).  The first: as any op where CMA_BYTES is set, else from
         REDUCE_LEND_BYTES, or CROWDED_REDUCE_LEND_BYTES where the host is crowded.  Below
-        CROWDED_REDUCE_LEND_BYTES neither (thresholds.py has why), nor below
-        REDUCE_LEND_BYTES where the host is not crowded and the caller does not wait for
-        the op (``waits``; by default whether this thread does: Engine.waits_here).  From
-        there on, neither but out of a buffer that huge pages back
+        CROWDED_REDUCE_LEND_BYTES neither (thresholds.py has why).  From there on, neither
+        but out of a buffer that huge pages back
         (HUGE_LEND_SHARE), as far as the kernel can say: through the ring small pages
         cost nothing more, and at 2 ranks the slow-ring rule lent 64 MB allreduces of
         them (their big copies run at memory's speed), which then took 12-15 ms against
@@ -559,8 +552,6 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         if nbytes < CROWDED_REDUCE_LEND_BYTES:
             return False, False
         big = nbytes >= REDUCE_LEND_BYTES or self._engine.crowded()
-        if not big and not (self._engine.waits_here() if waits is None else waits):
-            return False, False
         if not big and not self._engine.lends(self._peers):
             return False, True
         share = self._engine.huge_share(work if source is None else source)
@@ -739,15 +730,9 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
                 # reducescatters took 0.58-0.64 ms so against 0.72-0.73 on the loop, 8 MB
                 # 1.24-1.30 against 1.43-1.57, 16 MB 2.36-2.60 against 2.81-2.90 (old and
                 # new tree alternated twice).
-                # Its calls wait: they lend as such a call's spec would.
-                own = spec.lend, spec.lend_slow
-                if not self._engine.waits_here():
-                    spec.lend, spec.lend_slow = self._reduction_lends(work, spec.source,
-                                                                      waits=True)
                 template.repeat = self._engine.repeat(
                     spec, functools.partial(self._label, "reducescatter", name),
                     lends=True)
-                spec.lend, spec.lend_slow = own
         lo, hi, shape = plan.lo, plan.hi, plan.shape
         return self._launch(spec, lambda: work[lo:hi].reshape(shape))
 

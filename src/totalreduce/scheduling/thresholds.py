@@ -128,19 +128,6 @@ REDUCE_LEND_BYTES = 32 << 20
 # 13.7, 0.5 and 4 MB level.
 CROWDED_REDUCE_LEND_BYTES = 8 << 20
 
-# Where every rank of the host has a core, an async reduction under REDUCE_LEND_BYTES is
-# not lent even while the rings copy slowly (on the loop, or from its Repeat, queued):
-# among other ops the ring's pipelined copies did better, while a blocking call from its
-# Repeat, one op at a time, still gains from lending (SelfGuided._reduction_lends).  At 2
-# ranks on a VM whose rings CopyPace took for slow, ResNet-50's 29 gradients of 1 MB and
-# more, submitted async at once, took 25.3-26.1 ms with the three of 9.4 MB copied against
-# 34.8-37.6 lent, all 161 29.4-29.8 against 39.5-39.8, and `bench replay` per tensor
-# 29.9-31.5 against 37.5-41.9 (old and new tree alternated twice).  Alone, medians of
-# 15 calls in ms, copied on the loop against lent: three async 9 MiB ones 5.9-6.4 against
-# 7.0-7.1, three of 12 MiB 7.6-8.3 against 9.1-9.5, two of 16 MiB 6.6-7.3 against
-# 7.5-8.1.  Blocking, from its Repeat, a 9 MiB one took 1.74-1.82 copied against 1.51
-# lent, and in `bench collectives` 8 MB 1.45-1.52 against 1.24-1.38.
-
 # ... and only from a buffer at least this share of which huge pages back, where the
 # kernel can say (transport/pages.py): a lent piece costs its reader a pin of each of the
 # lender's pages, which small pages make dearer than the ring's two copies.  At 2 ranks
