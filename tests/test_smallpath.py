@@ -46,6 +46,7 @@ def test_max_and_min_reductions_warn_of_nothing() -> None:
     for r in range(2):
         assert result.report(r)["repeats"] > 0, result.report(r)
 
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_two_rank_repeats_of_one_exchange_match_numpy_and_hand_late_calls_over(
         transport: str) -> None:

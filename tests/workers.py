@@ -350,14 +350,16 @@ def slow_ring(arg: dict) -> None:
     report(lent=lent, direct=direct, big_lent=ways)
 
 
-def _judge_rings(engine: object, rank: int, n: int) -> bool:
+def _judge_rings(rank: int, n: int) -> bool:
     """Blocking allreduces of 960 KiB, a lap of each ring and more, for the copies to be
     judged (transport/copy_pace.py); returns whether most rings are now taken for slow."""
+    from totalreduce.runtime import current
+
     for i in range(12):
         got = tr.allreduce(np.full((960 << 10) // 4, rank, np.float32), op=tr.Sum,
                            name=f"warm.{i}")
         assert np.all(got == n * (n - 1) / 2), "warm-up"
-    return engine.lends([p for p in range(n) if p != rank])  # type: ignore[attr-defined]
+    return current().engine.lends([p for p in range(n) if p != rank])
 
 
 def slow_ring_reductions(arg: dict) -> None:
@@ -366,12 +368,9 @@ def slow_ring_reductions(arg: dict) -> None:
     place and not, and async reducescatters, several dtypes, odd sizes, submitted in a
     different order on each rank, a rank a little late now and then; each against numpy.
     Reports the bodies this rank lent meanwhile, and whether its rings were judged slow."""
-    from totalreduce.runtime import current
-
     tr.init()
     rank, n = tr.rank(), tr.size()
-    engine = current().engine
-    slow = _judge_rings(engine, rank, n)
+    slow = _judge_rings(rank, n)
     before = tr.transport_stats()["bodies_lent"]
     for i in range(6):
         if rank == i % n:
@@ -417,7 +416,7 @@ def async_mid_reductions(arg: dict) -> None:
     tr.init()
     rank, n = tr.rank(), tr.size()
     engine = current().engine
-    slow = _judge_rings(engine, rank, n)
+    slow = _judge_rings(rank, n)
     sizes = ((9 << 20) + 24, (13 << 20) + 40, (9 << 20) + 8)
     dtypes = (np.float32, np.float64, np.int32)
     before = engine.stats()
@@ -436,12 +435,9 @@ def async_mid_reductions(arg: dict) -> None:
             time.sleep(0.003)
         calls = []
         for j, mine, want, what in (work[::-1] if i == 4 and rank % 2 else work):
-            if j == 2:
-                calls.append((tr.allreduce_async(mine, op=tr.Sum, name=f"mid.{j}"), want,
-                              what))
-            else:
-                calls.append((tr.allreduce_async_(mine, op=tr.Sum, name=f"mid.{j}"), want,
-                              what))
+            # The third not in place: the result is a new array.
+            submit = tr.allreduce_async if j == 2 else tr.allreduce_async_
+            calls.append((submit(mine, op=tr.Sum, name=f"mid.{j}"), want, what))
         for handle, want, what in calls:
             assert_same(handle.wait(), want, what)
     after = engine.stats()
