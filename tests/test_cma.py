@@ -141,6 +141,44 @@ def test_a_lent_copy_stops_between_slices_and_goes_on_where_it_stopped() -> None
             sock.close()
 
 
+@pytest.mark.parametrize(("mib", "calls"), [(5, 6), (40, 8)])
+def test_a_lent_body_comes_in_1_mib_slices_but_in_eight_at_most(
+        monkeypatch: pytest.MonkeyPatch, mib: int, calls: int) -> None:
+    # Each slice is a read that pins the lender's pages afresh: a reduction's piece comes
+    # in 1 MiB slices, a 2-rank gather's big lent piece in eight; the body arrives whole
+    # and right either way, acknowledged once.
+    body = np.random.default_rng(mib).integers(0, 255, (mib << 20) + 77, np.uint8)
+    reads: list[int] = []
+    read_into = cma.read_into
+
+    def counted(pid: int, dest: memoryview, address: int) -> None:
+        reads.append(dest.nbytes)
+        read_into(pid, dest, address)
+
+    monkeypatch.setattr(cma, "read_into", counted)
+    owner = _Owner(None, [])
+    socks = socket.socketpair()
+    link, writer, acks = _lent_link(owner, socks)
+    try:
+        _lend(writer, body, 1)
+        link.read_ring()
+        assert link.lent_in is None
+        assert owner.events == [("whole", 1, body.tobytes())]
+        # 5 MiB + 77 B: five slices of 1 MiB and one of 77 B; 40 MiB + 77 B: eight.
+        assert len(reads) == calls and sum(reads) == body.nbytes, reads
+        assert reads[0] == max(1 << 20, -(-body.nbytes // 8))
+        record = acks.next()
+        assert record is not None and record[0].kind == Kind.RING_ACK
+        acks.release()
+        assert acks.next() is None
+    finally:
+        link.close_rings()
+        writer.close()
+        acks.close()
+        for sock in socks:
+            sock.close()
+
+
 def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner: _Owner,
                     body: np.ndarray) -> None:
     _lend(writer, body, 1)

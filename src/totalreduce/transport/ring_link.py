@@ -50,6 +50,16 @@ _OVERTAKE_MIN = 256 << 10
 # nothing measurable, 512 KiB ones made a 64 MB allreduce about 4 % slower, and 256 KiB
 # ones a lone 2 MiB copy 25 % slower.
 _SLICE = 1 << 20
+# ... but a body comes in at most this many slices: each call pins the lender's pages
+# afresh, which costs more than the syscall where huge pages back them.  On an Intel VM
+# one process read 32 MiB of its own huge pages in 3.0 ms whole, 3.1-3.3 in 4 MiB slices
+# and 3.5-3.9 in 1 MiB ones.  At 2 ranks big gathers and broadcasts come in lent pieces
+# of up to 32 MiB (algorithms/select.py): 64 MB allgathers took 9.8-10.5 ms in 4 MiB
+# slices against 11.0-12.2 in 1 MiB ones, 64 MB alltoalls 10.2-11.0 against 10.9-12.6,
+# 256 MB ones 44.2-45.6 against 45.6-46.5 (old and new alternated four times).  The
+# slices of a reduction's pieces (a segment, 2 MiB) stay 1 MiB: fewer slices give the
+# core away (below) less often, which an urgent op issued meanwhile waits for.
+_SLICES_MAX = 8
 # ... and while a more urgent op runs here, in slices of this size.
 _URGENT_SLICE = 256 << 10
 
@@ -690,7 +700,7 @@ class RingLink(Link):
             raise WireError("a lent body from a peer whose memory we cannot read")
         header, dest, address = lent.header, lent.dest, lent.address
         n = dest.nbytes
-        size = _SLICE if urgent is None else _URGENT_SLICE
+        size = max(_SLICE, -(-n // _SLICES_MAX)) if urgent is None else _URGENT_SLICE
         pressing = handler.pressing
         if may_stop and urgent is not None and self._overtake(urgent):
             return True
