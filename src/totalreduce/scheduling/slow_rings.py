@@ -9,7 +9,11 @@ host, not on the op alone: on one 2-vCPU VM the loop took 1 MiB broadcasts in 0.
 against 0.31 ms on the caller's thread, on another of the same kind, where the kernel's
 copy ran at 2-7 GB/s instead of 11, it took 0.43 ms against 0.19-0.21 ms.  So each way is
 timed, per kind of op and power-of-two size, and the faster one taken; now and then the
-other, so that a change of the host's state is seen.
+other, so that a change of the host's state is seen.  The first op after a change of way
+is not timed: it pays for the change (a 16 MiB broadcast lent amid ones through the rings
+took 2.0-2.3 ms, against 1.1-1.2 lent one after another), so the other way is tried twice
+in a row, and a way's time is the least of its last few (an op only ever takes longer
+than it could: a late peer, a cold start).
 
 An op too big for the caller's thread runs on the loop either way, and there the choice
 is whether it lends its bodies while the rings are slow or copies them through the ring
@@ -26,16 +30,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from statistics import median
 from typing import TypeVar
 
 from ..lru import LRU
 
-# Times kept per way and size: a median of a few, since one op may wait on a late peer.
+# Times kept per way and size, the least of which counts.
 _KEEP = 5
-# A way is tried again every this many choices of the other (at 1 MiB and up, a slower
-# try costs a few hundred microseconds in every EXPLORE ops).
-_EXPLORE = 16
+# The slower way is tried again, twice in a row, every this many choices of the other (at
+# 1 MiB and up, a slower try costs a few hundred microseconds).  At 2 ranks 16 MiB
+# broadcasts, whose root lends to a peer that copies with two threads or sends through the
+# rings, took 1.14-1.22 ms (three runs of `bench collectives`) where a lone try timed after
+# a change of way, median of two, had them 1.19 in one run and 1.73-1.99 in two, the
+# first tries of each way, taken cold, deciding for the slower.
+_EXPLORE = 32
 # (kind, size class) pairs remembered: a few kinds times the sizes a job uses.
 _CLASSES = 128
 
@@ -44,12 +51,14 @@ T = TypeVar("T")
 
 
 class _Times:
-    __slots__ = ("loop", "caller", "since")
+    __slots__ = ("loop", "caller", "since", "last", "again")
 
     def __init__(self) -> None:
         self.loop: deque[float] = deque(maxlen=_KEEP)
         self.caller: deque[float] = deque(maxlen=_KEEP)
         self.since = 0  # choices since the slower way was last tried
+        self.last: bool | None = None  # the way the last op took (True: the loop)
+        self.again = False  # the slower way, just tried, is taken once more
 
 
 class SlowRingChoice:
@@ -67,8 +76,10 @@ class SlowRingChoice:
         return (kind + " lending" if lending else kind), nbytes.bit_length()
 
     def leave(self, key: _Key) -> bool:
-        """Whether an op of ``key`` should go to the loop: the way with fewer times while
-        either has under two, else the faster, but the slower every _EXPLORE choices."""
+        """Whether an op of ``key`` should go to the loop: while either way has under two
+        times, the one with fewer (on a tie the way the last op took, whose next op is
+        timed; the loop first), else the faster, but the slower twice every _EXPLORE
+        choices."""
         with self._lock:
             times = self._classes.get(key)
             if times is None:
@@ -76,20 +87,29 @@ class SlowRingChoice:
                 self._classes.put(key, times)
             loop, caller = times.loop, times.caller
             if len(loop) < 2 or len(caller) < 2:
-                return len(loop) <= len(caller)
-            faster = median(loop) < median(caller)
+                if len(loop) != len(caller):
+                    return len(loop) < len(caller)
+                return True if times.last is None else times.last
+            faster = min(loop) < min(caller)
+            if times.again:
+                times.again = False
+                return not faster
             times.since += 1
             if times.since >= _EXPLORE:
                 times.since = 0
+                times.again = True
                 return not faster
             return faster
 
     def took(self, key: _Key, left: bool, seconds: float) -> None:
-        """An op of ``key`` took ``seconds``, on the loop if it ``left``."""
+        """An op of ``key`` took ``seconds``, on the loop if it ``left``: counted where
+        the op before it went the same way."""
         with self._lock:
             times = self._classes.get(key)
             if times is not None:
-                (times.loop if left else times.caller).append(seconds)
+                if times.last == left:
+                    (times.loop if left else times.caller).append(seconds)
+                times.last = left
 
     def timed(self, finish: Callable[[], T], key: _Key, left: bool = True
               ) -> Callable[[], T]:
