@@ -11,7 +11,7 @@ copy ran at 2-7 GB/s instead of 11, it took 0.43 ms against 0.19-0.21 ms.  So ea
 timed, per kind of op and power-of-two size, and the faster one taken; now and then the
 other, so that a change of the host's state is seen.  The first op after a change of way
 is not timed: it pays for the change (a 16 MiB broadcast lent amid ones through the rings
-took 2.0-2.3 ms, against 1.1-1.2 lent one after another), so the other way is tried twice
+took 2.2-2.3 ms, against 1.1-1.2 lent one after another), so the other way is tried twice
 in a row, and a way's time is the least of its last few (an op only ever takes longer
 than it could: a late peer, a cold start).
 
