@@ -3,8 +3,10 @@ link copying a lent body in slices."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -100,11 +102,11 @@ class _Owner:
         raise AssertionError(reason)
 
 
-def _lent_link(owner: _Owner, socks: tuple[socket.socket, socket.socket]
-              ) -> tuple[RingLink, RingWriter, RingReader]:
-    """A link reading what the writer returned posts, lent bodies copied out of this
-    process; the reader returned shows what the link posts back."""
-    a, _b = socks
+@contextlib.contextmanager
+def _lent_link(owner: _Owner) -> Iterator[tuple[RingLink, RingWriter, RingReader]]:
+    """A link reading what the writer it gives posts, lent bodies copied out of this
+    process; the reader it gives shows what the link posts back.  All closed on exit."""
+    socks = socket.socketpair()
     out_w = RingWriter(1 << 16)
     out_r = RingReader(out_w.name, 1 << 16)  # where the link's acknowledgements go
     in_w = RingWriter(1 << 16)
@@ -112,8 +114,15 @@ def _lent_link(owner: _Owner, socks: tuple[socket.socket, socket.socket]
     for w in (out_w, in_w):
         w.unlink()
     in_r.lender_pid = os.getpid()
-    link = RingLink(owner, 1, a, out_w, in_r, 1)  # type: ignore[arg-type]
-    return link, in_w, out_r
+    link = RingLink(owner, 1, socks[0], out_w, in_r, 1)  # type: ignore[arg-type]
+    try:
+        yield link, in_w, out_r
+    finally:
+        link.close_rings()
+        in_w.close()
+        out_r.close()
+        for sock in socks:
+            sock.close()
 
 
 def _lend(writer: RingWriter, body: np.ndarray, seq: int) -> None:
@@ -129,16 +138,8 @@ def test_a_lent_copy_stops_between_slices_and_goes_on_where_it_stopped() -> None
     body = np.random.default_rng(0).integers(0, 255, (5 << 20) + 77, np.uint8)
     urgent_key = (7, 2)
     owner = _Owner(frozenset({urgent_key}), [True])
-    socks = socket.socketpair()
-    link, writer, acks = _lent_link(owner, socks)
-    try:
+    with _lent_link(owner) as (link, writer, acks):
         _read_in_slices(link, writer, acks, owner, body)
-    finally:
-        link.close_rings()
-        writer.close()
-        acks.close()
-        for sock in socks:
-            sock.close()
 
 
 @pytest.mark.parametrize(("mib", "calls"), [(5, 6), (40, 8)])
@@ -157,9 +158,7 @@ def test_a_lent_body_comes_in_1_mib_slices_but_in_eight_at_most(
 
     monkeypatch.setattr(cma, "read_into", counted)
     owner = _Owner(None, [])
-    socks = socket.socketpair()
-    link, writer, acks = _lent_link(owner, socks)
-    try:
+    with _lent_link(owner) as (link, writer, acks):
         _lend(writer, body, 1)
         link.read_ring()
         assert link.lent_in is None
@@ -171,12 +170,6 @@ def test_a_lent_body_comes_in_1_mib_slices_but_in_eight_at_most(
         assert record is not None and record[0].kind == Kind.RING_ACK
         acks.release()
         assert acks.next() is None
-    finally:
-        link.close_rings()
-        writer.close()
-        acks.close()
-        for sock in socks:
-            sock.close()
 
 
 def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner: _Owner,
