@@ -37,11 +37,12 @@ from ..lru import LRU
 # Times kept per way and size, the least of which counts.
 _KEEP = 5
 # The slower way is tried again, twice in a row, every this many choices of the other (at
-# 1 MiB and up, a slower try costs a few hundred microseconds).  At 2 ranks 16 MiB
-# broadcasts, whose root lends to a peer that copies with two threads or sends through the
-# rings, took 1.14-1.22 ms (three runs of `bench collectives`) where a lone try timed after
-# a change of way, median of two, had them 1.19 in one run and 1.73-1.99 in two, the
-# first tries of each way, taken cold, deciding for the slower.
+# 1 MiB and up, a slower try costs a few hundred microseconds).  At 2 ranks the root of a
+# 16 MiB broadcast lends to a peer that copies with two threads, or sends through the
+# rings; in `bench collectives` (22 calls) they took 1.13-1.30 ms in 7 runs of 10 and
+# 1.89-2.02 in the rest, where a lone try timed after a change of way, median of two, had
+# them fast in 3 of 9 (1.69-1.99 ms otherwise): the first tries of each way, taken cold,
+# decided for the slower.
 _EXPLORE = 32
 # (kind, size class) pairs remembered: a few kinds times the sizes a job uses.
 _CLASSES = 128
