@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from totalreduce.transport import cma
+from totalreduce.transport import cma, spread_copy
 from totalreduce.transport.base import Counters
 from totalreduce.transport.mesh import _probe
 from totalreduce.transport.ring_link import RingLink
@@ -199,3 +199,25 @@ def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner:
     assert record is not None and record[0].kind == Kind.RING_ACK
     acks.release()
     assert acks.next() is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or spread_copy._sched_getcpu is None,
+                    reason="one CPU here, or no sched_getcpu")
+def test_the_spread_copy_thread_keeps_off_the_cpu_of_the_thread_that_starts_it() -> None:
+    # Woken by the reader, the thread would share the reader's CPU for the first copies
+    # of a job; it is kept off it (wherever else the process may run), and copies right.
+    cpus = os.sched_getaffinity(0)
+    spread = spread_copy.SpreadCopy()
+    first = min(cpus)
+    os.sched_setaffinity(0, {first})  # this thread only
+    try:
+        src = np.random.default_rng(3).integers(0, 255, (3 << 20) + 5, np.uint8)
+        dest = bytearray(src.nbytes)
+        assert spread.start(os.getpid(), memoryview(dest), cma.address_of(src))
+        spread.wait()
+        assert bytes(dest) == src.tobytes()
+        helper = spread._thread.native_id
+        assert helper is not None and os.sched_getaffinity(helper) == cpus - {first}
+    finally:
+        os.sched_setaffinity(0, cpus)
+        spread.close()

@@ -342,27 +342,25 @@ def test_gathering_ops_run_on_the_callers_thread_while_their_sends_fit_a_fast_ri
     # copies slowly (every ring at 1e6 GB/s, once the warm-up has copied a lap of the
     # ring and three more) it goes the way that has been faster for its size
     # (scheduling/slow_rings.py), trying each first, the loop (which lends its bodies)
-    # before the caller's thread, each way twice since the first op after a change of
-    # way is not timed: of the three ops of 2-4 MiB here the third runs on the caller's
-    # thread.  The two bigger ones pass the ring's bound: at 3 ranks they go to the loop;
-    # at 2, where the piece each sends its peer is lent (up to LENT_GATHER_BYTES: the
-    # next test), they stay on the caller's thread, but while the rings are slow they
-    # try the loop first, as the first two of 2-4 MiB do.  The sizes phase is small and
-    # always runs there.  A call whose peers' data
+    # before the caller's thread: of the two ops of 2-4 MiB here the second stays on the
+    # caller's thread.  The two bigger ones pass the ring's bound: at 3 ranks they go to
+    # the loop; at 2, where the piece each sends its peer is lent (up to
+    # LENT_GATHER_BYTES: the next test), they stay on the caller's thread, but while the
+    # rings are slow the first of them tries the loop first, as the first of 2-4 MiB
+    # does.  The sizes phase is small and always runs there.  A call whose peers' data
     # came while this rank was still in its sizes phase (the loop took it, and it
     # floated here) may go on the general path instead: on a loaded host the early
     # rank's sizes phase can end after its late peer's data went, and a floating lent
     # piece, copied aside already, is not taken in place.
     bound = 2 * (2 << 20) * n // (2 * (n - 1))
-    sizes = [(2 << 20) + 24 * n, (2 << 20) + (bound - (2 << 20)) // 2, bound - 64 * n,
-             bound + 4096 * n, 6 << 20]
+    sizes = [(2 << 20) + 24 * n, bound - 64 * n, bound + 4096 * n, 6 << 20]
     result = run_ok(n, f"by_size_workers:{kind}_by_size", {"sizes": sizes, "warm": 12},
                     timeout=120, env={"TOTALREDUCE_SLOW_RING_GBPS": gbps})
     fast = gbps == "0" or len(os.sched_getaffinity(0)) < n  # crowded: the rule is off
     big = 2 if n == 2 and cma.cma_works() else 1
     for r in range(n):
         got = result.report(r)
-        want = [2, 2, 2, big, big] if fast else [1, 1, 2, 1, 1]
+        want = [2, 2, big, big] if fast else [1, 2, 1, big]
         assert all(ran == w or (ran == 1 and floated > 4096) for ran, w, floated
                    in zip(got["direct"], want, got["floated"], strict=True)), \
             (got, want, result.explain())

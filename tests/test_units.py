@@ -425,46 +425,44 @@ def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_ag
     key = SlowRingChoice.key("broadcast", 1 << 20)
     assert key == SlowRingChoice.key("broadcast", (2 << 20) - 1)  # one power-of-two class
     assert key != SlowRingChoice.key("alltoall", 1 << 20)
-    # Learning: the loop first, then whichever way has fewer times (on a tie the way the
-    # last op took), until each has two; the first op after a change of way is not timed.
+    # Learning: the loop first, then whichever way has fewer times, until each has two;
+    # each way's time is the least of its last five, so the loop's cold first op (2 ms)
+    # does not decide: 100 us against the caller's thread's 200.
     ways = []
-    for _ in range(7):
+    for t in (2e-3, 200e-6, 100e-6, 250e-6):
         left = choice.leave(key)
         ways.append(left)
-        choice.took(key, left, 300e-6 if left else 100e-6)  # the caller's thread is faster
-    assert ways == [True, True, False, False, False, True, True]
+        choice.took(key, left, t)
+    assert ways == [True, False, True, False]
     # Then the faster way, and the slower one twice in a row every 32 choices.
     ways = []
     for _ in range(96):
         left = choice.leave(key)
         ways.append(left)
-        choice.took(key, left, 300e-6 if left else 100e-6)
-    assert [i for i, left in enumerate(ways) if left] == [31, 32, 64, 65]
+        choice.took(key, left, 100e-6 if left else 300e-6)
+    assert [i for i, left in enumerate(ways) if not left] == [31, 32, 64, 65]
     # The first of the two is not timed: a slow change of way does not count, the time
-    # after it does, and a faster loop wins from then on.
-    assert not choice.leave(key)  # the 31st choice since the last pair
-    choice.took(key, False, 100e-6)
-    assert choice.leave(key)
-    choice.took(key, True, 10e-3)
-    assert choice.leave(key)
-    choice.took(key, True, 50e-6)
-    assert choice.leave(key) and choice.leave(key)
+    # after it does, and a faster caller's thread wins from then on.
+    assert choice.leave(key)  # the 31st choice since the last pair
+    choice.took(key, True, 100e-6)
+    assert not choice.leave(key)
+    choice.took(key, False, 10e-3)
+    assert not choice.leave(key)
+    choice.took(key, False, 50e-6)
+    assert not choice.leave(key) and not choice.leave(key)
     # An op that left is timed through its finish, which still returns its result.
     other = SlowRingChoice.key("allgather", 4 << 20)
     assert choice.leave(other)
     assert choice.timed(lambda: "result", other)() == "result"
-    assert choice.leave(other)  # the first op was not timed: the loop has none yet
-    assert choice.timed(lambda: "again", other)() == "again"
     assert not choice.leave(other)  # the loop has a time now, the caller's thread none
-    # Whether an op on the loop lends is a choice of its own, learned the same way.
+    # Whether an op on the loop lends is a choice of its own, timed either way.
     lending = SlowRingChoice.key("broadcast", 1 << 20, lending=True)
     assert lending not in (key, SlowRingChoice.key("broadcast", 1 << 20))
-    ways = []
-    for _ in range(7):
-        lend = choice.leave(lending)
-        ways.append(lend)
-        assert choice.timed(lambda: 1, lending, lend)() == 1
-    assert ways == [True, True, False, False, False, True, True]
+    assert choice.leave(lending)
+    assert choice.timed(lambda: 1, lending, True)() == 1
+    assert not choice.leave(lending)  # lent once: now copied through the ring
+    choice.timed(lambda: 2, lending, False)()
+    assert choice.leave(lending)  # one time each: lent again
     # Bounded: one entry per (kind, size class), the stalest forgotten.
     for size in range(1, 400):
         choice.leave(SlowRingChoice.key(f"op{size}", size))

@@ -9,11 +9,11 @@ host, not on the op alone: on one 2-vCPU VM the loop took 1 MiB broadcasts in 0.
 against 0.31 ms on the caller's thread, on another of the same kind, where the kernel's
 copy ran at 2-7 GB/s instead of 11, it took 0.43 ms against 0.19-0.21 ms.  So each way is
 timed, per kind of op and power-of-two size, and the faster one taken; now and then the
-other, so that a change of the host's state is seen.  The first op after a change of way
-is not timed: it pays for the change (a 16 MiB broadcast lent amid ones through the rings
-took 2.2-2.3 ms, against 1.1-1.2 lent one after another), so the other way is tried twice
-in a row, and a way's time is the least of its last few (an op only ever takes longer
-than it could: a late peer, a cold start).
+other, so that a change of the host's state is seen.  Each way's time is the least of
+its last few (an op only ever takes longer than it could: a late peer, a cold start).
+Once both are known the other way is tried twice in a row, the first untimed: it pays for
+the change (a 16 MiB broadcast lent amid ones through the rings took 2.2-2.3 ms, against
+1.1-1.2 lent one after another).
 
 An op too big for the caller's thread runs on the loop either way, and there the choice
 is whether it lends its bodies while the rings are slow or copies them through the ring
@@ -37,12 +37,8 @@ from ..lru import LRU
 # Times kept per way and size, the least of which counts.
 _KEEP = 5
 # The slower way is tried again, twice in a row, every this many choices of the other (at
-# 1 MiB and up, a slower try costs a few hundred microseconds).  At 2 ranks the root of a
-# 16 MiB broadcast lends to a peer that copies with two threads, or sends through the
-# rings; in `bench collectives` (22 calls) they took 1.13-1.30 ms in 7 runs of 10 and
-# 1.89-2.02 in the rest, where a lone try timed after a change of way, median of two, had
-# them fast in 3 of 9 (1.69-1.99 ms otherwise): the first tries of each way, taken cold,
-# decided for the slower.
+# 1 MiB and up, a slower try costs a few hundred microseconds): as often as one lone try
+# every 16 was.
 _EXPLORE = 32
 # (kind, size class) pairs remembered: a few kinds times the sizes a job uses.
 _CLASSES = 128
@@ -77,10 +73,9 @@ class SlowRingChoice:
         return (kind + " lending" if lending else kind), nbytes.bit_length()
 
     def leave(self, key: _Key) -> bool:
-        """Whether an op of ``key`` should go to the loop: while either way has under two
-        times, the one with fewer (on a tie the way the last op took, whose next op is
-        timed; the loop first), else the faster, but the slower twice every _EXPLORE
-        choices."""
+        """Whether an op of ``key`` should go to the loop: the way with fewer times while
+        either has under two (the loop first), else the faster, but the slower twice every
+        _EXPLORE choices."""
         with self._lock:
             times = self._classes.get(key)
             if times is None:
@@ -88,9 +83,7 @@ class SlowRingChoice:
                 self._classes.put(key, times)
             loop, caller = times.loop, times.caller
             if len(loop) < 2 or len(caller) < 2:
-                if len(loop) != len(caller):
-                    return len(loop) < len(caller)
-                return True if times.last is None else times.last
+                return len(loop) <= len(caller)
             faster = min(loop) < min(caller)
             if times.again:
                 times.again = False
@@ -103,13 +96,15 @@ class SlowRingChoice:
             return faster
 
     def took(self, key: _Key, left: bool, seconds: float) -> None:
-        """An op of ``key`` took ``seconds``, on the loop if it ``left``: counted where
-        the op before it went the same way."""
+        """An op of ``key`` took ``seconds``, on the loop if it ``left``: counted while
+        either way has under two times, then only where the op before it went the same
+        way."""
         with self._lock:
             times = self._classes.get(key)
             if times is not None:
-                if times.last == left:
-                    (times.loop if left else times.caller).append(seconds)
+                loop, caller = times.loop, times.caller
+                if times.last == left or len(loop) < 2 or len(caller) < 2:
+                    (loop if left else caller).append(seconds)
                 times.last = left
 
     def timed(self, finish: Callable[[], T], key: _Key, left: bool = True
