@@ -6,15 +6,16 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from totalreduce.transport import cma, spread_copy
+from totalreduce.transport import cma
 from totalreduce.transport.base import Counters
 from totalreduce.transport.mesh import _probe
-from totalreduce.transport.ring_link import RingLink
+from totalreduce.transport.ring_link import RingLink, push_front
 from totalreduce.transport.shmring import RingReader, RingWriter
 from totalreduce.transport.wire import FLAG_REMOTE, REMOTE_BODY, Header, Kind
 
@@ -70,6 +71,7 @@ class _Owner:
         self.dest = bytearray(0)
         self._urgent = urgent
         self._pressing = pressing  # answers to pressing(), in order; then False
+        self.defer = False
 
     # the handler's side
     def overtaking(self, peer: int, front: Header) -> frozenset[tuple[int, int]] | None:
@@ -92,7 +94,10 @@ class _Owner:
         self.events.append(("ahead", header.seq, bytes(body)))
 
     def can_defer(self, peer: int, header: Header) -> bool:
-        return False
+        return self.defer
+
+    def sent(self, peer: int, token: object) -> None:
+        self.events.append(("sent", 0, repr(token).encode()))
 
     # the transport's side
     def again(self, peer: int) -> None:
@@ -201,23 +206,127 @@ def _read_in_slices(link: RingLink, writer: RingWriter, acks: RingReader, owner:
     assert acks.next() is None
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or spread_copy._sched_getcpu is None,
-                    reason="one CPU here, or no sched_getcpu")
-def test_the_spread_copy_thread_keeps_off_the_cpu_of_the_thread_that_starts_it() -> None:
-    # Woken by the reader, the thread would share the reader's CPU for the first copies
-    # of a job; it is kept off it (wherever else the process may run), and copies right.
-    cpus = os.sched_getaffinity(0)
-    spread = spread_copy.SpreadCopy()
-    first = min(cpus)
-    os.sched_setaffinity(0, {first})  # this thread only
+@contextlib.contextmanager
+def _linked_pair() -> Iterator[tuple[RingLink, _Owner, RingLink, _Owner]]:
+    """Two links of this process to each other (ranks 0 and 1), each lending to the other
+    and reading the other's memory, which is this process's."""
+    socks = socket.socketpair()
+    to_b = RingWriter(1 << 16)
+    b_in = RingReader(to_b.name, 1 << 16)
+    to_a = RingWriter(1 << 16)
+    a_in = RingReader(to_a.name, 1 << 16)
+    for w in (to_a, to_b):
+        w.unlink()
+        w.lend = True
+    a_in.lender_pid = b_in.lender_pid = os.getpid()
+    owners = _Owner(None, []), _Owner(None, [])
+    a = RingLink(owners[0], 1, socks[0], to_b, a_in, 1)  # type: ignore[arg-type]
+    b = RingLink(owners[1], 0, socks[1], to_a, b_in, 1)  # type: ignore[arg-type]
     try:
-        src = np.random.default_rng(3).integers(0, 255, (3 << 20) + 5, np.uint8)
-        dest = bytearray(src.nbytes)
-        assert spread.start(os.getpid(), memoryview(dest), cma.address_of(src))
-        spread.wait()
-        assert bytes(dest) == src.tobytes()
-        helper = spread._thread.native_id
-        assert helper is not None and os.sched_getaffinity(helper) == cpus - {first}
+        yield a, owners[0], b, owners[1]
     finally:
-        os.sched_setaffinity(0, cpus)
-        spread.close()
+        a.close_rings()
+        b.close_rings()
+        for sock in socks:
+            sock.close()
+
+
+def _data(seq: int, nbytes: int, flags: int = 0) -> bytes:
+    return Header(Kind.DATA, 1, flags, 0, 7, seq, 0, 0, nbytes, nbytes).pack()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_an_idle_lender_copies_the_back_half_into_its_reader_when_asked(
+        deferred: bool) -> None:
+    # A body lent with spread=True (its lender sits idle): the reader asks for its back
+    # (RING_PUSH), copies the front, and waits between turns until the lender says it
+    # wrote the back (RING_PUSHED); only then is the body handed on and acknowledged.
+    # The lender answers the request even behind a record it leaves unread for an op not
+    # begun there (deferred).
+    body = np.random.default_rng(5).integers(0, 255, (3 << 20) + 4097, np.uint8)
+    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
+        if deferred:
+            small = np.arange(8, dtype=np.uint8)
+            assert reader.post_now(_data(9, 8), memoryview(small))
+            lender_owner.defer = True
+        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "token", spread=True)
+        reader.read_ring()  # the request goes out, the front comes in, then it waits
+        lent = reader.lent_in
+        front = push_front(body.nbytes)
+        assert lent is not None and lent.end == front and lent.done == front
+        assert reader_owner.events == []
+        assert bytes(reader_owner.dest[front:]) == bytes(body.nbytes - front)
+        reader.read_ring()  # still nothing from the lender: it waits on
+        assert reader.lent_in is lent and reader_owner.events == []
+        lender.read_ring()  # the request: the lender writes the back
+        assert lender.deferred is deferred
+        assert lender_owner.events == []  # nothing acknowledged yet
+        reader.read_ring()
+        assert reader.lent_in is None
+        assert reader_owner.events == [("whole", 1, body.tobytes())]
+        assert reader.counters.bodies_spread == 1
+        lender.deferred = False
+        lender_owner.defer = False
+        lender.read_ring()
+        events = lender_owner.events
+        if deferred:
+            assert events[0] == ("in ring", 9, small.tobytes())
+            events = events[1:]
+        assert events == [("sent", 0, b"'token'")]
+        assert lender.peek() is None and reader.peek() is None
+
+
+def test_a_reader_on_a_callers_thread_waits_for_the_pushed_half() -> None:
+    # take_lent (a Repeat's): the reader's thread asks for the back and waits for it while
+    # the lender's loop answers on another thread.
+    body = np.random.default_rng(6).integers(0, 255, (2 << 20) + 3, np.uint8)
+    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
+        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+        record = reader.peek()
+        assert record is not None and record[0].flags & FLAG_REMOTE and record[1] is None
+        stop = threading.Event()
+
+        def answer() -> None:
+            while not stop.is_set() and not lender_owner.events:
+                lender.read_ring()
+
+        helper = threading.Thread(target=answer)
+        helper.start()
+        dest = bytearray(body.nbytes)
+        try:
+            assert reader.take_lent(memoryview(dest))
+        finally:
+            helper.join(timeout=30)
+            stop.set()
+        assert not helper.is_alive() and bytes(dest) == body.tobytes()
+        assert lender_owner.events == [("sent", 0, b"'t'")]
+        assert reader.counters.bodies_spread == 1 and reader.peek() is None
+
+
+def test_a_lender_that_cannot_write_says_so_and_the_reader_copies_it_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(pid: int, src: memoryview, address: int) -> None:
+        raise OSError(1, "not allowed")
+
+    monkeypatch.setattr(cma, "write_from", refuse)
+    body = np.random.default_rng(7).integers(0, 255, (1 << 20) + 11, np.uint8)
+    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
+        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+        reader.read_ring()
+        assert reader.lent_in is not None
+        lender.read_ring()
+        reader.read_ring()
+        assert reader.lent_in is None and reader.counters.bodies_spread == 0
+        assert reader_owner.events == [("whole", 1, body.tobytes())]
+        lender.read_ring()
+        assert lender_owner.events == [("sent", 0, b"'t'")]
+
+
+def test_a_push_of_a_body_never_lent_loses_the_link() -> None:
+    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
+        desc = REMOTE_BODY.pack(0, 3)
+        assert reader.ring_out is not None
+        assert reader.ring_out.post(Header(Kind.RING_PUSH, seq=3, nbytes=len(desc)).pack(),
+                                    memoryview(desc))
+        with pytest.raises(AssertionError, match="push of unknown lent body 3"):
+            lender.read_ring()

@@ -448,26 +448,27 @@ def async_mid_reductions(arg: dict) -> None:
 
 
 def spread_broadcasts(arg: dict) -> None:
-    """Blocking broadcasts of 9-12 MiB from rank 0 (lent bodies big enough for a receiver
-    to copy with two threads: transport/spread_copy.py), into new arrays and in place,
-    several dtypes, odd sizes, the receiver a little late now and then; each against
-    numpy.  The root times each way (spread, through the ring) and takes the faster, so
-    both run.  Reports how many bodies this rank copied with two threads."""
+    """Blocking broadcasts of 1-11 MiB from rank 0 (lent bodies whose root copies half of
+    each into the receiver: transport/ring_link.py), into new arrays and in place,
+    several dtypes, odd sizes, each name twice (the second call from its Repeat), the
+    receiver a little late now and then; each against numpy.  Reports how many bodies
+    this rank lent and copied half of."""
     tr.init()
     rank, n = tr.rank(), tr.size()
-    for i in range(6):
-        dtype = (np.float32, np.float64, np.int16)[i % 3]
-        count = ((9 << 20) + (1 << 20) * (i % 4)) // np.dtype(dtype).itemsize + 2 * i + 1
+    for i in range(12):
+        k = i // 2
+        dtype = (np.float32, np.float64, np.int16)[k % 3]
+        count = ((1 << 20) + (2 << 20) * k) // np.dtype(dtype).itemsize + 2 * k + 1
         ins = [data(300 + i, r, (count,), dtype) for r in range(n)]
-        if rank and i % 2:
+        if rank and k % 2:
             time.sleep(0.003)
         what = f"broadcast {i} of {count} {np.dtype(dtype)}"
-        if i % 3 == 2:
+        if k % 3 == 2:
             buf = ins[rank].copy()
-            tr.broadcast_(buf, root_rank=0, name=f"spread{i}")
+            tr.broadcast_(buf, root_rank=0, name=f"spread{k}")
             assert_same(buf, ins[0], what)
         else:
-            assert_same(tr.broadcast(ins[rank], root_rank=0, name=f"spread{i}"), ins[0],
+            assert_same(tr.broadcast(ins[rank], root_rank=0, name=f"spread{k}"), ins[0],
                         what)
             assert_same(ins[rank], data(300 + i, rank, (count,), dtype), what + " (input)")
     stats = tr.transport_stats()
@@ -509,33 +510,40 @@ def lent_pieces_in_slices(arg: dict) -> None:
 
 
 def broadcast_root_copies(arg: dict) -> None:
-    """A 2-rank broadcast whose root sends through the ring (not lent), then an allgather
-    and an alltoall that lend; reports what each rank lent during each."""
+    """A broadcast (its root lends it only where it copies half into its receiver), then
+    an allgather and an alltoall that lend; reports what each rank lent during each, and
+    the lent bodies it copied half of in the broadcast."""
     tr.init()
     rank = tr.rank()
     count = (3 << 20) // 8 + 5  # several 128 KiB pieces and an odd tail
     want = np.arange(count, dtype=np.float64) * 0.5
     x = want.copy() if rank == 0 else np.zeros(count)
     tr.barrier()
-    before = tr.transport_stats()["bodies_lent"]
+    before = tr.transport_stats()
     got = tr.broadcast(x, root_rank=0, name="params")
     assert np.array_equal(got, want), "broadcast"
     tr.barrier()
-    mid = tr.transport_stats()["bodies_lent"]
-    rows = tr.allgather(np.full((count // 2, 2), rank, np.float64), name="rows")
-    assert np.array_equal(rows[: count // 2], np.zeros((count // 2, 2))), "allgather"
-    assert np.array_equal(rows[count // 2:], np.ones((count // 2, 2))), "allgather"
+    stats = tr.transport_stats()
+    mid = stats["bodies_lent"]
+    spread = stats["bodies_spread"] - before["bodies_spread"]
+    before = before["bodies_lent"]
+    n, half = tr.size(), count // 2
+    rows = tr.allgather(np.full((half, 2), rank, np.float64), name="rows")
+    for r in range(n):
+        assert np.array_equal(rows[r * half:(r + 1) * half], np.full((half, 2), r)), \
+            "allgather"
     tr.barrier()
     after = tr.transport_stats()["bodies_lent"]
-    mine = np.arange(2 * count, dtype=np.float64) + 10 * rank
+    mine = np.arange(n * count, dtype=np.float64) + 10 * rank
     got, splits = tr.alltoall(mine, name="swap")
-    want = np.concatenate([(np.arange(2 * count, dtype=np.float64) + 10 * r)
-                           [rank * count:(rank + 1) * count] for r in range(2)])
-    assert np.array_equal(got, want) and list(splits) == [count, count], "alltoall"
+    want = np.concatenate([(np.arange(n * count, dtype=np.float64) + 10 * r)
+                           [rank * count:(rank + 1) * count] for r in range(n)])
+    assert np.array_equal(got, want) and list(splits) == [count] * n, "alltoall"
     tr.barrier()
     last = tr.transport_stats()["bodies_lent"]
     tr.shutdown()
-    report(broadcast=mid - before, allgather=after - mid, alltoall=last - after)
+    report(broadcast=mid - before, spread=spread, allgather=after - mid,
+           alltoall=last - after)
 
 
 def urgent_overtakes(arg: dict) -> None:

@@ -104,7 +104,8 @@ def transport_stats() -> dict[str, int]:
     ``bytes_sent``, ``messages_received``, ``bytes_received`` (whole messages, 64-byte
     headers included, as they left or arrived), ``bodies_lent`` (bodies a same-host
     peer copied straight out of this process's memory instead of through a ring) and
-    ``bodies_spread`` (lent bodies this rank copied with two threads)."""
+    ``bodies_spread`` (lent bodies this rank copied half of, the idle lender the other
+    half)."""
     return _runtime.current().transport.stats()
 
 

@@ -40,7 +40,7 @@ from ..interrupts import deferred as ctrl_c
 from ..timeline import Timeline
 from ..transport import pages
 from ..transport.base import Port, Transport
-from ..transport.spread_copy import SPREAD_MIN
+from ..transport.ring_link import PUSH_MIN
 from ..transport.wire import Header
 from .applier import Applier
 from .departures import Departures
@@ -219,7 +219,8 @@ class Engine:
         ``seq``.  Its calls keep ``spec``'s priority where they go on
         on the general path; while the engine is idle no other op is there to pass.
         ``lends``: its calls lend the bodies the express lane would (else none);
-        ``lends_one_way``: and their one-way sends' where huge pages back them."""
+        ``lends_one_way``: and their one-way sends' (Repeat: whole, half copied into the
+        peer, or where huge pages back them)."""
         chain = self._express.chain(spec.schedule)
         if chain is None:
             return None
@@ -309,10 +310,11 @@ class Engine:
 
     def spreads(self, peers: Collection[int], nbytes: int) -> bool:
         """Whether ``peers`` would copy a body of ``nbytes`` this rank lends them, while it
-        sits idle, with two threads each (transport/spread_copy.py): such a body is lent
-        to each, is big enough, and every rank of the host has a core of its own."""
+        sits idle, half each, this rank the other halves (transport/ring_link.py): such a
+        body is lent to each, is big enough, and every rank of the host has a core of its
+        own."""
         transport = self.transport
-        return nbytes >= SPREAD_MIN and bool(peers) and not transport.crowded() and all(
+        return nbytes >= PUSH_MIN and bool(peers) and not transport.crowded() and all(
             transport.lends_body(p, nbytes, nbytes) for p in peers)
 
     def idle(self) -> bool:

@@ -27,7 +27,14 @@ from collections.abc import Callable
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
 from ..transport.base import Transport
-from ..transport.wire import FLAG_CREDITED, FLAG_READY, FLAG_REMOTE, Header, Kind
+from ..transport.wire import (
+    FLAG_CREDITED,
+    FLAG_READY,
+    FLAG_REMOTE,
+    LEND_REPLIES,
+    Header,
+    Kind,
+)
 from .ledger import CreditLedger, charge_of
 from .opstate import LentSend
 from .optable import OpTable
@@ -256,9 +263,9 @@ class Express:
                     self._credit(peer, header)
                     ready.add(peer)
                     take(peer, header)
-                elif not (lent and header.kind == Kind.RING_ACK
+                elif not (lent and header.kind in LEND_REPLIES
                           and transport.take_ack(peer, header)):
-                    break  # else: the peer has copied a body we lent it
+                    break  # else: the peer has copied (part of) a body we lent it
                 record = peek(peer) or self.wait(peer)
             if record is None:
                 return self.hand_over(spec, chain, ready, told, done, posted, False, lent,
@@ -333,15 +340,17 @@ class Express:
             return None
         return LentSend(send)
 
-    def acked(self, token: LentSend) -> bool:
+    def acked(self, token: LentSend, spin: float = _SPIN) -> bool:
         """Wait until the peer says it has copied the body ``token`` lent it (the records
-        it sends before that are acknowledgements too, of other bodies); False where none
-        came within the spin, or another record stands first."""
+        it sends before that are replies too, to other bodies); False where none came
+        within ``spin`` seconds, or another record stands first."""
         transport = self._transport
         peer = token.send.peer
+        peek = functools.partial(transport.peek, peer)
         while not token.acked:
-            record = transport.peek(peer) or self.wait(peer)
-            if (record is None or record[1] is not None or record[0].kind != Kind.RING_ACK
+            record = peek() or self.wait_on(peek, spin)
+            if (record is None or record[1] is not None
+                    or record[0].kind not in LEND_REPLIES
                     or not transport.take_ack(peer, record[0])):
                 return False
         return True
@@ -356,12 +365,13 @@ class Express:
         """The next record from ``peer``, or None if none came within the spin."""
         return self.wait_on(functools.partial(self._transport.peek, peer))
 
-    def wait_on(self, peek: Callable[[], tuple[Header, memoryview | None] | None]
-                ) -> tuple[Header, memoryview | None] | None:
-        """:meth:`wait`, looking with ``peek()`` (a peer's Port.peek, say)."""
+    def wait_on(self, peek: Callable[[], tuple[Header, memoryview | None] | None],
+                spin: float = _SPIN) -> tuple[Header, memoryview | None] | None:
+        """:meth:`wait`, looking with ``peek()`` (a peer's Port.peek, say), for up to
+        ``spin`` seconds."""
         relax = os.sched_yield if self._transport.crowded() else None
         now = time.perf_counter
-        deadline = now() + _SPIN
+        deadline = now() + spin
         while not ctrl_c.pending:
             if relax is not None:
                 relax()

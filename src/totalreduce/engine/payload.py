@@ -48,15 +48,16 @@ class OpSpec:
     # kernel copy on the reader's core, slower per byte than a memcpy; through the ring it
     # is a memcpy on each side.  So where the sender's core would sit idle meanwhile (a
     # broadcast's root) the ring is faster: 6.7-7.7 ms against 10.8-11.3 ms for 64 MB at
-    # 2 ranks, unless the reader copies with two threads (``spread``).  Elsewhere the
+    # 2 ranks, unless the root copies half of it into the reader meanwhile (``spread``).
+    # Elsewhere the
     # sender's core has copies or sums of its own to do.
     lend: bool = True
     # Its bodies may be lent while a ring copies slowly (transport/copy_pace.py), whatever
     # ``lend`` says; the scheduler turns it off where copying through the ring has been
     # the faster way for ops of its kind and size (scheduling/slow_rings.py).
     lend_slow: bool = True
-    # This rank sits idle while its peers copy its lent bodies (a broadcast's root): they
-    # may copy a big one with two threads each (transport/spread_copy.py).
+    # This rank sits idle while its peers copy its lent bodies (a broadcast's root): it
+    # copies the back half of each into them meanwhile (transport/ring_link.py).
     spread: bool = False
     # Where ``source`` lies in the working buffer's coordinates: 0 for an alltoall's (each
     # block at its place in both), the rank's block for an allgather's (its input alone).

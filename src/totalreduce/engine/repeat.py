@@ -31,6 +31,7 @@ pieces likewise where huge pages back them (ONE_WAY_HUGE), through the ring othe
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from threading import get_ident
@@ -42,6 +43,7 @@ from ..memcopy import copy_bytes
 from ..transport import pages
 from ..transport.base import Port, Transport
 from ..transport.cma import address_of
+from ..transport.ring_link import PUSH_MIN
 from ..transport.wire import (
     FLAG_AGREES,
     FLAG_CREDITED,
@@ -50,6 +52,7 @@ from ..transport.wire import (
     FLAG_WOULD_LEND,
     HEADER_SIZE,
     KIND_DATA,
+    LEND_REPLIES,
     MAGIC,
     Header,
     Kind,
@@ -69,13 +72,16 @@ from .serving import JoinServer
 from .smallpath import SmallPath, post_ready
 
 _KIND_READY = Kind.READY
-_KIND_ACK = Kind.RING_ACK
 _frombuffer = np.frombuffer
 _now = time.perf_counter
 
 # How long this thread looks for the peer's next message, posting what waits meanwhile,
 # before the small path takes the op over (as Express.wait's spin).
 _SPIN = 200e-6
+# ... and longer by a second for this many bytes a call lends and copies half of (_PUSH):
+# the peer copies the other half meanwhile, and its answer comes once it has.  A kernel
+# copy runs at 6-12 GB/s on the hosts measured.
+_PUSH_RATE = 2e9
 
 # The fields Repeat._run compares by position (a header reordered must fail here).
 assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbytes",
@@ -84,6 +90,7 @@ assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbyt
 # A send as Repeat keeps it: (port, peer, lo, hi, step, piece, bytes, to a source,
 # from the call's source, the whole buffer, the Send where its body may be lent, when
 # else it is lent: 0 by its size alone, _ONE_WAY only out of huge pages (ONE_WAY_HUGE),
+# _PUSH by its size alone, half copied here (PUSH_MIN),
 # _EXCHANGE where it would be lent out of huge pages or while the ring copies slowly
 # (express.py, the exchange's rule) and the peer would lend too (Repeat._agrees), _SLOW
 # a reduction's only while the ring copies slowly, as the loop's (OpSpec.lend_slow)).
@@ -91,6 +98,9 @@ _Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None,
 _ONE_WAY = 1
 _EXCHANGE = 2
 _SLOW = 3
+# A one-way send lent whole, its back half copied into the peer by this thread when the
+# peer asks (transport/ring_link.py: RING_PUSH), where every rank has a core of its own.
+_PUSH = 4
 
 # What every call of a one-exchange template shares (Repeat._run_single): the send's port,
 # peer, step, piece, bytes and flags; the receive's port, step, piece and bytes; whether
@@ -131,7 +141,8 @@ class Repeat:
                  "_code", "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single")
+                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single", "pushes",
+                 "_spin")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -147,10 +158,11 @@ class Repeat:
         lent, and their acknowledgements taken; ``lends``: whether calls lend the bodies
         the express lane would (through the ring, a body of 1 MiB costs less: 2 MB
         allgathers and alltoalls at 2 ranks took 0.10 ms so against 0.12 lent);
-        ``lends_one_way``: whether calls lend their one-way sends' bodies (Chain.one_way)
-        where huge pages back them; ``scratch``: where a reduction's lent pieces are
-        copied to be summed (the engine's pool; without it a call hands such a piece
-        over to the small path).
+        ``lends_one_way``: whether calls lend their one-way sends' bodies (Chain.one_way):
+        from PUSH_MIN whole, this thread copying the back half into the peer (where
+        every rank has a core of its own), else where huge pages back them;
+        ``scratch``: where a reduction's lent pieces are copied to be summed (the
+        engine's pool; without it a call hands such a piece over to the small path).
 
         A reduction's calls lend the pieces of its exchanges where the loop would (with
         ``lends``): by size where the template's spec lends (OpSpec.lend), or while the
@@ -203,6 +215,7 @@ class Repeat:
             reduces and template.lend_slow)) else frozenset()
         one_way = chain.one_way if lends_one_way and template.ufunc is None \
             else frozenset()
+        pushes = bool(one_way) and not transport.crowded()
 
         def sends(of: tuple[Send, ...]) -> tuple[_Send, ...]:
             out = []
@@ -215,6 +228,8 @@ class Repeat:
                     else:
                         lend, rule = s, _EXCHANGE if express.exchange_pages and \
                             nbytes <= transport.ring_body(s.peer) else 0
+                elif which in one_way and pushes and nbytes >= PUSH_MIN:
+                    lend, rule = s, _PUSH
                 elif which in one_way and nbytes >= ONE_WAY_FROM:
                     lend, rule = s, _ONE_WAY
                 else:
@@ -225,6 +240,11 @@ class Repeat:
             return tuple(out)
 
         self._first = sends(chain.first)
+        # Whether calls copy into their peers what they lend (broadcasts: Algorithms
+        # cuts them into pieces for it).
+        self.pushes = any(send[11] == _PUSH for send in self._first)
+        self._spin = _SPIN + sum(send[6] for send in self._first if send[11] == _PUSH) \
+            / _PUSH_RATE
         # Every send in the chain's order (Chain.sends), where waiting ones queue: the
         # first, then each step's.  A hand-over counts the ones posted in this order.
         self._sends = sends(chain.sends)
@@ -375,7 +395,7 @@ class Repeat:
                                                    code, sig, count, self._recipe, epoch):
                 return self._hand_over(work, source, key, epoch, ready, told, 0, posted,
                                        True, late)
-        wait = self._express.wait_on
+        wait = functools.partial(self._express.wait_on, spin=self._spin)
         ufunc = self._ufunc
         dtype, quiet, slow_reduce = self._dtype, self._quiet, self._reduce_into
         for done, (peer, port, step, piece, recv, nbytes, then, whole, bare) in enumerate(
@@ -398,9 +418,9 @@ class Repeat:
                 header = record[0]
                 if not (header.kind == _KIND_READY and header.name_key == key0
                         and header.seq == key1):
-                    if lent and header.kind == _KIND_ACK and \
+                    if lent and header.kind in LEND_REPLIES and \
                             self._transport.take_ack(peer, header):
-                        # The peer has copied a body we lent it.
+                        # The peer has copied (part of) a body we lent it.
                         record = port.peek()
                         continue
                     break
@@ -494,7 +514,7 @@ class Repeat:
         if late:
             self._finish_local(work, source)
         for token in lent:  # each peer says it has copied what we lent it
-            if not self._express.acked(token):
+            if not self._express.acked(token, self._spin):
                 return self._hand_over(work, source, key, epoch, ready, told,
                                        len(self._steps), posted, False)
         self._express.repeats += 1
@@ -677,7 +697,7 @@ class Repeat:
         elif lend is not None and body is not None and \
                 self._transport.lends_body(peer, self._op_bytes, nbytes):
             if pages_rule != _EXCHANGE:
-                lends = not pages_rule or self._huge(body)
+                lends = not pages_rule or pages_rule == _PUSH or self._huge(body)
             else:
                 flags |= FLAG_AGREES
                 peer_lends = self._peer_lends.get(peer, _WONT)
@@ -694,7 +714,8 @@ class Repeat:
         if lends:
             assert lend is not None and body is not None
             token = LentSend(lend)
-            gone = self._transport.lend_now(peer, header, body, token)
+            gone = self._transport.lend_now(peer, header, body, token,
+                                            spread=pages_rule == _PUSH)
         else:
             gone = port.post_now(header, body)
         if not gone:

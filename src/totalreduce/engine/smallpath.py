@@ -33,6 +33,7 @@ from ..transport.wire import (
     FLAG_READY,
     FLAG_REMOTE,
     KIND_DATA,
+    LEND_REPLIES,
     Header,
     Kind,
     pack_header,
@@ -360,7 +361,7 @@ class SmallPath:
                 self._transport.take(peer, header)
                 return True
             return self._take_lent(op, peer, header)
-        return bool(op.lent) and header.kind == Kind.RING_ACK and \
+        return bool(op.lent) and header.kind in LEND_REPLIES and \
             self._transport.take_ack(peer, header)
 
     def _take_lent(self, op: SmallOp, peer: int, header: Header) -> bool:

@@ -16,7 +16,6 @@ from .call_names import Ident
 from .checks import check_broadcast
 from .handle import FutureHandle, Handle
 from .scheduler_parts import SchedulerParts
-from .slow_rings import SlowRingChoice
 from .templates import OpTemplate, broadcast_key
 from .thresholds import LENT_WHEN_SLOW
 from .views import with_algorithm
@@ -48,8 +47,9 @@ class BroadcastOps(SchedulerParts):
             if not template.repeat_tried and not priority:
                 template.repeat_tried = True
                 if self._repeats_broadcast(work.nbytes):
-                    # At 2 ranks the root's Repeat lends its pieces where huge pages back
-                    # them (repeat.py): its peer copies each at memory's speed.
+                    # At 2 ranks the root's Repeat lends its pieces, and copies half of
+                    # each into the peer as it copies the other half (repeat.py), or
+                    # lends them where huge pages back them.
                     template.repeat = self._engine.repeat(
                         spec, functools.partial(self._label, "broadcast", name),
                         lends_one_way=self.size == 2 and self.rank == root)
@@ -72,25 +72,23 @@ class BroadcastOps(SchedulerParts):
         def finish() -> np.ndarray:
             return _broadcast_result(arr, work, writeback, inplace)
 
-        if (self.rank == root and work.nbytes > self._direct_broadcast
-                and self._engine.waits_here() and self._engine.spreads(self._peers,
-                                                                       work.nbytes)):
-            # The root lends its bodies and sits idle while each peer copies them with two
-            # threads, or copies them through the rings as it does elsewhere: the faster
-            # way here, timed (a host whose kernel copies slowly may prefer the rings).
-            key = SlowRingChoice.key("broadcast spread", work.nbytes)
-            spread = self._slow_rings.leave(key)
-            spec.lend = spec.spread = spread
-            spec.lend_slow = spread
-            timed = self._slow_rings.timed(finish, key, spread)  # submit() may run it
-            return FutureHandle([self._engine.submit(spec)], timed, spec.label)
+        if (self.rank == root and (self.size == 2 or work.nbytes > self._direct_broadcast)
+                and self._engine.waits_here()
+                and self._engine.spreads(self._peers, work.nbytes)):
+            # The root lends its bodies and, idle otherwise, copies the back half of each
+            # into its peer while the peer copies the front (transport/ring_link.py).
+            spec.lend = spec.spread = spec.lend_slow = True
+            return FutureHandle([self._engine.submit(spec)], finish, spec.label)
         return self._launch(spec, finish, self._direct_broadcast, slow_from=LENT_WHEN_SLOW)
 
     def _repeats_broadcast(self, nbytes: int) -> bool:
         """Whether blocking broadcasts of ``nbytes`` may run from a Repeat: those that
         :meth:`_launch` runs on the caller's thread (from LENT_WHEN_SLOW, only while the
-        rings copy fast, or where that has been faster: :meth:`broadcast_now`)."""
-        return self._direct_bytes > 0 and nbytes <= self._direct_broadcast
+        rings copy fast, or where that has been faster: :meth:`broadcast_now`), and at 2
+        ranks any whose root copies half of what it lends into its peer."""
+        return self._direct_bytes > 0 and (
+            nbytes <= self._direct_broadcast
+            or (self.size == 2 and self._engine.spreads(self._peers, nbytes)))
 
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> np.ndarray | None:
@@ -105,12 +103,14 @@ class BroadcastOps(SchedulerParts):
         if kept is None or kept[0].repeat is None:
             return None
         arr: np.ndarray = x
-        here, slow = self._repeat_way("broadcast", arr.nbytes)
+        repeat = kept[0].repeat
+        here, slow = (True, None) if repeat.pushes else \
+            self._repeat_way("broadcast", arr.nbytes)
         if not here:
             return None
         start = time.perf_counter()
         work, writeback = self._broadcast_buffer(arr, kept[1], inplace)
-        self._repeat(kept[0].repeat, work, name)
+        self._repeat(repeat, work, name)
         if slow is not None:
             self._slow_rings.took(slow, False, time.perf_counter() - start)
         return _broadcast_result(arr, work, writeback, inplace)

@@ -57,7 +57,7 @@ class Outgoing(NamedTuple):
     token: object
     lend: bool = True  # the body may be lent instead of copied (OpSpec.lend)
     lend_slow: bool = True  # ... while the ring copies slowly (OpSpec.lend_slow)
-    spread: bool = False  # a lent body may be copied by two threads (OpSpec.spread)
+    spread: bool = False  # the lender copies half of a lent body (OpSpec.spread)
 
 
 class LaneEnd(Protocol):
@@ -236,10 +236,13 @@ class Transport(abc.ABC):
         lent, by the size rule the loop's sends follow (TOTALREDUCE_CMA_BYTES)."""
         return False
 
-    def lend_now(self, peer: int, header: bytes, body: memoryview, token: object) -> bool:
+    def lend_now(self, peer: int, header: bytes, body: memoryview, token: object,
+                 spread: bool = False) -> bool:
         """Lend ``body`` to ``peer`` at once (as :meth:`post_now` sends one): ``token``
         comes back through ``handler.sent`` once the peer has copied it, and ``body`` must
-        stay as it is until then.  False, nothing sent, if it cannot go now."""
+        stay as it is until then.  ``spread``: this rank sits idle meanwhile, and copies
+        half of it into the peer when asked (Outgoing.spread).  False, nothing sent, if it
+        cannot go now."""
         return False
 
     def take_lent(self, peer: int, dest: memoryview) -> bool:
@@ -257,9 +260,10 @@ class Transport(abc.ABC):
         return False
 
     def take_ack(self, peer: int, header: Header) -> bool:
-        """Take ``peer``'s acknowledgement :meth:`peek` showed (``header``, RING_ACK):
-        the body lent under its id has been copied (its token goes to ``handler.sent``).
-        False, nothing taken, if it cannot be taken here."""
+        """Take ``peer``'s reply to a lent body :meth:`peek` showed (``header``, of
+        wire.LEND_REPLIES): RING_ACK, the body lent under its id has been copied (its
+        token goes to ``handler.sent``); RING_PUSH, copy its back half into the peer
+        now.  False, nothing taken, if it cannot be taken here."""
         return False
 
     # The lanes: a second channel each way to a peer (a small ring beside the ring, a

@@ -8,7 +8,12 @@ the sender's core does no copying at all.  MPICH does the same for large local m
 Whether it works is decided per direction when the rings are set up: the kernel allows it
 only to a process that could ptrace the other (same user; a Yama ``ptrace_scope`` or a
 seccomp filter may forbid it), so the reader tries to read a random token from the writer
-and compares (:func:`probe`).  Nothing here ever writes into another process.
+and compares (:func:`probe`).
+
+One write goes the other way (:func:`write_from`): a reader that copies a lent body while
+its lender sits idle asks the lender to copy the body's back half into the reader's
+memory meanwhile (ring_link.py), at the address the reader gave, so that both cores copy.
+The kernel allows it by the same rule, and the lender writes only where it was asked.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _load() -> Any:
+def _load(name: str = "process_vm_readv") -> Any:
     if platform.system() != "Linux":
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.process_vm_readv
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
@@ -42,6 +47,7 @@ def _load() -> Any:
 
 
 _readv = _load()
+_writev = _load("process_vm_writev")
 
 
 def address_of(buf: Any) -> int:
@@ -102,6 +108,26 @@ def read_rate() -> float:
             return 0.0
         best = min(best, time.perf_counter() - start)
     return _RATE_BYTES / max(best, 1e-9)
+
+
+def write_from(pid: int, src: memoryview, address: int) -> None:
+    """Copy ``src`` to ``address`` in process ``pid`` (one the reader asked for).
+
+    Raises:
+        OSError: the write failed or came back short.
+    """
+    want = src.nbytes
+    if not want:
+        return
+    if _writev is None:
+        raise OSError("process_vm_writev is not available")
+    local = _IoVec(address_of(src), want)
+    remote = _IoVec(address, want)
+    got = _writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if got != want:
+        err = ctypes.get_errno() if got < 0 else 0
+        raise OSError(err, f"process_vm_writev to pid {pid} wrote {got} of {want} bytes"
+                      + (f": {os.strerror(err)}" if err else ""))
 
 
 def probe(pid: int, address: int, expected: bytes) -> bool:

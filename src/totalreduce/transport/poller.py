@@ -135,7 +135,8 @@ class Poller:
         room for a message that found it full."""
         for link in self.rings:  # a plain loop: this runs on every spin turn
             ring = link.ring_in
-            if ring is not None and ((not link.deferred and ring.ready())
+            if ring is not None and ((ring.ready() and (not link.deferred
+                                                        or link.asked_to_push()))
                                      or link.lent_in is not None):
                 return True
             lane = link.lane_in
@@ -164,12 +165,8 @@ class Poller:
         events = self._look_at_sockets()
         if events or timeout == 0 or self.rings_ready():
             return events
-        # The thread in wait() spins briefly only: the application may want the GIL.  So
-        # does one whose peers copy its lent bodies with both their threads: the core is
-        # theirs (spread_copy.py).
+        # The thread in wait() spins briefly only: the application may want the GIL.
         spin = self.spin if slot == POLL_SLOT else _SPIN
-        if spin > _SPIN and any(link.spreading for link in rings):
-            spin = _SPIN
         spin_until = time.monotonic() + spin
         relax = os.sched_yield if slot == POLL_SLOT and self.crowded else None
         while time.monotonic() < spin_until and not pending:

@@ -7,6 +7,14 @@ and as the failure detector: a dead peer's socket ends, and what it wrote to the
 before is read first, so an orderly GOODBYE is never mistaken for a crash.  Bodies of big
 ops may be *lent* instead (cma.py): the reader's kernel copies them straight out of the
 writer's memory, one copy where the ring costs two.
+
+A lender that sits idle while its body is copied (a broadcast's root, FLAG_SPREAD) copies
+the body's back half into the reader meanwhile, when the reader asks (RING_PUSH, then
+RING_PUSHED once written): both cores copy, where the reader alone would copy all of it
+while the lender's core idles.  Two processes on an Intel VM, the lender spinning: 1 MiB
+in 20 us against 72-88 read whole, 4 MiB in 220 against 400-417, 16 MiB in 0.82-0.87 ms
+against 1.68, 64 MiB in 4.7-4.9 against 11.5-12.0 ms.  The lender answers a RING_PUSH
+wherever it reads its ring, so it spins while it waits for the body's acknowledgement.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ from .base import Outgoing
 from .ring_lane import count_taken, hand_claimed
 from .shmring import NOT_INLINE, RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
-from .spread_copy import SPREAD_MIN, SpreadCopy
 from .wire import (
     FLAG_CHUNKED,
     FLAG_REMOTE,
@@ -62,10 +69,12 @@ _SLICE = 1 << 20
 _SLICES_MAX = 8
 # ... and while a more urgent op runs here, in slices of this size.
 _URGENT_SLICE = 256 << 10
-
-
-def _unused_slice(view: memoryview, offset: int) -> None:
-    """take_lent's ``each``: its one slice is the destination itself."""
+# The smallest lent body whose idle lender copies half of it (RING_PUSH): the smallest
+# lent by default (config.lend_bytes).
+PUSH_MIN = 1 << 20
+# How often a reader waiting for its lender's RING_PUSHED on a caller's thread checks that
+# the lender is still there (its socket is the loop's to watch).
+_PUSH_PROBE = 0.05
 
 
 class _Scan:
@@ -83,9 +92,10 @@ class _Scan:
 
 class _LentCopy:
     """A body the peer lent us, partly copied (``done`` bytes) into ``dest``; ``spread``:
-    its front may go to the second thread (``helped``: it went)."""
+    its lender sits idle, and may be asked to copy the back from ``end`` (``end`` < the
+    body's size: it was asked, and has not said it did)."""
 
-    __slots__ = ("header", "address", "lend", "dest", "done", "spread", "helped")
+    __slots__ = ("header", "address", "lend", "dest", "done", "spread", "end")
 
     def __init__(self, header: Header, address: int, lend: int, dest: memoryview,
                  spread: bool = False) -> None:
@@ -95,7 +105,13 @@ class _LentCopy:
         self.dest = dest
         self.done = 0
         self.spread = spread
-        self.helped = False
+        self.end = dest.nbytes
+
+
+def push_front(n: int) -> int:
+    """Where the lender's part of a pushed body of ``n`` bytes begins (both ends compute
+    it): about half, on a page boundary."""
+    return (n // 2) & ~4095
 
 
 class _LendFailed(Exception):
@@ -110,18 +126,13 @@ class RingLink(Link):
         self._pending = owner.pending
         self.ring_out: RingWriter | None = ring_out
         self.ring_in: RingReader | None = ring_in
-        # The transport's second thread for a lent body the peer sits idle through (None:
-        # none, or we cannot read the peer's memory).
-        self.spread: SpreadCopy | None = None
         self._lend_bytes = lend_bytes if ring_out.lend else 0
         self.blocked: Outgoing | None = None  # waiting for room in ring_out
         self._chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
         self._lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
-        # The lend ids among them whose copy we sit out idle (FLAG_SPREAD): the poller
-        # does not spin meanwhile, as the peer copies them with both cores.
-        self.spreading: set[int] = set()
         self._next_lend = 0
-        self._acks: deque[int] = deque()  # lend ids of the peer's bodies we have copied
+        # Records we owe the peer (RING_ACK, RING_PUSHED), packed, that found the ring full.
+        self._acks: deque[bytes] = deque()
         # A lent body whose copy stopped between two slices; it goes on before any later
         # record is read (only records that overtake it are handled first).
         self.lent_in: _LentCopy | None = None
@@ -152,7 +163,6 @@ class RingLink(Link):
         super().drop_output()
         self.blocked = None
         self._lent.clear()
-        self.spreading.clear()
         self._acks.clear()
         self.lent_in = None
 
@@ -225,7 +235,7 @@ class RingLink(Link):
             # Acknowledgements go first, but never between a chunked body's records.
             if self._acks and self._chunk_off < 0:
                 while self._acks:
-                    if not ring.post(Header(Kind.RING_ACK, seq=self._acks[0]).pack()):
+                    if not ring.post(self._acks[0]):
                         self.owner.again(self.peer)  # retried next turn: the reader is busy
                         break
                     self._acks.popleft()
@@ -293,14 +303,15 @@ class RingLink(Link):
         return bool(self._lend_bytes) and n >= _LEND_MIN and max(op_bytes, n) >= \
             self._lend_bytes
 
-    def lend_now(self, header: bytes, body: memoryview, token: object) -> bool:
+    def lend_now(self, header: bytes, body: memoryview, token: object,
+                 spread: bool = False) -> bool:
         """Lend ``body`` to the peer at once, as :meth:`write` lends one (``token`` comes
         back through the handler's ``sent`` once the peer has copied it; ``body`` must
         stay as it is until then); False, nothing posted, when it cannot go now."""
         ring = self.ring_out
         if (ring is None or not self._lend_bytes or self.blocked is not None or self._acks
                 or self.write_closed or self.closed
-                or not self._post_lent(ring, Outgoing(header, body, token))):
+                or not self._post_lent(ring, Outgoing(header, body, token, spread=spread))):
             return False
         if ring.reader_sleeping():
             self.doorbell()
@@ -314,14 +325,14 @@ class RingLink(Link):
         assert body is not None
         lend = self._next_lend
         desc = REMOTE_BODY.pack(cma.address_of(body), lend)
-        spread = msg.spread and body.nbytes >= SPREAD_MIN
+        # Asked to, this process writes into the peer's: only where it could read it.
+        spread = msg.spread and body.nbytes >= PUSH_MIN and self.ring_in is not None \
+            and self.ring_in.lender_pid is not None
         flags = FLAG_REMOTE | FLAG_SPREAD if spread else FLAG_REMOTE
         if not ring.post(with_flag(msg.header, flags), memoryview(desc)):
             return False
         self._next_lend += 1
         self._lent[lend] = msg
-        if spread:
-            self.spreading.add(lend)
         counters = self.counters
         counters.messages_sent += 1
         counters.bytes_sent += HEADER_SIZE + body.nbytes
@@ -463,6 +474,11 @@ class RingLink(Link):
             return None
         try:
             record = ring.next()
+            while record is not None and record[0].kind == Kind.RING_TAKEN:
+                # Handled out of turn (_overtake, _pushed): nothing to show.
+                if ring.release() and not self.closed:
+                    self.doorbell()
+                record = ring.next()
         except WireError:
             return (Header(Kind.RING_WRAP), None)  # for read_ring() to report
         if record is None:
@@ -486,8 +502,66 @@ class RingLink(Link):
         """Copy the lent body :meth:`peek` showed (a FLAG_REMOTE DATA record) out of the
         peer into ``dest``, its size, then free the record and acknowledge the body; False,
         nothing taken, if it cannot be copied here now (the loop then reads it again and
-        reports a peer whose memory is gone)."""
-        return self.take_lent_each(dest, dest.nbytes, _unused_slice)
+        reports a peer whose memory is gone).  A body whose lender sits idle comes half
+        from the lender (RING_PUSH), which this thread waits for."""
+        n = dest.nbytes
+        found = self._lent_record(n)
+        if found is None:
+            return False
+        header, address, lend, pid = found
+        ring = self.ring_in
+        assert ring is not None
+        end = n
+        if header.flags & FLAG_SPREAD and self._ask_push(lend, dest):
+            end = push_front(n)
+        try:
+            cma.read_into(pid, dest[:end], address)
+            if end < n:
+                if self._pushed(lend, pid, address, wait=True):
+                    self.counters.bodies_spread += 1
+                else:
+                    cma.read_into(pid, dest[end:], address + end)
+        except (OSError, WireError) as exc:
+            if end == n:
+                return False
+            # The lender may write into dest yet: the op cannot go on elsewhere.
+            self.owner.lost(self, f"cannot copy a body out of rank {self.peer}: {exc}")
+            return False
+        self._took_lent(header, lend)
+        return True
+
+    def _lent_record(self, nbytes: int) -> tuple[Header, int, int, int] | None:
+        """The ring's next record if it is a lent body of ``nbytes`` that can be copied
+        here now: its header, address, lend id and the lender's pid."""
+        ring = self.ring_in
+        pid = None if ring is None else ring.lender_pid
+        if (ring is None or pid is None or self.body is not None
+                or self.lent_in is not None or self.closed):
+            return None
+        try:
+            record = ring.next()
+        except WireError:
+            return None
+        if record is None:
+            return None
+        header, desc = record
+        if not header.flags & FLAG_REMOTE or header.nbytes != nbytes:
+            return None
+        address, lend = REMOTE_BODY.unpack_from(desc)
+        return header, address, lend, pid
+
+    def _took_lent(self, header: Header, lend: int) -> None:
+        """The lent body of ``header`` (the ring's next record) is copied: free its record
+        and acknowledge it."""
+        ring = self.ring_in
+        assert ring is not None
+        freed = ring.release()
+        self._acknowledge(lend)
+        counters = self.counters
+        counters.messages_received += 1
+        counters.bytes_received += HEADER_SIZE + header.nbytes
+        if freed and not self.closed:
+            self.doorbell()
 
     def take_lent_each(self, scratch: memoryview, nbytes: int,
                        each: Callable[[memoryview, int], None]) -> bool:
@@ -497,21 +571,10 @@ class RingLink(Link):
         16 MB of them 3.0-3.3 ms to copy and sum, in 512 KiB slices 2.2-2.3).  A copy that
         fails after the first slice loses the link (the op fails where it goes on) and
         returns False."""
-        ring = self.ring_in
-        pid = None if ring is None else ring.lender_pid
-        if (ring is None or pid is None or self.body is not None
-                or self.lent_in is not None or self.closed):
+        found = self._lent_record(nbytes)
+        if found is None:
             return False
-        try:
-            record = ring.next()
-        except WireError:
-            return False
-        if record is None:
-            return False
-        header, desc = record
-        if not header.flags & FLAG_REMOTE or header.nbytes != nbytes:
-            return False
-        address, lend = REMOTE_BODY.unpack_from(desc)
+        header, address, lend, pid = found
         step = scratch.nbytes
         at = 0
         try:
@@ -524,28 +587,48 @@ class RingLink(Link):
             if at:
                 self.owner.lost(self, f"cannot copy a body out of rank {self.peer}: {exc}")
             return False
-        freed = ring.release()
-        self._acknowledge(lend)
-        counters = self.counters
-        counters.messages_received += 1
-        counters.bytes_received += HEADER_SIZE + header.nbytes
+        self._took_lent(header, lend)
+        return True
+
+    def take_ack(self, header: Header) -> bool:
+        """Take the peer's RING_ACK or RING_PUSH :meth:`peek` showed (``header``).  An
+        acknowledgement: the body we lent under its id has been copied, and its token
+        goes back through the handler's ``sent``.  A push: its back half is copied into
+        the peer now.  False, nothing taken, for an id not lent (the loop reports it)."""
+        ring = self.ring_in
+        if ring is None or header.seq not in self._lent:
+            return False
+        if header.kind == Kind.RING_PUSH:
+            record = ring.next()
+            assert record is not None
+            address = REMOTE_BODY.unpack_from(record[1])[0]
+            freed = ring.release()
+            self._push(header.seq, address)
+        else:
+            msg = self._lent.pop(header.seq)
+            freed = ring.release()
+            self.owner.handler.sent(self.peer, msg.token)
         if freed and not self.closed:
             self.doorbell()
         return True
 
-    def take_ack(self, header: Header) -> bool:
-        """Take the peer's RING_ACK :meth:`peek` showed (``header``): the body we lent
-        under its id has been copied, and its token goes back through the handler's
-        ``sent``.  False, nothing taken, for an id not lent (the loop reports it)."""
+    def _push(self, lend: int, address: int) -> None:
+        """Copy the back of the body lent under ``lend`` to ``address`` (where the peer
+        keeps the whole body) in the peer, as it asked, and say so; where the copy fails,
+        say that instead: the peer copies it then (or is gone, as its socket will say)."""
+        body = self._lent[lend].body
+        assert body is not None
         ring = self.ring_in
-        msg = self._lent.pop(header.seq, None)
-        if ring is None or msg is None:
-            return False
-        self.spreading.discard(header.seq)
-        if ring.release() and not self.closed:
-            self.doorbell()
-        self.owner.handler.sent(self.peer, msg.token)
-        return True
+        pid = None if ring is None else ring.lender_pid
+        front = push_front(body.nbytes)
+        failed = 1
+        if pid is not None:
+            try:
+                cma.write_from(pid, body[front:], address + front)
+                failed = 0
+            except OSError:
+                pass
+        self._owe(Header(Kind.RING_PUSHED, seq=lend, step=failed).pack())
 
     def read_ring(self, budget: int | None = READ_BUDGET) -> None:
         """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
@@ -557,7 +640,15 @@ class RingLink(Link):
             except WireError as exc:
                 self.owner.lost(self, f"corrupt shared-memory lane: {exc}")
                 return
-        if ring is None or (self.deferred and budget is not None):
+        if ring is None:
+            return
+        if self.deferred and budget is not None:
+            # Left for an op not submitted here yet; its peer may wait meanwhile for a push
+            # of ours that stands behind it.
+            try:
+                self._answer_pushes()
+            except WireError as exc:
+                self.owner.lost(self, f"corrupt shared-memory ring: {exc}")
             return
         handler = self.owner.handler
         counters = self.counters
@@ -580,6 +671,7 @@ class RingLink(Link):
                     # reduced straight out of it once the op starts, instead of copied
                     # aside now (on the path back to the caller) and reduced later.
                     self.deferred = True
+                    self._answer_pushes()
                     break
                 if budget is not None:
                     budget -= HEADER_SIZE + header.nbytes
@@ -598,9 +690,16 @@ class RingLink(Link):
                     msg = self._lent.pop(header.seq, None)
                     if msg is None:
                         raise WireError(f"acknowledgement of unknown lent body {header.seq}")
-                    self.spreading.discard(header.seq)
                     freed |= ring.release()
                     handler.sent(peer, msg.token)
+                elif header.kind == Kind.RING_PUSH:
+                    if header.seq not in self._lent:
+                        raise WireError(f"push of unknown lent body {header.seq}")
+                    address = REMOTE_BODY.unpack_from(body)[0]
+                    freed |= ring.release()
+                    self._push(header.seq, address)
+                elif header.kind == Kind.RING_PUSHED:
+                    raise WireError(f"push of lent body {header.seq} said done out of turn")
                 elif header.kind == Kind.RING_TAKEN:
                     freed |= ring.release()
                 elif header.flags & FLAG_REMOTE:
@@ -704,38 +803,38 @@ class RingLink(Link):
         pressing = handler.pressing
         if may_stop and urgent is not None and self._overtake(urgent):
             return True
-        spreader = self.spread
-        if lent.spread and spreader is not None and not lent.done and not lent.helped:
-            # The lender sits idle: the second thread copies the front meanwhile.
-            front = (n // 2) & ~4095
-            if spreader.start(pid, dest[:front], address):
-                lent.helped = True
-                lent.done = front
+        if lent.spread and not lent.done and lent.end == n and self._ask_push(lent.lend, dest):
+            lent.end = push_front(n)  # the lender copies the rest meanwhile
         try:
-            while lent.done < n:
-                at = lent.done
-                end = n if not may_stop else min(n, at + size)
-                cma.read_into(pid, dest[at:end], address + at)
-                lent.done = end
-                if end < n:
-                    if self.yields and not lent.helped:
-                        # A thread of ours woken meanwhile (the application's, about to
-                        # submit an urgent op) gets this core now, not when the scheduler
-                        # next looks: without this an urgent op during a 64 MB one
-                        # waited 4 ms in 1 of 10 tries at 2 ranks on 2 cores.  Where
-                        # ranks outnumber cores the core would go to another rank's copy
-                        # instead (64 MB ops at 4 ranks on 2 cores ran ~10 % slower).
-                        # Not while the second thread copies too: both cores are ours
-                        # then, and a quarter of this thread's time went to the yield
-                        # (16 MiB spread broadcasts: 1.60 -> 1.37 ms without it).
-                        os.sched_yield()
-                    if pressing() or (urgent is not None and self._overtake(urgent)):
-                        return True
-            if lent.helped:
-                assert spreader is not None
-                lent.helped = False
-                spreader.wait()
-                self.counters.bodies_spread += 1
+            while True:
+                last = lent.end
+                while lent.done < last:
+                    at = lent.done
+                    end = last if not may_stop else min(last, at + size)
+                    cma.read_into(pid, dest[at:end], address + at)
+                    lent.done = end
+                    if end < last:
+                        if self.yields and last == n:
+                            # A thread of ours woken meanwhile (the application's, about
+                            # to submit an urgent op) gets this core now, not when the
+                            # scheduler next looks: without this an urgent op during a 64
+                            # MB one waited 4 ms in 1 of 10 tries at 2 ranks on 2 cores.
+                            # Where ranks outnumber cores the core would go to another
+                            # rank's copy instead (64 MB ops at 4 ranks on 2 cores ran
+                            # ~10 % slower).  Not while the lender copies too: its core
+                            # is busy then, and a yield only delays this half.
+                            os.sched_yield()
+                        if pressing() or (urgent is not None and self._overtake(urgent)):
+                            return True
+                if last == n:
+                    break
+                pushed = self._pushed(lent.lend, pid, address, wait=not may_stop)
+                if pushed is None:
+                    return True  # not yet: looked for again on the next turn
+                lent.end = n
+                if pushed:
+                    lent.done = n
+                    self.counters.bodies_spread += 1
         except OSError as exc:
             raise _LendFailed(f"cannot copy a body out of rank {self.peer}: {exc}") from None
         self.lent_in = None
@@ -749,13 +848,81 @@ class RingLink(Link):
         return False
 
     def _acknowledge(self, lend: int) -> None:
-        """Tell the peer its body ``lend`` has been copied (now, or on the next write if
-        earlier acknowledgements wait or the ring is full)."""
+        """Tell the peer its body ``lend`` has been copied."""
+        self._owe(Header(Kind.RING_ACK, seq=lend).pack())
+
+    def _owe(self, record: bytes) -> None:
+        """Post a bodiless ``record`` (RING_ACK, RING_PUSHED) now, or on the next write if
+        earlier ones wait or the ring is full."""
         ring = self.ring_out
-        if not self._acks and self._chunk_off < 0 and ring is not None and ring.post(
-                Header(Kind.RING_ACK, seq=lend).pack()):
+        if not self._acks and self._chunk_off < 0 and ring is not None and ring.post(record):
             if ring.reader_sleeping():
                 self.doorbell()
         else:
-            self._acks.append(lend)
+            self._acks.append(record)
             self.owner.again(self.peer)
+
+    def _ask_push(self, lend: int, dest: memoryview) -> bool:
+        """Ask the lender of body ``lend`` to copy its back (from push_front) into
+        ``dest``, where the whole body goes; False, nothing asked, where the request
+        cannot go now (the reader then copies all of it)."""
+        ring = self.ring_out
+        if (ring is None or self._acks or self._chunk_off >= 0 or self.write_closed
+                or self.closed or not push_front(dest.nbytes)):
+            return False
+        desc = REMOTE_BODY.pack(cma.address_of(dest), lend)
+        if not ring.post(Header(Kind.RING_PUSH, seq=lend, nbytes=len(desc)).pack(),
+                         memoryview(desc)):
+            return False
+        if ring.reader_sleeping():
+            self.doorbell()
+        return True
+
+    def _answer_pushes(self, lend: int = -1) -> bool | None:
+        """Answer the pushes asked of us that stand behind the ring's next record (each
+        handled out of turn, then marked taken); and whether the lender said it copied the
+        back of its body ``lend`` into us (RING_PUSHED; None: it has not said).
+
+        Raises:
+            WireError: a push of a body we did not lend.
+        """
+        ring = self.ring_in
+        assert ring is not None
+        for where, kind, _flags, _name, seq, _after in ring.glance(ring.behind()):
+            if kind == Kind.RING_PUSH:
+                header, body = ring.record_at(where)
+                if seq not in self._lent:
+                    raise WireError(f"push of unknown lent body {seq}")
+                self._push(seq, REMOTE_BODY.unpack_from(body)[0])
+                ring.mark_taken(where, header)
+            elif kind == Kind.RING_PUSHED and seq == lend:
+                header = ring.record_at(where)[0]
+                ring.mark_taken(where, header)
+                return header.step == 0
+        return None
+
+    def asked_to_push(self) -> bool:
+        """Whether a push stands behind the ring's next record (one left for an op not
+        begun here): its reader waits for it."""
+        ring = self.ring_in
+        return ring is not None and any(
+            kind == Kind.RING_PUSH for _w, kind, *_rest in ring.glance(ring.behind()))
+
+    def _pushed(self, lend: int, pid: int, address: int, wait: bool) -> bool | None:
+        """Whether the lender copied the back of its body ``lend`` as asked (its
+        RING_PUSHED, which may stand behind other records), answering the pushes asked of
+        us meanwhile (two blocking broadcasts the other way round); None while it has not
+        said.  ``wait``: look until it says, checking now and then that it is still
+        there at ``address`` (its lent body).
+
+        Raises:
+            OSError: the lender is gone.
+        """
+        check = time.monotonic() + _PUSH_PROBE
+        while True:
+            pushed = self._answer_pushes(lend)
+            if pushed is not None or not wait:
+                return pushed
+            if time.monotonic() >= check:
+                cma.read_into(pid, memoryview(bytearray(1)), address)
+                check = time.monotonic() + _PUSH_PROBE

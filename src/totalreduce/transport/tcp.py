@@ -24,7 +24,6 @@ from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
 from .socket_lane import SocketLane
 from .socket_link import BATCH_BYTES, WRITE_BUDGET, Link
-from .spread_copy import SpreadCopy
 from .wire import Header
 
 _RING_RETRY = 0.001  # safety-net poll while a ring is full (a doorbell normally wakes us)
@@ -80,12 +79,6 @@ class TcpTransport(Transport):
             slow_ring_rate = 0.0
         elif slow_ring_rate < 0:  # auto: slower than a lent body's copy here
             slow_ring_rate = cma.read_rate() if lend_bytes and self._ring_links else 0.0
-        readers = [link for link in self._ring_links
-                   if link.ring_in is not None and link.ring_in.lender_pid is not None]
-        # A second thread for lent bodies our peers sit idle through, where cores allow.
-        self._spread = SpreadCopy() if readers and self._poller.own_core else None
-        for ring_link in readers:
-            ring_link.spread = self._spread
         for ring_link in self._ring_links:
             ring_link.yields = self._poller.own_core
             ring_link.watch_copies(slow_ring_rate)
@@ -183,11 +176,12 @@ class TcpTransport(Transport):
         link = self._links.get(peer)
         return type(link) is RingLink and link.lends_body(op_bytes, n)
 
-    def lend_now(self, peer: int, header: bytes, body: memoryview, token: object) -> bool:
+    def lend_now(self, peer: int, header: bytes, body: memoryview, token: object,
+                 spread: bool = False) -> bool:
         if peer in self.pending:
             return False  # output of ours for it waits: this message must not pass it
         link = self._links.get(peer)
-        return type(link) is RingLink and link.lend_now(header, body, token)
+        return type(link) is RingLink and link.lend_now(header, body, token, spread)
 
     def take_lent(self, peer: int, dest: memoryview) -> bool:
         link = self._links.get(peer)
@@ -296,8 +290,6 @@ class TcpTransport(Transport):
             with contextlib.suppress(OSError):
                 link.sock.close()
         self._poller.close()
-        if self._spread is not None:
-            self._spread.close()
         for ring_link in self._ring_links:
             ring_link.close_rings()
         self._ring_links.clear()

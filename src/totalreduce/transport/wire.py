@@ -36,7 +36,8 @@ FLAG_READY = 4  # on DATA: the sender has submitted the op too (stands in for a 
 # REMOTE_BODY descriptor (address, lend id) instead and ``nbytes`` is the real length.
 FLAG_REMOTE = 8
 # Shared-memory ring only, with FLAG_REMOTE: the lender sits idle while the body is copied
-# (a broadcast's root), so the reader may copy it with two threads (spread_copy.py).
+# (a broadcast's root), so the reader may ask it to copy the body's back half into the
+# reader meanwhile (RING_PUSH; ring_link.py).
 FLAG_SPREAD = 16
 # On DATA of an exchange sent from a Repeat (engine/repeat.py): the sender lends such a
 # body only where its peer would too (FLAG_AGREES), and would (FLAG_WOULD_LEND: huge pages
@@ -68,6 +69,14 @@ class Kind(enum.IntEnum):
                     # the reason.  Peers fail it too: it cannot finish without the sender.
     RING_TAKEN = 11  # shared-memory ring only: a record its reader has already handled out
                      # of order (it overtook slower ones); skipped.  Written by the reader.
+    RING_PUSH = 12  # shared-memory ring only: "copy the back of FLAG_SPREAD body .seq to the
+                    # address in my body (REMOTE_BODY)", from its reader to its lender
+    RING_PUSHED = 13  # shared-memory ring only: the lender did (.step 0) or did not (1)
+
+
+# What a lender takes from its reader, in turn, while it waits for its lent bodies to be
+# copied (Transport.take_ack).
+LEND_REPLIES = frozenset((Kind.RING_ACK, Kind.RING_PUSH))
 
 
 # Codes are part of the wire format: never renumber.

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...lru import LRU
+from ...transport.ring_link import PUSH_MIN
 from ...transport.wire import (
     RECIPE_DOUBLING_ALLREDUCE,
     RECIPE_HALVING_ALLREDUCE,
@@ -71,8 +72,11 @@ _SMALL_BROADCAST_PIECE = 512 << 10
 # alltoalls past two segments go in pieces of up to this size there: at 2 ranks (old and
 # new alternated in one sitting, medians of 4) 16 MiB allgathers took 1.9 ms against 2.3
 # in 2 MiB pieces, 64 MiB ones 13.0 against 14.3, 256 MiB alltoalls 41.7 against 45.8.
-# A broadcast's root copies such a piece through the ring in chunks (shmring.py) as fast
-# as in pieces, or lends it whole to be copied with two threads (spread_copy.py).
+# A broadcast's root lends such a piece whole and, idle otherwise, copies its back half
+# into the peer meanwhile (transport/ring_link.py: RING_PUSH), so that from PUSH_MIN on
+# a broadcast goes in such pieces: each costs a request and its answer.  Where it copies
+# through the ring instead (its core is not its own) it does in chunks (shmring.py), as
+# fast as in pieces.
 LENT_PIECE_BYTES = 32 << 20
 
 
@@ -204,8 +208,8 @@ class Algorithms:
             return (self._job(scatter_allgather_broadcast(self.rank, self.size, root, count,
                                                           seg)), "scatter-allgather")
         nbytes = count * itemsize
-        lent = self._moved_piece(nbytes, itemsize)
-        if lent:
+        if self._lent_piece and nbytes >= PUSH_MIN:
+            lent = max(1, self._lent_piece // itemsize)
             return (self._job(chain_broadcast(self.rank, self.size, root, count, lent)),
                     "chain, lent pieces")
         if nbytes <= self._small_bytes:
