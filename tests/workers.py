@@ -334,9 +334,10 @@ def slow_ring(arg: dict) -> None:
                         reference_reduce(ins, "Sum"), what)
     tr.barrier()
     lent = tr.transport_stats()["bodies_lent"]
-    # Broadcasts too big for the caller's thread, from rank 0: while the rings are slow
-    # each either lends its bodies or copies them through the ring, whichever has been
-    # faster, trying each twice first (scheduling/slow_rings.py).
+    # Broadcasts of 5 MiB from rank 0: at 2 ranks lent, the root copying half; else, too
+    # big for the caller's thread, while the rings are slow each either lends its bodies
+    # or copies them through the ring, whichever has been faster, trying each twice
+    # first (scheduling/slow_rings.py).
     ways = []
     for i in range(4):
         count = (5 << 20) // 8 + 3 * i + 1

@@ -906,17 +906,19 @@ a buffer at least three quarters of which huge pages back, where the kernel can 
 (`PAGEMAP_SCAN`, Linux 6.7; transport/pages.py), and from 8 MiB it does not lend such a
 buffer while a ring copies slowly either: its big copies run at memory's speed, which
 the slow-ring rule below took for slow (64 MB: 12-15 ms lent). One exception among the
-gathers: a broadcast's root does not lend (OpSpec.lend). Its core has nothing else to
-do, and a memcpy into the ring on its side plus one out on the receiver's beat one
-kernel copy on the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms
-instead of 10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Unless the
-receiver copies with two threads: at 2 ranks, where each rank has a core, a blocking
-broadcast of 8 MiB or more from its root times that way (lent in 32 MiB pieces, the
-receiver copying each piece's front on a second thread, transport/spread_copy.py)
-against the ring and takes the faster; on the Intel VM, alternated with the tree before
-it, 16 MiB took 1.96 ms against 2.48 and 64 MiB 5.8 against 10.2 (medians of three
-runs). Broadcasts up to 2 MiB go in 512 KiB pieces, so that the receiver copies one out
-while the root copies the next in (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
+gathers: a broadcast's root lends only what it copies half of itself (OpSpec.lend,
+OpSpec.spread). Its core has nothing else to do. At 2 ranks, where each rank has a core,
+a blocking broadcast of 1 MiB or more goes in 32 MiB pieces, each lent, and the root
+copies each piece's back half into the receiver (`process_vm_writev`, at the receiver's
+request) while the receiver copies the front (transport/ring_link.py): on the Intel VM,
+loops of `broadcast_` calls took 65 us at 1 MiB against 137 through the ring, 266 us at
+4 MiB against 507, and 1.01-1.06 ms at 16 MiB against 1.17-1.26 with the front copied on
+a second thread of the receiver's instead. Elsewhere a memcpy into the ring on the
+root's side plus one out on the receiver's beat one kernel copy on the receiver's alone:
+at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead of 10.8-11.3 (MPI: 9.1-9.5),
+16 MB in 1.38-1.57 instead of 1.72. Broadcasts up to 2 MiB go in 512 KiB pieces there,
+so that the receiver copies one out while the root copies the next in (1 MiB: 164 ->
+129 us, 2 MiB: 315 -> 231 us).
 
 Why a ring whose copies run slower than the kernel's copy of a lent body lends every body
 of 64 KiB or more (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times
@@ -942,8 +944,8 @@ MB 0.32/0.58 -> 0.20/0.25 ms; in the fast state every cell stayed within noise. 
 second it lost: timed on both ranks, 1 MiB broadcasts took 0.57-0.68 ms lent against
 0.11-0.17 ms through the ring, alltoalls 0.49-0.58 against 0.20-0.29 ms. So each way is
 timed while the rings are slow, per kind of op and power-of-two size, and the faster
-taken (scheduling/slow_rings.py: each tried twice first, the slower again every 16th
-op). With every ring taken for slow (`--set SLOW_RING_GBPS=1000`, old and new tree
+taken (scheduling/slow_rings.py: each tried twice first, then the slower tried again
+twice in a row, the first of the two untimed, every 32nd op). With every ring taken for slow (`--set SLOW_RING_GBPS=1000`, old and new tree
 alternated twice), 1 MiB alltoalls went from 0.52-0.75 to 0.34-0.39 ms and 4 MiB ones from
 1.9-2.4 to 1.07-1.21 ms there. A blocking broadcast too big for the caller's thread
 (over 2 MiB) runs on the loop either way; there the choice, timed the same way, is whether
@@ -1071,8 +1073,8 @@ either way, 3-13% behind in both.
 - The other collectives at 2 ranks, from 1 MB (medians): allgather 1.10x at 1 MB, 0.99x
   at 4 MB, 0.84x at 16 MB and 1.04-1.07x at 64 and 256 MB; alltoall 1.01x at 1 MB, 0.82x
   at 4 MB, 0.92x at 16 MB, 0.97-1.02x from 64 MB; broadcast 1.73x at 1 MB, 1.30x at 4 MB,
-  1.00x at 16 MB, 0.94x at 64 MB and 1.06x at 256 MB, where the receiver copies the root's
-  lent 32 MiB pieces with two threads (transport/spread_copy.py). MPI moves these at
+  1.00x at 16 MB, 0.94x at 64 MB and 1.06x at 256 MB, the receiver copying the root's
+  lent 32 MiB pieces with two threads of its own in this run. MPI moves these at
   10-22 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.79 ms in this run). Run
   after run in one placement the gathers' 4-16 MB cells stay below par (eight runs back
   to back at 1-16 MB, the VM's cores sharing a cache: allgather 0.88-1.08x at 4 MB and

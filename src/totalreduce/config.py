@@ -92,8 +92,9 @@ TOTALREDUCE_SLOW_RING_GBPS         a shared-memory ring whose big copies ran    
                                    (allgathers past 2 MiB) leave the caller's
                                    thread to have theirs lent where most of their
                                    peers' rings are so and that has been the
-                                   faster way, timed (bigger broadcasts lend
-                                   only where that has; transport/copy_pace.py;
+                                   faster way, timed (not a 2-rank broadcast
+                                   whose root copies half of what it lends:
+                                   that one always lends; copy_pace.py;
                                    0 = never; -1 = auto: as fast as the kernel
                                    copies a lent body here, measured at start)
 TOTALREDUCE_COPY_PIECE             copies of bodies of at least twice this size,  -1

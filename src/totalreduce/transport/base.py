@@ -28,7 +28,7 @@ LANE_DRAIN_TIME = 1.0
 
 class Counters:
     """What a transport moved: whole messages (header included) in each direction, bodies
-    lent rather than copied, lent bodies copied out with two threads, and messages read
+    lent rather than copied, lent bodies copied half by their idle lender, and messages read
     ahead of slower ones (ring links).  Counted
     where each message leaves or arrives, so a benchmark reads volume from here rather
     than from formulas."""
