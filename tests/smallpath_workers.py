@@ -301,7 +301,8 @@ def piecewise_broadcasts(arg: dict) -> None:
 
 
 def acks_before_copies(arg: dict) -> None:
-    """Repeated blocking broadcasts of a few pieces from one root: the chain's last rank
+    """Repeated blocking broadcasts of 960 KiB (two pieces, under PUSH_MIN: at 2 ranks
+    through the ring, not lent) from one root: the chain's last rank
     (algorithms/chain.py) posts its empty acknowledgement of piece 0 before it copies that
     piece's body out of the ring (repeat.py), and every result matches the root's."""
     from totalreduce.engine import repeat
@@ -324,7 +325,7 @@ def acks_before_copies(arg: dict) -> None:
     repeat.copy_bytes = copying
     try:
         for dtype in (np.float32, np.uint8):
-            count = (1 << 20) // np.dtype(dtype).itemsize + 5
+            count = (960 << 10) // np.dtype(dtype).itemsize + 5
             for call in range(8):
                 inputs = _inputs(call, n, count, dtype)
                 events.append(("call", call))

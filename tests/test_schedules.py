@@ -587,9 +587,12 @@ def test_lent_pieces_at_two_ranks_are_whole_and_agreed_by_both_ranks() -> None:
     assert lent[0].allgather((0, seg // 4, seg // 2), f32)[1] == "ring"
     assert Algorithms(0, 3, seg, -1, lent_pieces=True).allgather(
         (0, 4 << 20, 8 << 20, 12 << 20), f32)[1] == "ring"
+    # A broadcast from 1 MiB (PUSH_MIN), whose root copies half of it into its peer.
     schedule, algorithm = lent[1].broadcast(0, 4 << 20, f32)
     assert algorithm == "chain, lent pieces" and pieces(schedule)[1] == [4 << 20]
-    assert lent[1].broadcast(0, 1 << 20, f32)[1] == "chain"
+    schedule, algorithm = lent[1].broadcast(0, 1 << 18, f32)
+    assert algorithm == "chain, lent pieces" and pieces(schedule)[1] == [1 << 18]
+    assert lent[1].broadcast(0, (1 << 18) - 1, f32)[1] == "chain"
     # An alltoall with uneven splits: each rank counts what crosses between the two
     # (not its own block), so both choose alike, and what one sends the other expects.
     sends = [(0, 100, 5_000_100), (0, 7_000_000, 7_000_050)]

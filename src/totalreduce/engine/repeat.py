@@ -141,8 +141,7 @@ class Repeat:
                  "_code", "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single", "pushes",
-                 "_spin")
+                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single", "_spin")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -240,9 +239,7 @@ class Repeat:
             return tuple(out)
 
         self._first = sends(chain.first)
-        # Whether calls copy into their peers what they lend (broadcasts: Algorithms
-        # cuts them into pieces for it).
-        self.pushes = any(send[11] == _PUSH for send in self._first)
+        # How long a wait for a peer's next record lasts before a hand-over (_PUSH_RATE).
         self._spin = _SPIN + sum(send[6] for send in self._first if send[11] == _PUSH) \
             / _PUSH_RATE
         # Every send in the chain's order (Chain.sends), where waiting ones queue: the

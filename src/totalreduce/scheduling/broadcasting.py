@@ -86,9 +86,13 @@ class BroadcastOps(SchedulerParts):
         :meth:`_launch` runs on the caller's thread (from LENT_WHEN_SLOW, only while the
         rings copy fast, or where that has been faster: :meth:`broadcast_now`), and at 2
         ranks any whose root copies half of what it lends into its peer."""
-        return self._direct_bytes > 0 and (
-            nbytes <= self._direct_broadcast
-            or (self.size == 2 and self._engine.spreads(self._peers, nbytes)))
+        return self._direct_bytes > 0 and (nbytes <= self._direct_broadcast
+                                           or self._pushes(nbytes))
+
+    def _pushes(self, nbytes: int) -> bool:
+        """Whether a 2-rank broadcast of ``nbytes`` is lent, its root copying half of it
+        into the receiver (Engine.spreads, which both ranks answer alike)."""
+        return self.size == 2 and self._engine.spreads(self._peers, nbytes)
 
     def broadcast_now(self, x: Any, root_rank: Any, name: str | None, priority: int,
                       inplace: bool) -> np.ndarray | None:
@@ -103,14 +107,15 @@ class BroadcastOps(SchedulerParts):
         if kept is None or kept[0].repeat is None:
             return None
         arr: np.ndarray = x
-        repeat = kept[0].repeat
-        here, slow = (True, None) if repeat.pushes else \
+        # One whose root copies half of what it lends runs here on both ranks (the
+        # rings' pace does not matter to it).
+        here, slow = (True, None) if self._pushes(arr.nbytes) else \
             self._repeat_way("broadcast", arr.nbytes)
         if not here:
             return None
         start = time.perf_counter()
         work, writeback = self._broadcast_buffer(arr, kept[1], inplace)
-        self._repeat(repeat, work, name)
+        self._repeat(kept[0].repeat, work, name)
         if slow is not None:
             self._slow_rings.took(slow, False, time.perf_counter() - start)
         return _broadcast_result(arr, work, writeback, inplace)
