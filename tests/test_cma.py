@@ -33,6 +33,16 @@ def test_read_into_copies_the_bytes_at_an_address() -> None:
 def test_a_range_that_is_not_mapped_is_an_error_not_garbage() -> None:
     with pytest.raises(OSError, match="process_vm_readv from pid"):
         cma.read_into(os.getpid(), memoryview(bytearray(4096)), 4096)
+    with pytest.raises(OSError, match="process_vm_writev to pid"):
+        cma.write_from(os.getpid(), memoryview(bytearray(4096)), 4096)
+
+
+def test_write_from_copies_the_bytes_to_an_address_and_no_further() -> None:
+    src = np.arange(70_001, dtype=np.float32)
+    dest = np.full(src.size + 3, -1.0, np.float32)
+    cma.write_from(os.getpid(), src.data.cast("B"), cma.address_of(dest))
+    assert np.array_equal(dest[:src.size], src) and np.all(dest[src.size:] == -1)
+    cma.write_from(os.getpid(), memoryview(bytearray(0)), 0)  # nothing to write: no call
 
 
 def test_read_rate_is_a_copy_speed_and_zero_where_nothing_can_be_read(

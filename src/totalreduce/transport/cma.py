@@ -65,17 +65,25 @@ def read_into(pid: int, dest: memoryview, address: int) -> None:
         OSError: the read failed or came back short (the process is gone, or the range
             is not mapped there).
     """
-    want = dest.nbytes
+    _between(_readv, "process_vm_readv from", "read", pid, dest, address)
+
+
+def _between(fn: Any, what: str, did: str, pid: int, here: memoryview, address: int
+             ) -> None:
+    """Copy ``here.nbytes`` bytes between ``here`` and ``address`` in ``pid`` with
+    ``fn`` (process_vm_readv or process_vm_writev); ``what`` and ``did`` name it in the
+    error."""
+    want = here.nbytes
     if not want:
         return
-    if _readv is None:
-        raise OSError("process_vm_readv is not available")
-    local = _IoVec(address_of(dest), want)
+    if fn is None:
+        raise OSError(f"{what.split()[0]} is not available")
+    local = _IoVec(address_of(here), want)
     remote = _IoVec(address, want)
-    got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    got = fn(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     if got != want:
         err = ctypes.get_errno() if got < 0 else 0
-        raise OSError(err, f"process_vm_readv from pid {pid} read {got} of {want} bytes"
+        raise OSError(err, f"{what} pid {pid} {did} {got} of {want} bytes"
                       + (f": {os.strerror(err)}" if err else ""))
 
 
@@ -116,18 +124,7 @@ def write_from(pid: int, src: memoryview, address: int) -> None:
     Raises:
         OSError: the write failed or came back short.
     """
-    want = src.nbytes
-    if not want:
-        return
-    if _writev is None:
-        raise OSError("process_vm_writev is not available")
-    local = _IoVec(address_of(src), want)
-    remote = _IoVec(address, want)
-    got = _writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-    if got != want:
-        err = ctypes.get_errno() if got < 0 else 0
-        raise OSError(err, f"process_vm_writev to pid {pid} wrote {got} of {want} bytes"
-                      + (f": {os.strerror(err)}" if err else ""))
+    _between(_writev, "process_vm_writev to", "wrote", pid, src, address)
 
 
 def probe(pid: int, address: int, expected: bytes) -> bool:
