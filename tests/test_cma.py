@@ -340,3 +340,42 @@ def test_a_push_of_a_body_never_lent_loses_the_link() -> None:
                                     memoryview(desc))
         with pytest.raises(AssertionError, match="push of unknown lent body 3"):
             lender.read_ring()
+
+
+def test_a_reader_acknowledges_before_the_lenders_half_comes() -> None:
+    # On a caller's thread (take_lent_front, then wait_pushed): the front copied, the
+    # body is acknowledged at once (the lender's call may end once it has written), and
+    # the wait for the lender's half follows.
+    body = np.random.default_rng(8).integers(0, 255, (1 << 20) + 8191, np.uint8)
+    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
+        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+        assert reader.peek() is not None
+        dest = bytearray(body.nbytes)
+        pending = reader.take_lent_front(memoryview(dest))
+        assert pending == 0 and reader.peek() is None
+        front = push_front(body.nbytes)
+        assert dest[:front] == body[:front].tobytes() and dest[front:] == bytes(len(dest) - front)
+        lender.read_ring()  # the push, written; then the acknowledgement
+        assert lender_owner.events == [("sent", 0, b"'t'")]
+        assert reader.wait_pushed(pending)
+        assert bytes(dest) == body.tobytes() and reader.counters.bodies_spread == 1
+        assert reader.peek() is None
+
+
+def test_a_lender_that_cannot_write_after_the_acknowledgement_loses_the_link(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Acknowledged early, the lender's body may be gone: the reader does not read the
+    # rest itself, it loses the link (the _Owner raises what it is told).
+    def refuse(pid: int, src: memoryview, address: int) -> None:
+        raise OSError(1, "not allowed")
+
+    monkeypatch.setattr(cma, "write_from", refuse)
+    body = np.random.default_rng(9).integers(0, 255, (2 << 20) + 1, np.uint8)
+    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
+        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+        assert reader.peek() is not None
+        pending = reader.take_lent_front(memoryview(bytearray(body.nbytes)))
+        assert pending >= 0
+        lender.read_ring()
+        with pytest.raises(AssertionError, match="rank 0 could not copy its half"):
+            reader.wait_pushed(pending)

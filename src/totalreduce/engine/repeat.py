@@ -41,7 +41,7 @@ import numpy as np
 from ..interrupts import deferred as ctrl_c
 from ..memcopy import copy_bytes
 from ..transport import pages
-from ..transport.base import Port, Transport
+from ..transport.base import NOT_TAKEN, TAKEN, Port, Transport
 from ..transport.cma import address_of
 from ..transport.ring_link import PUSH_MIN
 from ..transport.wire import (
@@ -49,6 +49,7 @@ from ..transport.wire import (
     FLAG_CREDITED,
     FLAG_READY,
     FLAG_REMOTE,
+    FLAG_SPREAD,
     FLAG_WOULD_LEND,
     HEADER_SIZE,
     KIND_DATA,
@@ -463,9 +464,27 @@ class Repeat:
             # source (the chains that start one reduce into each region once: apply_piece).
             left = part if recv.mode == COPY or source is None or not fresh \
                 else source[lo - at:hi - at]
+            if body is None and header.flags & FLAG_SPREAD and recv.mode == COPY:
+                # Lent by an idle peer, which copies the back half into us (a broadcast's
+                # root): our front copied and the body acknowledged, what this step
+                # unlocks goes before the wait for the peer's half, as after a ring's
+                # body (the root waiting for it stops waiting sooner).
+                pending = self._transport.take_lent_front(peer, part.data.cast("B"))
+                if pending == NOT_TAKEN:
+                    return self._hand_over(work, source, key, epoch, ready, told, done,
+                                           posted, posted < queued, late)
+                if bare and posted == queued:
+                    queued += then
+                    while posted < queued and post(work, source, sends[posted], key, epoch,
+                                                   ready, told):
+                        posted += 1
+                    then = 0
+                if pending != TAKEN and not self._transport.wait_pushed(peer, pending):
+                    return self._hand_over(work, source, key, epoch, ready, told, done,
+                                           posted, posted < queued, late)
             # Lent to us: our kernel copies it out of the peer (and frees its record),
             # straight into place, or a slice at a time, each summed in as it lands.
-            if body is None and not (
+            elif body is None and not (
                     self._transport.take_lent(peer, part.data.cast("B")) if recv.mode == COPY
                     else self._take_summed(peer, part, left, nbytes)):
                 return self._hand_over(work, source, key, epoch, ready, told, done, posted,

@@ -26,6 +26,11 @@ from .wire import Header
 LANE_DRAIN_TIME = 1.0
 
 
+# Transport.take_lent_front's answers besides a lend id.
+NOT_TAKEN = -2
+TAKEN = -1
+
+
 class Counters:
     """What a transport moved: whole messages (header included) in each direction, bodies
     lent rather than copied, lent bodies copied half by their idle lender, and messages read
@@ -249,6 +254,19 @@ class Transport(abc.ABC):
         """Copy the lent body of the DATA message :meth:`peek` showed from ``peer`` (its
         header flagged FLAG_REMOTE, no body) into ``dest``, then free the message and
         acknowledge the body.  False, nothing taken, if that cannot be done here."""
+        return False
+
+    def take_lent_front(self, peer: int, dest: memoryview) -> int:
+        """:meth:`take_lent` but for the wait for the lender's half of a body its idle
+        lender copies half of (FLAG_SPREAD): NOT_TAKEN, TAKEN (the body is whole in
+        ``dest``), or the lend id to give :meth:`wait_pushed`.  A body taken is
+        acknowledged either way."""
+        return NOT_TAKEN
+
+    def wait_pushed(self, peer: int, lend: int) -> bool:
+        """Wait until ``peer`` says it copied its half of the body ``lend``
+        (:meth:`take_lent_front`) into ours; False where it did not (the peer is then
+        lost)."""
         return False
 
     def take_lent_each(self, peer: int, scratch: memoryview, nbytes: int,

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 
 from . import cma
-from .base import Outgoing
+from .base import NOT_TAKEN, TAKEN, Outgoing
 from .ring_lane import count_taken, hand_claimed
 from .shmring import NOT_INLINE, RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
@@ -130,6 +130,9 @@ class RingLink(Link):
         self.blocked: Outgoing | None = None  # waiting for room in ring_out
         self._chunk_off = -1  # bytes of blocked's body already in the ring (-1: not begun)
         self._lent: dict[int, Outgoing] = {}  # bodies the peer has yet to copy out of us
+        # The lent body whose back the peer copies into us now (take_lent_front): its
+        # lend id, the peer's pid and the body's address there.
+        self._pushing: tuple[int, int, int] | None = None
         self._next_lend = 0
         # Records we owe the peer (RING_ACK, RING_PUSHED), packed, that found the ring full.
         self._acks: deque[bytes] = deque()
@@ -504,31 +507,52 @@ class RingLink(Link):
         nothing taken, if it cannot be copied here now (the loop then reads it again and
         reports a peer whose memory is gone).  A body whose lender sits idle comes half
         from the lender (RING_PUSH), which this thread waits for."""
+        pending = self.take_lent_front(dest)
+        return pending != NOT_TAKEN and (pending == TAKEN or self.wait_pushed(pending))
+
+    def take_lent_front(self, dest: memoryview) -> int:
+        """:meth:`take_lent` up to the wait for the lender's half: copy the body whole, or
+        where its lender sits idle, ask the lender for the back and copy the front; then
+        free the record and acknowledge the body (it is not read again: a lender that
+        fails to write loses the link).  Returns NOT_TAKEN (nothing taken), TAKEN (the
+        body is whole), or the lend id to give :meth:`wait_pushed`."""
         n = dest.nbytes
         found = self._lent_record(n)
         if found is None:
-            return False
+            return NOT_TAKEN
         header, address, lend, pid = found
-        ring = self.ring_in
-        assert ring is not None
         end = n
         if header.flags & FLAG_SPREAD and self._ask_push(lend, dest):
             end = push_front(n)
         try:
             cma.read_into(pid, dest[:end], address)
-            if end < n:
-                if self._pushed(lend, pid, address, wait=True):
-                    self.counters.bodies_spread += 1
-                else:
-                    cma.read_into(pid, dest[end:], address + end)
-        except (OSError, WireError) as exc:
+        except OSError as exc:
             if end == n:
-                return False
+                return NOT_TAKEN
             # The lender may write into dest yet: the op cannot go on elsewhere.
             self.owner.lost(self, f"cannot copy a body out of rank {self.peer}: {exc}")
-            return False
+            return NOT_TAKEN
         self._took_lent(header, lend)
-        return True
+        if end == n:
+            return TAKEN
+        self._pushing = (lend, pid, address)
+        return lend
+
+    def wait_pushed(self, lend: int) -> bool:
+        """Wait until the lender of body ``lend`` (:meth:`take_lent_front`) says it wrote
+        its half; False where it could not, or is gone: the link is then lost."""
+        assert self._pushing is not None and self._pushing[0] == lend
+        _lend, pid, address = self._pushing
+        self._pushing = None
+        try:
+            if self._pushed(lend, pid, address, wait=True):
+                self.counters.bodies_spread += 1
+                return True
+            reason = "could not copy its half of a body into this process"
+        except (OSError, WireError) as exc:
+            reason = f"did not copy its half of a body into this process: {exc}"
+        self.owner.lost(self, f"rank {self.peer} {reason}")
+        return False
 
     def _lent_record(self, nbytes: int) -> tuple[Header, int, int, int] | None:
         """The ring's next record if it is a lent body of ``nbytes`` that can be copied
@@ -913,7 +937,7 @@ class RingLink(Link):
         RING_PUSHED, which may stand behind other records), answering the pushes asked of
         us meanwhile (two blocking broadcasts the other way round); None while it has not
         said.  ``wait``: look until it says, checking now and then that it is still
-        there at ``address`` (its lent body).
+        there at ``address`` (its lent body, which it keeps until it has said so).
 
         Raises:
             OSError: the lender is gone.
@@ -924,5 +948,12 @@ class RingLink(Link):
             if pushed is not None or not wait:
                 return pushed
             if time.monotonic() >= check:
-                cma.read_into(pid, memoryview(bytearray(1)), address)
+                try:
+                    cma.read_into(pid, memoryview(bytearray(1)), address)
+                except OSError:
+                    # It may have said so and moved on since the look above.
+                    pushed = self._answer_pushes(lend)
+                    if pushed is None:
+                        raise
+                    return pushed
                 check = time.monotonic() + _PUSH_PROBE

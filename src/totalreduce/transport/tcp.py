@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from . import cma
-from .base import Counters, MessageHandler, Port, Transport
+from .base import NOT_TAKEN, Counters, MessageHandler, Port, Transport
 from .poller import WAIT_SLOT, Poller
 from .ring_link import RingLink
 from .shmring import RingReader, RingWriter
@@ -186,6 +186,14 @@ class TcpTransport(Transport):
     def take_lent(self, peer: int, dest: memoryview) -> bool:
         link = self._links.get(peer)
         return type(link) is RingLink and link.take_lent(dest)
+
+    def take_lent_front(self, peer: int, dest: memoryview) -> int:
+        link = self._links.get(peer)
+        return link.take_lent_front(dest) if type(link) is RingLink else NOT_TAKEN
+
+    def wait_pushed(self, peer: int, lend: int) -> bool:
+        link = self._links.get(peer)
+        return type(link) is RingLink and link.wait_pushed(lend)
 
     def take_lent_each(self, peer: int, scratch: memoryview, nbytes: int,
                        each: Callable[[memoryview, int], None]) -> bool:
