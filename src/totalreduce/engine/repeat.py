@@ -464,24 +464,21 @@ class Repeat:
             # source (the chains that start one reduce into each region once: apply_piece).
             left = part if recv.mode == COPY or source is None or not fresh \
                 else source[lo - at:hi - at]
+            pending = TAKEN
             if body is None and header.flags & FLAG_SPREAD and recv.mode == COPY:
                 # Lent by an idle peer, which copies the back half into us (a broadcast's
-                # root): our front copied and the body acknowledged, what this step
-                # unlocks goes before the wait for the peer's half, as after a ring's
-                # body (the root waiting for it stops waiting sooner).
+                # root): our front copied and the body acknowledged, bodiless sends this
+                # step unlocks go before the wait for the peer's half (below), as after a
+                # ring's body: the root waiting for them stops waiting sooner.
                 pending = self._transport.take_lent_front(peer, part.data.cast("B"))
                 if pending == NOT_TAKEN:
                     return self._hand_over(work, source, key, epoch, ready, told, done,
                                            posted, posted < queued, late)
-                if bare and posted == queued:
-                    queued += then
-                    while posted < queued and post(work, source, sends[posted], key, epoch,
-                                                   ready, told):
-                        posted += 1
-                    then = 0
-                if pending != TAKEN and not self._transport.wait_pushed(peer, pending):
-                    return self._hand_over(work, source, key, epoch, ready, told, done,
-                                           posted, posted < queued, late)
+                if pending != TAKEN and (not bare or finalize is not None):
+                    if not self._transport.wait_pushed(peer, pending):
+                        return self._hand_over(work, source, key, epoch, ready, told, done,
+                                               posted, posted < queued, late)
+                    pending = TAKEN
             # Lent to us: our kernel copies it out of the peer (and frees its record),
             # straight into place, or a slice at a time, each summed in as it lands.
             elif body is None and not (
@@ -522,6 +519,9 @@ class Repeat:
             while posted < queued and post(work, source, sends[posted], key, epoch, ready,
                                            told):
                 posted += 1
+            if pending != TAKEN and not self._transport.wait_pushed(peer, pending):
+                return self._hand_over(work, source, key, epoch, ready, told, done + 1,
+                                       posted, posted < queued, late)
         if posted < queued:
             gone = self._post_until(queued, work, source, key, epoch, ready, told, posted)
             if gone < 0:
