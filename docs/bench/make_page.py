@@ -911,14 +911,15 @@ OpSpec.spread). Its core has nothing else to do. At 2 ranks, where each rank has
 a blocking broadcast of 1 MiB or more goes in 32 MiB pieces, each lent, and the root
 copies each piece's back half into the receiver (`process_vm_writev`, at the receiver's
 request) while the receiver copies the front (transport/ring_link.py): on the Intel VM,
-loops of `broadcast_` calls took 65 us at 1 MiB against 137 through the ring, 266 us at
-4 MiB against 507, and 1.01-1.06 ms at 16 MiB against 1.17-1.26 with the front copied on
-a second thread of the receiver's instead. Elsewhere a memcpy into the ring on the
-root's side plus one out on the receiver's beat one kernel copy on the receiver's alone:
-at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead of 10.8-11.3 (MPI: 9.1-9.5),
-16 MB in 1.38-1.57 instead of 1.72. Broadcasts up to 2 MiB go in 512 KiB pieces there,
-so that the receiver copies one out while the root copies the next in (1 MiB: 164 ->
-129 us, 2 MiB: 315 -> 231 us).
+in `bench collectives -n 2 --ops broadcast` runs alternated with the tree before it, 1
+MB took 0.09-0.12 ms against 0.13-0.15 through the ring, 4 MB 0.29-0.35 against
+0.51-0.54, and 16-256 MB up to a tenth less than with the front copied on a second
+thread of the receiver's instead (64 MB 4.7-5.6 ms against 5.7-5.9). Elsewhere a
+memcpy into the ring on the root's side plus one out on the receiver's beat one kernel
+copy on the receiver's alone: at 2 ranks on the Intel host, 64 MB in 6.7-7.7 ms instead
+of 10.8-11.3 (MPI: 9.1-9.5), 16 MB in 1.38-1.57 instead of 1.72. Broadcasts up to 2 MiB
+go in 512 KiB pieces there, so that the receiver copies one out while the root copies
+the next in (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 
 Why a ring whose copies run slower than the kernel's copy of a lent body lends every body
 of 64 KiB or more (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times
