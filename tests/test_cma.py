@@ -245,6 +245,17 @@ def _data(seq: int, nbytes: int, flags: int = 0) -> bytes:
     return Header(Kind.DATA, 1, flags, 0, 7, seq, 0, 0, nbytes, nbytes).pack()
 
 
+@contextlib.contextmanager
+def _pushed_body(seed: int, nbytes: int) -> Iterator[tuple[np.ndarray, RingLink, _Owner,
+                                                             RingLink, _Owner]]:
+    """A linked pair (:func:`_linked_pair`) whose lender has lent a random body of
+    ``nbytes`` (token "t") flagged for its reader to ask the lender for its back half."""
+    body = np.random.default_rng(seed).integers(0, 255, nbytes, np.uint8)
+    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
+        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+        yield body, lender, lender_owner, reader, reader_owner
+
+
 @pytest.mark.parametrize("deferred", [False, True])
 def test_an_idle_lender_copies_the_back_half_into_its_reader_when_asked(
         deferred: bool) -> None:
@@ -289,9 +300,8 @@ def test_an_idle_lender_copies_the_back_half_into_its_reader_when_asked(
 def test_a_reader_on_a_callers_thread_waits_for_the_pushed_half() -> None:
     # take_lent (a Repeat's): the reader's thread asks for the back and waits for it while
     # the lender's loop answers on another thread.
-    body = np.random.default_rng(6).integers(0, 255, (2 << 20) + 3, np.uint8)
-    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
-        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+    with _pushed_body(6, (2 << 20) + 3) as (body, lender, lender_owner, reader,
+                                                  reader_owner):
         record = reader.peek()
         assert record is not None and record[0].flags & FLAG_REMOTE and record[1] is None
         stop = threading.Event()
@@ -313,15 +323,16 @@ def test_a_reader_on_a_callers_thread_waits_for_the_pushed_half() -> None:
         assert reader.counters.bodies_spread == 1 and reader.peek() is None
 
 
+def _refuse(pid: int, src: memoryview, address: int) -> None:
+    """cma.write_from where the kernel will not write."""
+    raise OSError(1, "not allowed")
+
+
 def test_a_lender_that_cannot_write_says_so_and_the_reader_copies_it_all(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(pid: int, src: memoryview, address: int) -> None:
-        raise OSError(1, "not allowed")
-
-    monkeypatch.setattr(cma, "write_from", refuse)
-    body = np.random.default_rng(7).integers(0, 255, (1 << 20) + 11, np.uint8)
-    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
-        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+    monkeypatch.setattr(cma, "write_from", _refuse)
+    with _pushed_body(7, (1 << 20) + 11) as (body, lender, lender_owner, reader,
+                                                  reader_owner):
         reader.read_ring()
         assert reader.lent_in is not None
         lender.read_ring()
@@ -346,9 +357,8 @@ def test_a_reader_acknowledges_before_the_lenders_half_comes() -> None:
     # On a caller's thread (take_lent_front, then wait_pushed): the front copied, the
     # body is acknowledged at once (the lender's call may end once it has written), and
     # the wait for the lender's half follows.
-    body = np.random.default_rng(8).integers(0, 255, (1 << 20) + 8191, np.uint8)
-    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
-        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+    with _pushed_body(8, (1 << 20) + 8191) as (body, lender, lender_owner, reader,
+                                                  reader_owner):
         assert reader.peek() is not None
         dest = bytearray(body.nbytes)
         pending = reader.take_lent_front(memoryview(dest))
@@ -366,13 +376,9 @@ def test_a_lender_that_cannot_write_after_the_acknowledgement_loses_the_link(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Acknowledged early, the lender's body may be gone: the reader does not read the
     # rest itself, it loses the link (the _Owner raises what it is told).
-    def refuse(pid: int, src: memoryview, address: int) -> None:
-        raise OSError(1, "not allowed")
-
-    monkeypatch.setattr(cma, "write_from", refuse)
-    body = np.random.default_rng(9).integers(0, 255, (2 << 20) + 1, np.uint8)
-    with _linked_pair() as (lender, lender_owner, reader, reader_owner):
-        assert lender.lend_now(_data(1, body.nbytes), memoryview(body), "t", spread=True)
+    monkeypatch.setattr(cma, "write_from", _refuse)
+    with _pushed_body(9, (2 << 20) + 1) as (body, lender, lender_owner, reader,
+                                                  reader_owner):
         assert reader.peek() is not None
         pending = reader.take_lent_front(memoryview(bytearray(body.nbytes)))
         assert pending >= 0

@@ -26,7 +26,10 @@ transport lends them) are lent here too: the peer's kernel copies them out of ou
 call ends once every peer has said it has.  So a 2-rank allgather or alltoall of a few
 MiB, whose bodies are lent, runs here from its second call, without the spec, label and
 lookups the express lane makes for it each call.  A 2-rank broadcast's root lends its
-pieces likewise where huge pages back them (ONE_WAY_HUGE), through the ring otherwise.
+body of PUSH_MIN or more and copies the back half into the peer when asked (where each
+rank has a core: transport/ring_link.py), and its peer posts the chain's acknowledgement
+once its own half is in; where ranks outnumber cores the root lends its pieces where
+huge pages back them (ONE_WAY_HUGE), through the ring otherwise.
 """
 
 from __future__ import annotations
