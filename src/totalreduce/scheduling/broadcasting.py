@@ -16,6 +16,7 @@ from .call_names import Ident
 from .checks import check_broadcast
 from .handle import FutureHandle, Handle
 from .scheduler_parts import SchedulerParts
+from .slow_rings import SlowRingChoice
 from .templates import OpTemplate, broadcast_key
 from .thresholds import LENT_WHEN_SLOW
 from .views import with_algorithm
@@ -77,8 +78,17 @@ class BroadcastOps(SchedulerParts):
                 and self._engine.spreads(self._peers, work.nbytes)):
             # The root lends its bodies and, idle otherwise, copies the back half of each
             # into its peer while the peer copies the front (transport/ring_link.py).
-            spec.lend = spec.spread = spec.lend_slow = True
-            return FutureHandle([self._engine.submit(spec)], finish, spec.label)
+            if self.size == 2:
+                spec.lend = spec.spread = spec.lend_slow = True
+                return FutureHandle([self._engine.submit(spec)], finish, spec.label)
+            # Past 2 ranks, where the next rank passes each piece on, that way is timed
+            # against the rings' and the faster taken (not measured there against the
+            # rings, with a core per rank, since the root copies half).
+            key = SlowRingChoice.key("broadcast spread", work.nbytes)
+            spread = self._slow_rings.leave(key)
+            spec.lend = spec.spread = spec.lend_slow = spread
+            timed = self._slow_rings.timed(finish, key, spread)  # submit() may run it
+            return FutureHandle([self._engine.submit(spec)], timed, spec.label)
         return self._launch(spec, finish, self._direct_broadcast, slow_from=LENT_WHEN_SLOW)
 
     def _repeats_broadcast(self, nbytes: int) -> bool:
