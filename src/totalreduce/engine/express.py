@@ -346,9 +346,9 @@ class Express:
         within ``spin`` seconds, or another record stands first."""
         transport = self._transport
         peer = token.send.peer
-        peek = functools.partial(transport.peek, peer)
         while not token.acked:
-            record = peek() or self.wait_on(peek, spin)
+            record = transport.peek(peer) or \
+                self.wait_on(functools.partial(transport.peek, peer), spin)
             if (record is None or record[1] is not None
                     or record[0].kind not in LEND_REPLIES
                     or not transport.take_ack(peer, record[0])):

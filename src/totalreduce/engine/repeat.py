@@ -145,7 +145,8 @@ class Repeat:
                  "_code", "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single", "_spin")
+                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single", "_spin",
+                 "_wait")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -246,6 +247,9 @@ class Repeat:
         # How long a wait for a peer's next record lasts before a hand-over (_PUSH_RATE).
         self._spin = _SPIN + sum(send[6] for send in self._first if send[11] == _PUSH) \
             / _PUSH_RATE
+        # Made once: a call of a small op must not pay for it.
+        self._wait = express.wait_on if self._spin == _SPIN else \
+            functools.partial(express.wait_on, spin=self._spin)
         # Every send in the chain's order (Chain.sends), where waiting ones queue: the
         # first, then each step's.  A hand-over counts the ones posted in this order.
         self._sends = sends(chain.sends)
@@ -396,7 +400,7 @@ class Repeat:
                                                    code, sig, count, self._recipe, epoch):
                 return self._hand_over(work, source, key, epoch, ready, told, 0, posted,
                                        True, late)
-        wait = functools.partial(self._express.wait_on, spin=self._spin)
+        wait = self._wait
         ufunc = self._ufunc
         dtype, quiet, slow_reduce = self._dtype, self._quiet, self._reduce_into
         for done, (peer, port, step, piece, recv, nbytes, then, whole, bare) in enumerate(
