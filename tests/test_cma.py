@@ -15,7 +15,8 @@ import pytest
 from totalreduce.transport import cma
 from totalreduce.transport.base import Counters
 from totalreduce.transport.mesh import _probe
-from totalreduce.transport.ring_link import RingLink, push_front
+from totalreduce.transport.ring_link import RingLink
+from totalreduce.transport.ring_push import push_front
 from totalreduce.transport.shmring import RingReader, RingWriter
 from totalreduce.transport.wire import FLAG_REMOTE, REMOTE_BODY, Header, Kind
 

@@ -40,7 +40,7 @@ from ..interrupts import deferred as ctrl_c
 from ..timeline import Timeline
 from ..transport import pages
 from ..transport.base import Port, Transport
-from ..transport.ring_link import PUSH_MIN
+from ..transport.ring_push import PUSH_MIN
 from ..transport.wire import Header
 from .applier import Applier
 from .departures import Departures
@@ -310,7 +310,7 @@ class Engine:
 
     def spreads(self, peers: Collection[int], nbytes: int) -> bool:
         """Whether ``peers`` would copy a body of ``nbytes`` this rank lends them, while it
-        sits idle, half each, this rank the other halves (transport/ring_link.py): such a
+        sits idle, half each, this rank the other halves (transport/ring_push.py): such a
         body is lent to each, is big enough, and every rank of the host has a core of its
         own."""
         transport = self.transport

@@ -57,7 +57,7 @@ class OpSpec:
     # the faster way for ops of its kind and size (scheduling/slow_rings.py).
     lend_slow: bool = True
     # This rank sits idle while its peers copy its lent bodies (a broadcast's root): it
-    # copies the back half of each into them meanwhile (transport/ring_link.py).
+    # copies the back half of each into them meanwhile (transport/ring_push.py).
     spread: bool = False
     # Where ``source`` lies in the working buffer's coordinates: 0 for an alltoall's (each
     # block at its place in both), the rank's block for an allgather's (its input alone).

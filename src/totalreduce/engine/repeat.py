@@ -46,7 +46,7 @@ from ..memcopy import copy_bytes
 from ..transport import pages
 from ..transport.base import NOT_TAKEN, TAKEN, Port, Transport
 from ..transport.cma import address_of
-from ..transport.ring_link import PUSH_MIN
+from ..transport.ring_push import PUSH_MIN
 from ..transport.wire import (
     FLAG_AGREES,
     FLAG_CREDITED,
@@ -103,7 +103,7 @@ _ONE_WAY = 1
 _EXCHANGE = 2
 _SLOW = 3
 # A one-way send lent whole, its back half copied into the peer by this thread when the
-# peer asks (transport/ring_link.py: RING_PUSH), where every rank has a core of its own.
+# peer asks (transport/ring_push.py), where every rank has a core of its own.
 _PUSH = 4
 
 # What every call of a one-exchange template shares (Repeat._run_single): the send's port,

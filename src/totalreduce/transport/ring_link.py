@@ -9,12 +9,7 @@ ops may be *lent* instead (cma.py): the reader's kernel copies them straight out
 writer's memory, one copy where the ring costs two.
 
 A lender that sits idle while its body is copied (a broadcast's root, FLAG_SPREAD) copies
-the body's back half into the reader meanwhile, when the reader asks (RING_PUSH, then
-RING_PUSHED once written): both cores copy, where the reader alone would copy all of it
-while the lender's core idles.  Two processes on an Intel VM, the lender spinning: 1 MiB
-in 20 us against 72-88 read whole, 4 MiB in 220 against 400-417, 16 MiB in 0.82-0.87 ms
-against 1.68, 64 MiB in 4.7-4.9 against 11.5-12.0 ms.  The lender answers a RING_PUSH
-wherever it reads its ring, so it spins while it waits for the body's acknowledgement.
+the body's back half into the reader meanwhile, when the reader asks (ring_push.py).
 """
 
 from __future__ import annotations
@@ -27,9 +22,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from . import cma
+from . import cma, ring_push
 from .base import NOT_TAKEN, TAKEN, Outgoing
 from .ring_lane import count_taken, hand_claimed
+from .ring_push import PUSH_MIN, push_front
 from .shmring import NOT_INLINE, RingReader, RingWriter
 from .socket_link import READ_BUDGET, WRITE_BUDGET, Link, LinkOwner, explain
 from .wire import (
@@ -69,12 +65,6 @@ _SLICE = 1 << 20
 _SLICES_MAX = 8
 # ... and while a more urgent op runs here, in slices of this size.
 _URGENT_SLICE = 256 << 10
-# The smallest lent body whose idle lender copies half of it (RING_PUSH): the smallest
-# lent by default (config.lend_bytes).
-PUSH_MIN = 1 << 20
-# How often a reader waiting for its lender's RING_PUSHED on a caller's thread checks that
-# the lender is still there (its socket is the loop's to watch).
-_PUSH_PROBE = 0.05
 
 
 class _Scan:
@@ -106,12 +96,6 @@ class _LentCopy:
         self.done = 0
         self.spread = spread
         self.end = dest.nbytes
-
-
-def push_front(n: int) -> int:
-    """Where the lender's part of a pushed body of ``n`` bytes begins (both ends compute
-    it): about half, on a page boundary."""
-    return (n // 2) & ~4095
 
 
 class _LendFailed(Exception):
@@ -625,7 +609,7 @@ class RingLink(Link):
         if header.kind == Kind.RING_PUSH:
             record = ring.next()
             assert record is not None
-            address = REMOTE_BODY.unpack_from(record[1])[0]
+            address = ring_push.asked_at(record[1])
             freed = ring.release()
             self._push(header.seq, address)
         else:
@@ -639,20 +623,17 @@ class RingLink(Link):
     def _push(self, lend: int, address: int) -> None:
         """Copy the back of the body lent under ``lend`` to ``address`` (where the peer
         keeps the whole body) in the peer, as it asked, and say so; where the copy fails,
-        say that instead: the peer copies it then (or is gone, as its socket will say)."""
-        body = self._lent[lend].body
-        assert body is not None
+        say that instead: the peer copies it then (or is gone, as its socket will say).
+
+        Raises:
+            WireError: no body is lent under ``lend``.
+        """
+        msg = self._lent.get(lend)
+        if msg is None or msg.body is None:
+            raise WireError(f"push of unknown lent body {lend}")
         ring = self.ring_in
         pid = None if ring is None else ring.lender_pid
-        front = push_front(body.nbytes)
-        failed = 1
-        if pid is not None:
-            try:
-                cma.write_from(pid, body[front:], address + front)
-                failed = 0
-            except OSError:
-                pass
-        self._owe(Header(Kind.RING_PUSHED, seq=lend, step=failed).pack())
+        self._owe(ring_push.write_back(pid, msg.body, address, lend))
 
     def read_ring(self, budget: int | None = READ_BUDGET) -> None:
         """Hand the records waiting in the peer's ring to the handler (``budget`` bytes'
@@ -670,7 +651,7 @@ class RingLink(Link):
             # Left for an op not submitted here yet; its peer may wait meanwhile for a push
             # of ours that stands behind it.
             try:
-                self._answer_pushes()
+                ring_push.answer_behind(ring, self._push)
             except WireError as exc:
                 self.owner.lost(self, f"corrupt shared-memory ring: {exc}")
             return
@@ -695,7 +676,7 @@ class RingLink(Link):
                     # reduced straight out of it once the op starts, instead of copied
                     # aside now (on the path back to the caller) and reduced later.
                     self.deferred = True
-                    self._answer_pushes()
+                    ring_push.answer_behind(ring, self._push)
                     break
                 if budget is not None:
                     budget -= HEADER_SIZE + header.nbytes
@@ -717,9 +698,7 @@ class RingLink(Link):
                     freed |= ring.release()
                     handler.sent(peer, msg.token)
                 elif header.kind == Kind.RING_PUSH:
-                    if header.seq not in self._lent:
-                        raise WireError(f"push of unknown lent body {header.seq}")
-                    address = REMOTE_BODY.unpack_from(body)[0]
+                    address = ring_push.asked_at(body)
                     freed |= ring.release()
                     self._push(header.seq, address)
                 elif header.kind == Kind.RING_PUSHED:
@@ -892,68 +871,26 @@ class RingLink(Link):
         cannot go now (the reader then copies all of it)."""
         ring = self.ring_out
         if (ring is None or self._acks or self._chunk_off >= 0 or self.write_closed
-                or self.closed or not push_front(dest.nbytes)):
-            return False
-        desc = REMOTE_BODY.pack(cma.address_of(dest), lend)
-        if not ring.post(Header(Kind.RING_PUSH, seq=lend, nbytes=len(desc)).pack(),
-                         memoryview(desc)):
+                or self.closed or not ring_push.ask(ring, lend, dest)):
             return False
         if ring.reader_sleeping():
             self.doorbell()
         return True
 
-    def _answer_pushes(self, lend: int = -1) -> bool | None:
-        """Answer the pushes asked of us that stand behind the ring's next record (each
-        handled out of turn, then marked taken); and whether the lender said it copied the
-        back of its body ``lend`` into us (RING_PUSHED; None: it has not said).
-
-        Raises:
-            WireError: a push of a body we did not lend.
-        """
-        ring = self.ring_in
-        assert ring is not None
-        for where, kind, _flags, _name, seq, _after in ring.glance(ring.behind()):
-            if kind == Kind.RING_PUSH:
-                header, body = ring.record_at(where)
-                if seq not in self._lent:
-                    raise WireError(f"push of unknown lent body {seq}")
-                self._push(seq, REMOTE_BODY.unpack_from(body)[0])
-                ring.mark_taken(where, header)
-            elif kind == Kind.RING_PUSHED and seq == lend:
-                header = ring.record_at(where)[0]
-                ring.mark_taken(where, header)
-                return header.step == 0
-        return None
-
     def asked_to_push(self) -> bool:
         """Whether a push stands behind the ring's next record (one left for an op not
         begun here): its reader waits for it."""
         ring = self.ring_in
-        return ring is not None and any(
-            kind == Kind.RING_PUSH for _w, kind, *_rest in ring.glance(ring.behind()))
+        return ring is not None and ring_push.asks_behind(ring)
 
     def _pushed(self, lend: int, pid: int, address: int, wait: bool) -> bool | None:
-        """Whether the lender copied the back of its body ``lend`` as asked (its
-        RING_PUSHED, which may stand behind other records), answering the pushes asked of
-        us meanwhile (two blocking broadcasts the other way round); None while it has not
-        said.  ``wait``: look until it says, checking now and then that it is still
-        there at ``address`` (its lent body, which it keeps until it has said so).
+        """ring_push.pushed for this link's body ``lend``, answering the pushes asked of
+        us meanwhile (two blocking broadcasts the other way round).
 
         Raises:
             OSError: the lender is gone.
+            WireError: a push of a body we did not lend.
         """
-        check = time.monotonic() + _PUSH_PROBE
-        while True:
-            pushed = self._answer_pushes(lend)
-            if pushed is not None or not wait:
-                return pushed
-            if time.monotonic() >= check:
-                try:
-                    cma.read_into(pid, memoryview(bytearray(1)), address)
-                except OSError:
-                    # It may have said so and moved on since the look above.
-                    pushed = self._answer_pushes(lend)
-                    if pushed is None:
-                        raise
-                    return pushed
-                check = time.monotonic() + _PUSH_PROBE
+        ring = self.ring_in
+        assert ring is not None
+        return ring_push.pushed(ring, self._push, lend, pid, address, wait)

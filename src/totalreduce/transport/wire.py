@@ -37,7 +37,7 @@ FLAG_READY = 4  # on DATA: the sender has submitted the op too (stands in for a 
 FLAG_REMOTE = 8
 # Shared-memory ring only, with FLAG_REMOTE: the lender sits idle while the body is copied
 # (a broadcast's root), so the reader may ask it to copy the body's back half into the
-# reader meanwhile (RING_PUSH; ring_link.py).
+# reader meanwhile (RING_PUSH; ring_push.py).
 FLAG_SPREAD = 16
 # On DATA of an exchange sent from a Repeat (engine/repeat.py): the sender lends such a
 # body only where its peer would too (FLAG_AGREES), and would (FLAG_WOULD_LEND: huge pages

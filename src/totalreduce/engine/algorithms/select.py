@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...lru import LRU
-from ...transport.ring_link import PUSH_MIN
+from ...transport.ring_push import PUSH_MIN
 from ...transport.wire import (
     RECIPE_DOUBLING_ALLREDUCE,
     RECIPE_HALVING_ALLREDUCE,
@@ -73,7 +73,7 @@ _SMALL_BROADCAST_PIECE = 512 << 10
 # new alternated in one sitting, medians of 4) 16 MiB allgathers took 1.9 ms against 2.3
 # in 2 MiB pieces, 64 MiB ones 13.0 against 14.3, 256 MiB alltoalls 41.7 against 45.8.
 # A broadcast's root lends such a piece whole and, idle otherwise, copies its back half
-# into the peer meanwhile (transport/ring_link.py: RING_PUSH), so that from PUSH_MIN on
+# into the peer meanwhile (transport/ring_push.py), so that from PUSH_MIN on
 # a broadcast goes in such pieces: each costs a request and its answer.  Where it copies
 # through the ring instead (its core is not its own) it does in chunks (shmring.py), as
 # fast as in pieces.
