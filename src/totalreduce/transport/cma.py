@@ -65,25 +65,24 @@ def read_into(pid: int, dest: memoryview, address: int) -> None:
         OSError: the read failed or came back short (the process is gone, or the range
             is not mapped there).
     """
-    _between(_readv, "process_vm_readv from", "read", pid, dest, address)
+    _between(_readv, "process_vm_readv", "from", "read", pid, dest, address)
 
 
-def _between(fn: Any, what: str, did: str, pid: int, here: memoryview, address: int
-             ) -> None:
+def _between(fn: Any, name: str, way: str, did: str, pid: int, here: memoryview,
+             address: int) -> None:
     """Copy ``here.nbytes`` bytes between ``here`` and ``address`` in ``pid`` with
-    ``fn`` (process_vm_readv or process_vm_writev); ``what`` and ``did`` name it in the
-    error."""
+    ``fn``, the system call ``name``; ``way`` and ``did`` say which way in its error."""
     want = here.nbytes
     if not want:
         return
     if fn is None:
-        raise OSError(f"{what.split()[0]} is not available")
+        raise OSError(f"{name} is not available")
     local = _IoVec(address_of(here), want)
     remote = _IoVec(address, want)
     got = fn(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     if got != want:
         err = ctypes.get_errno() if got < 0 else 0
-        raise OSError(err, f"{what} pid {pid} {did} {got} of {want} bytes"
+        raise OSError(err, f"{name} {way} pid {pid} {did} {got} of {want} bytes"
                       + (f": {os.strerror(err)}" if err else ""))
 
 
@@ -124,7 +123,7 @@ def write_from(pid: int, src: memoryview, address: int) -> None:
     Raises:
         OSError: the write failed or came back short.
     """
-    _between(_writev, "process_vm_writev to", "wrote", pid, src, address)
+    _between(_writev, "process_vm_writev", "to", "wrote", pid, src, address)
 
 
 def probe(pid: int, address: int, expected: bytes) -> bool:
