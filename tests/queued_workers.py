@@ -130,3 +130,40 @@ def queued_at_shutdown(arg: dict) -> None:
         except TotalReduceError as exc:
             outcomes.append(type(exc).__name__)
     report(outcomes=outcomes, seconds=time.monotonic() - start)
+
+
+def agreed_slow_lending(arg: dict) -> None:
+    """With every ring taken for slow (TOTALREDUCE_SLOW_RING_GBPS huge): rounds of async
+    in-place allreduces of 9 MiB and a little more, each name's calls on the same buffer
+    (as a training loop's gradients), queued for their Repeats.  Under one name rank 0's
+    buffer is small-paged and rank 1's huge-paged, so that only rank 1 would lend while
+    slow (HUGE_LEND_SHARE); under another both are huge-paged.  Values refilled each
+    round; each result against numpy.  Reports the bodies this rank's Repeats lent under
+    each name (the general path's first call lends by the loop's own rule), the share huge
+    pages back of its buffers, and whether the rings were judged slow."""
+    from totalreduce.bench.buffers import aligned_float32s
+    from totalreduce.transport import pages
+    from workers import _judge_rings
+
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    engine = current().engine
+    slow = _judge_rings(rank, n)
+    count = (9 << 20) // 4 + 13
+    lent: dict[str, int] = {}
+    shares: dict[str, float | None] = {}
+    for name, huge in (("split", rank == 1), ("both", True)):
+        buf = aligned_float32s(count, 0.0, huge=huge)
+        shares[name] = pages.huge_share(buf.ctypes.data, buf.nbytes)
+        before = engine.stats()["express_repeats_lent"]
+        for i in range(8):
+            ins = [data(40 * i + len(name), r, (count,), np.float32) for r in range(n)]
+            buf[:] = ins[rank]
+            tr.barrier()
+            got = tr.allreduce_async_(buf, op=tr.Sum, name=name).wait()
+            assert got is buf
+            assert_same(got, reference_reduce(ins, "Sum"), f"{name} round {i}")
+        lent[name] = engine.stats()["express_repeats_lent"] - before
+    tr.barrier()
+    tr.shutdown()
+    report(lent=lent, shares=shares, slow=slow)

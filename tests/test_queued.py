@@ -3,9 +3,12 @@ Loop.queued), on real multi-process runs."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness import run_ok
+from totalreduce.transport.cma import cma_works
 
 
 @pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
@@ -33,3 +36,25 @@ def test_queued_calls_never_waited_for_end_at_shutdown() -> None:
                                                  "PeerFailureError"), result.explain()
     # Rank 0's last two calls have no partner: they cannot have a result.
     assert 2.0 not in result.report(0)["outcomes"][1:], result.explain()
+
+
+def test_a_two_rank_reduction_lends_while_slow_only_where_both_ranks_would() -> None:
+    # Every ring copies slower than 1e6 GB/s, so from 8 MiB a reduction's pieces may be
+    # lent out of a buffer huge pages back (thresholds.HUGE_LEND_SHARE).  Where only rank
+    # 1's is, rank 0's Repeat says it would not and neither lends: lent one way only, one
+    # rank copies into the ring, out of its peer and sums while the other only sums.
+    # Where both are, both lend.  Results against numpy.
+    result = run_ok(2, "queued_workers:agreed_slow_lending", {},
+                    env={"TOTALREDUCE_SLOW_RING_GBPS": "1e6"}, timeout=120)
+    reports = [result.report(r) for r in range(2)]
+    for got in reports:
+        assert got["lent"]["split"] == 0, result.explain()
+    shares = [got["shares"] for got in reports]
+    if (not cma_works() or len(os.sched_getaffinity(0)) < 2
+            or not all(got["slow"] for got in reports)
+            or any(share is None or share < 0.75 for share in
+                   (shares[1]["split"], shares[0]["both"], shares[1]["both"]))):
+        return  # no lending here, or no huge pages: nothing would have been lent
+    assert shares[0]["split"] < 0.75, result.explain()
+    for got in reports:
+        assert got["lent"]["both"] > 0, result.explain()

@@ -475,18 +475,22 @@ def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded
     asked: list[np.ndarray] = []
 
     def lends(nbytes: int, crowded: bool, cma_bytes: int = -1, share: float | None = 1.0,
-              source: np.ndarray | None = None, slow: bool = True) -> tuple[bool, bool]:
-        """``slow``: most rings copy slowly now."""
+              source: np.ndarray | None = None, slow: bool = True, size: int = 3,
+              ) -> tuple[bool, ...]:
+        """``slow``: most rings copy slowly now; ``size``: ranks.  The first two values;
+        at 2 ranks also the third (whether the ranks agree on lending while slow)."""
         def huge_share(buf: np.ndarray) -> float | None:
             asked.append(buf)
             return share
 
         me = SimpleNamespace(_config=SimpleNamespace(cma_bytes=cma_bytes), _peers=[1],
+                             size=size,
                              _engine=SimpleNamespace(crowded=lambda: crowded,
                                                      huge_share=huge_share,
                                                      lends=lambda peers: slow))
         work = np.empty(nbytes, np.uint8)  # never touched: no pages behind it
-        return SelfGuided._reduction_lends(me, work, source)  # type: ignore[arg-type]
+        got = SelfGuided._reduction_lends(me, work, source)  # type: ignore[arg-type]
+        return got if size == 2 else got[:2]
 
     # (lend, lend while a ring is slow), by size and host, out of huge pages.
     assert lends(4 << 20, True) == (False, False) and lends(8 << 20, True) == (True, True)
@@ -511,3 +515,13 @@ def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded
     assert lends(8 << 20, True, source=source) == (True, True) and asked[-1] is source
     # CMA_BYTES set: as the user says, whatever the pages.
     assert lends(1 << 20, False, cma_bytes=0, share=0.0) == (True, True)
+    # At 2 ranks, where a rank's choice for 8-32 MiB turned on its own pages or its rings'
+    # pace, its Repeats lend while slow only where the peer would too; not where the size
+    # alone decides (crowded, 32 MiB and up), nor below 8 MiB, nor where CMA_BYTES is set.
+    assert lends(16 << 20, False, size=2) == (False, True, True)
+    assert lends(16 << 20, False, share=0.0, size=2) == (False, False, True)
+    assert lends(16 << 20, False, slow=False, size=2) == (False, True, True)
+    assert lends(32 << 20, False, size=2) == (True, True, False)
+    assert lends(8 << 20, True, size=2) == (True, True, False)
+    assert lends(4 << 20, False, size=2) == (False, False, False)
+    assert lends(16 << 20, False, cma_bytes=0, size=2) == (True, True, False)

@@ -56,6 +56,10 @@ class OpSpec:
     # ``lend`` says; the scheduler turns it off where copying through the ring has been
     # the faster way for ops of its kind and size (scheduling/slow_rings.py).
     lend_slow: bool = True
+    # At 2 ranks: ``lend_slow`` may differ from the peer's (it was decided by this rank's
+    # pages or its rings' pace when the op was first made), so a Repeat's calls lend
+    # while the rings are slow only where both ranks would (engine/repeat.py).
+    agree_slow: bool = False
     # This rank sits idle while its peers copy its lent bodies (a broadcast's root): it
     # copies the back half of each into them meanwhile (transport/ring_push.py).
     spread: bool = False

@@ -97,7 +97,8 @@ assert Header._fields[3:10] == ("step", "name_key", "seq", "sig", "piece", "nbyt
 # _PUSH by its size alone, half copied here (PUSH_MIN),
 # _EXCHANGE where it would be lent out of huge pages or while the ring copies slowly
 # (express.py, the exchange's rule) and the peer would lend too (Repeat._agrees), _SLOW
-# a reduction's only while the ring copies slowly, as the loop's (OpSpec.lend_slow)).
+# a reduction's only while the ring copies slowly, as the loop's (OpSpec.lend_slow), and
+# where the ranks may differ on that, only where the peer would too (OpSpec.agree_slow)).
 _Send = tuple[Port, int, int, int, int, int, int, bool, bool, bool, Send | None, int]
 _ONE_WAY = 1
 _EXCHANGE = 2
@@ -145,7 +146,8 @@ class Repeat:
                  "_code", "_count", "_recipe", "_ufunc", "_finalize", "_tell_first",
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
-                 "_huge_regions", "_agrees", "_peer_lends", "_scratch", "_single", "_spin",
+                 "_huge_regions", "_agrees", "_agree_slow", "_peer_lends", "_scratch",
+                 "_single", "_spin",
                  "_wait")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
@@ -215,8 +217,11 @@ class Repeat:
         # The sends whose bodies may be lent, as the express lane picks them (Express._lend;
         # the transport's size rule is asked each call).
         reduces = template.ufunc is not None
+        # Where ranks may differ on lending while slow (OpSpec.agree_slow), the sends that
+        # would lend then say so even where this rank would not, so that neither does.
+        agree_slow = reduces and template.agree_slow and not template.lend
         lendable = chain.lendable if lends and (template.lend or (
-            reduces and template.lend_slow)) else frozenset()
+            reduces and (template.lend_slow or agree_slow))) else frozenset()
         one_way = chain.one_way if lends_one_way and template.ufunc is None \
             else frozenset()
         pushes = bool(one_way) and not transport.crowded()
@@ -259,8 +264,12 @@ class Repeat:
         # side), as it does.  One lending while the other copies through the ring was
         # slower than both ways (2-rank 4 MB alltoalls, 0.22-0.27 ms against 0.13 lent
         # and 0.17-0.19 copied), and numpy's arrays of a few MiB get huge pages for one
-        # part only, which part differing from rank to rank.
-        self._agrees = any(send[11] == _EXCHANGE for send in self._sends)
+        # part only, which part differing from rank to rank.  So too a 2-rank reduction's
+        # pieces while the rings are slow (OpSpec.agree_slow): lent one way only, one rank
+        # copies into the ring, out of the peer and sums, where the other only sums.
+        self._agrees = any(send[11] == _EXCHANGE for send in self._sends) or (
+            agree_slow and any(send[11] == _SLOW for send in self._sends))
+        self._agree_slow = agree_slow
         self._peer_lends: dict[int, int] = {}
         self._tell_first = tuple((ports[peer], peer) for peer in chain.tell_first)
         self._steps = tuple((peer, ports[peer], step, piece, recv,
@@ -716,7 +725,13 @@ class Repeat:
             body = None if not nbytes else (work if whole else work[lo:hi]).data.cast("B")
         lends = False
         if lend is not None and body is not None and pages_rule == _SLOW:
-            lends = self._transport.lends(peer)
+            if not self._agree_slow:
+                lends = self._transport.lends(peer)
+            else:
+                flags |= FLAG_AGREES
+                if self._lend_slow and self._transport.lends(peer):
+                    flags |= FLAG_WOULD_LEND
+                    lends = self._peer_lends.get(peer, _WONT) != _WONT
         elif lend is not None and body is not None and \
                 self._transport.lends_body(peer, self._op_bytes, nbytes):
             if pages_rule != _EXCHANGE:

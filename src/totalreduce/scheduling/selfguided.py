@@ -528,7 +528,7 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         return np.array(arr, copy=True, order="C").reshape(-1), inplace
 
     def _reduction_lends(self, work: np.ndarray, source: np.ndarray | None = None
-                         ) -> tuple[bool, bool]:
+                         ) -> tuple[bool, bool, bool]:
         """Whether a reduction into ``work`` (from ``source``, where it reads one: OpSpec.
         fresh) may lend its pieces (OpSpec.lend), and may while a ring copies slowly
         (OpSpec.lend_slow).  The first: as any op where CMA_BYTES is set, else from
@@ -545,18 +545,25 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         size would lend, or while most rings copy slowly (Engine.lends).  Asking costs
         10-60 us at 16-64 MiB once the op's copies have flushed the caches (a 16 MB
         allreduce spent 50 us of its 140 before its first copy on it); an op that starts
-        while the rings copy fast and sees one turn slow may lend small-paged pieces."""
+        while the rings copy fast and sees one turn slow may lend small-paged pieces.
+
+        The third (OpSpec.agree_slow): at 2 ranks, whether the second may differ from the
+        peer's, which its own pages and its rings' pace at this call decided.  A 9 MiB
+        numpy array is 0.67 or 0.89 huge-paged by where malloc put it, which differs from
+        process to process; a Repeat's calls then lend while slow only where both ranks
+        would."""
         if self._config.cma_bytes >= 0:
-            return True, True
+            return True, True, False
         nbytes = work.nbytes
         if nbytes < CROWDED_REDUCE_LEND_BYTES:
-            return False, False
+            return False, False, False
         big = nbytes >= REDUCE_LEND_BYTES or self._engine.crowded()
+        agree = not big and self.size == 2
         if not big and not self._engine.lends(self._peers):
-            return False, True
+            return False, True, agree
         share = self._engine.huge_share(work if source is None else source)
         pages = share is None or share >= HUGE_LEND_SHARE
-        return big and pages, pages
+        return big and pages, pages, agree
 
     def _reduce_spec(self, ident: Ident,
                      view: dict[str, Any] | Callable[[], dict[str, Any]], dtype: np.dtype,
@@ -573,11 +580,11 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         known = None if known is None else (*known, plan.algorithm)
         schedule, recipe = plan.schedule, plan.recipe | int(rop) << 4
         finalize = averager(dtype, self.size) if rop == ReduceOp.AVERAGE else None
-        lend, lend_slow = self._reduction_lends(work, source)
+        lend, lend_slow, agree = self._reduction_lends(work, source)
         return self._spec(ident, view, dtype, work.size, schedule, work, priority, known,
                           ufunc=UFUNCS[rop], finalize=finalize, recipe=recipe,
                           source=source, fresh=source is not None, lend=lend,
-                          lend_slow=lend_slow)
+                          lend_slow=lend_slow, agree_slow=agree)
 
     def grouped_allreduce(self, xs: Sequence[Any], op: Any, name: str | None,
                           priority: int, inplace: bool) -> Handle:
@@ -693,12 +700,13 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
             copy_array(work, source)
             source = None
         finalize = averager(arr.dtype, self.size) if rop == ReduceOp.AVERAGE else None
-        lend, lend_slow = self._reduction_lends(work, source)
+        lend, lend_slow, agree = self._reduction_lends(work, source)
         spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, work.size,
                           schedule, work, priority,
                           ("reducescatter", arr.dtype, arr.shape, rop, algorithm),
                           ufunc=UFUNCS[rop], finalize=finalize, source=source,
-                          fresh=source is not None, lend=lend, lend_slow=lend_slow)
+                          fresh=source is not None, lend=lend, lend_slow=lend_slow,
+                          agree_slow=agree)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank], *arr.shape[1:])
         if key is not None:
@@ -718,7 +726,8 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         else:
             work, source = np.array(x, copy=True, order="C").reshape(-1), None
         spec = template.spec(key, label, work, priority, self._members, source)
-        spec.lend, spec.lend_slow = self._reduction_lends(work, spec.source)  # its own
+        spec.lend, spec.lend_slow, spec.agree_slow = self._reduction_lends(
+            work, spec.source)  # its own
         if not template.repeat_tried and not priority:
             template.repeat_tried = True
             if 0 < work.nbytes <= self._direct_bytes:  # _launch's direct bound

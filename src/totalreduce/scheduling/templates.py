@@ -31,7 +31,7 @@ class OpTemplate:
     """An op's spec without its identity, buffers and priority."""
 
     __slots__ = ("sig", "describe", "code", "count", "schedule", "ufunc", "finalize",
-                 "recipe", "lend", "lend_slow", "fresh", "source_at", "repeat",
+                 "recipe", "lend", "lend_slow", "agree_slow", "fresh", "source_at", "repeat",
                  "repeat_tried")
 
     def __init__(self, spec: OpSpec) -> None:
@@ -45,6 +45,7 @@ class OpTemplate:
         self.recipe = spec.recipe
         self.lend = spec.lend
         self.lend_slow = spec.lend_slow
+        self.agree_slow = spec.agree_slow
         self.fresh = spec.fresh
         self.source_at = spec.source_at
         # What runs blocking calls of it at priority 0 (engine/repeat.py), once asked
@@ -60,7 +61,8 @@ class OpTemplate:
         return OpSpec(key, label, self.sig, self.code, self.count, self.describe,
                       self.schedule, work, source, self.ufunc, self.finalize, priority,
                       self.recipe, -1, members, self.fresh and source is not None,
-                      self.lend, self.lend_slow, source_at=self.source_at)
+                      self.lend, self.lend_slow, source_at=self.source_at,
+                      agree_slow=self.agree_slow)
 
 
 class GatherPlan:

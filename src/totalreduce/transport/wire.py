@@ -39,9 +39,10 @@ FLAG_REMOTE = 8
 # (a broadcast's root), so the reader may ask it to copy the body's back half into the
 # reader meanwhile (RING_PUSH; ring_push.py).
 FLAG_SPREAD = 16
-# On DATA of an exchange sent from a Repeat (engine/repeat.py): the sender lends such a
-# body only where its peer would too (FLAG_AGREES), and would (FLAG_WOULD_LEND: huge pages
-# back it, or its ring copies slowly), so that both ranks lend or neither.  A DATA without
+# On DATA of an exchange sent from a Repeat (engine/repeat.py), or of a 2-rank reduction's
+# piece that may be lent while the rings are slow: the sender lends such a body only where
+# its peer would too (FLAG_AGREES), and would (FLAG_WOULD_LEND: huge pages back it, or its
+# ring copies slowly), so that both ranks lend or neither.  A DATA without
 # FLAG_AGREES comes from a sender that lends by size alone.
 FLAG_WOULD_LEND = 32
 FLAG_AGREES = 64
