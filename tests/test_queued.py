@@ -8,6 +8,7 @@ import os
 import pytest
 
 from harness import run_ok
+from totalreduce.scheduling.thresholds import HUGE_LEND_SHARE
 from totalreduce.transport.cma import cma_works
 
 
@@ -52,9 +53,9 @@ def test_a_two_rank_reduction_lends_while_slow_only_where_both_ranks_would() -> 
     shares = [got["shares"] for got in reports]
     if (not cma_works() or len(os.sched_getaffinity(0)) < 2
             or not all(got["slow"] for got in reports)
-            or any(share is None or share < 0.75 for share in
+            or any(share is None or share < HUGE_LEND_SHARE for share in
                    (shares[1]["split"], shares[0]["both"], shares[1]["both"]))):
         return  # no lending here, or no huge pages: nothing would have been lent
-    assert shares[0]["split"] < 0.75, result.explain()
+    assert shares[0]["split"] < HUGE_LEND_SHARE, result.explain()
     for got in reports:
         assert got["lent"]["both"] > 0, result.explain()

@@ -118,8 +118,9 @@ _Single = tuple[Port, int, int, int, int, int, Port, int, int, int, bool]
 # KiB ones, 2.1-2.5 in 256 KiB ones (one process reading its own memory, an Intel VM).
 _LENT_SLICE = 512 << 10
 
-# What a peer's last body of an exchange said of its lending (Repeat._peer_lends): it
-# lends only where we would too, it would not, or it lends by size alone.
+# What a peer's last body of an exchange, or of a reduction whose ranks agree on lending
+# while slow, said of its lending (Repeat._peer_lends): it lends only where we would too,
+# it would not, or it lends by its own rule alone (the loop's: by size, or while slow).
 _WONT = 0
 _WOULD = 1
 _BY_SIZE = 2
@@ -172,11 +173,12 @@ class Repeat:
 
         A reduction's calls lend the pieces of its exchanges where the loop would (with
         ``lends``): by size where the template's spec lends (OpSpec.lend), or while the
-        ring copies slowly where it lends then (OpSpec.lend_slow); and take the peer's
-        lent pieces.  So a 2-rank allreduce whose pieces are lent runs here too: on a VM
-        whose rings copied slowly, 16 MB ones spent a third of their time on the loop
-        between the copies and sums (200 us before the first, about 100 between one
-        piece's sum and the next copy, 200 waiting at the end)."""
+        ring copies slowly where it lends then (OpSpec.lend_slow), and there, where the
+        ranks may differ on that (OpSpec.agree_slow), only where the peer would too; and
+        take the peer's lent pieces.  So a 2-rank allreduce whose pieces are lent runs
+        here too: on a VM whose rings copied slowly, 16 MB ones spent a third of their
+        time on the loop between the copies and sums (200 us before the first, about 100
+        between one piece's sum and the next copy, 200 waiting at the end)."""
         # The template's fields, not the spec: its buffers are a call's own, and the
         # templates that keep Repeats (up to a few MiB each) must not keep those alive.
         self._describe = template.describe
@@ -217,8 +219,9 @@ class Repeat:
         # The sends whose bodies may be lent, as the express lane picks them (Express._lend;
         # the transport's size rule is asked each call).
         reduces = template.ufunc is not None
-        # Where ranks may differ on lending while slow (OpSpec.agree_slow), the sends that
-        # would lend then say so even where this rank would not, so that neither does.
+        # Where ranks may differ on lending while slow (OpSpec.agree_slow), the sends stay
+        # lendable even where this rank would not lend them, so that they tell the peer
+        # it would not.
         agree_slow = reduces and template.agree_slow and not template.lend
         lendable = chain.lendable if lends and (template.lend or (
             reduces and (template.lend_slow or agree_slow))) else frozenset()

@@ -88,7 +88,7 @@ class QueuedCalls(SchedulerParts):
                      name: str | None, source: np.ndarray | None = None) -> Repeat | None:
         """``plan``'s Repeat, made the first time it is asked for (None where the engine
         cannot make one: Engine.repeat).  Its calls lend their pieces where the loop would
-        (repeat.py)."""
+        (and, where the ranks may differ on that, where the peer's would too: repeat.py)."""
         if plan.repeat is None and not plan.repeat_tried:
             plan.repeat_tried = True
             plan.repeat = self._engine.repeat(

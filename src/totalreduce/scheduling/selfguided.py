@@ -400,8 +400,8 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         this way against 0.56-0.62 on the loop, 16 MB 1.10-1.13 against 1.29-1.47;
         where they did not, 8 MB 0.94-0.95 against 0.98-0.99, 16 MB 2.05-2.14 against
         2.43-2.64, and 24 MB 2.6-3.0 against 3.3-4.2 (three alternations).  While the
-        rings copy slowly (copy_pace.py) the Repeat lends the pieces the loop would.  Not
-        for an urgent call."""
+        rings copy slowly (copy_pace.py) the Repeat lends the pieces the loop would, where
+        the peer's would too (OpSpec.agree_slow).  Not for an urgent call."""
         if priority:
             return None
         source = None

@@ -41,9 +41,10 @@ FLAG_REMOTE = 8
 FLAG_SPREAD = 16
 # On DATA of an exchange sent from a Repeat (engine/repeat.py), or of a 2-rank reduction's
 # piece that may be lent while the rings are slow: the sender lends such a body only where
-# its peer would too (FLAG_AGREES), and would (FLAG_WOULD_LEND: huge pages back it, or its
-# ring copies slowly), so that both ranks lend or neither.  A DATA without
-# FLAG_AGREES comes from a sender that lends by size alone.
+# its peer would too (FLAG_AGREES), and would (FLAG_WOULD_LEND: for an exchange, huge pages
+# back it or its ring copies slowly; for a reduction, its template may lend while slow and
+# its ring copies slowly now), so that both ranks lend or neither.  A DATA without
+# FLAG_AGREES comes from a sender that lends by its own rule alone (the loop's).
 FLAG_WOULD_LEND = 32
 FLAG_AGREES = 64
 REMOTE_BODY = struct.Struct("<QQ")
