@@ -148,8 +148,7 @@ class Repeat:
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
                  "_huge_regions", "_agrees", "_agree_slow", "_peer_lends", "_scratch",
-                 "_single", "_spin",
-                 "_wait")
+                 "_single", "_spin", "_wait")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
