@@ -491,17 +491,20 @@ def repeated_gathers(arg: dict) -> None:
         _close(got, want, f"step {i}: {kind} {name} {dtype} {tail}")
     # The same calls again and again: one plan each, however many calls.
     before = current().collectives.stats()
-    engine_before = current().engine.stats()
+    engine_stats = current().engine.stats
+    engine_before = engine_stats()
     x = np.arange(2 * n, dtype=np.float32) + rank
     for _ in range(20):
         assert tr.allgather(x, name="same").tolist() == np.concatenate(
             [np.arange(2 * n, dtype=np.float32) + r for r in range(n)]).tolist()
         got, _ = tr.alltoall(x, name="same")
         assert got.tolist() == [2 * rank + k + r for r in range(n) for k in range(2)]
+    engine_between = engine_stats()
+    for _ in range(20):
         assert tr.broadcast(x, root_rank=n - 1, name="same").tolist() == \
             (np.arange(2 * n) + n - 1).tolist()
     after = current().collectives.stats()
-    engine_after = current().engine.stats()
+    engine_after = engine_stats()
     # An out= of the same shape as a good call's, overlapping the input, finds that call's
     # plan: it must be refused all the same.
     into = np.empty_like(x)
@@ -517,10 +520,116 @@ def repeated_gathers(arg: dict) -> None:
                 raise AssertionError("an alltoall into its own input was let through")
     report(gather_plans=after["gather_plans"] - before["gather_plans"],
            broadcast_plans=after["broadcast_plans"] - before["broadcast_plans"],
-           # Of those calls only the blocking broadcasts run from a Repeat.
-           broadcast_repeats=sum(engine_after[k] - engine_before[k] for k in (
+           gather_repeats=sum(engine_between[k] - engine_before[k] for k in (
+               "express_repeats", "express_repeats_handed_over")),
+           broadcast_repeats=sum(engine_after[k] - engine_between[k] for k in (
                "express_repeats", "express_repeats_handed_over")),
            refused=refused, floating=current().engine.stats()["floating_bytes"])
+    tr.shutdown()
+
+
+def two_phase_gathers(arg: dict) -> None:
+    """Allgathers and alltoalls of two phases (no ``same_shape``), each name repeated: rows
+    that differ by rank and, among four patterns (one all empty), from call to call,
+    several dtypes, a trailing dimension or none, into ``out=`` or not; blocking, but
+    ``arg["async_rank"]``'s calls, which are async; ranks pausing now and then.  From a
+    plan's second call on, a blocking call runs each phase from its template's Repeat
+    where the peers are there in time.  Results against numpy, inputs unchanged."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    common = random.Random(31)
+    mine = random.Random(400 + rank)
+    stats = current().engine.stats
+    before = stats()["express_repeats"]
+    blocking = rank != arg.get("async_rank")
+    for i in range(arg["steps"]):
+        kind = common.choice(["allgather", "alltoall"])
+        dtype = common.choice([np.float32, np.int64, np.uint8, np.float16])
+        tail = common.choice([(), (3,)])
+        width = int(np.prod(tail))
+        name = f"{kind}.{np.dtype(dtype).name}.{len(tail)}"
+        pattern = common.randrange(4)
+        into = common.random() < 0.5
+        if mine.random() < 0.1:
+            time.sleep(mine.random() * 0.002)
+        what = f"step {i}: {name} pattern {pattern}"
+        if kind == "allgather":
+            rows = [(r + 1, 2 * (n - r) + 1, 0 if r == 0 else 5, 0)[pattern]
+                    for r in range(n)]
+            parts = [a.reshape(-1, *tail)[:rows[r]] for r, a in
+                     enumerate(_inputs(i, n, (2 * n + 1) * width, dtype))]
+            want = np.concatenate(parts)
+            kept = parts[rank].copy()
+            out = np.empty_like(want) if into else None
+            got = tr.allgather(parts[rank], name=name, out=out) if blocking else \
+                tr.allgather_async(parts[rank], name=name, out=out).wait()
+        else:
+            splits = [[0 if pattern == 3 else (r + k + pattern) % 3 for k in range(n)]
+                      for r in range(n)]
+            parts = [a.reshape(-1, *tail)[:sum(s)] for a, s in
+                     zip(_inputs(i, n, 2 * n * width, dtype), splits, strict=True)]
+            starts = [np.cumsum([0, *s]) for s in splits]
+            want = np.concatenate([parts[r][starts[r][rank]:starts[r][rank + 1]]
+                                   for r in range(n)])
+            kept = parts[rank].copy()
+            out = np.empty_like(want) if into else None
+            got, got_rows = tr.alltoall(parts[rank], splits=splits[rank], name=name,
+                                        out=out) if blocking else \
+                tr.alltoall_async(parts[rank], splits=splits[rank], name=name,
+                                  out=out).wait()
+            assert got_rows.tolist() == [splits[r][rank] for r in range(n)], (what, got_rows)
+        assert out is None or got is out, what
+        assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape)
+        _close(got, want, what)
+        _close(parts[rank], kept, f"{what} (input)")
+    report(calls=arg["steps"], repeats=stats()["express_repeats"] - before,
+           floating=stats()["floating_bytes"])
+    tr.shutdown()
+
+
+def object_collectives(arg: dict) -> None:
+    """broadcast_object and allgather_object, repeated under a few names and unnamed, of
+    objects whose pickles differ in size from call to call and rank to rank (a few bytes
+    to past 64 KiB, padded to a few sizes up to there, sent as they are past it: on one
+    rank only, now and then), random roots, ranks pausing now and then: every rank gets
+    every object back equal."""
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    common = random.Random(77)
+    mine = random.Random(700 + rank)
+    stats = current().engine.stats
+    before = stats()["express_repeats"]
+
+    def thing(step: int, owner: int, big: bool) -> object:
+        rng = random.Random(1000 * step + owner)
+        if big:
+            return {"owner": owner, "blob": rng.randbytes(70_000 + rng.randrange(5000))}
+        size = rng.choice([0, 1, 7, 100, 1000])
+        return (owner, step, np.arange(size, dtype=np.int32) * owner, "x" * rng.randrange(90))
+
+    for i in range(arg["steps"]):
+        name = common.choice(["a", "b", None])
+        big = common.random() < 0.1
+        big_rank = common.randrange(n) if big else -1
+        if mine.random() < 0.1:
+            time.sleep(mine.random() * 0.002)
+        if common.random() < 0.5:
+            root = common.randrange(n)
+            got = tr.broadcast_object(thing(i, rank, rank == big_rank), root_rank=root,
+                                      name=name)
+            want = [thing(i, root, root == big_rank)]
+            got = [got]
+        else:
+            got = tr.allgather_object(thing(i, rank, rank == big_rank), name=name)
+            want = [thing(i, r, r == big_rank) for r in range(n)]
+        assert len(got) == len(want), (i, len(got))
+        for g, w in zip(got, want, strict=True):
+            if isinstance(w, tuple):
+                assert g[:2] == w[:2] and g[3] == w[3], (i, g, w)
+                assert g[2].dtype == w[2].dtype and np.array_equal(g[2], w[2]), (i, g, w)
+            else:
+                assert g == w, (i, len(g["blob"]), len(w["blob"]))
+    report(calls=arg["steps"], repeats=stats()["express_repeats"] - before)
     tr.shutdown()
 
 
@@ -627,9 +736,10 @@ def repeated_scatters(arg: dict) -> None:
 
 
 def repeat_then_differ(arg: dict) -> None:
-    """Ranks repeat one small blocking allreduce, broadcast, reducescatter, or same-shape
-    allgather or alltoall (``arg["kind"]``; from the second call on, each runs it from
-    the template's Repeat, engine/repeat.py), then rank 1 makes it differently (the op or
+    """Ranks repeat one small blocking allreduce, broadcast, reducescatter, or allgather or
+    alltoall of the same shape or of rows by rank (``arg["kind"]``; from the second call
+    on, each runs it from the template's Repeat, engine/repeat.py, a call of rows each of
+    its two phases), then rank 1 makes it differently (the op or
     the root, the dtype, the shape) while the others repeat it: every rank must raise a
     MismatchError, and the job and the template go on.  Results checked against numpy."""
     tr.init()
@@ -664,6 +774,22 @@ def repeat_then_differ(arg: dict) -> None:
                 want = np.mean(np.stack([f[::2] if i % 2 else f[:rows] for f in full]),
                                axis=0)
                 _close(got, want[lo:hi], f"{what} repeat {i}")
+            elif kind == "allgather rows":
+                # Rows by rank (the sizes phase tells them): from the second call on,
+                # each phase runs from its Repeat where the engine is idle.
+                parts = [a.reshape(-1, 2)[:r + 1] for r, a in
+                         enumerate(_inputs(i, n, 2 * n, np.float32))]
+                got = tr.allgather(parts[rank], name="r")
+                _close(got, np.concatenate(parts), f"{what} repeat {i}")
+            elif kind == "alltoall rows":
+                splits = [[(r + k) % 3 for k in range(n)] for r in range(n)]
+                parts = [a.reshape(-1, 2)[:sum(s)] for a, s in
+                         zip(_inputs(i, n, 4 * n, np.float32), splits, strict=True)]
+                starts = [np.cumsum([0, *s]) for s in splits]
+                got, got_rows = tr.alltoall(parts[rank], splits=splits[rank], name="r")
+                assert got_rows.tolist() == [splits[r][rank] for r in range(n)], got_rows
+                _close(got, np.concatenate([parts[r][starts[r][rank]:starts[r][rank + 1]]
+                                            for r in range(n)]), f"{what} repeat {i}")
             elif kind == "alltoall":
                 blocks = _inputs(i, n, 2 * n, np.float32)
                 out = np.full((2 * n,), np.nan, np.float32) if i % 2 else None
@@ -707,6 +833,17 @@ def repeat_then_differ(arg: dict) -> None:
                 x = np.ones(2 * n + (2 if rank == 1 and what == "shape" else 0),
                             np.float64 if rank == 1 and what == "dtype" else np.float32)
                 tr.alltoall(x, name="r", same_shape=True)
+            elif kind in ("allgather rows", "alltoall rows"):
+                # The repeated calls' rows and splits (their plans here), but rank 1's
+                # dtype or trailing shape (its rows may differ: an exchange's sizes).
+                splits = [(rank + k) % 3 for k in range(n)]
+                rows = rank + 1 if kind == "allgather rows" else sum(splits)
+                x = np.ones((rows, 3 if rank == 1 and what == "shape" else 2),
+                            np.float64 if rank == 1 and what == "dtype" else np.float32)
+                if kind == "allgather rows":
+                    tr.allgather(x, name="r")
+                else:
+                    tr.alltoall(x, splits=splits, name="r")
             else:
                 tr.broadcast_(x, root_rank=root, name="r")
         except tr.MismatchError as exc:

@@ -84,11 +84,12 @@ def test_repeated_small_calls_match_numpy_when_peers_run_ahead(n: int, transport
     ("allreduce", 2, "shm"), ("allreduce", 3, "shm"), ("allreduce", 4, "shm"),
     ("broadcast", 2, "shm"), ("broadcast", 3, "shm"), ("allgather", 2, "shm"),
     ("allgather", 3, "shm"), ("alltoall", 2, "shm"), ("alltoall", 3, "shm"),
+    ("allgather rows", 2, "shm"), ("alltoall rows", 3, "shm"),
     ("reducescatter", 2, "shm"), ("reducescatter", 3, "shm"),
     *(pytest.param(kind, n, "mpi", marks=_MPI.marks) for kind, n in [
         ("allreduce", 2), ("broadcast", 3), ("alltoall", 3), ("reducescatter", 2)]),
     ("allreduce", 3, "tcp"), ("broadcast", 2, "tcp"), ("alltoall", 2, "tcp"),
-    ("reducescatter", 3, "tcp")])
+    ("allgather rows", 3, "tcp"), ("reducescatter", 3, "tcp")])
 def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(
         kind: str, n: int, transport: str) -> None:
     whats = {"allreduce": ["op"], "broadcast": ["root"], "reducescatter": ["op"]
@@ -584,12 +585,46 @@ def test_repeated_gathers_and_broadcasts_reuse_plans_and_still_refuse_bad_calls(
         assert got["floating"] == 0, got
         # Sixty calls of one allgather, alltoall and broadcast made a plan each.
         assert got["gather_plans"] == 2 and got["broadcast_plans"] == 1, got
-    # The broadcasts ran from its template's Repeat, on some rank: one behind its peers
-    # at every call runs none that way (their bodies float in first; at 3 ranks on two
-    # cores a rank did in about one run in three).
-    assert sum(result.report(r)["broadcast_repeats"] for r in range(n)) > 0, \
-        result.explain()
+    # The gathers (both phases) and the broadcasts ran from their templates' Repeats, on
+    # some rank: one behind its peers at every call runs none that way (their bodies
+    # float in first; at 3 ranks on two cores a rank did in about one run in three).
+    for kind in ("gather_repeats", "broadcast_repeats"):
+        assert sum(result.report(r)[kind] for r in range(n)) > 0, (kind, result.explain())
     assert result.report(0)["refused"] > 0, result.explain()
+
+
+@pytest.mark.parametrize(("n", "async_rank", "transport"), [
+    (2, None, "shm"), (3, None, "shm"), (2, 1, "shm"), (3, 0, "shm"), (2, None, "tcp")])
+def test_gathers_of_two_phases_run_each_phase_from_its_repeat(
+        n: int, async_rank: int | None, transport: str) -> None:
+    # Without same_shape an allgather or alltoall learns its peers' rows first (its sizes
+    # phase), then moves its data: a repeated blocking call runs each phase from its
+    # template's Repeat, the data's by the rows the sizes brought (a template each).  Beside
+    # a rank whose calls are async (the loop) the Repeats hand their calls over; the results
+    # are the same (checked against numpy in the worker).
+    steps = 160
+    result = run_ok(n, "smallpath_workers:two_phase_gathers",
+                    {"steps": steps, "async_rank": async_rank}, timeout=150,
+                    transport=transport)
+    reports = [result.report(r) for r in range(n)]
+    assert all(got["calls"] == steps and got["floating"] == 0 for got in reports), reports
+    if async_rank is None and transport == "shm":
+        assert sum(got["repeats"] for got in reports) > steps // 2, reports
+
+
+@pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+def test_object_collectives_of_varying_sizes_run_from_repeats(n: int, transport: str
+                                                              ) -> None:
+    # Each pickle goes padded to a power of two up to 64 KiB: a few sizes, so repeated
+    # calls find their templates and run from their Repeats, however the pickles' sizes
+    # vary (objects compared in the worker).
+    steps = 120
+    result = run_ok(n, "smallpath_workers:object_collectives", {"steps": steps},
+                    timeout=150, transport=transport)
+    reports = [result.report(r) for r in range(n)]
+    assert all(got["calls"] == steps for got in reports), reports
+    if transport == "shm":
+        assert sum(got["repeats"] for got in reports) > steps, reports
 
 
 @pytest.mark.parametrize(("late", "pause"), [(0, 0.002), (1, 0.4)])

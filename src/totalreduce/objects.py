@@ -8,6 +8,7 @@ because the caller asked to send an object.  Only use them between ranks of your
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,13 +16,48 @@ import numpy as np
 from . import runtime as _runtime
 from .scheduling.process_sets import ProcessSet
 
+# Pickles up to this size go padded to a power of two (from _PADDED_FROM): a few sizes,
+# each a repeated op that runs from its template's Repeat (scheduling/templates.py),
+# where each new size would be an op of its own.  An allgather of them goes as one phase
+# (same_shape), the padding costing each rank the largest pickle's bytes per peer; past
+# this size an allgather sends each pickle as it is, after an exchange of rows.
+_PADDED_UP_TO = 64 << 10
+_PADDED_FROM = 64
 
-def _wait(start: Any, process_set: ProcessSet | None, what: str) -> Any:
-    """``start(ops)`` submits a collective (on ``process_set``); this thread waits for it,
-    driving the loop."""
+
+def _padded(nbytes: int) -> int:
+    return max(_PADDED_FROM, 1 << (nbytes - 1).bit_length())
+
+
+def _call(now: Callable[[Any], Any], start: Callable[[Any], Any],
+          process_set: ProcessSet | None, what: str) -> Any:
+    """``now(ops)``: the result of a blocking collective on ``process_set`` where the
+    scheduler ran it to its end at once, else None; then ``start(ops)`` submits it, and
+    this thread waits for it, driving the loop."""
     ops = _runtime.current().process_sets.scheduler(process_set, what)
+    done = now(ops)
+    if done is not None:
+        return done
     with ops.caller_waits():
         return start(ops).wait()
+
+
+def _broadcast(x: np.ndarray, root_rank: int, name: str, process_set: ProcessSet | None,
+               inplace: bool) -> np.ndarray:
+    result: np.ndarray = _call(
+        lambda ops: ops.broadcast_now(x, root_rank, name, 0, inplace),
+        lambda ops: ops.broadcast(x, root_rank, name, 0, inplace), process_set,
+        "broadcast_object")
+    return result
+
+
+def _allgather(x: np.ndarray, name: str, process_set: ProcessSet | None, same_shape: bool
+               ) -> np.ndarray:
+    result: np.ndarray = _call(
+        lambda ops: ops.allgather_now(x, name, 0, None, same_shape),
+        lambda ops: ops.allgather(x, name, 0, None, same_shape), process_set,
+        "allgather_object")
+    return result
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
@@ -39,16 +75,18 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     base = "broadcast_object" if name is None else name
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank else None
     mine = np.array([0 if payload is None else payload.size], np.int64)
-    length = _wait(lambda ops: ops.broadcast(mine, root_rank, f"{base}.len", 0, False),
-                   process_set, "broadcast_object")
-    if payload is None:
-        payload = np.empty(int(length[0]), np.uint8)
-    out = payload
-    data = _wait(lambda ops: ops.broadcast(out, root_rank, f"{base}.data", 0, False),
-                 process_set, "broadcast_object")
+    length = int(_broadcast(mine, root_rank, f"{base}.len", process_set, False)[0])
+    if length <= _PADDED_UP_TO:
+        block = np.zeros(_padded(length), np.uint8)
+        if payload is not None:
+            block[:length] = payload
+        data = _broadcast(block, root_rank, f"{base}.data", process_set, True)
+    else:
+        block = np.empty(length, np.uint8) if payload is None else payload
+        data = _broadcast(block, root_rank, f"{base}.data", process_set, False)
     if me == root_rank:
         return obj
-    return pickle.loads(data.tobytes())
+    return pickle.loads(data[:length].tobytes())
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -59,13 +97,18 @@ def allgather_object(obj: Any, name: str | None = None,
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
     size = np.array([payload.size], np.int64)
     # One length a rank (same_shape): no exchange of sizes before the lengths.
-    lengths = _wait(lambda ops: ops.allgather(size, f"{base}.len", 0, None, True),
-                    process_set, "allgather_object")
-    data = _wait(lambda ops: ops.allgather(payload, f"{base}.data", 0), process_set,
-                 "allgather_object")
-    out: list[Any] = []
-    offset = 0
-    for n in lengths.tolist():
-        out.append(pickle.loads(data[offset:offset + n].tobytes()))
-        offset += n
-    return out
+    lengths = _allgather(size, f"{base}.len", process_set, True).tolist()
+    longest = max(lengths)
+    if longest <= _PADDED_UP_TO:
+        width = _padded(longest)
+        block = np.zeros(width, np.uint8)
+        block[:payload.size] = payload
+        data = _allgather(block, f"{base}.data", process_set, True)
+        starts = [r * width for r in range(len(lengths))]
+    else:
+        data = _allgather(payload, f"{base}.data", process_set, False)
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+    return [pickle.loads(data[at:at + n].tobytes())
+            for at, n in zip(starts, lengths, strict=True)]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.payload import OpFuture, OpSpec
+from ..engine.repeat import Repeat
 from ..engine.schedule import Schedule
 from ..interrupts import deferred as ctrl_c
 from ..lru import LRU
@@ -111,20 +112,110 @@ class GatheringOps(SchedulerParts):
 
     def allgather_now(self, x: Any, name: str | None, priority: int,
                       out: np.ndarray | None, same_shape: bool) -> np.ndarray | None:
-        """A blocking allgather with ``same_shape`` like one made before, small enough to
-        run on this thread from its template's Repeat (engine/repeat.py): its result.
-        None, with nothing done, where it is not one: call :meth:`allgather` and wait."""
-        if not same_shape or priority:
+        """A blocking allgather like one made before, run on this thread from its
+        templates' Repeats (engine/repeat.py) where it is small enough: with
+        ``same_shape`` its one phase (:meth:`_same_now`), else its sizes and then its
+        data (:meth:`_phases_now`).  Its result; None, with nothing done, where it is not
+        one: call :meth:`allgather` and wait."""
+        if priority:
             return None
-        return self._same_now("allgather", x, name, out)
+        if same_shape:
+            return self._same_now("allgather", x, name, out)
+        return self._phases_now("allgather", x, None, name, out)
 
     def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int,
                      out: np.ndarray | None, same_shape: bool
                      ) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`allgather_now` for an alltoall: its result and splits."""
-        if not same_shape or priority or splits is not None:
+        if priority:
             return None
-        return self._same_now("alltoall", x, name, out)
+        if same_shape:
+            return None if splits is not None else self._same_now("alltoall", x, name, out)
+        return self._phases_now("alltoall", x, splits, name, out)
+
+    def _phases_now(self, kind: str, x: Any, splits: Any, name: str | None,
+                    out: np.ndarray | None) -> Any:
+        """An allgather or alltoall of two phases like one made before, each phase from
+        its template's Repeat where it has one (the data's only up to the size the
+        caller's thread runs, as :meth:`_phases` would), else as :meth:`_phases` runs it:
+        its result.  None, nothing done, where its plan's sizes phase has no Repeat.  Each
+        phase through the general path cost a small call about 25 us more (2 ranks: a
+        small allgather took 62 us, its same-shape form, one phase from its Repeat, 16)."""
+        plan = self._gather_plan(gather_key(kind, x, name, out, splits))
+        if plan is None:
+            return None
+        rows = np.zeros(self.size, np.int64)
+        sizes_repeat = self._sizes_repeat(plan, kind, name, rows)
+        if sizes_repeat is None:
+            return None
+        arr: np.ndarray = x
+        rank = self.rank
+        source = plan.send_rows  # an alltoall's sizes phase sends each peer its rows
+        if source is None:
+            rows[rank] = arr.shape[0]
+        else:
+            check_apart(out, arr, kind, name)
+            rows[rank] = source[rank]
+        sizes_key, _label = self._call(kind, name)
+        data_ident = self._ident(kind, name, "\x00data")
+        if kind == "allgather":
+            second, finish, state = self._allgather_data(plan, arr, rows, data_ident, 0, out)
+        else:
+            assert source is not None
+            second, finish, state = self._alltoall_data(plan, arr, source, rows, data_ident,
+                                                        0, out)
+        ran = sizes_repeat.run(rows, sizes_key, source)
+        if ran is not True or ctrl_c.pending:
+            self._repeat_ended(sizes_repeat, rows, sizes_key, source, ran)
+        data = second()
+        slow_from = self._direct_bytes + 1 if kind == "allgather" else LENT_WHEN_SLOW
+        repeat = self._gather_repeat(state["template"], data, kind, name)
+        here, slow = True, None
+        if repeat is not None and kind == "alltoall":
+            here, slow = self._repeat_way(kind, data.work.nbytes)
+        if repeat is None or not here:
+            with self._caller_waits:
+                return self._launch(data, finish, self._data_direct(data), slow_from).wait()
+        start = time.perf_counter()
+        ran = repeat.run(data.work, data.key, data.source)
+        if ran is not True or ctrl_c.pending:
+            self._repeat_ended(repeat, data.work, data.key, data.source, ran)
+        if slow is not None:
+            self._slow_rings.took(slow, False, time.perf_counter() - start)
+        return finish()
+
+    def _sizes_repeat(self, plan: GatherPlan, kind: str, name: str | None,
+                      rows: np.ndarray) -> Repeat | None:
+        """The Repeat of ``plan``'s sizes phase, made at its first ask (``rows``: a
+        buffer of the phase's shape)."""
+        template = plan.sizes
+        if not template.repeat_tried:
+            template.repeat_tried = True
+            # The identity and buffers of a Repeat's template are never used.
+            spec = template.spec((0, 0), "", rows, 0, self._members, plan.send_rows)
+            template.repeat = self._engine.repeat(
+                spec, functools.partial(self._label, kind, name))
+        return template.repeat
+
+    def _gather_repeat(self, template: OpTemplate, spec: OpSpec, kind: str,
+                       name: str | None) -> Repeat | None:
+        """The Repeat of a gathering op's data ``template`` (``spec``: a call of it), made
+        at its first ask, where its calls are ones the caller's thread runs: an
+        allgather's whatever the rings' pace, an alltoall's while they copy fast (the
+        callers ask _repeat_way); at 2 ranks, one as big as the caller's thread runs
+        whose bodies are lent (_data_direct), which its Repeat lends too."""
+        if not template.repeat_tried:
+            template.repeat_tried = True
+            limit = min(self._direct_ring, self._direct_bytes)
+            nbytes = spec.work.nbytes
+            lends = (nbytes > limit and bool(self._lent_gathers)
+                     and self._engine.lends_first(spec))
+            if lends:
+                limit = self._data_direct(spec)
+            if 0 < nbytes <= limit:
+                template.repeat = self._engine.repeat(
+                    spec, functools.partial(self._label, kind, name), lends)
+        return template.repeat
 
     def _same_now(self, kind: str, x: Any, name: str | None, out: np.ndarray | None
                   ) -> Any:
@@ -188,7 +279,7 @@ class GatheringOps(SchedulerParts):
             check_out(out, arr, "allgather", name)
         n, rank = self.size, self.rank
         sizes_key, label = self._call("allgather", name)
-        data_key, data_label = self._call("allgather", name, "\x00data")
+        data_ident = self._ident("allgather", name, "\x00data")
         sizes = np.zeros(n, np.int64)
         sizes[rank] = arr.shape[0]
         if plan is not None:
@@ -203,14 +294,27 @@ class GatheringOps(SchedulerParts):
                 with_algorithm(shown, sizes_algorithm))
             plan = GatherPlan(OpTemplate(first))
             self._keep_gather_plan(key, plan)
+        second, finish, _state = self._allgather_data(plan, arr, sizes, data_ident, priority,
+                                                      out)
+        # Past DIRECT_BYTES (and up to the ring's bound) only while the rings copy fast.
+        return self._phases(first, second, finish, label, self._direct_bytes + 1)
+
+    def _allgather_data(self, plan: GatherPlan, arr: np.ndarray, sizes: np.ndarray,
+                        ident: Ident, priority: int, out: np.ndarray | None
+                        ) -> tuple[Callable[[], OpSpec], Callable[[], Any], dict[str, Any]]:
+        """An allgather's data phase, once its sizes phase has filled ``sizes``: a
+        function making its spec (and keeping its template in ``plan``), one making the
+        call's result once it is done, and where the first leaves the phase's buffer
+        ("out") and template ("template")."""
+        rank = self.rank
         row = math.prod(arr.shape[1:])
-        state: dict[str, np.ndarray] = {}
-        gathered = plan
+        state: dict[str, Any] = {}
+        name = ident.name
 
         def second() -> OpSpec:
             rows = tuple(sizes.tolist())
             with self._lock:
-                kept = gathered.data(rows)
+                kept = plan.data(rows)
             bounds = _bounds(sizes, row) if kept is None else kept[1]
             buf = _result_buffer(out, sum(rows), bounds[-1], arr.dtype)
             flat = np.ascontiguousarray(arr).reshape(-1)
@@ -221,26 +325,27 @@ class GatheringOps(SchedulerParts):
             source = _own_block(own, flat, buf, bounds[rank], bounds[rank + 1])
             state["out"] = buf
             if kept is not None:
-                return kept[0].spec(data_key, data_label, buf, priority, self._members,
+                state["template"] = kept[0]
+                return kept[0].spec(ident.key, ident.label, buf, priority, self._members,
                                     source)
             view, shown = gathering_views("allgather", arr)
-            spec = self._spec(Ident(data_key, name, data_label),
-                              with_algorithm(view, algorithm), arr.dtype, bounds[-1],
+            spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, bounds[-1],
                               schedule, buf, priority,
                               ("allgather", arr.dtype, arr.shape, 1, algorithm),
                               with_algorithm(shown, algorithm), source=source, fresh=own,
                               source_at=bounds[rank] if own else 0)
+            template = state["template"] = OpTemplate(spec)
             with self._lock:
-                gathered.keep(rows, OpTemplate(spec), bounds, bounds)
+                plan.keep(rows, template, bounds, bounds)
             return spec
 
         def finish() -> np.ndarray:
             rows = sum(sizes.tolist())
             check_out_rows(out, rows, rank, "allgather", name)
-            return state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
+            got: np.ndarray = state["out"]
+            return got.reshape((rows, *arr.shape[1:])) if out is None else out
 
-        # Past DIRECT_BYTES (and up to the ring's bound) only while the rings copy fast.
-        return self._phases(first, second, finish, label, self._direct_bytes + 1)
+        return second, finish, state
 
     def _phases(self, first: OpSpec, second: Callable[[], OpSpec],
                 finish: Callable[[], Any], label: str, slow_from: int) -> Handle:
@@ -275,7 +380,7 @@ class GatheringOps(SchedulerParts):
             send_rows = plan.send_rows
             check_apart(out, arr, "alltoall", name)
         splits_key, label = self._call("alltoall", name)
-        data_key, data_label = self._call("alltoall", name, "\x00data")
+        data_ident = self._ident("alltoall", name, "\x00data")
         recv_rows = np.zeros(n, np.int64)
         recv_rows[rank] = send_rows[rank]
         if plan is not None:
@@ -291,15 +396,26 @@ class GatheringOps(SchedulerParts):
                                source=send_rows)
             plan = GatherPlan(OpTemplate(first), send_rows)
             self._keep_gather_plan(key, plan)
+        second, finish, _state = self._alltoall_data(plan, arr, send_rows, recv_rows,
+                                                     data_ident, priority, out)
+        return self._phases(first, second, finish, label, LENT_WHEN_SLOW)
+
+    def _alltoall_data(self, plan: GatherPlan, arr: np.ndarray, send_rows: np.ndarray,
+                       recv_rows: np.ndarray, ident: Ident, priority: int,
+                       out: np.ndarray | None
+                       ) -> tuple[Callable[[], OpSpec], Callable[[], Any], dict[str, Any]]:
+        """:meth:`_allgather_data` for an alltoall, whose sizes phase fills
+        ``recv_rows``."""
+        rank = self.rank
         row = math.prod(arr.shape[1:])
         flat = np.ascontiguousarray(arr).reshape(-1)
-        state: dict[str, np.ndarray] = {}
-        exchanged = plan
+        state: dict[str, Any] = {}
+        name = ident.name
 
         def second() -> OpSpec:
             rows = tuple(recv_rows.tolist())
             with self._lock:
-                kept = exchanged.data(rows)
+                kept = plan.data(rows)
             if kept is None:
                 sb, rb = _bounds(send_rows, row), _bounds(recv_rows, row)
             else:
@@ -310,24 +426,27 @@ class GatheringOps(SchedulerParts):
                 buf[rb[rank]:rb[rank + 1]] = flat[sb[rank]:sb[rank + 1]]
             state["out"] = buf
             if kept is not None:
-                return kept[0].spec(data_key, data_label, buf, priority, self._members, flat)
+                state["template"] = kept[0]
+                return kept[0].spec(ident.key, ident.label, buf, priority, self._members,
+                                    flat)
             view, shown = gathering_views("alltoall", arr)
             schedule, algorithm = self._algorithms.alltoall(sb, rb, arr.dtype, own)
-            spec = self._spec(Ident(data_key, name, data_label),
-                              with_algorithm(view, algorithm), arr.dtype, 0, schedule,
+            spec = self._spec(ident, with_algorithm(view, algorithm), arr.dtype, 0, schedule,
                               buf, priority, ("alltoall", arr.dtype, arr.shape, 1, algorithm),
                               with_algorithm(shown, algorithm), source=flat, fresh=own)
+            template = state["template"] = OpTemplate(spec)
             with self._lock:
-                exchanged.keep(rows, OpTemplate(spec), sb, rb)
+                plan.keep(rows, template, sb, rb)
             return spec
 
         def finish() -> tuple[np.ndarray, np.ndarray]:
             rows = sum(recv_rows.tolist())
             check_out_rows(out, rows, rank, "alltoall", name)
-            got = state["out"].reshape((rows, *arr.shape[1:])) if out is None else out
-            return got, recv_rows.copy()
+            got: np.ndarray = state["out"]
+            return (got.reshape((rows, *arr.shape[1:])) if out is None else out,
+                    recv_rows.copy())
 
-        return self._phases(first, second, finish, label, LENT_WHEN_SLOW)
+        return second, finish, state
 
     def _gather_same(self, kind: str, x: Any, splits: Any, name: str | None, priority: int,
                      out: np.ndarray | None) -> Handle:
@@ -381,20 +500,8 @@ class GatheringOps(SchedulerParts):
             template = plan.template
             spec = template.spec(ident.key, ident.label, buf, priority, self._members,
                                  source)
-            if not template.repeat_tried and not priority:
-                template.repeat_tried = True
-                # One the caller's thread runs (_launch below): an allgather's whatever
-                # the rings' pace, an alltoall's while they copy fast (_same_now); at 2
-                # ranks, one as big as the caller's thread runs whose bodies are lent
-                # (_data_direct), which its Repeat lends too.
-                limit = min(self._direct_ring, self._direct_bytes)
-                lends = (buf.nbytes > limit and bool(self._lent_gathers)
-                         and self._engine.lends_first(spec))
-                if lends:
-                    limit = self._data_direct(spec)
-                if 0 < buf.nbytes <= limit:
-                    template.repeat = self._engine.repeat(
-                        spec, functools.partial(self._label, kind, name), lends)
+            if not priority:  # for _same_now's calls
+                self._gather_repeat(template, spec, kind, name)
         else:
             def view() -> dict[str, Any]:
                 return {"kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),

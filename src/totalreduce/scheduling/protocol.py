@@ -35,7 +35,7 @@ class Scheduler(Protocol):
     def allgather_now(self, x: Any, name: str | None, priority: int, out: Any,
                       same_shape: bool) -> Any:
         """A blocking allgather's result if it ran to its end at once (a repeated small
-        one of ``same_shape``); None, nothing done, otherwise: call :meth:`allgather`."""
+        one); None, nothing done, otherwise: call :meth:`allgather`."""
     def alltoall_now(self, x: Any, splits: Any, name: str | None, priority: int, out: Any,
                      same_shape: bool) -> Any:
         """As :meth:`allgather_now`, for an alltoall (its result and splits)."""

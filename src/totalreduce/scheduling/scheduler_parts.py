@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..engine.algorithms import Algorithms
+from ..engine.driving import CallerWaits
 from ..engine.engine import Engine
-from ..engine.payload import OpKey, OpSpec
+from ..engine.payload import OpFuture, OpKey, OpSpec
 from ..engine.repeat import Repeat
 from ..engine.schedule import Schedule
 from .call_names import Ident
@@ -32,6 +33,7 @@ class SchedulerParts:
     _direct_bytes: int
     _peers: list[int]
     _slow_rings: SlowRingChoice
+    _caller_waits: CallerWaits
 
     if TYPE_CHECKING:  # SelfGuided's
         def _call(self, kind: str, name: str | None, phase: str = ""
@@ -56,6 +58,9 @@ class SchedulerParts:
 
         def _repeat(self, repeat: Repeat, work: np.ndarray, name: str | None,
                     source: np.ndarray | None = None) -> None: ...
+
+        def _repeat_ended(self, repeat: Repeat, work: np.ndarray, ident: OpKey,
+                          source: np.ndarray | None, ran: OpFuture | bool) -> None: ...
 
     def _repeat_way(self, kind: str, nbytes: int) -> tuple[bool, tuple[str, int] | None]:
         """Whether a blocking call of ``kind`` and ``nbytes`` runs from its Repeat now; and,
