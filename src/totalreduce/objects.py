@@ -16,17 +16,40 @@ import numpy as np
 from . import runtime as _runtime
 from .scheduling.process_sets import ProcessSet
 
-# Pickles up to this size go padded to a power of two (from _PADDED_FROM): a few sizes,
-# each a repeated op that runs from its template's Repeat (scheduling/templates.py),
-# where each new size would be an op of its own.  An allgather of them goes as one phase
-# (same_shape), the padding costing each rank the largest pickle's bytes per peer; past
-# this size an allgather sends each pickle as it is, after an exchange of rows.
+# An object collective's first op moves a head of this many bytes from each rank (the
+# root): the pickle's length, then its first bytes, so that a small object (a metric, an
+# epoch) takes one op, not one for its length and one for its bytes (2 ranks, a small
+# dict: 55-60 us a broadcast_object the two ways, against 20 a broadcast).
+_HEAD = 1024
+_LENGTH = np.dtype(np.int64).itemsize
+_IN_HEAD = _HEAD - _LENGTH
+
+# The rest of a pickle, up to this size, goes padded to a power of two (from
+# _PADDED_FROM): a few sizes, each a repeated op that runs from its template's Repeat
+# (scheduling/templates.py), where each new size would be an op of its own.  An allgather
+# of them goes as one phase (same_shape), the padding costing each rank the longest
+# rest's bytes per peer; past this size an allgather sends each rest as it is, after an
+# exchange of rows.
 _PADDED_UP_TO = 64 << 10
 _PADDED_FROM = 64
 
 
 def _padded(nbytes: int) -> int:
     return max(_PADDED_FROM, 1 << (nbytes - 1).bit_length())
+
+
+def _head(payload: np.ndarray | None) -> np.ndarray:
+    """The first op's block of ``payload`` (None: a broadcast's receiver)."""
+    head = np.zeros(_HEAD, np.uint8)
+    if payload is not None:
+        head[:_LENGTH] = np.array([payload.size], np.int64).view(np.uint8)
+        first = payload[:_IN_HEAD]
+        head[_LENGTH:_LENGTH + first.size] = first
+    return head
+
+
+def _length(head: np.ndarray) -> int:
+    return int(head[:_LENGTH].view(np.int64)[0])
 
 
 def _call(now: Callable[[Any], Any], start: Callable[[Any], Any],
@@ -74,19 +97,23 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     me = _runtime.current().rank
     base = "broadcast_object" if name is None else name
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank else None
-    mine = np.array([0 if payload is None else payload.size], np.int64)
-    length = int(_broadcast(mine, root_rank, f"{base}.len", process_set, False)[0])
-    if length <= _PADDED_UP_TO:
-        block = np.zeros(_padded(length), np.uint8)
-        if payload is not None:
-            block[:length] = payload
-        data = _broadcast(block, root_rank, f"{base}.data", process_set, True)
-    else:
-        block = np.empty(length, np.uint8) if payload is None else payload
-        data = _broadcast(block, root_rank, f"{base}.data", process_set, False)
+    head = _broadcast(_head(payload), root_rank, f"{base}.head", process_set, True)
+    length = _length(head)
+    rest = length - _IN_HEAD
+    if rest > 0:
+        if rest <= _PADDED_UP_TO:
+            block = np.zeros(_padded(rest), np.uint8)
+            if payload is not None:
+                block[:rest] = payload[_IN_HEAD:]
+            tail = _broadcast(block, root_rank, f"{base}.data", process_set, True)
+        else:
+            block = np.empty(rest, np.uint8) if payload is None else payload[_IN_HEAD:]
+            tail = _broadcast(block, root_rank, f"{base}.data", process_set, False)
     if me == root_rank:
         return obj
-    return pickle.loads(data[:length].tobytes())
+    if rest <= 0:
+        return pickle.loads(head[_LENGTH:_LENGTH + length].tobytes())
+    return pickle.loads(head[_LENGTH:].tobytes() + tail[:rest].tobytes())
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -95,20 +122,25 @@ def allgather_object(obj: Any, name: str | None = None,
     by its owner)."""
     base = "allgather_object" if name is None else name
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    size = np.array([payload.size], np.int64)
-    # One length a rank (same_shape): no exchange of sizes before the lengths.
-    lengths = _allgather(size, f"{base}.len", process_set, True).tolist()
-    longest = max(lengths)
+    heads = _allgather(_head(payload), f"{base}.head", process_set, True).reshape(-1, _HEAD)
+    lengths = [_length(head) for head in heads]
+    firsts = [head[_LENGTH:_LENGTH + n].tobytes() for head, n in zip(heads, lengths,
+                                                                     strict=True)]
+    rests = [max(0, n - _IN_HEAD) for n in lengths]
+    longest = max(rests)
+    if not longest:
+        return [pickle.loads(first) for first in firsts]
+    mine = payload[_IN_HEAD:]
     if longest <= _PADDED_UP_TO:
         width = _padded(longest)
         block = np.zeros(width, np.uint8)
-        block[:payload.size] = payload
+        block[:mine.size] = mine
         data = _allgather(block, f"{base}.data", process_set, True)
-        starts = [r * width for r in range(len(lengths))]
+        starts = [r * width for r in range(len(rests))]
     else:
-        data = _allgather(payload, f"{base}.data", process_set, False)
+        data = _allgather(mine, f"{base}.data", process_set, False)
         starts = [0]
-        for n in lengths[:-1]:
+        for n in rests[:-1]:
             starts.append(starts[-1] + n)
-    return [pickle.loads(data[at:at + n].tobytes())
-            for at, n in zip(starts, lengths, strict=True)]
+    return [pickle.loads(first + data[at:at + n].tobytes())
+            for first, at, n in zip(firsts, starts, rests, strict=True)]

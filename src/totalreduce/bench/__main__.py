@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="numpy: np.ones/np.empty, as a user makes them (default); huge: "
                    "2 MiB aligned and advised for huge pages, in every backend alike")
     p = sub.add_parser("latency", parents=[common],
-                       help="blocking 8-byte allreduces and barriers back to back")
+                       help="blocking 8-byte allreduces, barriers, small allgathers "
+                       "and object collectives back to back")
     p.add_argument("--reps", type=int, default=3000, help="calls of each, timed one by one")
     p.add_argument("--warmup", type=int, default=200)
     p = sub.add_parser("replay", parents=[common], help="one iteration of real gradients")

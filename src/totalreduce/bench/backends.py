@@ -19,6 +19,9 @@ from .buffers import float32s
 
 Step = Callable[[], None]
 
+# What Backend.small_calls' object collectives send: a training loop's metrics.
+_SMALL_OBJECT = {"epoch": 3, "step": 1200, "loss": 0.25, "accuracy": 0.97}
+
 
 class Backend:
     name = ""
@@ -54,6 +57,13 @@ class Backend:
     def tiny(self, count: int) -> Step:
         """``count`` async allreduces of one float32 each, submitted, then all waited."""
         raise NotImplementedError
+
+    def small_calls(self) -> dict[str, Step]:
+        """Latency-bound calls besides the 8-byte allreduce and the barrier, by mode, as
+        the library's users make them: an allgather of 8 bytes whose ranks' rows may
+        differ (the rows gathered first, as Horovod's allgather does over MPI), and the
+        object collectives of a small dict (a metric, a step count)."""
+        return {}
 
     def close(self) -> None:
         pass
@@ -190,6 +200,14 @@ class TotalReduceBackend(Backend):
                 h.wait()
         return step
 
+    def small_calls(self) -> dict[str, Step]:
+        tr = self.tr
+        x = np.ones(2, np.float32)
+        obj = _SMALL_OBJECT
+        return {"allgather 8 B, rows gathered": lambda: tr.allgather(x, name="rows"),
+                "allgather_object": lambda: tr.allgather_object(obj),
+                "broadcast_object": lambda: tr.broadcast_object(obj, root_rank=0)}
+
     def close(self) -> None:
         self.tr.shutdown()
 
@@ -272,6 +290,21 @@ class MpiBackend(Backend):
         def step() -> None:
             MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, x, MPI.SUM) for x in xs])
         return step
+
+    def small_calls(self) -> dict[str, Step]:
+        MPI, comm, n = self.MPI, self.comm, self.size
+        x = np.ones(2, np.float32)
+        rows = np.array([x.size], np.int64)
+        counts = np.zeros(n, np.int64)
+        out = np.empty(2 * n, np.float32)
+        obj = _SMALL_OBJECT
+
+        def allgather_rows() -> None:
+            comm.Allgather(rows, counts)
+            comm.Allgatherv(x, [out, counts.tolist(), None, MPI.FLOAT])
+        return {"allgather 8 B, rows gathered": allgather_rows,
+                "allgather_object": lambda: comm.allgather(obj),
+                "broadcast_object": lambda: comm.bcast(obj, root=0)}
 
 
 class GlooBackend(Backend):
@@ -366,6 +399,13 @@ class GlooBackend(Backend):
             for work in [dist.all_reduce(x, async_op=True) for x in xs]:
                 work.wait()
         return step
+
+    def small_calls(self) -> dict[str, Step]:
+        dist = self.dist
+        obj = _SMALL_OBJECT
+        gathered: list[Any] = [None] * self.size
+        return {"allgather_object": lambda: dist.all_gather_object(gathered, obj),
+                "broadcast_object": lambda: dist.broadcast_object_list([obj], src=0)}
 
     def close(self) -> None:
         self.dist.destroy_process_group()

@@ -147,11 +147,12 @@ def preempt(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def latency(b: Backend, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    """Blocking 8-byte allreduces, then barriers, back to back as a training loop calls
-    them (no barrier between two): each call's own time.  Both are latency-bound."""
+    """Blocking 8-byte allreduces, then barriers, then the backend's other small calls
+    (Backend.small_calls), back to back as a training loop calls them (no barrier
+    between two): each call's own time.  All are latency-bound."""
     out = []
     for mode, step in (("allreduce 8 B", b.collective("allreduce", 2)),
-                       ("barrier", b.barrier)):
+                       ("barrier", b.barrier), *b.small_calls().items()):
         for _ in range(cfg["warmup"]):
             step()
         b.barrier()
