@@ -31,6 +31,17 @@ def table(name: str, keep: Callable[[list[str]], bool] | None = None) -> tuple[s
     return env, "```\n" + "\n".join(rows) + "\n```" + _measured(env)
 
 
+def _allreduce_barrier(cells: list[str]) -> bool:
+    """A latency table's rows of the 8-byte allreduce and the barrier (its op column),
+    and its notes (a line that is no row)."""
+    return not cells[0].isdigit() or cells[1] in ("allreduce", "barrier")
+
+
+def _small_calls(cells: list[str]) -> bool:
+    """A latency table's rows of Backend.small_calls' modes."""
+    return cells[1] in ("allgather", "allgather_object", "broadcast_object")
+
+
 def log_steps_table() -> str:
     """Median ms of the ring or chain (HALVING_BYTES=0) against the log-step algorithms
     (HALVING_BYTES=1G), from the two runs in docs/bench/cores16-logsteps-*.txt."""
@@ -296,7 +307,7 @@ than the others (13 against 9 us before the lane), and its partners waited 19-26
 in each step it took part in (74 us in all). Pinning each rank to a core of its own helped
 little or not at all (103-110 us against 89-95 at 8 ranks, 125-133 against 130-135 at 16).
 
-{table("cores16-latency")[1]}
+{table("cores16-latency", _allreduce_barrier)[1]}
 
 ## Latency: blocking 8-byte allreduce and barrier
 
@@ -324,11 +335,27 @@ moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks 
 loop, before they could show messages in place, they took 26x and 6-8x on this VM.
 At 4 ranks on 2 cores every hop waits for a peer to get a core.
 
-{table("latency")[1]}
+{table("latency", _allreduce_barrier)[1]}
 
 The same ops inside the 2-rank collectives table (each call after a barrier):
 
 {small2}
+
+## Small allgathers and object collectives
+
+`{command("latency-small")}`
+(`docs/bench/latency-small.txt`), timed as the latency table above: a blocking allgather
+of 8 bytes whose ranks' rows may differ (`allgather(x)`, Horovod's `hvd.allgather`; MPI:
+`Allgather` of the rows, then `Allgatherv`, as Horovod does over MPI), and
+`allgather_object` and `broadcast_object` of a small dict (MPI: mpi4py's `allgather` and
+`bcast` of the object; gloo: `all_gather_object` and `broadcast_object_list`). A repeated
+allgather of rows runs its two ops (the rows, then the data) each from its template's
+Repeat. An object collective moves a 1 KiB head first (the pickle's length and first
+bytes), which is the whole of a small object's pickle; a longer one's rest goes in a
+second op, padded to a power of two up to 64 KiB, so that calls whose pickles vary in
+size still find their templates.
+
+{table("latency-small", _small_calls)[1]}
 
 ## Replay: one training iteration's gradients (ResNet-50, 2 ranks)
 
@@ -556,7 +583,7 @@ the cycle, most of it waiting for the other rank.
 **A lone blocking op**: the latency table's loop (8-byte allreduces, then barriers, back
 to back) in both modes. `{command("latency-neg")}` (`docs/bench/latency-neg.txt`):
 
-{table("latency-neg")[1]}
+{table("latency-neg", _allreduce_barrier)[1]}
 
 A negotiated op is agreed on before it runs: the application's thread hands the request
 to the cycle thread, which allreduces the cycle's bit vector with the other ranks, runs
@@ -1038,8 +1065,9 @@ either way, 3-13% behind in both.
   data; `same_shape=True` makes it one (0.011 ms at 4 bytes in the 2-rank table, a
   broadcast 0.012 ms, against MPI's 0.001-0.003). A repeated one skips its
   checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
-  reducescatter or same-shape allgather or alltoall runs from a Repeat as an allreduce
-  does (back to back at 2 ranks, 4 to 8 bytes: 25-60 us against 40-85 without). Batch
+  reducescatter, allgather or alltoall runs from a Repeat as an allreduce does, each
+  phase of a two-phase one from its own (back to back at 2 ranks, 4 to 8 bytes: 25-60
+  us against 40-85 without; the small-allgather table above). Batch
   small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
   negotiated (fused: see above).
 - The 2-rank collectives table: allreduce 2.07x MPI at 1 MB, 1.86x at 4 MB and 1.70x at

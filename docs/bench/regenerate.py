@@ -44,6 +44,8 @@ JOBS = (
         "--sizes 4,1K,64K,1M,4M,16M,64M --rounds 2 --plot collectives-4.png"),
     Job("floor-2", "python -m totalreduce.bench floor --sizes 1M,4M,16M,64M --reps 60"),
     Job("latency", "python -m totalreduce.bench latency -n 2,4 --rounds 3"),
+    Job("latency-small", "python -m totalreduce.bench latency -n 2,4 --backends "
+        "totalreduce-shm,mpi,gloo --rounds 3"),
     Job("tiny-neg", "python -m totalreduce.bench tiny -n 2,4 --rounds 4 --reps 10"),
     Job("latency-neg", "python -m totalreduce.bench latency -n 2,4 --backends "
         "totalreduce-shm,totalreduce-neg,mpi --rounds 3"),
