@@ -52,6 +52,7 @@ def horovod_parity(arg: dict) -> None:
         ("integers", lambda: integers(r, n)),
         ("misuse", lambda: misuse_like_horovod(r, n)),
         ("repeated broadcasts", lambda: repeated_broadcasts(r, n)),
+        ("repeated gathers", lambda: repeated_gathers(r, n)),
         ("optimizer state broadcast", lambda: optimizer_state({})),
         ("optimizer", lambda: optimizer_like_horovod(r, n)),
         ("more gradients", lambda: more_gradients(r, n)),
@@ -279,6 +280,45 @@ def repeated_broadcasts(r: int, n: int) -> None:
     after = stats()
     report(parity_f=sum(after[key] - before[key] for key in (
         "express_repeats", "express_repeats_handed_over")))
+
+
+def repeated_gathers(r: int, n: int) -> None:
+    """Blocking allgathers (rows by rank), alltoalls with splits and reducescatters
+    repeated under their names, of float32, int64 and bfloat16 tensors (bfloat16 travels
+    as float32), and an allreduce of a tensor that requires grad under no_grad: from a
+    template's second call on they run from its Repeats, an allgather's and an alltoall's
+    two phases each from its own.  Each result checked against one made here."""
+    from totalreduce.runtime import current
+
+    stats = current().engine.stats
+    repeats = 0
+    for i in range(12):
+        before = stats()["express_repeats"]
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            label = f"{dtype} call {i}"
+            parts = [torch.arange(2 * (q + 1), dtype=torch.float32).reshape(q + 1, 2).to(dtype)
+                     + 10 * q + i for q in range(n)]
+            got = hvd.allgather(parts[r], name=f"gather.{dtype}")
+            close(got, torch.cat(parts), f"allgather {label}")
+            splits = [[(q + k) % 3 for k in range(n)] for q in range(n)]
+            sends = [torch.arange(sum(s), dtype=torch.float32).to(dtype) + 100 * q + i
+                     for q, s in enumerate(splits)]
+            starts = [[sum(s[:k]) for k in range(n + 1)] for s in splits]
+            out, received = hvd.alltoall(sends[r], splits=splits[r], name=f"a2a.{dtype}")
+            close(out, torch.cat([sends[q][starts[q][r]:starts[q][r + 1]] for q in range(n)]),
+                  f"alltoall {label}")
+            assert received.tolist() == [splits[q][r] for q in range(n)], received
+            full = [torch.arange(2 * n + 1, dtype=torch.float32).to(dtype) + q + i
+                    for q in range(n)]
+            lo, hi = even_share(2 * n + 1, r, n)
+            close(hvd.reducescatter(full[r], name=f"rs.{dtype}", op=hvd.Sum),
+                  sum(full[1:], full[0])[lo:hi], f"reducescatter {label}")
+        repeats += stats()["express_repeats"] - before
+        w = torch.full((3,), float(r + i), requires_grad=True)
+        with torch.no_grad():
+            close(hvd.allreduce(w, name="no_grad", op=hvd.Sum),
+                  torch.full((3,), float(sum(range(n)) + n * i)), f"no_grad allreduce {i}")
+    report(parity_g=repeats)
 
 
 def optimizer_like_horovod(r: int, n: int) -> None:

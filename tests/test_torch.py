@@ -166,6 +166,12 @@ def test_repeated_blocking_broadcasts_match_and_run_from_repeats(parity: Result)
         assert parity.report(r).get("parity_f", 0) > 0, parity.explain()
 
 
+def test_repeated_blocking_gathers_and_reducescatters_match_and_run_from_repeats(
+        parity: Result) -> None:
+    for r in _ranks(parity):
+        assert parity.report(r).get("parity_g", 0) > 0, parity.explain()
+
+
 def test_uneven_alltoall_and_a_name_in_flight_raise_value_error(parity: Result) -> None:
     for r in _ranks(parity):
         assert parity.report(r).get("parity_d"), parity.explain()

@@ -485,11 +485,7 @@ class _AdasumNoted:
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Concatenate every rank's ``tensor`` along dimension 0 (first dims may differ)."""
-    what = "allgather" + (f" '{name}'" if name else "")
-    _check_process_set(process_set, what)
-    staged = stage(tensor, what)
-    return TorchHandle(_live_names.submit(name, what, lambda: _ops(process_set, what).allgather(
-        staged.array, name, 0)), staged.result)
+    return _allgather_call(tensor, name, process_set, False)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -497,7 +493,43 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     """Concatenate every rank's ``tensor`` along dimension 0 (first dims may differ)."""
     if _grads.differentiable([tensor]):
         return _grads.AllgatherFn.apply(tensor, name, process_set)
-    return _blocking(lambda: allgather_async(tensor, name, process_set))
+    return _allgather_call(tensor, name, process_set, True)
+
+
+@overload
+def _allgather_call(tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
+                    blocking: Literal[False]) -> TorchHandle:
+    ...
+
+
+@overload
+def _allgather_call(tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
+                    blocking: Literal[True]) -> torch.Tensor:
+    ...
+
+
+def _allgather_call(tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
+                    blocking: bool) -> TorchHandle | torch.Tensor:
+    """The async allgather's handle; ``blocking``: its result, from the scheduler's
+    allgather_now where it can, as :func:`_allreduce_call`."""
+    what = "allgather" + (f" '{name}'" if name else "")
+    _check_process_set(process_set, what)
+    staged = stage(tensor, what)
+    ops = _ops(process_set, what)
+
+    def start() -> TorchHandle:
+        return TorchHandle(_live_names.submit(name, what, lambda: ops.allgather(
+            staged.array, name, 0)), staged.result)
+
+    if not blocking:
+        return start()
+    if name is not None:
+        _live_names.check(name, what)
+    done = ops.allgather_now(staged.array, name, 0, None, False)
+    if done is not None:
+        return staged.result(done)
+    with ops.caller_waits():
+        return start().wait()
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -588,6 +620,22 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
             Horovod), or ``splits`` that do not fit the tensor; an op of this ``name``
             still in flight (as for every collective here).
     """
+    return _alltoall_call(tensor, splits, name, process_set, _both, False)
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    if _grads.differentiable([tensor]):
+        out, received = _grads.AlltoallFn.apply(tensor, splits, name, process_set)
+        return out if splits is None else (out, received)
+    return _alltoall_call(tensor, splits, name, process_set, False, True)
+
+
+def _alltoall_call(tensor: torch.Tensor, splits: Any, name: str | None,
+                   process_set: ProcessSet, both: bool, blocking: bool) -> Any:
+    """The async alltoall's handle (``both``: its result is the received tensor and
+    splits, whether or not ``splits`` was given); ``blocking``: its result, from the
+    scheduler's alltoall_now where it can, as :func:`_allreduce_call`."""
     what = "alltoall" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
     staged = stage(tensor, what)
@@ -599,24 +647,27 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         raise ValueError(f"rank {_tr.rank()}: {what}: without splits, dimension 0 "
                          f"({tensor.shape[0]} rows) must be divisible by the world size "
                          f"({n}); pass splits= to send uneven parts")
-    handle = _live_names.submit(name, what, lambda: _ops(process_set, what).alltoall(
-        staged.array, splits, name, 0))
+    ops = _ops(process_set, what)
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
         out = staged.result(result[0])
-        if splits is None and not _both:
+        if splits is None and not both:
             return out
         return out, torch.from_numpy(result[1].astype(np.int32))
 
-    return TorchHandle(handle, finish)
+    def start() -> TorchHandle:
+        return TorchHandle(_live_names.submit(name, what, lambda: ops.alltoall(
+            staged.array, splits, name, 0)), finish)
 
-
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
-    if _grads.differentiable([tensor]):
-        out, received = _grads.AlltoallFn.apply(tensor, splits, name, process_set)
-        return out if splits is None else (out, received)
-    return _blocking(lambda: alltoall_async(tensor, splits, name, process_set))
+    if not blocking:
+        return start()
+    if name is not None:
+        _live_names.check(name, what)
+    done = ops.alltoall_now(staged.array, splits, name, 0, None, False)
+    if done is not None:
+        return finish(done)
+    with ops.caller_waits():
+        return start().wait()
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
@@ -625,22 +676,42 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                         postscale_factor: float = 1.0) -> TorchHandle:
     """Reduce ``tensor`` over all ranks and keep this rank's share of dimension 0
     (lower ranks take the extra rows)."""
+    return _reducescatter_call(tensor, name, op, process_set, prescale_factor,
+                               postscale_factor, False)
+
+
+def _reducescatter_call(tensor: torch.Tensor, name: str | None, op: Any,
+                        process_set: ProcessSet, prescale: float, postscale: float,
+                        blocking: bool) -> Any:
+    """The async reducescatter's handle; ``blocking``: its result, from the scheduler's
+    reducescatter_now where it can, as :func:`_allreduce_call`."""
     what = "reducescatter" + (f" '{name}'" if name else "")
     _check_process_set(process_set, what)
-    staged, source = _scaled_stage(tensor, prescale_factor, postscale_factor, False, what)
+    staged, source = _scaled_stage(tensor, prescale, postscale, False, what)
     rop = resolve_op(op, None, what)
     if rop is Adasum:
         raise ValueError(f"rank {_tr.rank()}: {what}: op=Adasum is only for allreduce and "
                          "grouped_allreduce; use Sum or Average")
-    handle = _live_names.submit(name, what, lambda: _ops(process_set, what).reducescatter(
-        source, rop, name, 0))
+    ops = _ops(process_set, what)
 
     def finish(result: np.ndarray) -> torch.Tensor:
-        if postscale_factor != 1.0:
-            _scale(result, postscale_factor)
+        if postscale != 1.0:
+            _scale(result, postscale)
         return staged.result(result)
 
-    return TorchHandle(handle, finish)
+    def start() -> TorchHandle:
+        return TorchHandle(_live_names.submit(name, what, lambda: ops.reducescatter(
+            source, rop, name, 0)), finish)
+
+    if not blocking:
+        return start()
+    if name is not None:
+        _live_names.check(name, what)
+    done = ops.reducescatter_now(source, rop, name, 0)
+    if done is not None:
+        return finish(done)
+    with ops.caller_waits():
+        return start().wait()
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -653,8 +724,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
         out = _grads.ReducescatterFn.apply(compressed, name, rop, process_set, prescale_factor,
                                      postscale_factor)
     else:
-        out = _blocking(lambda: reducescatter_async(compressed, name, op, process_set,
-                                                    prescale_factor, postscale_factor))
+        out = _reducescatter_call(compressed, name, op, process_set, prescale_factor,
+                                  postscale_factor, True)
     return compression.decompress(out, ctx)
 
 
