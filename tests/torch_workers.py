@@ -603,7 +603,8 @@ def overlap_matches_step(arg: dict) -> None:
     """For dense and each sparse compression: 20 steps with buckets reduced while backward
     runs give the weights that reducing them all at step() gives (same seeds, same data,
     several buckets, every rank a different shard).  Reports how many ops ran on the
-    caller's thread in the dense run at step() (each bucket a blocking allreduce there)."""
+    caller's thread in the dense run at step() (each bucket a blocking allreduce there).
+    Overlapped and dense, the bucket that fills last is reduced at step(), blocking."""
     from totalreduce.runtime import current
 
     hvd.init()
@@ -626,10 +627,22 @@ def overlap_matches_step(arg: dict) -> None:
                 named_parameters=model.named_parameters(), compression=make(),
                 bucket_bytes=1024, overlap=overlap)
             assert len(opt._buckets) >= 3, len(opt._buckets)
+            launches: list[bool] = []  # each launch's now= (a blocking reduction)
+            launch = opt._launch
+            opt._launch = lambda b, now=False, launch=launch, seen=launches: (  # type: ignore[method-assign]
+                seen.append(now), launch(b, now))[1]
             for x, y in batches:
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x[r::n]), y[r::n]).backward()
+                in_backward = len(launches)
                 opt.step()
+                if label == "none" and overlap:
+                    # Every bucket but the last to fill went while backward ran; that one
+                    # at step(), blocking.
+                    assert launches[:in_backward] == [False] * (len(opt._buckets) - 1), \
+                        launches
+                    assert launches[in_backward:] == [True], launches
+                launches.clear()
             weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
             if label == "none" and not overlap:
                 report(at_step_direct=stats()["direct_ops"] - direct,

@@ -5,7 +5,9 @@ is accumulated.  When every gradient of a bucket (``buckets.py``) is in, the buc
 flat buffer is reduced in place, asynchronously, while backward goes on with the earlier
 layers; ``step()`` waits only for what is still in flight, then runs the wrapped
 optimizer.  Buckets holding earlier layers get higher priority, so the gradients the next
-forward pass needs first are the first to arrive.
+forward pass needs first are the first to arrive.  The last bucket to fill (a small
+model's only one) has no backward left to overlap: ``step()`` reduces it, blocking, once
+the others are in.
 
 A sparse compression (Ok-Topk, TopkA, gTopk) starts a bucket the same way, on a thread
 of its own (``sparse_worker.py``), so that its selection and its exchanges overlap the
@@ -14,7 +16,7 @@ rest of backward; buckets go to that thread in index order, which every rank sha
 At the end of each backward pass (a callback autograd runs when the pass is over), any
 bucket still waiting for a gradient is launched anyway: a parameter that got no gradient
 this step is reduced as zeros and its ``.grad`` becomes a zero tensor, as in Horovod, so an
-unused parameter never hangs its bucket.
+unused parameter never hangs its bucket (the last of them waits for ``step()``).
 """
 
 from __future__ import annotations
@@ -342,7 +344,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _on_grad(self, p: torch.Tensor) -> None:
         bucket, i = self._slot[p]
-        if bucket.pending is not None:
+        # The last pass over, every bucket is launched, or (the last to fill) waits for
+        # synchronize() all the same.
+        if bucket.pending is not None or (self._overlap
+                                          and self._passes >= self._passes_per_step):
             raise RuntimeError(
                 f"DistributedOptimizer: a gradient of {bucket.names[i]} was computed while "
                 "its reduction was in flight: more than backward_passes_per_step="
@@ -367,8 +372,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.fired.add(i)
         bucket.touched.add(i)
         if (self._overlap and self._passes + 1 == self._passes_per_step
-                and len(bucket.fired) == len(bucket.params)):
+                and len(bucket.fired) == len(bucket.params) and not self._last_open(bucket)):
             self._launch(bucket)
+
+    def _last_open(self, bucket: _buckets.Bucket) -> bool:
+        """Whether every bucket but ``bucket`` has been launched: a dense one then waits for
+        :meth:`synchronize`, which reduces it on its thread, from its Repeat.  Backward
+        has no layer left to overlap it with, and an async reduction wakes the progress
+        thread, which takes a core from backward and from the peer: at 2 ranks on 2 cores
+        the digits example's MLP (one bucket) took 1.5-1.6 ms a step so against 1.0-1.1
+        reduced at step()."""
+        if not self._defers_last():
+            return False
+        return all(b is bucket or b.pending is not None for b in self._buckets)
+
+    def _defers_last(self) -> bool:
+        """Whether the last bucket to fill waits for :meth:`synchronize` (_last_open): a
+        dense reduction's, whose blocking call runs from its Repeat."""
+        return self._op is not Adasum and not isinstance(self._compression, SparseCompressor)
 
     def _on_sparse_grad(self, p: torch.Tensor, bucket: _buckets.Bucket, i: int,
                         grad: torch.Tensor) -> None:
@@ -395,9 +416,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b in self._buckets:
             b.fired.clear()
         if self._overlap and self._passes == self._passes_per_step:
-            for b in self._buckets:
-                if b.pending is None:
-                    self._launch(b)
+            waiting = [b for b in self._buckets if b.pending is None]
+            if waiting and self._defers_last():
+                waiting.pop()  # left for synchronize(), as _last_open leaves it
+            for b in waiting:
+                self._launch(b)
 
     def _launch(self, bucket: _buckets.Bucket, now: bool = False) -> None:
         """Start reducing ``bucket``; with ``now``, reduce it to its end on this thread
@@ -528,19 +551,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "call it after every backward_passes_per_step-th backward()")
         if self._synchronized and self._passes == 0 and not force:
             return  # already reduced, and no backward since
-        # With nothing launched yet (overlap off, or no hook fired), the buckets are
-        # reduced one after another as blocking allreduces, each from its Repeat on this
-        # thread, rather than all submitted to the engine's loop and waited for: the
-        # loop's turns cost an op more (docs/dev/perf-log.md, "What the loop costs").
-        now = (self._op is not Adasum and not isinstance(self._compression, SparseCompressor)
-               and all(b.pending is None for b in self._buckets))
-        for b in self._buckets:
-            if b.pending is None:
-                self._launch(b, now)
+        # The buckets not launched yet (overlap off, no hook fired, or the last to fill:
+        # _last_open) are reduced after those in flight, one after another as blocking
+        # allreduces, each from its Repeat on this thread, rather than submitted to the
+        # engine's loop and waited for: the loop's turns cost an op more
+        # (docs/dev/perf-log.md, "What the loop costs").
+        waiting = [b for b in self._buckets if b.pending is None]
+        blocking = self._defers_last()
+        if not blocking:
+            for b in waiting:
+                self._launch(b)
         start = time.monotonic()
         try:
             for b in self._buckets:
-                self._complete(b)
+                if b.pending is not None:
+                    self._complete(b)
+            if blocking:
+                for b in waiting:
+                    self._launch(b, True)
+                    self._complete(b)
             for p, handle in self._sparse_pending.items():
                 p.grad = handle.wait()
         finally:
