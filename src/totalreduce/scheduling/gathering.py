@@ -30,6 +30,7 @@ from .checks import (
     check_same_shape_splits,
 )
 from .handle import DoneHandle, FutureHandle, Handle
+from .queued_calls import NO_CALL
 from .scheduler_parts import SchedulerParts
 from .templates import GatherPlan, OpTemplate, SamePlan, gather_key
 from .thresholds import LENT_WHEN_SLOW
@@ -191,8 +192,7 @@ class GatheringOps(SchedulerParts):
         template = plan.sizes
         if not template.repeat_tried:
             template.repeat_tried = True
-            # The identity and buffers of a Repeat's template are never used.
-            spec = template.spec((0, 0), "", rows, 0, self._members, plan.send_rows)
+            spec = template.spec(NO_CALL, "", rows, 0, self._members, plan.send_rows)
             template.repeat = self._engine.repeat(
                 spec, functools.partial(self._label, kind, name))
         return template.repeat

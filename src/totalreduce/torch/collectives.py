@@ -142,6 +142,24 @@ def _blocking(start: Any) -> Any:
         return start().wait()
 
 
+def _start_or_run(blocking: bool, ops: Any, name: str | None, what: str,
+                  start: Callable[[], TorchHandle], now: Callable[[], Any],
+                  finish: Callable[[Any], Any]) -> Any:
+    """An async form's handle (``start()``); ``blocking``: its result, ``finish(now())``
+    where the scheduler ran the op to its end at once (``now()``: one of its ``*_now``
+    methods, None where it did not), else ``start()``'s, waited for on this thread
+    (driving the loop).  Horovod's refusal of a name still in flight holds either way."""
+    if not blocking:
+        return start()
+    if name is not None:
+        _live_names.check(name, what)
+    done = now()
+    if done is not None:
+        return finish(done)
+    with ops.caller_waits():
+        return start().wait()
+
+
 def poll(handle: TorchHandle) -> bool:
     """True once the async collective behind ``handle`` is done; never blocks."""
     return handle.done()
@@ -297,15 +315,8 @@ def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None
         return TorchHandle(_live_names.submit(name, what, lambda: ops.allreduce(
             source, rop, name, priority, inplace=inplace)), finish)
 
-    if not blocking:
-        return start()
-    if name is not None:
-        _live_names.check(name, what)
-    done = ops.allreduce_now(source, rop, name, priority, inplace)
-    if done is not None:
-        return finish(done)
-    with ops.caller_waits():
-        return start().wait()
+    return _start_or_run(blocking, ops, name, what, start,
+                         lambda: ops.allreduce_now(source, rop, name, priority, inplace), finish)
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -496,20 +507,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return _allgather_call(tensor, name, process_set, True)
 
 
-@overload
 def _allgather_call(tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
-                    blocking: Literal[False]) -> TorchHandle:
-    ...
-
-
-@overload
-def _allgather_call(tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
-                    blocking: Literal[True]) -> torch.Tensor:
-    ...
-
-
-def _allgather_call(tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
-                    blocking: bool) -> TorchHandle | torch.Tensor:
+                    blocking: bool) -> Any:
     """The async allgather's handle; ``blocking``: its result, from the scheduler's
     allgather_now where it can, as :func:`_allreduce_call`."""
     what = "allgather" + (f" '{name}'" if name else "")
@@ -521,15 +520,9 @@ def _allgather_call(tensor: torch.Tensor, name: str | None, process_set: Process
         return TorchHandle(_live_names.submit(name, what, lambda: ops.allgather(
             staged.array, name, 0)), staged.result)
 
-    if not blocking:
-        return start()
-    if name is not None:
-        _live_names.check(name, what)
-    done = ops.allgather_now(staged.array, name, 0, None, False)
-    if done is not None:
-        return staged.result(done)
-    with ops.caller_waits():
-        return start().wait()
+    return _start_or_run(blocking, ops, name, what, start,
+                         lambda: ops.allgather_now(staged.array, name, 0, None, False),
+                         staged.result)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -596,15 +589,9 @@ def _broadcast_call(tensor: torch.Tensor, root_rank: int, name: str | None,
         return TorchHandle(_live_names.submit(name, what, lambda: ops.broadcast(
             staged.array, root_rank, name, 0, inplace=inplace)), finish)
 
-    if not blocking:
-        return start()
-    if name is not None:
-        _live_names.check(name, what)
-    done = ops.broadcast_now(staged.array, root_rank, name, 0, inplace)
-    if done is not None:
-        return finish(done)
-    with ops.caller_waits():
-        return start().wait()
+    return _start_or_run(blocking, ops, name, what, start,
+                         lambda: ops.broadcast_now(staged.array, root_rank, name, 0, inplace),
+                         finish)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
@@ -659,15 +646,9 @@ def _alltoall_call(tensor: torch.Tensor, splits: Any, name: str | None,
         return TorchHandle(_live_names.submit(name, what, lambda: ops.alltoall(
             staged.array, splits, name, 0)), finish)
 
-    if not blocking:
-        return start()
-    if name is not None:
-        _live_names.check(name, what)
-    done = ops.alltoall_now(staged.array, splits, name, 0, None, False)
-    if done is not None:
-        return finish(done)
-    with ops.caller_waits():
-        return start().wait()
+    return _start_or_run(blocking, ops, name, what, start,
+                         lambda: ops.alltoall_now(staged.array, splits, name, 0, None, False),
+                         finish)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
@@ -703,15 +684,8 @@ def _reducescatter_call(tensor: torch.Tensor, name: str | None, op: Any,
         return TorchHandle(_live_names.submit(name, what, lambda: ops.reducescatter(
             source, rop, name, 0)), finish)
 
-    if not blocking:
-        return start()
-    if name is not None:
-        _live_names.check(name, what)
-    done = ops.reducescatter_now(source, rop, name, 0)
-    if done is not None:
-        return finish(done)
-    with ops.caller_waits():
-        return start().wait()
+    return _start_or_run(blocking, ops, name, what, start,
+                         lambda: ops.reducescatter_now(source, rop, name, 0), finish)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
