@@ -87,15 +87,17 @@ def alltoalls_by_size(arg: dict) -> None:
     """Blocking alltoalls of about ``arg["sizes"]`` bytes in all (rows split evenly, ranks
     sending different rows, several dtypes, one rank a little late), after ``arg["warm"]``
     of 1 MiB: how many of each one's two ops (splits, then data) ran on the caller's
-    thread and how many bytes of peers' bodies floated here meanwhile, and the result
-    checked against numpy."""
+    thread, how many bytes of peers' bodies floated here meanwhile and which ways it
+    chose while the rings were slow (scheduling/slow_rings.py); the result checked
+    against numpy."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     for i in range(arg["warm"]):
         part = np.full((1 << 20) // 8 // n * n, rank, np.float64)
         got, _splits = tr.alltoall(part, name=f"warm.{i}")
         _close(got, np.repeat(np.arange(n, dtype=np.float64), part.size // n), "warm-up")
-    ran, floated = [], []
+    ran, floated, chose = [], [], []
+    choice = current().scheduler.slow_rings
     for i, nbytes in enumerate(arg["sizes"]):
         dtype = (np.float64, np.float32, np.int32)[i % 3]
         block = nbytes // np.dtype(dtype).itemsize // n // 3
@@ -103,30 +105,34 @@ def alltoalls_by_size(arg: dict) -> None:
         if rank == i % n:
             time.sleep(0.002)
         before = current().engine.stats()
+        choices = choice.choices
         got, splits = tr.alltoall(inputs[rank], name=f"a2a.{i}")
         after = current().engine.stats()
         ran.append(after["direct_ops"] - before["direct_ops"])
         floated.append(after["floated_bytes"] - before["floated_bytes"])
+        made = list(choice.recent)[len(choice.recent) - (choice.choices - choices):]
+        chose.append([(key[0], key[1], left) for key, left in made])
         want = np.concatenate([a[rank * block:(rank + 1) * block] for a in inputs])
         _close(got, want, f"alltoall of {got.nbytes} bytes")
         assert list(splits) == [block] * n, splits
     tr.shutdown()
-    report(direct=ran, floated=floated)
+    report(direct=ran, floated=floated, chose=chose)
 
 
 def allgathers_by_size(arg: dict) -> None:
     """Blocking allgathers of about ``arg["sizes"]`` bytes in all (each rank's rows a little
     different, several dtypes, one rank a little late), after ``arg["warm"]`` of 1 MiB:
-    how many of each one's two ops (sizes, then data) ran on the caller's thread and how
-    many bytes of peers' bodies floated here meanwhile, and the result checked against
-    numpy."""
+    how many of each one's two ops (sizes, then data) ran on the caller's thread, how
+    many bytes of peers' bodies floated here meanwhile and which ways it chose while the
+    rings were slow (scheduling/slow_rings.py); the result checked against numpy."""
     tr.init()
     rank, n = tr.rank(), tr.size()
     for i in range(arg["warm"]):
         part = np.full((1 << 20) // 8 // n, rank, np.float64)
         got = tr.allgather(part, name=f"warm.{i}")
         _close(got, np.repeat(np.arange(n, dtype=np.float64), part.size), "warm-up")
-    ran, floated = [], []
+    ran, floated, chose = [], [], []
+    choice = current().scheduler.slow_rings
     for i, nbytes in enumerate(arg["sizes"]):
         dtype = (np.float64, np.float32, np.int32)[i % 3]
         rows = nbytes // np.dtype(dtype).itemsize // n
@@ -135,13 +141,16 @@ def allgathers_by_size(arg: dict) -> None:
         if rank == i % n:
             time.sleep(0.002)
         before = current().engine.stats()
+        choices = choice.choices
         got = tr.allgather(parts[rank], name=f"ag.{i}")
         after = current().engine.stats()
         ran.append(after["direct_ops"] - before["direct_ops"])
         floated.append(after["floated_bytes"] - before["floated_bytes"])
+        made = list(choice.recent)[len(choice.recent) - (choice.choices - choices):]
+        chose.append([(key[0], key[1], left) for key, left in made])
         _close(got, np.concatenate(parts), f"allgather of {got.nbytes} bytes")
     tr.shutdown()
-    report(direct=ran, floated=floated)
+    report(direct=ran, floated=floated, chose=chose)
 
 
 def lent_gathers_by_bound(arg: dict) -> None:

@@ -178,6 +178,11 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         drives the engine's loop itself meanwhile, so the progress thread is not woken."""
         return self._caller_waits
 
+    @property
+    def slow_rings(self) -> SlowRingChoice:
+        """The ways blocking ops took while the rings copied slowly (tests read them)."""
+        return self._slow_rings
+
     def stats(self) -> dict[str, int]:
         """Sizes of the bounded tables (tests and memory checks read them)."""
         with self._lock:

@@ -42,6 +42,8 @@ _KEEP = 5
 _EXPLORE = 32
 # (kind, size class) pairs remembered: a few kinds times the sizes a job uses.
 _CLASSES = 128
+# Choices kept for SlowRingChoice.recent.
+_RECENT = 64
 
 _Key = tuple[str, int]
 T = TypeVar("T")
@@ -65,6 +67,10 @@ class SlowRingChoice:
     def __init__(self) -> None:
         self._classes: LRU[_Key, _Times] = LRU(_CLASSES)
         self._lock = threading.Lock()
+        # The last choices made, (key, left), and how many were ever made: which way an
+        # op went is otherwise visible only in how long it took.
+        self.recent: deque[tuple[_Key, bool]] = deque(maxlen=_RECENT)
+        self.choices = 0
 
     @staticmethod
     def key(kind: str, nbytes: int, lending: bool = False) -> _Key:
@@ -77,23 +83,30 @@ class SlowRingChoice:
         either has under two (the loop first), else the faster, but the slower twice every
         _EXPLORE choices."""
         with self._lock:
-            times = self._classes.get(key)
-            if times is None:
-                times = _Times()
-                self._classes.put(key, times)
-            loop, caller = times.loop, times.caller
-            if len(loop) < 2 or len(caller) < 2:
-                return len(loop) <= len(caller)
-            faster = min(loop) < min(caller)
-            if times.again:
-                times.again = False
-                return not faster
-            times.since += 1
-            if times.since >= _EXPLORE:
-                times.since = 0
-                times.again = True
-                return not faster
-            return faster
+            left = self._choose(key)
+            self.recent.append((key, left))
+            self.choices += 1
+            return left
+
+    def _choose(self, key: _Key) -> bool:
+        """:meth:`leave`'s answer (its caller holds the lock)."""
+        times = self._classes.get(key)
+        if times is None:
+            times = _Times()
+            self._classes.put(key, times)
+        loop, caller = times.loop, times.caller
+        if len(loop) < 2 or len(caller) < 2:
+            return len(loop) <= len(caller)
+        faster = min(loop) < min(caller)
+        if times.again:
+            times.again = False
+            return not faster
+        times.since += 1
+        if times.since >= _EXPLORE:
+            times.since = 0
+            times.again = True
+            return not faster
+        return faster
 
     def took(self, key: _Key, left: bool, seconds: float) -> None:
         """An op of ``key`` took ``seconds``, on the loop if it ``left``: counted while
