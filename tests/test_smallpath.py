@@ -506,7 +506,11 @@ def test_an_exchanges_body_the_ring_holds_is_lent_only_out_of_huge_pages(
         else:
             assert got["lent"]["small"] > 0 and got["lent"]["mixed"] > 0, \
                 result.explain()
-        assert got["lent"]["async"] > 0, result.explain()
+    # Beside the async rank's calls on the loop, which lend by size alone, a blocking
+    # Repeat told so lends too; how many calls each rank lends depends on where each
+    # call ran, so on a loaded host one rank may lend none (seen once in a full run with
+    # two busy processes beside it).  Between them they lend.
+    assert sum(result.report(r)["lent"]["async"] for r in range(2)) > 0, result.explain()
     if all(result.report(r)["huge_inputs"] for r in range(2)):
         assert all(result.report(r)["lent"]["huge"] > 0 for r in range(2)), \
             result.explain()
