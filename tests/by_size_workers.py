@@ -110,8 +110,8 @@ def alltoalls_by_size(arg: dict) -> None:
         after = current().engine.stats()
         ran.append(after["direct_ops"] - before["direct_ops"])
         floated.append(after["floated_bytes"] - before["floated_bytes"])
-        made = list(choice.recent)[len(choice.recent) - (choice.choices - choices):]
-        chose.append([(key[0], key[1], left) for key, left in made])
+        chose.append([(kind, bits, left) for (kind, bits), left
+                      in choice.made_since(choices)])
         want = np.concatenate([a[rank * block:(rank + 1) * block] for a in inputs])
         _close(got, want, f"alltoall of {got.nbytes} bytes")
         assert list(splits) == [block] * n, splits
@@ -146,8 +146,8 @@ def allgathers_by_size(arg: dict) -> None:
         after = current().engine.stats()
         ran.append(after["direct_ops"] - before["direct_ops"])
         floated.append(after["floated_bytes"] - before["floated_bytes"])
-        made = list(choice.recent)[len(choice.recent) - (choice.choices - choices):]
-        chose.append([(key[0], key[1], left) for key, left in made])
+        chose.append([(kind, bits, left) for (kind, bits), left
+                      in choice.made_since(choices)])
         _close(got, np.concatenate(parts), f"allgather of {got.nbytes} bytes")
     tr.shutdown()
     report(direct=ran, floated=floated, chose=chose)

@@ -463,10 +463,17 @@ def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_ag
     assert not choice.leave(lending)  # lent once: now copied through the ring
     choice.timed(lambda: 2, lending, False)()
     assert choice.leave(lending)  # one time each: lent again
+    # The choices made since a count, oldest first, as far back as the last 64.
+    count = choice.choices
+    assert choice.made_since(count) == []
+    choice.leave(other)
+    assert choice.made_since(count) == [(other, False)]
     # Bounded: one entry per (kind, size class), the stalest forgotten.
     for size in range(1, 400):
         choice.leave(SlowRingChoice.key(f"op{size}", size))
     assert len(choice) == 128
+    made = choice.made_since(count)
+    assert len(made) == 64 and made[-1] == (SlowRingChoice.key("op399", 399), True)
 
 
 def test_reductions_lend_from_a_size_that_depends_on_whether_the_host_is_crowded() -> None:

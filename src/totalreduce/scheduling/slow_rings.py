@@ -67,8 +67,8 @@ class SlowRingChoice:
     def __init__(self) -> None:
         self._classes: LRU[_Key, _Times] = LRU(_CLASSES)
         self._lock = threading.Lock()
-        # The last choices made, (key, left), and how many were ever made: which way an
-        # op went is otherwise visible only in how long it took.
+        # The last choices made, (key, left), and how many were ever made (made_since):
+        # which way an op went is otherwise visible only in how long it took.
         self.recent: deque[tuple[_Key, bool]] = deque(maxlen=_RECENT)
         self.choices = 0
 
@@ -87,6 +87,13 @@ class SlowRingChoice:
             self.recent.append((key, left))
             self.choices += 1
             return left
+
+    def made_since(self, count: int) -> list[tuple[_Key, bool]]:
+        """The choices made since :attr:`choices` was ``count`` (the last _RECENT of
+        them), oldest first."""
+        with self._lock:
+            made = min(self.choices - count, len(self.recent))
+            return list(self.recent)[len(self.recent) - made:] if made > 0 else []
 
     def _choose(self, key: _Key) -> bool:
         """:meth:`leave`'s answer (its caller holds the lock)."""
