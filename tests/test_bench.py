@@ -310,3 +310,40 @@ def test_hosts_bench_runs_flat_and_hierarchical_on_simulated_hosts() -> None:
             if line.strip().split(" ")[0].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [("262144", "flat"), ("262144", "hierarchical")]
     assert all(float(r[2]) > 0 for r in rows), done.stdout
+
+
+DOCS_BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
+
+
+def test_bench_outputs_are_read_by_column(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/bench/tables.py, which the page's sentences quote the tables through: a cell
+    holding spaces stays whole, a header naming a column twice numbers the second, and a
+    lookup that matches no row or several says so."""
+    monkeypatch.syspath_prepend(str(DOCS_BENCH))
+    from tables import find, num, rows, span
+
+    row = find("latency", n="2", op="allreduce 8 B", backend="mpi")
+    assert row["time / mpi"] == "1.00x" and num(row["median us"]) > 0
+    speeds = [num(r["speed vs mpi"]) for r in rows("collectives-2") if r["backend"] == "mpi"]
+    assert speeds and set(speeds) == {1.0}
+    assert {"accuracy", "accuracy 2"} <= set(rows("ps")[0])
+    with pytest.raises(LookupError, match="0 rows"):
+        find("latency", op="no such op")
+    with pytest.raises(LookupError, match="rows match"):
+        find("latency", backend="mpi")
+    assert (num("55,164"), num("97.33%"), num("0.075 (1.58x)")) == (55164, 97.33, 0.075)
+    assert (span([1.5, 0.25]), span([2.0, 2.0], unit="x")) == ("0.25-1.50", "2.00x")
+
+
+def test_the_benchmarks_page_is_what_make_page_builds(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/BENCHMARKS.md is rebuilt from docs/bench/*.txt, not edited: its sentences
+    quote the tables, so a table changed without the page (or the page without the
+    tables) shows here."""
+    monkeypatch.syspath_prepend(str(DOCS_BENCH))
+    import make_page
+
+    monkeypatch.setattr(make_page, "PAGE", tmp_path / "BENCHMARKS.md")
+    make_page.main()
+    assert (tmp_path / "BENCHMARKS.md").read_text() == \
+        (DOCS_BENCH.parent / "BENCHMARKS.md").read_text()

@@ -8,10 +8,12 @@ reader can rerun it; the environment line comes from the bench's own output.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 from regenerate import command  # run as a script: this folder is on sys.path
+from tables import find, num, rows, span
 
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parent / "BENCHMARKS.md"
@@ -83,18 +85,395 @@ def small_gather_table() -> str:
         table("cores16-smallgather-doubling")[0])
 
 
+def _fields(env: str) -> dict[str, str]:
+    """An environment line's fields: "cpu AMD EPYC, cpus 2, ..." -> {"cpu": "AMD EPYC"}."""
+    return dict(part.strip().split(" ", 1) for part in
+                env.removeprefix("environment: ").split(",") if " " in part.strip())
+
+
+def reflow(page: str) -> str:
+    """``page`` with each prose paragraph and list item filled to 90 columns: the
+    sentences that quote the tables are built from pieces of any length.  Code blocks,
+    tables, headings, images and notes stay as they are."""
+    out: list[str] = []
+    block: list[str] = []
+    fenced = False
+
+    def flush() -> None:
+        if not block:
+            return
+        if block[0].startswith(("|", "#", "![", "<sub>", "    ")):
+            out.extend(block)
+        else:
+            items: list[list[str]] = []
+            for line in block:
+                if line.startswith("- ") or not items:
+                    items.append([line])
+                else:
+                    items[-1].append(line)
+            for item in items:
+                text = " ".join(part.strip() for part in item)
+                bullet = item[0].startswith("- ")
+                out.extend(textwrap.wrap(text, 90, subsequent_indent="  " if bullet else "",
+                                         break_long_words=False, break_on_hyphens=False))
+        block.clear()
+
+    for line in page.splitlines():
+        if line.startswith("```"):
+            flush()
+            fenced = not fenced
+            out.append(line)
+        elif fenced:
+            out.append(line)
+        elif not line.strip():
+            flush()
+            out.append(line)
+        else:
+            block.append(line)
+    flush()
+    return "\n".join(out) + "\n"
+
+
 def _measured(env: str) -> str:
-    """Where a table was measured, from its environment line: the tables come from runs
-    at different commits, and on two kinds of host."""
-    fields = dict(part.strip().split(" ", 1) for part in
-                  env.removeprefix("environment: ").split(",") if " " in part.strip())
+    """Where a table was measured, from its environment line: the 16-core tables come
+    from other machines, at other commits."""
+    fields = _fields(env)
     if "cpu" not in fields:
         return ""
     return f"\n\n<sub>{fields['cpu']}, commit {fields.get('commit', '?')}</sub>"
 
 
+# --- Sentences computed from the tables they stand beside --------------------------------
+
+OPS = ("allgather", "allreduce", "alltoall", "broadcast", "reducescatter")
+BIG = ("1M", "4M", "16M", "64M", "256M")
+SHM = "totalreduce-shm"
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _speed(name: str, op: str, size: str, backend: str = SHM, n: str = "2") -> float:
+    return num(find(name, op=op, n=n, size=size, backend=backend)["speed vs mpi"])
+
+
+def _ms(name: str, op: str, size: str, backend: str = SHM, n: str = "2") -> str:
+    return find(name, op=op, n=n, size=size, backend=backend)["median ms"]
+
+
+def _size(size: str) -> str:
+    """A table's size as prose: "16M" -> "16 MB"."""
+    return f"{size.strip()[:-1]} {size.strip()[-1]}B" if size.strip()[-1:] in "KMG" else size
+
+
+def _paren(cell: str) -> float:
+    """The ratio in a floor cell's brackets: "0.075 (1.58x)" -> 1.58."""
+    return num(cell.split("(", 1)[1])
+
+
+def glance(name: str, n: str, ops: tuple[str, ...], sizes: tuple[str, ...]) -> str:
+    """A table of every backend's speed vs MPI per op and size, out of ``name``."""
+    backends = sorted({r["backend"] for r in rows(name)} - {"mpi"})
+    head = "| op | backend | " + " | ".join(sizes) + " |"
+    lines = [head, "|" + "---|" * (len(sizes) + 2)]
+    for op in ops:
+        for b in backends:
+            cells = [_x(_speed(name, op, s, b, n)) for s in sizes]
+            lines.append(f"| {op} | {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def collectives_notes() -> str:
+    cells = [(op, s, _speed("collectives-2", op, s)) for op in OPS for s in BIG]
+    behind = [f"{op} {_size(s)} ({_x(v)})" for op, s, v in cells if v < 1.0]
+    gloo = [_speed("collectives-2", op, s, "gloo") for op in OPS for s in BIG]
+    return f"""Speed against MPI from 1 MB, every backend (MPI's median time over the backend's):
+
+{glance("collectives-2", "2", OPS, BIG)}
+
+From 1 MB, totalreduce over the shared-memory rings is at or above MPI in
+{len(cells) - len(behind)} of {len(cells)} cells; below it in {", ".join(behind) or "none"}.
+gloo runs at {span(gloo)}x MPI's speed over the same sizes."""
+
+
+def huge_notes() -> str:
+    def mpi_ms(name: str, op: str, size: str) -> str:
+        return _ms(name, op, size, "mpi")
+    ours = {op: [_speed("collectives-2-huge", op, s) for s in BIG] for op in OPS}
+    return f"""The table above hands every library arrays made by `np.ones` and `np.empty`, as a
+user makes them, and what backs their pages differs: numpy asks for huge pages only from
+4 MiB, and even then only the 2 MiB-aligned middle of an array gets them, where malloc
+put it. Here every backend gets arrays that start on a 2 MiB boundary, advised for huge
+pages. MPICH's 1 MB broadcast takes {mpi_ms("collectives-2-huge", "broadcast", "1M")} ms
+here against {mpi_ms("collectives-2", "broadcast", "1M")} ms out of numpy's arrays, its 1
+MB alltoall {mpi_ms("collectives-2-huge", "alltoall", "1M")} against
+{mpi_ms("collectives-2", "alltoall", "1M")}, its 4 MB broadcast
+{mpi_ms("collectives-2-huge", "broadcast", "4M")} against
+{mpi_ms("collectives-2", "broadcast", "4M")}. Ours against MPI from 1 MB, here:
+{"; ".join(f"{op} {span(v)}x" for op, v in ours.items())}. Torch's CPU tensors get small
+pages, as numpy's arrays under 4 MiB do; on a host whose `transparent_hugepage` setting
+is `always`, big arrays get huge pages without asking."""
+
+
+def floor_notes() -> str:
+    floor = rows("floor-2")
+    best = ", ".join(f"{_x(max(_paren(r['bare ring']), _paren(r['bare cma'])))} at "
+                     f"{_size(r['size'])}" for r in floor)
+    gaps = ", ".join(f"{r['totalreduce'].split()[0]} against {r['bare ring'].split()[0]} ms "
+                     f"at {_size(r['size'])}" for r in floor)
+    return f"""The bare exchanges are what copying through memory allows here; the faster of the
+two against MPI: {best}. No engine on these copies gets much further. The gap
+between the bare ring and totalreduce is the engine's own cost (its headers, credit,
+handlers and turns of the loop): totalreduce took {gaps}. In its own job (the
+collectives table) a 16 MB allreduce takes {_ms("collectives-2", "allreduce", "16M")} ms
+against MPI's {_ms("collectives-2", "allreduce", "16M", "mpi")}."""
+
+
+def four_notes() -> str:
+    sizes = ("1M", "4M", "16M", "64M")
+    ours = ", ".join(f"{_x(_speed('collectives-4', 'allreduce', s, n='4'))} at {_size(s)}"
+                     for s in sizes)
+    return f"""totalreduce over the rings against MPI from 1 MB: {ours}."""
+
+
+def latency_notes() -> str:
+    def ratio(name: str, n: str, op: str, backend: str) -> str:
+        return find(name, n=n, op=op, backend=backend)["time / mpi"]
+
+    def us(name: str, n: str, op: str, backend: str) -> str:
+        return find(name, n=n, op=op, backend=backend)["median us"]
+    others = sorted({r["backend"] for r in rows("latency")} - {"mpi", SHM})
+    more = "; ".join(
+        f"`{b}` {ratio('latency', '2', 'allreduce 8 B', b)} and "
+        f"{ratio('latency', '2', 'barrier', b)}" for b in others)
+    return f"""At 2 ranks the 8-byte allreduce takes {us("latency", "2", "allreduce 8 B", SHM)}
+us over the rings, {ratio("latency", "2", "allreduce 8 B", SHM)} MPI's time, and the
+barrier {us("latency", "2", "barrier", SHM)} us ({ratio("latency", "2", "barrier", SHM)});
+{more}. At 4 ranks on 2 cores every hop waits for a peer to get a core: the allreduce
+takes {us("latency", "4", "allreduce 8 B", SHM)} us
+({ratio("latency", "4", "allreduce 8 B", SHM)} MPI's
+{us("latency", "4", "allreduce 8 B", "mpi")})."""
+
+
+def replay_notes() -> str:
+    table_rows = [r for r in rows("replay-2-optimizer") if r["backend"] == SHM]
+    fastest = min(table_rows, key=lambda r: num(r["median ms"]))
+    mpi = {r["mode"]: r["median ms"] for r in rows("replay-2-optimizer")
+           if r["backend"] == "mpi"}
+    return f"""Here the fastest of ours is `{fastest["mode"]}`, {fastest["median ms"]} ms, at
+{fastest["time / best MPI"]} of MPI's best mode ({", ".join(
+        f"`{m}` {t} ms" for m, t in mpi.items())}). MPI's `per-tensor` mode is often
+bimodal on such a host (its p10-p90), so compare with its `flat` mode too. At 2 ranks,
+async allreduces like ones made before that are submitted together wait for the first
+`wait()`, which runs them one after another, each as a blocking call would run
+(DESIGN-NOTES, queued async calls); so do a grouped call's parts, whose arrays under 128
+KiB are fused."""
+
+
+def training_notes() -> str:
+    def mode(model: str, n: str, name: str) -> dict[str, str]:
+        return find(f"train-{model}", model=model, n=n, mode=name)
+    vs = ", ".join(f"{mode(m, n, 'optimizer 16MB')['speed vs DDP gloo']} at {n} ranks "
+                   f"({m})" for m in ("mlp", "convnet") for n in ("2", "4"))
+    hidden = ", ".join(f"{mode('mlp', n, 'optimizer 16MB')['comm hidden']} at {n} ranks"
+                       for n in ("2", "4"))
+    return f"""The optimizer's 16 MiB buckets run at {vs} DDP over gloo's speed. The mlp's
+`comm hidden` for them is {hidden}."""
+
+
+def skew_notes() -> str:
+    ratio = {r["backend"]: r["time / ideal"] for r in rows("skew-2")}
+    return "Time against the ideal: " + ", ".join(f"`{b}` {t}" for b, t in ratio.items()) + "."
+
+
+def preempt_notes() -> str:
+    def cell(backend: str, case: str) -> str:
+        return find("preempt-2", backend=backend, small_allreduce=case)[
+            "time / alone after the delay"]
+
+    def ms(backend: str, case: str) -> str:
+        return find("preempt-2", backend=backend, small_allreduce=case)["median ms"]
+    ours = [b for b in ("totalreduce-shm", "totalreduce-tcp", "totalreduce-mpi")
+            if any(r["backend"] == b for r in rows("preempt-2"))]
+    on = "; ".join(f"`{b}` {ms(b, 'during big, priority on')} ms against "
+                   f"{ms(b, 'small alone after the delay')} alone after the delay "
+                   f"({cell(b, 'during big, priority on')}; priority off "
+                   f"{cell(b, 'during big, priority off')})" for b in ours)
+    return f"""With priority on: {on}. MPI's small op waits for the whole big one
+({cell("mpi", "during big (no priorities)")}), gloo's runs beside it on its own thread
+({cell("gloo", "during big (no priorities)")})."""
+
+
+def tiny_notes() -> str:
+    def us(n: str, b: str) -> str:
+        return find("tiny-neg", n=n, backend=b)["median us/op"]
+    return f"""Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode
+costs more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`:
+{us("2", "totalreduce-neg-nofusion")} against {us("2", SHM)} us at 2 ranks). Without the
+cache every tensor's request goes to rank 0 and back each time (`-nocache`:
+{us("2", "totalreduce-neg-nocache")} us). Self-guided mode pays an op per tensor: at 2
+ranks its calls wait for the first `wait()`, which runs them one after another each as a
+blocking call, and at 4 ranks each is a whole engine op on the loop ({us("4", SHM)} us).
+Negotiated with cache and fusion takes {us("2", "totalreduce-neg")} us per op at 2 ranks,
+against {us("2", "mpi")} for 1,000 of MPI's `Iallreduce`, and {us("4", "totalreduce-neg")}
+us at 4 ranks (four processes on two cores) against MPI's {us("4", "mpi")}. The whole
+cost is Python on the submitting thread and the cycle thread: per tensor, the
+submission (a tensor whose dtype, op and shape were seen before skips the argument checks
+and makes one new object); the cycle's taking, classifying, fusion copies and
+completion (a cycle that readies the same cached tensors as a recent one reuses that
+cycle's fusion runs and the views of its buffer; DESIGN-NOTES, negotiated coordination);
+and the two small allreduces of the cycle, most of it waiting for the other rank."""
+
+
+def latency_neg_notes() -> str:
+    def us(n: str, op: str, b: str) -> str:
+        return find("latency-neg", n=n, op=op, backend=b)["median us"]
+    return f"""{us("2", "allreduce 8 B", "totalreduce-neg")} and
+{us("2", "barrier", "totalreduce-neg")} us for the allreduce and the barrier at 2 ranks,
+against {us("2", "allreduce 8 B", SHM)} and {us("2", "barrier", SHM)} self-guided; at 4
+ranks on 2 cores, where each hand-off also waits for a core,
+{us("4", "allreduce 8 B", "totalreduce-neg")} and {us("4", "barrier", "totalreduce-neg")}
+us."""
+
+
+def skew_neg_notes() -> str:
+    def t(n: str, b: str) -> str:
+        return find("skew-neg", n=n, backend=b)["time / ideal"]
+    return f"""Self-guided mode starts each gradient's reduction the moment every rank has
+submitted it: {t("2", SHM)} of the ideal at 2 ranks, {t("4", SHM)} at 4. Negotiated mode
+first waits for a cycle to notice ({t("2", "totalreduce-neg")} and
+{t("4", "totalreduce-neg")}); without fusion each of the 161 tensors then runs as an
+engine op of its own behind that wait ({t("2", "totalreduce-neg-nofusion")} and
+{t("4", "totalreduce-neg-nofusion")}); MPI, in one common order, {t("2", "mpi")} and
+{t("4", "mpi")}."""
+
+
+def replay_neg_notes() -> str:
+    def ms(n: str, b: str, mode: str) -> str:
+        return find("replay-neg", n=n, backend=b, mode=mode)["median ms"]
+    modes = sorted({r["mode"] for r in rows("replay-neg") if r["backend"] == SHM})
+    pairs = "; ".join(f"`{m}` {ms('2', SHM, m)} against {ms('2', 'totalreduce-neg', m)}"
+                      for m in modes)
+    return f"""With all 102 MB ready at once, self-guided against negotiated, in ms at 2 ranks:
+{pairs}."""
+
+
+def sparse_notes() -> str:
+    table_rows = [r for r in rows("sparse") if r["algorithm"] != "dense"]
+    faster = [r for r in table_rows if num(r["time / dense"]) < 1.0]
+    listed = "; ".join(f"{r['algorithm']} on the {r['gradients']} values at "
+                       f"{r['density']}, {r['n']} ranks ({r['time / dense']})"
+                       for r in faster) or "none"
+    ok = [num(r["words sent / k"]) for r in table_rows if r["algorithm"] == "oktopk"]
+    topka = {n: span([num(r["words sent / k"]) for r in table_rows
+                      if r["algorithm"] == "topka" and r["n"] == n]) for n in ("2", "3", "4")}
+    return f"""On one host, where a dense allreduce moves memory at memory speed, selection
+costs more than the bytes it saves and the sparse algorithms are mostly slower than
+dense; faster in {len(faster)} of {len(table_rows)} cells: {listed}. The point is the
+volume, which is what a network between hosts pays for: Ok-Topk sends {span(ok)} words
+per k, under its bound at every size, while TopkA's grows with the ranks ({", ".join(
+        f"{v} at {n}" for n, v in topka.items())}). Its pipelined exchange has nothing to
+overlap with on 2 cores, so one alltoall (`oktopk-1a2a`) is usually faster here; with a
+core per rank and a real network between them, summing one step while the next travels
+is what the pipeline is for."""
+
+
+def convergence_notes() -> str:
+    table_rows = rows("convergence-4")
+    dense = next(r for r in table_rows if r["method"] == "dense")
+    epochs = num(dense["epochs to target"])
+    slow = [f"{r['method']} ({r['epochs to target']} epochs)" for r in table_rows
+            if r["method"] != "dense" and not (
+                r["epochs to target"][:1].isdigit()
+                and num(r["epochs to target"]) <= 1.5 * epochs)]
+    per_epoch = ", ".join(f"{r['method']} {r['MB/rank/epoch (median)']}" for r in table_rows)
+    return f"""Dense reaches the target in {dense["epochs to target"]} epochs; every other
+method within 1.5x of that but {", ".join(slow) or "none"}. MB sent per rank per epoch
+(median, past Ok-Topk's dense warm-up of 10 steps): {per_epoch}. On this small model
+PowerSGD's low-rank factors are as cheap as the sparse methods' selections; the sparse
+methods' volume advantage grows with the model, which the words-per-k table above
+measures."""
+
+
+def ps_notes() -> str:
+    table = {r["method"]: r for r in rows("ps")}
+
+    def rate(method: str, col: str = "samples/s") -> float:
+        return num(table[method][col])
+    allreduce = rate("allreduce")
+    servers = [m for m in table if m.startswith("server")]
+    vs = ", ".join(f"{m} {rate(m) / allreduce:.2f}x" for m in servers)
+    strag = "straggler: samples/s"
+    unbounded = rate("server tau=none", strag) / rate("server tau=0", strag)
+    return f"""On one host the server pays for its extra processes and for a round trip per push
+and per pull, so it trains at a fraction of allreduce's rate ({vs}). With the straggler,
+removing the bound buys {unbounded:.2f}x tau = 0's throughput, at an accuracy of
+{table["server tau=none"]["accuracy 2"]} against {table["server tau=0"]["accuracy 2"]}.
+Averaging every 16 steps trains fastest ({rate("averaging H=16"):,.0f} samples/s) and
+ends at {table["averaging H=16"]["accuracy"]} (allreduce: {table["allreduce"]["accuracy"]}).
+Replicated servers run at {rate("server tau=0 replicated") / rate("server tau=0"):.2f}x
+tau = 0's throughput (a push waits for a second server's round trip)."""
+
+
+def hosts_notes() -> str:
+    def bound(name: str, mode: str, nbytes: str = "67108864") -> str:
+        return find(name, bytes=nbytes, mode=mode)["x bound"]
+    return f"""At 64 MiB the flat ring takes {bound("hosts-1gbit", "flat")}x the 1 Gbit/s bound
+and the hierarchical allreduce {bound("hosts-1gbit", "hierarchical")}x; at 10 Gbit/s
+{bound("hosts-10gbit", "flat")}x and {bound("hosts-10gbit", "hierarchical")}x, where the
+2 cores, not the link, set the time (100 Gbit/s: `docs/bench/hosts-100gbit.txt`,
+{find("hosts-100gbit", bytes="67108864", mode="hierarchical")["median s"]} s
+hierarchical against {find("hosts-10gbit", bytes="67108864", mode="hierarchical")[
+        "median s"]} s at 10 Gbit/s). One rank per host has no local stages and a core to
+itself: {bound("hosts-10gbit-1", "flat")}x the 10 Gbit/s bound (`--per-host 1 --modes
+flat`, `docs/bench/hosts-10gbit-1.txt`)."""
+
+
+def hosts_train_notes() -> str:
+    table = {r["method"]: r for r in rows("hosts-train")}
+    dense = table["dense"]
+    lead = [num(r["samples/s"]) / num(dense["samples/s"]) for m, r in table.items()
+            if m != "dense"]
+    to = [num(dense["s to"]) / num(r["s to"]) for m, r in table.items() if m != "dense"]
+    return f"""With two ranks per host, four ranks share the 2 cores. The forward and backward
+passes and the sparse selection then take most of a step, and the sparse methods' lead
+in samples/s ({span(lead)}x) turns into {span(to)}x dense's speed to 95 %."""
+
+
+def weak_spots() -> str:
+    two = [(op, s, _speed("collectives-2", op, s)) for op in OPS for s in BIG]
+    behind = [f"{op} {_size(s)} ({_x(v)})" for op, s, v in two if v < 1.0]
+    mid = [_speed("collectives-2", "allreduce", s) for s in ("1M", "4M", "16M")]
+    four = [_speed("collectives-4", "allreduce", s, n="4") for s in ("1M", "4M", "16M")]
+    lat = find("latency", n="2", op="allreduce 8 B", backend=SHM)
+    bar = find("latency", n="2", op="barrier", backend=SHM)
+    lat4 = find("latency", n="4", op="allreduce 8 B", backend=SHM)
+    pre = find("preempt-2", backend=SHM, small_allreduce="during big, priority on")
+    return f"""- Small messages: a blocking 8-byte allreduce takes {lat["median us"]} us at 2
+  ranks ({lat["time / mpi"]} MPI's time), a barrier {bar["median us"]} us
+  ({bar["time / mpi"]}): nearly all of it Python per op, even from a Repeat. At 4 ranks on
+  2 cores it takes {lat4["median us"]} us ({lat4["time / mpi"]}): every hop waits for a
+  peer to get a core. An allgather whose ranks' rows may differ is two such exchanges
+  (the small-allgather table); `same_shape=True` makes it one. Batch small tensors
+  (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated.
+- The 2-rank collectives below MPI from 1 MB: {", ".join(behind) or "none"}. Allreduce
+  runs at {", ".join(_x(v) for v in mid)} MPI at 1, 4 and 16 MB; the floor table's bare
+  exchanges, with no engine, show how much room copying through memory leaves there.
+- 4 ranks on 2 cores: allreduce at {", ".join(_x(v) for v in four)} MPI at 1, 4 and 16
+  MB. Every hop waits for a peer to get a core.
+- 8 to 16 ranks (the 16-core tables, at their own commits): at 1-4 MB most cells trail
+  MPI.
+- Preemption over the rings: the urgent op takes {pre["time / alone after the delay"]} its
+  time alone after the same sleep; what is left is the caller's Python running slower
+  while the big op's copies take the cores. An urgent op the loop runs (an async one)
+  waits much longer."""
+
+
 def main() -> None:
     env, coll2 = table("collectives-2")
+    host = _fields(env)
+    cpus = f"{host.get('cpus', '?')} {host.get('cpu', '')}".strip()
     _, small2 = table("collectives-2", lambda c: c[0] == "allreduce" and c[2] in
                       ("4", "64", "1K", "16K"))
     parts = [f"""# Benchmarks
@@ -108,7 +487,7 @@ the experiments behind the defaults, are in `docs/dev/perf-log.md`.
 
 ## Environment
 
-A virtual machine with 2 AMD EPYC cores and no GPU; every rank on the same host, so
+A virtual machine with {cpus} cores and no GPU; every rank on the same host, so
 same-host transports (shared-memory rings, MPICH's shared memory) carry all traffic.
 Every table but the 16-core ones comes from one run of `regenerate.py` on this machine,
 at the commit named under each table; the 16-core tables come from machines with 16
@@ -116,32 +495,13 @@ Intel Xeon cores, at the commits named under them. The bench printed:
 
     {env.removeprefix("environment: ")}
 
-Here a plain copy of 16 MiB between two warm buffers runs at about 33 GB/s (1 MiB at 55
-GB/s), the kernel's copy of a lent body (`process_vm_readv`) at 10-13.6 GB/s, and a `for`
-loop's iteration takes 17-19 ns. The host is shared and noisy: medians move by 10-50 %
-from one run to the next, MPI's too, so compare ratios within a table, not absolute
-times across tables. It also moves the VM, for minutes at a time, between two placements
-of its two virtual cores: one where they share a cache and one where they do not. In the
-second, glibc's `memcpy` of 1 MiB or more into memory the other core has just read ran
-five to six times slower (129 us for 1 MiB, against 20 us in the first): MPI's copies
-slow down there, and totalreduce copies such blocks in 512 KiB pieces, which took 26 us
-(`memcopy.py`, `TOTALREDUCE_COPY_PIECE`). A run, and a table, may cross both
-placements. totalreduce's rings also time their copies and lend what they would copy
-while the copies run slower than the kernel's copy measured at start
-(`TOTALREDUCE_SLOW_RING_GBPS`, see "Why the defaults are what they are").
-
-Some of the measurements behind the defaults come from other 2-core VMs: one with Intel
-Xeon cores (a plain copy of 16 MiB at 10.6 GB/s, the kernel's copy at 9-11 GB/s, a `for`
-loop's iteration in 30-45 ns), where the tables were regenerated before, and earlier ones
-with AMD EPYC cores, which switched, for seconds to minutes at a time, between two states
-that looked
-like two placements of their two virtual cores: one where they shared a cache and one
-where they did not. There, two processes passing 512 KiB through a shared-memory buffer
-(no totalreduce code) took 14 us to copy it in and 15 us to copy it out in the first
-state, 100-210 us and 50-55 us in the second; the kernel's copy of the same bytes from one
-process to the other took 48 us in both. One such VM ran Python 2.5-3x slower than
-another (a `for` loop's iteration in 95-170 ns) and copied lent bodies at 4-7 GB/s while
-its plain copies ran at 25-30 GB/s.
+The host is shared and noisy: medians move by 10-50 % from one run to the next, MPI's
+too, so compare ratios within a table, not absolute times across tables. Such VMs also
+move, for minutes at a time, between placements of their two virtual cores where the
+cores share a cache and where they do not; copies slow down in the second, MPI's too
+(`TOTALREDUCE_COPY_PIECE` and `TOTALREDUCE_SLOW_RING_GBPS` in "Why the defaults are what
+they are"). The measurements behind the defaults come from this VM and from other 2-core
+VMs (AMD EPYC and Intel Xeon), each named where it matters.
 
 ## Method
 
@@ -173,25 +533,17 @@ wholly in the other.
 
 ![bus bandwidth per op, 2 ranks](bench/collectives-2.png)
 
+{collectives_notes()}
+
+The whole table:
+
 {coll2}
 
 ### The same with huge-page arrays
 
-`{command("collectives-2-huge")}` (`docs/bench/collectives-2-huge.txt`). The table above
-hands every library arrays made by `np.ones` and `np.empty`, as a user makes them, and
-what backs their pages differs: numpy asks for huge pages only from 4 MiB, and even then
-only the 2 MiB-aligned middle of an array gets them, where malloc put it (in one sitting
-a 16 MB array's halves were 1.0/1.0 huge-paged in MPI's job, 0.94/0.81 in ours). Here
-every backend gets arrays that start on a 2 MiB boundary, advised for huge pages. MPICH's
-1 MB broadcasts and alltoalls then take 0.027-0.028 ms (0.056-0.075 out of numpy's
-arrays in the table above) and its 4 MB broadcasts 0.100 (0.191), while ours barely move,
-so broadcasts and alltoalls fall to 0.44-0.73x at 1-16 MB; the reductions still lead
-(allreduce 1.85-3.63x, reducescatter 1.28-3.32x from 1 MB), and from 64 MB every op but
-the allgather (0.77-0.82x here) is at or near par. The two tables ran in different states
-of the VM (this one with its cores sharing no cache), which moves MPI's cells too: its 4
-MB alltoall took 0.258 ms here. Torch's CPU tensors get small pages, as numpy's arrays
-under 4 MiB do; on a host whose `transparent_hugepage` setting is `always`, big arrays
-get huge pages without asking.
+`{command("collectives-2-huge")}` (`docs/bench/collectives-2-huge.txt`).
+
+{huge_notes()}
 
 {table("collectives-2-huge", lambda c: c[2] in ("64K", "1M", "4M", "16M", "64M", "256M"))[1]}
 
@@ -210,18 +562,7 @@ the cache, totalreduce reads lower here than in its own job (the collectives tab
 
 {table("floor-2")[1]}
 
-The bare exchanges are what copying through memory allows here: at 4 and 16 MB the
-faster of the two runs 1.50x and 1.28x as fast as MPI, at 1 MB, where a piece stays in a
-core's cache, 2.5x (1.15-1.35x at 1-16 MB on the Intel VM), so no engine on these copies
-gets much further. The gap between them and totalreduce is the engine's own cost: its
-headers, credit, handlers and turns of the loop, about 0.03 ms a call at 1 MB here
-(0.1 ms on the Intel VM). When 16 MB allreduces still lent their 2 MiB pieces (2-rank
-reductions now lend from 32 MiB), timestamps in one process pair put 70-130 us of
-handling between one piece's copy and the next's (the next record waits for a turn of
-the loop, which first posts the reduced piece), eight times a call. Here, where each op
-follows the others, the engine's 16 MB allreduce took 0.14 ms more than the bare ring's
-(a repeated one runs from its Repeat, "Why the defaults" below); in its own job (the
-collectives table) it takes 1.17 ms against MPI's 2.00.
+{floor_notes()}
 
 ## Allreduce, 4 ranks (4 processes on 2 cores)
 
@@ -233,17 +574,16 @@ oversubscribed; spinning waiters cost the peers' CPU time.
 
 {table("collectives-4")[1]}
 
+{four_notes()}
+
 ## 16 cores: 4 to 16 ranks
 
 A virtual machine with 16 Intel Xeon cores and one rank per core; MPI is Open MPI 4.1.6
 (its `mpiexec`, mpi4py 4.1.2), gloo is torch 2.11's. The three tables below come from one
-run of `regenerate.py --cores16` at one commit (under each table). Such machines differ
-from one to the next and from one sitting to the next: at an earlier commit two of them
-gave 92 and 141 us for the 16-rank 8-byte allreduce (this table's gave 82, two sittings
-of its machine at the commit before 80 and 82), and in those two sittings 64 MB cells ran
-10-25% faster than in this table, MPI's and gloo's too (gloo's 8-rank allreduce 58-59
-ms against 70), so again compare within a table. Shared-memory rings carry all of
-totalreduce's traffic.
+run of `regenerate.py --cores16` at one commit (under each table), which this page's
+other tables postdate. Such machines differ from one to the next and from one sitting to
+the next (64 MB cells by 10-25 %, MPI's and gloo's too), so again compare within a
+table. Shared-memory rings carry all of totalreduce's traffic.
 
 Allreduce:
 
@@ -251,16 +591,9 @@ Allreduce:
 (`docs/bench/cores16-allreduce.txt`). Up to 1 MiB it is recursive doubling; above, from
 8 ranks, recursive halving then doubling (up to 8 MiB at 8 ranks, every size at 16),
 else the ring. Blocking calls whose sends to a peer fit its ring run on the caller's
-thread (the express lane), recursive halving included: in the sitting before this table,
-alternated twice with the commit before (which ran halving on the loop), 2 MB at 8 ranks
-took 1.54 and 2.28 ms against 2.54 and 2.67, and at 16 ranks 4.12 and 3.57 against 4.30
-and 3.78. At 16 ranks 1 MB by halving (`--set SMALL_BYTES=262144`) was no faster than by
-doubling (2.24 and 2.20 ms against 2.24 and 2.18), nor was halving at 4 ranks for 1-4 MB
-(`--set HALVING_BYTES=16777216`) in both of two runs. Nor was the ring from 512 KiB
-(`--set SMALL_BYTES=262144 --set HALVING_BYTES=262144`, four runs alternated with the
-default): 1 MB at 4 ranks took 0.47-0.62 ms against 0.49-0.71, 4 MB at 8 ranks 6.3-11.6
-against 4.0-4.8, and at 16 ranks 1 MB 2.3-3.8 against 1.7-2.7 and 4 MB 29-37 against
-5.3-6.3.
+thread (the express lane), recursive halving included. Neither recursive halving at 16
+ranks for 1 MB or at 4 ranks for 1-4 MB, nor the ring from 512 KiB, was faster than these
+choices (docs/dev/perf-log.md).
 
 4 ranks:
 
@@ -291,21 +624,14 @@ alltoall is a pairwise exchange.
 
 {table("cores16-others", lambda c: c[1] == "16")[1]}
 
-The 16-rank 1 MB allgather's median fell in a slow stretch (p10 0.54 ms): in two
-sittings at the commit before it took 0.48 and 0.50 ms (0.66-0.72x MPI).
-
 Blocking 8-byte allreduce and barrier:
 
 `{command("cores16-latency")}`
 (`docs/bench/cores16-latency.txt`, timed as in the latency section below). Recursive
-doubling takes `log2 n` steps. Timestamps in the express lane (2,000 calls back to back,
-medians, on a machine of this kind that gave 26 us at 2 ranks) put 7.4 us between the
-call and the lane, 6.1 us in posting the first message, and per step 2-3 us waiting for
-the partner's message and 6.9-9.5 us reducing it, freeing its slot and posting the next:
-39 us at 4 ranks. From 8 ranks the waits grow instead: one rank ran every part 40% slower
-than the others (13 against 9 us before the lane), and its partners waited 19-26 us for it
-in each step it took part in (74 us in all). Pinning each rank to a core of its own helped
-little or not at all (103-110 us against 89-95 at 8 ranks, 125-133 against 130-135 at 16).
+doubling takes `log2 n` steps.
+At 4 ranks the steps cost what they cost at 2 (the call, posting, and per step a short
+wait for the partner and the reduction); from 8 ranks the waits grow instead: every step
+waits for its partner's previous one, and one slow rank delays all of its partners.
 
 {table("cores16-latency", _allreduce_barrier)[1]}
 
@@ -328,12 +654,7 @@ per call (about 1,300 bytecodes for an 8-byte allreduce at 2 ranks, 1,220 for a 
 checks, identity, the engine's idleness, the credit, the header, the ring, the
 reduction), many times MPI's C: half of a call is what
 a bare loop over the same rings takes (post, poll, add, release), the other half the
-engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). The host
-moves our medians by up to 1.5x from run to run and MPI's much less: at 2 ranks the
-8-byte allreduce took 3.4x MPI's time here (5.7x on the Intel VM), the barrier 2.9x
-(4.8x). The MPI transport took 4.0x and 3.3x; sockets 6.4x and 5.5x, where through the
-loop, before they could show messages in place, they took 26x and 6-8x on this VM.
-At 4 ranks on 2 cores every hop waits for a peer to get a core.
+engine's and the API's bookkeeping (docs/dev/perf-log.md, small messages). {latency_notes()}
 
 {table("latency", _allreduce_barrier)[1]}
 
@@ -373,18 +694,7 @@ by rep.
 
 {table("replay-2-optimizer")[1]}
 
-MPI's `per-tensor` runs in one of two modes from iteration to iteration on this host:
-34-37 ms, as here, or 12-13 ms. In three runs of its own
-(`--backends mpi --rounds 1 --reps 15`) its median was 16.8-17.5 ms, p10-p90
-12.3-38.9 (12.2-12.6 in three other runs, the host in another state): against that mode
-the optimizer's buckets (9.9-10.4 ms here) run at 0.56-0.85x its time, `flat` (12.1) and
-`per-tensor` (12.4) at 0.69-1.02x, and the grouped modes (11.8-16.1) at 0.67-1.32x. At 2
-ranks, async allreduces like ones made before that are submitted together wait for the
-first `wait()`, which runs them one after another, each as a blocking call would run
-(DESIGN-NOTES, queued async calls); so do a grouped call's parts, whose arrays under 128
-KiB are fused, and whose parts come out of step across ranks more often (a part whose
-peer is late sends the rest to the general path). Started on the general path all at
-once instead, `per-tensor` took 15.7-20.7 ms here, and the grouped modes 14.0-20.2.
+{replay_notes()}
 
 ## Training with PyTorch: DistributedOptimizer against DDP
 
@@ -433,12 +743,12 @@ same core.
 The convnet's communication is a few percent of its step, less than the run-to-run spread
 of the step itself, so its `comm hidden` column is noise.
 
-Whole training runs: `examples/torch_synthetic_benchmark.py` (a ResNet-18-shaped network,
-batch 16 of 64x64 images per worker, one thread each; `totalrun -np N python
-examples/torch_synthetic_benchmark.py`) gave 59.4 img/s at 1 worker, 86.2 in total at 2
-and 83.7 at 4 on the Intel VM (81.5, 132.8 and 126.6 on an AMD VM), bound by the 2 cores;
-`examples/train_digits.py` reaches
-97-98% test accuracy in 20 epochs at 1, 2 and 4 ranks.
+{training_notes()}
+
+Whole training runs: `totalrun -np N python examples/torch_synthetic_benchmark.py` (a
+ResNet-18-shaped network on synthetic images) prints images per second, and
+`examples/train_digits.py` trains the digits MLP and prints its test accuracy; both are
+bound by the host's cores here.
 
 ## Skew: ranks ready at random times, each in its own order (ResNet-50, 2 ranks)
 
@@ -451,99 +761,45 @@ ranks) + MPI's flat allreduce time in the same run.
 
 {table("skew-2")[1]}
 
+{skew_notes()}
+
 ## Preemption: a 1 KB allreduce issued 2 ms into a 64 MB one (2 ranks)
 
 `{command("preempt-2")}` (`docs/bench/preempt-2.txt`):
 
 {table("preempt-2")[1]}
 
+{preempt_notes()}
+
 The urgent op here is blocking, issued after a barrier, the big op's start and a 2 ms
 sleep. `small alone after the delay` is the same call after the same barrier and sleep
-with no big op: waking from the sleep costs more than a small op does (MPI's: 5 us back
-to back, 17 us after the sleep; ours: 26 and 145 us, in a run of their own), so
-`time / alone after the delay` is what the big op adds, and `small alone` (back to back)
-is the op's own cost. Over the
-shared-memory rings the urgent op runs on its own lane (DESIGN-NOTES, the urgent lane):
-the application's thread posts its message into a second, small ring to the peer and
-reads the peer's out of its own, without waiting for the thread that drives the big op
-and without the big op's records ahead of it in the ring, which is read in order: 0.220
-ms here against 0.095 ms alone after the delay (2.32x; 1.7-7.7x in other runs here, where
-the time alone after the delay moved between 0.02 and 0.11 ms while the time during the
-big op stayed at 0.09-0.24; on the Intel VM, at an earlier commit, 0.229 against 0.180
-ms, 1.27x). The thread that drives the big op gives its core away every 100 us
-(transport/poller.py, `GiveWay`), as well as between the slices of a lent copy: a loop
-busy with a big op never blocks, and the application's thread, woken from its sleep,
-otherwise waited for the scheduler's next look before it ran, up to a millisecond (p90
-0.46-0.96 ms before, 0.16-0.44 with it). What is left is the caller's Python running two
-to three times slower while the big op's copies take the two cores: with timestamps on
-both ranks, at the median, about 50 us from the call to the op's start (20-25 us after
-the same sleep with no big op), 12-15 us to post its message (9-10) and 15-20 us to find
-and apply the peer's. Neither a nap of the loop's thread while an urgent op runs (at a
-turn's end or between looks at MPI), nor yielding the core between looks at the lane (5x
-slower), nor busy-polling the whole 2 ms before a nap (no change), did better.
+with no big op: waking from the sleep costs more than a small op does, so `time / alone
+after the delay` is what the big op adds, and `small alone` (back to back) is the op's
+own cost.
 
-Big ops' pieces are lent (the receiver copies each 2 MiB piece out of the sender's memory
-and reduces it), and the reader takes ring records in order, so a message posted behind a
-dozen of them waits for all ("priority off"). An urgent op the loop runs (an async one,
-or over TCP or MPI) is helped by priorities as follows:
+Each transport gives a blocking urgent op a lane of its own (DESIGN-NOTES, the urgent
+lane), so that it waits neither for the thread that drives the big op nor behind the big
+op's records, which a peer reads in order. Over the shared-memory rings the application's
+thread posts its message into a second, small ring to the peer and reads the peer's out
+of its own; over TCP it goes through a second connection to the peer, so it does not wait
+behind the big op's bytes in the kernel's buffers (both ends send at once, `TCP_NODELAY`,
+and a socket between two ranks of one host keeps a 256 KiB send buffer so that an op the
+loop runs waits behind little); over the MPI transport the lane to a peer on the same
+host is a pair of shared-memory rings of its own (transport/ring_lane.py). Where a host's
+ranks outnumber its cores the MPI transport has no lanes. The thread that drives the big
+op gives its core away every 100 us (transport/poller.py, `GiveWay`) and between the
+slices of a lent copy: a loop busy with a big op never blocks, and the application's
+thread, woken from its sleep, would otherwise wait for the scheduler's next look, up to
+milliseconds. What is left is the caller's Python running two to three times slower
+while the big op's copies take the two cores.
 
-- Before each big body, and between the slices of its copy, the reader handles the DATA
-  records posted behind it whose op runs here at a higher priority and is small (up to
-  256 KiB: a bucket passing a bucket gains little and the looking costs). A look reads
-  only the records posted since the last one: reading the 25-30 waiting records whole on
-  every slice cost 45-75 us a look and made a 2 MiB copy take 0.6-0.8 ms.
-- A lent copy goes in 1 MiB slices (256 KiB while an urgent op runs) and stops between
-  two when an op was submitted on this rank, so that op starts at once, or when an urgent
-  message was handled, so its waiting caller returns; it goes on at the next turn.
-- Between two slices the copying thread gives up its core for a moment: two ranks of two
-  threads each share the two cores, and the application thread woken to submit the
-  urgent op otherwise waited for the scheduler, 4 ms in one try of ten.
-
-That way an urgent op takes 0.3-0.5 ms against 0.02 ms alone: about 80 us from the call
-to the wait, 50-130 us for the progress thread to finish the copy or reduction in hand
-and hand over the loop, 20 us to start the op, 40 us to post its message and poll, 30-60
-us to find the peer's message behind the big op's 30 lent records, and 40-50 us to apply
-it and return. Neither reducing each slice as it landed nor smaller slices (256 or 512
-KiB) made it faster: the first delayed each piece's acknowledgement until the slice
-before the last was reduced (16 MB allreduces ran 5-8 % slower), the second cost 16 MB
-allreduces 10-30 %.
-
-Over TCP a blocking urgent op goes through a second connection to the peer, its lane, so
-it does not wait behind the big op's bytes in the kernel's buffers: 0.148 ms against
-0.066 ms alone after the delay here (2.22x; 1.0-3.8x in other runs here, 3.87x on the
-Intel VM at an earlier commit). Both ends of every connection and lane send at once
-(`TCP_NODELAY`): a lane's accepting end once lacked it, and a lone urgent message then
-waited for the peer's delayed ACK, up to 40 ms. Its slow tail was the two ranks' calls
-starting up to 1-5 ms apart after the same 2 ms sleep (timestamps on both ranks): each
-rank's thread waited that long for a core, which the progress thread's socket reads kept
-busy; since that thread gives its core away every 100 us the calls start at most 0.16 ms
-apart (p90 0.28-0.73 ms, against 0.38-3.1 before), where a shorter interpreter switch
-interval (0.5 ms) had not helped. An
-urgent op the loop runs waits behind those bytes, which is why a socket between two ranks
-of one host keeps a 256 KiB send buffer (with the kernel's own sizing, up to 4 MiB here,
-the urgent op took 12.6 ms, and 16-64 MB ops were slower too); a socket to another host
-keeps the kernel's sizing, which a real link needs (at 256 KiB a 64 MB allreduce between
-two simulated hosts behind a 10 Gbit/s link ran 3x slower). Over the MPI transport the
-lane to a peer on the same host is a pair of shared-memory rings of its own
-(transport/ring_lane.py): 0.165 ms against 0.099 ms alone after the delay (1.67x; p90
-0.26 ms; 3.0-4.0x in other runs here). Its tail was a peer's thread woken from the sleep
-late, waiting for a core which the progress thread's calls into MPI kept busy: 0.3-1 ms
-late in one call of three or four, and the median moved between 0.1 and 2 ms from run to run
-(4.1-22x; on the Intel VM, stamped in C as `clock_nanosleep` returns, 3.5-4.3 ms late at
-the median under this transport against 0.5 ms over the rings). Neither a shorter
-switch interval, nor the progress thread at nice 10, nor a longer wait in the lane
-before the loop takes over settled it (docs/dev/perf-log.md); the thread that polls MPI
-giving its core away every 100 us (`GiveWay`) did: 0.091-0.095 ms in three alternated
-runs against 0.14-0.52 without, with no change to 16-64 MB ops over this transport. What
-is left is the caller's Python, two to three times slower while the big op's transfers
-take the cores, as over the rings. As an MPI tag
-of its own, which a peer on another host still gets, it went through MPICH, which lets
-one thread into the library at a time and moves the big op's bytes inside the calls the
-urgent op makes: 0.3-2.9 ms at the median in alternated runs, against 0.5-0.7 with the
-rings. Where a host's ranks outnumber its cores the MPI transport has no lanes (a 4-rank
-barrier on 2 cores took 0.97 ms with them, 0.67 without). An urgent op the loop runs
-waits behind what MPI has queued to that peer, which is kept to 8 MiB of bodies for that
-reason (sixteen 2 MiB pieces took it 3.9-5.3 ms).
+An urgent op the loop runs (an async one, or one whose lane is busy) is helped by
+priorities: before each big body, and between the slices of its copy, the reader handles
+the DATA records posted behind it whose op runs here at a higher priority and is small
+(up to 256 KiB), reading only the records posted since its last look; a lent copy goes
+in 1 MiB slices (256 KiB while an urgent op runs) and stops between two when an op was
+submitted on this rank or an urgent message was handled; and between two slices the
+copying thread gives up its core for a moment.
 
 ## Coordination: self-guided against negotiated
 
@@ -560,25 +816,7 @@ default, both scheduling modes):
 
 {table("tiny-neg")[1]}
 
-Fusion is what wins here: 1,000 ops become a few. Without fusion, negotiated mode costs
-more per tensor than self-guided mode (`-nofusion` against `totalreduce-shm`: 37.5
-against 11.7 µs at 2 ranks). The cache cuts the cost another 9x: without it, every
-tensor's request goes to rank 0 and back each time (`-nocache`). Self-guided mode pays an
-op per tensor: at 2 ranks its calls wait for the first `wait()`, which runs them one
-after another each as a blocking call (11.7 µs; 20-24 µs each on the loop all at once),
-and at 4 ranks each is a whole engine op on the loop (100.5 µs). The faster mode,
-negotiated with cache and fusion, takes 1.4 µs per op at 2 ranks, 4.7x faster than 1,000
-of MPI's `Iallreduce` (6.5 µs each), and 4.1 µs at 4 ranks (four processes on two
-cores), 9.5x faster than MPI's 38.9. On the Intel VM it took 4.7 and 12.5 µs, and on a slower AMD VM
-(see Environment), before the cycle reused a repeated step's fusion runs, 7.9 and 22.2
-µs. It varies with the host (1.3 to 1.5 µs between the 10th and 90th percentiles at 2
-ranks here): the whole cost is Python on the submitting thread and the cycle thread.
-Per tensor, the submission takes 1.5-2.5 µs (a tensor whose dtype, op and shape were
-seen before skips the argument checks and makes one new object); the cycle's taking,
-classifying, fusion copies and completion about 1 µs, since a cycle that readies the same
-cached tensors as a recent one reuses that cycle's fusion runs and the views of its
-buffer (DESIGN-NOTES, negotiated coordination); the rest is the two small allreduces of
-the cycle, most of it waiting for the other rank.
+{tiny_notes()}
 
 **A lone blocking op**: the latency table's loop (8-byte allreduces, then barriers, back
 to back) in both modes. `{command("latency-neg")}` (`docs/bench/latency-neg.txt`):
@@ -590,8 +828,7 @@ to the cycle thread, which allreduces the cycle's bit vector with the other rank
 the op (on its own thread when it is small and alone in its cycle; DESIGN-NOTES,
 negotiated coordination) and hands the result back. That is two engine ops and four
 hand-offs between threads where self-guided mode runs one op on the caller's thread:
-94 and 130 µs for the allreduce and the barrier at 2 ranks, 14-20x self-guided mode's
-time. At 4 ranks on 2 cores each hand-off also waits for a core (0.44 and 0.53 ms). A
+{latency_neg_notes()} A
 wait on a request wakes the cycle thread, which otherwise sleeps to its tick;
 without that, a blocking op would wait for the tick of the last rank to reach it, a
 cycle and a half at the median.
@@ -600,31 +837,20 @@ cycle and a half at the median.
 
 {table("skew-neg")[1]}
 
-Self-guided mode starts each gradient's reduction the moment every rank has submitted it,
-so it finishes within 0.62x (2 ranks) and 0.74x (4 ranks) of the ideal. Negotiated mode
-first waits for a cycle to notice (0.90x and 1.03x). Without fusion, each of the 161
-tensors then runs as an engine op of its own behind that wait, which in this run beat
-fusing the few that a cycle finds together at 2 ranks (0.65x) and tied it at 4 (1.01x),
-where the ops compete for two cores (on the Intel VM 0.99x and 1.29x).
+{skew_neg_notes()}
 
 **Replay** (as above, ResNet-50, 16 MB buckets). `{command("replay-neg")}`
 (`docs/bench/replay-neg.txt`):
 
 {table("replay-neg")[1]}
 
-With all 102 MB ready at once, self-guided mode is faster in every mode: at 2 ranks its
-grouped mode took 16.3 ms against negotiated's 34.3, its per-tensor mode 13.6 against
-35.1 and its optimizer mode 11.3 against 19.1 (flat: 11.6 against 13.4). Turning
-negotiated mode's fusion off left its per-tensor mode at 35.1 ms here (31.9 against 36.8
-in another run: fusing big tensors adds a copy in and a copy out of every byte). At 4
-ranks negotiated per-tensor takes 96.3 ms, self-guided grouped 80.3.
+{replay_neg_notes()}
 
 **When each wins**: negotiated mode for many small tensors reduced as they come (tiny
 embeddings, per-parameter reductions, metrics). Self-guided mode for large gradients,
 skewed ranks, and everything latency-bound. The digits example, one small bucket per
-step, trains about 1.5 times as fast self-guided as negotiated (2 ranks, the third of 3
-epochs, three interleaved runs of each: 24,300-36,300 samples/s against 16,300-24,500 on
-this noisy host): each step's gradients wait for a cycle and its hand-offs.
+step, trains faster self-guided: each step's gradients would wait for a cycle and its
+hand-offs.
 
 ## Sparse allreduce: Ok-Topk, TopkA, gTopk (totalreduce.compression)
 
@@ -641,19 +867,7 @@ split-and-reduce (P - 1 rotation steps in flight at once); `oktopk-1a2a` is
 
 {table("sparse")[1]}
 
-On one host, where a dense allreduce moves memory at memory speed, the sparse algorithms
-are mostly slower than dense: selection costs more than the bytes it saves (Ok-Topk on
-the heavy-tailed values is the exception: in one alltoall it beats dense at every rank
-count at 1 %, 0.68-0.95x, and at 4 ranks at 2 %, 0.89x; pipelined, at 4 ranks, 0.95x and
-1.13x). The point
-is the volume, which is what a network between hosts pays for. Ok-Topk sends 2.2-4.0
-words per k, under its bound at every size, while TopkA's grows with the ranks. On the
-million heavy-tailed values Ok-Topk is also the fastest of the three, because its reused
-thresholds avoid a top-k sort. Its pipelined exchange has nothing to overlap with on 2
-cores, so one alltoall is faster here (1.3-1.4x at 4 ranks on the million values, up to
-2.7x on the smaller vectors); with a core per rank and a
-real network between them, summing one step while the next travels is what the pipeline
-is for.
+{sparse_notes()}
 
 `gtopk` is the published gTopk; `gtopk-exact` (`GTopk(exact_sums=True)`) sums exactly at
 the winners instead, at the cost of a second exchange. A rank of the published gTopk sends
@@ -682,19 +896,12 @@ target is dense's final accuracy less one point.
 
 ![accuracy against epochs and against MB sent per rank](bench/convergence-4.png)
 
-Every sparse method reaches the target within 1.5x dense's epochs except gTopk at 1%
-(18 against 9). Ok-Topk at 1% sends 0.076 MB per rank per epoch once
-its warm-up is over, against 0.071 for gTopk and 0.125 for TopkA at the same density,
-0.125 for PowerSGD and 4.07 for dense: 54x less than dense. Its first epoch is the dense
-warm-up (10 steps, about 4 MB), which is most of its bytes to target; PowerSGD's vanilla
-start costs the same. On this small model PowerSGD at rank 2 trains as well as dense in
-fewer bytes than Ok-Topk's warm-up plus sparse epochs; the sparse methods' volume
-advantage grows with the model, which the words-per-k table above measures.
+{convergence_notes()}
 
 The example itself draws the same run's loss and accuracy with `--plot`:
 `totalrun -np 4 python examples/train_digits.py --epochs 30 --compression oktopk --density
-0.01 --plot docs/bench/digits-oktopk-1pct.png` (final 97.56%; at 0.02, `digits-oktopk-2pct.png`,
-97.78%; dense without `--compression`, `digits-dense.png`, 98.00%).
+0.01 --plot docs/bench/digits-oktopk-1pct.png` (at 0.02, `digits-oktopk-2pct.png`; dense
+without `--compression`, `digits-dense.png`).
 
 ## Recovery from a killed worker (`totalrun --max-restarts`)
 
@@ -708,9 +915,9 @@ checkpoint's size at 1 GB/s. `{command("recovery")}` (`docs/bench/recovery.txt`)
 
 {table("recovery")[1]}
 
-A new Python process importing numpy and totalreduce is 0.11-0.13 s of *restart* here
-(0.4 s on the Intel VM); the rest is the survivors noticing the loss, totalrun starting
-the process, and the survivors dropping their links and meeting the newcomer.
+*restart* is mostly the survivors noticing the loss, totalrun starting the process
+(a new Python process importing numpy and totalreduce), and the survivors dropping their
+links and meeting the newcomer.
 
 ## Allreduce, averaging and the parameter server, with a straggler (digits, 3 workers)
 
@@ -729,16 +936,7 @@ Medians of 3 jobs per cell. `{command("ps")}` (`docs/bench/ps.txt`, `docs/bench/
 
 ![throughput and accuracy per method](bench/ps.png)
 
-On one host the server pays for its extra processes and for a round trip per push and per
-pull (a round trip costs tens to a hundred µs here, against a few for MPI), so it
-trains at 0.22-0.25x allreduce's rate (0.28-0.40x on the Intel VM). With the straggler,
-removing the bound bought 1.87x tau = 0's throughput in this run (0.90x to 1.92x in
-others: the straggler's own steps bound the time either way) and cost 2.9 points of
-accuracy (0.7 to 8.0 in those others); bounds of 1 and 4 keep tau = 0's accuracy within
-0.5 points. Averaging every 4 or 16 steps is the fastest, and every 16 loses 2 points.
-Surviving a server's loss costs 0.58x of tau = 0's throughput without a straggler (a push
-waits for a second server's round trip) and 0.97x with one, whose own steps set the pace
-(0.52-0.73x and 0.64-1.03x in other runs).
+{ps_notes()}
 
 ## Across hosts
 
@@ -762,11 +960,7 @@ straddle the hosts.
 
 {table("hosts-10gbit")[1]}
 
-At 10 Gbit/s the 2 cores, not the link, set the time. With 100 Gbit/s links the same
-jobs take as long (`docs/bench/hosts-100gbit.txt`: 0.092 s hierarchical at 64 MiB,
-against 0.098 s at 10 Gbit/s). One rank per host has no local stages and a core to
-itself; it comes within 1.08x of the 10 Gbit/s bound (`--per-host 1 --modes flat`,
-`docs/bench/hosts-10gbit-1.txt`).
+{hosts_notes()}
 
 Training over 1 Gbit/s: the digits MLP widened to 64-2048-2048-10 (4,350,986
 parameters, 17.4 MB of float32 gradients per step), batch 32 per rank, dense against
@@ -781,10 +975,7 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 
 {table("hosts-train")[1]}
 
-With two ranks per host, four ranks share the 2 cores. The forward and backward passes
-and the sparse selection then take most of a step, and the sparse methods' lead in
-samples/s (1.9-2.7x) turns into 0.86-1.39x dense's speed to 95 %: they need one to three
-epochs more than dense.
+{hosts_train_notes()}
 
 ## Why the defaults are what they are
 
@@ -951,7 +1142,7 @@ the next in (1 MiB: 164 -> 129 us, 2 MiB: 315 -> 231 us).
 Why a ring whose copies run slower than the kernel's copy of a lent body lends every body
 of 64 KiB or more (`TOTALREDUCE_SLOW_RING_GBPS`, transport/copy_pace.py): the writer times
 its copies of 256 KiB or more into the ring; three slow in a row say slow, and any one
-copy faster says fast again. On the AMD VMs (see Environment) these copies ran at 12-37
+copy faster says fast again. On the AMD VMs these copies ran at 12-37
 GB/s while the two cores shared a cache and at 2.3-6.3 GB/s while they did not; the
 kernel's copy of a lent body ran at about 11 GB/s in either state, so below that the
 ring's two copies cost more than the kernel's one. On another VM of the same kind the
@@ -1056,140 +1247,9 @@ either way, 3-13% behind in both.
 
 ## Known weak spots
 
-- Small messages: a blocking allreduce of a few bytes costs 6.8 us at 2 ranks in the
-  latency table (MPI: 2.0 us, 3.4x; 5.7x on the Intel VM), nearly all of it Python per
-  op, even from a Repeat; 8.1 us over the MPI transport, 12.8 us over sockets. A barrier
-  takes 6.5 us (2.9x). Async small allreduces, which the loop runs, cost about 30 us each
-  self-guided (the `tiny` table).
-  An allgather or alltoall whose ranks' rows may differ is two such exchanges, sizes then
-  data; `same_shape=True` makes it one (0.011 ms at 4 bytes in the 2-rank table, a
-  broadcast 0.012 ms, against MPI's 0.001-0.003). A repeated one skips its
-  checks and set-up (scheduling/templates.py); a repeated blocking broadcast,
-  reducescatter, allgather or alltoall runs from a Repeat as an allreduce does, each
-  phase of a two-phase one from its own (back to back at 2 ranks, 4 to 8 bytes: 25-60
-  us against 40-85 without; the small-allgather table above). Batch
-  small tensors (`grouped_allreduce`, the optimizer's buckets), or run many of them
-  negotiated (fused: see above).
-- The 2-rank collectives table: allreduce 2.07x MPI at 1 MB, 1.86x at 4 MB and 1.70x at
-  16 MB, 3.04-3.13x from 64 MB; reducescatter 1.74-2.01x at 1-16 MB, 3.33-3.59x from
-  64 MB (on the Intel VM allreduce ran 1.15x, 0.93x and 0.96x, reducescatter
-  0.86-0.88x). MPICH's shared memory moves 16 MB at 8.4-9.2 GB/s of algorithm bandwidth
-  for the reductions here (1-4 MB at 8.2-11.7 GB/s), which leaves a reduction little room
-  at 16 MB: a 16 MB allreduce takes us 1.17 ms against MPI's 2.00 in this run (1.10-1.13
-  against 1.72-1.89, 1.52-1.71x, in jobs of their own), and the floor table's bare
-  exchanges, with no engine, reach 1.11-1.50x MPI at 4-16 MB.
-- On a 2-vCPU Intel VM whose rings copied slowly (no model named; `bench collectives -n
-  2 --backends mpi,totalreduce-shm --sizes 1M,4M,16M,64M,256M --rounds 2 --reps-scale
-  0.5`, one run), allreduce and reducescatter led MPI from 64 MB (1.47-1.74x) and
-  reducescatter from 4 MB (1.25-1.29x at 4-16 MB), allreduce ran 1.01x at 1 MB, 0.88x at
-  4 MB and 0.98x at 16 MB; the gathers trailed it at every size (allgather 0.62-0.96x,
-  alltoall 0.42-0.95x) and broadcast below 256 MB (0.45-0.94x, 1.65x at 256 MB; its 64
-  MB cell took 6.4 ms in one run and 10.7 in another). The bare exchanges of the
-  floor table reached 0.85-0.89x MPI at 4 MB and 1.09-1.12x at 16 MB through a ring,
-  1.08-1.17x and 1.52-1.59x reading the peer's memory (`bench floor`, four runs), as
-  MPICH does there (`process_vm_readv`): on such a host the ring's two copies cost more
-  than the kernel's one. A 2-rank allreduce from 8 MB, or reducescatter past DIRECT_BYTES,
-  lends its pieces from its Repeat there and sums each 512 KiB slice of the peer's as it
-  lands. At 4 ranks on its 2 vCPUs allreduce ran 0.52x at 1 MB, 0.56x at 4 MB, 0.93x at
-  16 MB and 1.40x at 64 MB; a blocking 8-byte allreduce 11.5 us against MPI's 1.5
-  (7.8x), a barrier 10.0 against 1.8 (5.7x). docs/dev/perf-log.md has where the time
-  went.
-- Calls back to back flatter both libraries, ours more: with a pause before each call
-  (as between a training step's reductions), 16 MB allreduces at 2 ranks took 1.13-1.26
-  ms back to back, 1.38-1.59 after 1 ms and 1.88-2.08 after 10 ms; MPI's 2.04-2.05,
-  2.03-2.10 and 2.36-2.54 (one job per library, each pause in turn, three runs, the VM's
-  cores sharing a cache). Where they shared none: ours 1.87-1.96, 1.78-1.97 and 2.15-2.22
-  ms, MPI's 1.72-2.15, 1.91-2.17 and 1.85-2.08 (two runs), level.
-- The other collectives at 2 ranks, from 1 MB (medians): allgather 1.10x at 1 MB, 0.99x
-  at 4 MB, 0.84x at 16 MB and 1.04-1.07x at 64 and 256 MB; alltoall 1.01x at 1 MB, 0.82x
-  at 4 MB, 0.92x at 16 MB, 0.97-1.02x from 64 MB; broadcast 1.73x at 1 MB, 1.30x at 4 MB,
-  1.00x at 16 MB, 0.94x at 64 MB and 1.06x at 256 MB, the receiver copying the root's
-  lent 32 MiB pieces with two threads of its own in this run. MPI moves these at
-  10-22 GB/s of algorithm bandwidth (its 16 MB broadcast takes 0.79 ms in this run). Run
-  after run in one placement the gathers' 4-16 MB cells stay below par (eight runs back
-  to back at 1-16 MB, the VM's cores sharing a cache: allgather 0.88-1.08x at 4 MB and
-  0.72-0.87x at 16 MB, alltoall 0.69-0.90x and 0.81-0.96x), while across placements one
-  cell has spanned 0.45-1.96x. An
-  alltoall moves what MPI's does the way MPI's does (one `process_vm_readv` of the peer's
-  block, a copy of our own): a bare exchange in Python doing just that, in one job with
-  MPI's and ours on the same arrays, took 0.18 ms at 4 MB (MPI 0.18, ours 0.24) and
-  1.20-1.23 ms at 16 MB (MPI 1.17-1.21, ours 1.39-1.44), its reads as long as ours within
-  5 %. The rest is ours: about 30 us of Python before the read on the express lane (the
-  call's checks, its spec, the lane; 15 us from a Repeat) and the wait for the peer's
-  acknowledgement after it, and at 16 MB the same Python run two to three times slower
-  out of caches the copies have just flushed; and which half of a 4 MB array the kernel
-  backed with a huge page (a malloc'd 4 MB array holds one), since a lent half of small
-  pages takes its reader about twice as long (130 against 70 us at 2 MiB). Repeated
-  same-shape gathers up to 2 MiB (and at 2 ranks up to 24 MiB where their pieces are
-  lent) and broadcasts up to the ring's bound run from a Repeat, and
-  an allgather or alltoall sends its own block from its input and copies it
-  into place itself (after its receives, up to 4 MiB); what is left at 1 MB is Python per op
-  (about 0.1 ms, a third to a half of the call) and per piece. From run to run on this
-  host the 64-256 MB cells move by 10-15%. Without `out=` allgather and alltoall run at
-  about 0.5x from 64 MB: above glibc's mmap threshold (32 MB) every call's new result is
-  fresh memory, and the kernel faulting and zeroing it costs about as much as the copies
-  (32 MB into fresh pages: 8 ms; into reused ones: 4.6 ms, on an AMD VM).
-- Huge pages: out of arrays that huge pages back (`--arrays huge`, the section after the
-  2-rank table), MPICH's 1 MB broadcasts and alltoalls run twice as fast or more as out of
-  numpy's own, and its 4 MB broadcasts nearly so; ours barely move (a 2-rank broadcast's
-  root lends its huge-paged pieces from 640 KiB, which took 4 MB ones 10-15% faster), so
-  there we trail it at 0.44-0.73x for broadcasts and alltoalls at 1-16 MB.
-- `totalreduce-tcp` (sockets only, e.g. across hosts) trails MPI's shared memory from
-  1 MB up on this host (0.27-0.74x) but for allreduce and reducescatter from 64 MB
-  (1.23-1.77x); its small ops run on the caller's thread as the rings' do (4 bytes:
-  0.015-0.021 ms). `totalreduce-mpi` (our engine over MPI point-to-point) leads MPI's own
-  allreduce and reducescatter from 64 MB (2.87-3.49x), reducescatter at 4-16 MB
-  (1.31-1.56x) and allreduce at 16 MB (1.03x), and trails it elsewhere from 1 MB
-  (0.41-0.98x); its ops with bodies up to 256 KiB run on the caller's thread (4 bytes:
-  0.009-0.014 ms).
-- 8 to 16 ranks (16 cores): from 16 MB every cell leads MPI (1.03-4.72x) and every
-  allreduce cell leads gloo, but at 1-4 MB most trail MPI: allreduce 0.36-0.69x at 4-16
-  ranks, allgather 0.58-0.84x, alltoall 0.47-0.65x, broadcast at 16 ranks 0.37-0.58x,
-  reducescatter 0.64-0.77x; broadcast at 8 ranks (0.93x, 1.09x) and reducescatter at 8
-  ranks and 4 MB (1.18x) are at or above par. A 1 MB allreduce at 16 ranks by recursive
-  doubling sends and reduces the whole buffer in each of four steps (2.2 ms against MPI's
-  0.61); recursive halving, half the bytes in twice the steps, was no faster. A blocking
-  8-byte allreduce takes 4.3x its 2-rank time at 16 ranks and 13x MPI's (82 us against
-  19 and 6.2); timed on every rank (1,500 calls after a barrier each), all 16 had the
-  same median within 1 us (77-78): every step waits for its partner's previous one (see
-  the latency table's notes). The
-  ring at 16 ranks runs 4 MB several times slower than its bytes call for (allgather 9.0 ms
-  against 3.3 with recursive doubling). Timestamps show each lent 256 KiB piece taking about
-  50 us to copy out of its sender (5 GB/s), one step after another, and the size exchange
-  taking 0.9-1.0 ms (now one message a step); 4 MB ring allgathers took 6.5 ms lent and 2.8
-  ms with `TOTALREDUCE_CMA_BYTES=0 TOTALREDUCE_SLOW_RING_GBPS=0` in one run. Lending stays
-  on: in another sitting, without it, five of six 16-64 MB cells of allreduce, allgather and
-  reducescatter at 16 ranks ran 16-49% slower (64 MB allreduce 76 against 58 ms); at 8 ranks
-  allreduces of 4-64 MB ran 17-22% faster without it and allgathers of 16-64 MB 10-38%
-  slower; a run of 1 and 16 MB allreduces at 4-16 ranks lending from 1 MiB (`--set
-  CMA_BYTES=1048576`, alternated with the default) was no faster. The log-step algorithms
-  avoid the ring where they are chosen.
-- Oversubscribed ranks (4 on 2 cores): small ops take about 0.1 ms (5.3x and 3.6x
-  MPI's 8-byte allreduce and barrier in the latency table, 5.4x and 3.9x over the MPI
-  transport, 6.8x and 5.1x over sockets; 0.18-0.37x in the 4-rank table, where every call
-  follows a barrier), and allreduces run at 1.58x MPI at 1 MB, 1.22x at 4 MB, 0.91x at
-  16 MB and 2.68x at 64 MB (0.91x, 0.64x, 1.07x and 2.23x in an earlier run here; on the
-  Intel VM 0.66x, 0.63x, 0.92x and 1.69x). Every hop waits for a peer to get a core;
-  neither the small path's threshold, nor doubling up to 4 or 16 MB, nor the ring from
-  256 KiB, nor recursive halving from 1 MB (or up to 16 MB), nor longer or shorter spins
-  before a hand-over (0, 0.2 or 5 ms with the cores crowded) did better. Reductions
-  there lend their pieces only from 8 MiB (4 MB at 3 ranks: 1.8-3.2 ms through the ring
-  against 2.9-4.3 lent). Every call in these tables starts as its rank leaves a barrier,
-  and ours lets its four ranks go over 66-116 us (MPI's over 21 us; rank 0 taking the
-  last rank's exit time less the first's, 300 barriers with 1 MB of numpy work between
-  them), which a call waiting for its slowest rank pays on top of its own time. Four
-  processes spinning on a shared array, yielding between looks, part within 16-49 us; a
-  barrier of direct messages to every peer (one hop where recursive doubling takes two)
-  let them go over 116-123 us.
-- Preemption: a blocking urgent op during a 64 MB allreduce takes 2.3x its time alone
-  after the same sleep over shared memory (1.7-7.7x in other runs, where the time alone
-  moved more than the time during the big op), 2.2x over TCP (1.0-3.8x) and 1.7x over
-  the MPI transport (3.0-4.0x in other runs), each on its own lane (the preemption
-  section). What is
-  left is the caller's Python running two to three times slower while the big op's
-  copies take the cores; an urgent op the loop runs (an async one) waits much longer.
+{weak_spots()}
 """]
-    PAGE.write_text("".join(parts))
+    PAGE.write_text(reflow("".join(parts)))
 
 
 if __name__ == "__main__":
