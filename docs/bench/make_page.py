@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from regenerate import command  # run as a script: this folder is on sys.path
-from tables import find, num, rows, span
+from tables import Row, find, num, rows, span
 
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parent / "BENCHMARKS.md"
@@ -220,14 +220,23 @@ def floor_notes() -> str:
     floor = rows("floor-2")
     best = ", ".join(f"{_x(max(_paren(r['bare ring']), _paren(r['bare cma'])))} at "
                      f"{_size(r['size'])}" for r in floor)
+    def ms(r: Row, col: str) -> float:
+        return num(r[col])
+    slower = [r for r in floor if ms(r, "totalreduce") > ms(r, "bare ring")]
+    faster = [r for r in floor if r not in slower]
     gaps = ", ".join(f"{r['totalreduce'].split()[0]} against {r['bare ring'].split()[0]} ms "
-                     f"at {_size(r['size'])}" for r in floor)
+                     f"at {_size(r['size'])}" for r in slower)
+    ahead = " and ".join(_size(r["size"]) for r in faster)
+    beats = (f" At {ahead} it beats the bare ring, whose pieces are 1 MiB (totalreduce's are "
+             "2 MiB, lent out of huge pages from 8 MiB while its rings copy slowly).") \
+        if ahead else ""
     return f"""The bare exchanges are what copying through memory allows here; the faster of the
-two against MPI: {best}. No engine on these copies gets much further. The gap
-between the bare ring and totalreduce is the engine's own cost (its headers, credit,
-handlers and turns of the loop): totalreduce took {gaps}. In its own job (the
-collectives table) a 16 MB allreduce takes {_ms("collectives-2", "allreduce", "16M")} ms
-against MPI's {_ms("collectives-2", "allreduce", "16M", "mpi")}."""
+two against MPI: {best}. No engine on these copies gets much further. Where totalreduce
+trails the bare ring, the gap is the engine's own cost (its headers, credit, handlers and
+turns of the loop): {gaps or "nowhere"}.{beats}
+In its own job (the collectives table) a 16 MB allreduce takes
+{_ms("collectives-2", "allreduce", "16M")} ms against MPI's
+{_ms("collectives-2", "allreduce", "16M", "mpi")}."""
 
 
 def four_notes() -> str:
@@ -261,10 +270,9 @@ def replay_notes() -> str:
     fastest = min(table_rows, key=lambda r: num(r["median ms"]))
     mpi = {r["mode"]: r["median ms"] for r in rows("replay-2-optimizer")
            if r["backend"] == "mpi"}
-    return f"""Here the fastest of ours is `{fastest["mode"]}`, {fastest["median ms"]} ms, at
-{fastest["time / best MPI"]} of MPI's best mode ({", ".join(
-        f"`{m}` {t} ms" for m, t in mpi.items())}). MPI's `per-tensor` mode is often
-bimodal on such a host (its p10-p90), so compare with its `flat` mode too. At 2 ranks,
+    return f"""Here the fastest of ours is `{fastest["mode"]}`, {fastest["median ms"]} ms,
+{fastest["time / best MPI"]} the time of MPI's best mode ({", ".join(
+        f"`{m}` {t} ms" for m, t in mpi.items())}). At 2 ranks,
 async allreduces like ones made before that are submitted together wait for the first
 `wait()`, which runs them one after another, each as a blocking call would run
 (DESIGN-NOTES, queued async calls); so do a grouped call's parts, whose arrays under 128
@@ -274,11 +282,11 @@ KiB are fused."""
 def training_notes() -> str:
     def mode(model: str, n: str, name: str) -> dict[str, str]:
         return find(f"train-{model}", model=model, n=n, mode=name)
-    vs = ", ".join(f"{mode(m, n, 'optimizer 16MB')['speed vs DDP gloo']} at {n} ranks "
-                   f"({m})" for m in ("mlp", "convnet") for n in ("2", "4"))
+    vs = ", ".join(f"{mode(m, n, 'optimizer 16MB')['speed vs DDP gloo']} its speed at {n} "
+                   f"ranks ({m})" for m in ("mlp", "convnet") for n in ("2", "4"))
     hidden = ", ".join(f"{mode('mlp', n, 'optimizer 16MB')['comm hidden']} at {n} ranks"
                        for n in ("2", "4"))
-    return f"""The optimizer's 16 MiB buckets run at {vs} DDP over gloo's speed. The mlp's
+    return f"""Against DDP over gloo, the optimizer's 16 MiB buckets run at {vs}. The mlp's
 `comm hidden` for them is {hidden}."""
 
 
@@ -366,6 +374,10 @@ def sparse_notes() -> str:
                        f"{r['density']}, {r['n']} ranks ({r['time / dense']})"
                        for r in faster) or "none"
     ok = [num(r["words sent / k"]) for r in table_rows if r["algorithm"] == "oktopk"]
+    ms = {(r["gradients"], r["density"], r["n"], r["algorithm"]): num(r["median ms"])
+          for r in table_rows}
+    cases = sorted({k[:3] for k in ms})
+    one = sum(ms[(*k, "oktopk-1a2a")] < ms[(*k, "oktopk")] for k in cases)
     topka = {n: span([num(r["words sent / k"]) for r in table_rows
                       if r["algorithm"] == "topka" and r["n"] == n]) for n in ("2", "3", "4")}
     return f"""On one host, where a dense allreduce moves memory at memory speed, selection
@@ -374,7 +386,8 @@ dense; faster in {len(faster)} of {len(table_rows)} cells: {listed}. The point i
 volume, which is what a network between hosts pays for: Ok-Topk sends {span(ok)} words
 per k, under its bound at every size, while TopkA's grows with the ranks ({", ".join(
         f"{v} at {n}" for n, v in topka.items())}). Its pipelined exchange has nothing to
-overlap with on 2 cores, so one alltoall (`oktopk-1a2a`) is usually faster here; with a
+overlap with on 2 cores, so one alltoall (`oktopk-1a2a`) is faster here in {one} of
+{len(cases)} cases; with a
 core per rank and a real network between them, summing one step while the next travels
 is what the pipeline is for."""
 
@@ -388,12 +401,12 @@ def convergence_notes() -> str:
                 r["epochs to target"][:1].isdigit()
                 and num(r["epochs to target"]) <= 1.5 * epochs)]
     per_epoch = ", ".join(f"{r['method']} {r['MB/rank/epoch (median)']}" for r in table_rows)
+    to_target = ", ".join(f"{r['method']} {r['MB/rank to target']}" for r in table_rows)
     return f"""Dense reaches the target in {dense["epochs to target"]} epochs; every other
 method within 1.5x of that but {", ".join(slow) or "none"}. MB sent per rank per epoch
-(median, past Ok-Topk's dense warm-up of 10 steps): {per_epoch}. On this small model
-PowerSGD's low-rank factors are as cheap as the sparse methods' selections; the sparse
-methods' volume advantage grows with the model, which the words-per-k table above
-measures."""
+(median): {per_epoch}. MB sent per rank until the target, the dense warm-up of Ok-Topk
+and PowerSGD (10 steps) included: {to_target}. The sparse methods' volume advantage
+grows with the model, which the words-per-k table above measures."""
 
 
 def ps_notes() -> str:
@@ -405,13 +418,15 @@ def ps_notes() -> str:
     servers = [m for m in table if m.startswith("server")]
     vs = ", ".join(f"{m} {rate(m) / allreduce:.2f}x" for m in servers)
     strag = "straggler: samples/s"
+    fastest = max(table, key=rate)
     unbounded = rate("server tau=none", strag) / rate("server tau=0", strag)
     return f"""On one host the server pays for its extra processes and for a round trip per push
 and per pull, so it trains at a fraction of allreduce's rate ({vs}). With the straggler,
 removing the bound buys {unbounded:.2f}x tau = 0's throughput, at an accuracy of
 {table["server tau=none"]["accuracy 2"]} against {table["server tau=0"]["accuracy 2"]}.
-Averaging every 16 steps trains fastest ({rate("averaging H=16"):,.0f} samples/s) and
-ends at {table["averaging H=16"]["accuracy"]} (allreduce: {table["allreduce"]["accuracy"]}).
+The fastest is {fastest} ({rate(fastest):,.0f} samples/s), which ends at
+{table[fastest]["accuracy"]} (allreduce: {rate("allreduce"):,.0f} samples/s,
+{table["allreduce"]["accuracy"]}).
 Replicated servers run at {rate("server tau=0 replicated") / rate("server tau=0"):.2f}x
 tau = 0's throughput (a push waits for a second server's round trip)."""
 
