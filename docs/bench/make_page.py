@@ -995,7 +995,9 @@ Two ranks per host, `{command("hosts-train")}` (`docs/bench/hosts-train.txt`):
 ## Why the defaults are what they are
 
 The settings in `config.py` that trade speed one way or another, and the measurements
-behind each choice (2 ranks unless said; `--set NAME=VALUE` repeats any of them).
+behind each choice (2 ranks unless said; `--set NAME=VALUE` repeats any of them). Where
+a paragraph names no host, its measurements come from a 2-core AMD EPYC VM, and "here"
+means that VM; an Intel VM is named as such.
 
 Why big copies go in pieces of half the L2 cache on AMD CPUs (`TOTALREDUCE_COPY_PIECE`,
 memcopy.py): glibc copies a block of at least the L2 size (1 MiB here) with a vector loop
