@@ -316,11 +316,11 @@ DOCS_BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
 
 
 def test_bench_outputs_are_read_by_column(monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/bench/tables.py, which the page's sentences quote the tables through: a cell
+    """docs/bench/bench_tables.py, which the page's sentences quote the tables through: a cell
     holding spaces stays whole, a header naming a column twice numbers the second, and a
     lookup that matches no row or several says so."""
     monkeypatch.syspath_prepend(str(DOCS_BENCH))
-    from tables import find, num, rows, span
+    from bench_tables import find, num, rows, span
 
     row = find("latency", n="2", op="allreduce 8 B", backend="mpi")
     assert row["time / mpi"] == "1.00x" and num(row["median us"]) > 0

@@ -12,8 +12,8 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+from bench_tables import Row, find, num, rows, span
 from regenerate import command  # run as a script: this folder is on sys.path
-from tables import Row, find, num, rows, span
 
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parent / "BENCHMARKS.md"
