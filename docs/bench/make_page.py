@@ -456,6 +456,37 @@ passes and the sparse selection then take most of a step, and the sparse methods
 in samples/s ({span(lead)}x) turns into {span(to)}x dense's speed to 95 %."""
 
 
+def glance_notes() -> str:
+    """The page's headline figures, each from the section that has its table."""
+    two = [_speed("collectives-2", op, s) for op in OPS for s in BIG]
+    big = [_speed("collectives-2", op, s) for op in ("allreduce", "reducescatter")
+           for s in ("64M", "256M")]
+    lat = find("latency", n="2", op="allreduce 8 B", backend=SHM)
+    tiny = find("tiny-neg", n="2", backend="totalreduce-neg")
+    skew = {r["backend"]: r["time / ideal"] for r in rows("skew-2")}
+    rec = rows("recovery")
+    worst = max(num(r["worst s"]) for r in rec)
+    pre = find("preempt-2", backend=SHM, small_allreduce="during big, priority on")
+    train = find("train-mlp", model="mlp", n="2", mode="optimizer 16MB")
+    return f"""- 2 ranks over shared memory, from 1 MB: at or above MPI's speed in
+  {sum(v >= 1.0 for v in two)} of {len(two)} cells (op x size); allreduce and
+  reducescatter at 64-256 MB {span(big)}x MPI; gloo's cells {span(
+        [_speed("collectives-2", op, s, "gloo") for op in OPS for s in BIG])}x MPI.
+- A blocking 8-byte allreduce: {lat["median us"]} us, {lat["time / mpi"]} MPI's time.
+- 1,000 tiny async allreduces, negotiated (cached and fused): {tiny["median us/op"]} us
+  each, {tiny["speed vs mpi"]} MPI's speed.
+- ResNet-50's gradients ready at random times on each rank: {skew[SHM]} of the ideal
+  (MPI, in one common order: {skew["mpi"]}).
+- A 1 KB urgent op during a 64 MB allreduce: {pre["time / alone after the delay"]} its
+  time alone after the same sleep; MPI's waits for the whole big op ({find(
+        "preempt-2", backend="mpi", small_allreduce="during big (no priorities)")[
+        "time / alone after the delay"]}).
+- Training a 50 MB MLP with the DistributedOptimizer: {train["speed vs DDP gloo"]} the
+  speed of DDP over gloo at 2 ranks.
+- A killed worker replaced and its checkpoint restored from a peer: at most {worst:.2f} s
+  in every cell of the recovery table."""
+
+
 def weak_spots() -> str:
     two = [(op, s, _speed("collectives-2", op, s)) for op in OPS for s in BIG]
     behind = [f"{op} {_size(s)} ({_x(v)})" for op, s, v in two if v < 1.0]
@@ -499,6 +530,15 @@ command and the file in `docs/bench/` holding its full output. `python
 docs/bench/regenerate.py` reruns every command and rebuilds the page from those files
 (`--list` shows them; `--cores16` runs the 16-core ones). How the numbers got here, and
 the experiments behind the defaults, are in `docs/dev/perf-log.md`.
+
+## At a glance
+
+On the 2-core VM of the next section (4 ranks share its 2 cores; the 16-core tables are
+further down), from the tables below:
+
+{glance_notes()}
+
+Where we trail: "Known weak spots" at the end.
 
 ## Environment
 
