@@ -555,8 +555,8 @@ too, so compare ratios within a table, not absolute times across tables. Such VM
 move, for minutes at a time, between placements of their two virtual cores where the
 cores share a cache and where they do not; copies slow down in the second, MPI's too
 (`TOTALREDUCE_COPY_PIECE` and `TOTALREDUCE_SLOW_RING_GBPS` in "Why the defaults are what
-they are"). The measurements behind the defaults come from this VM and from other 2-core
-VMs (AMD EPYC and Intel Xeon), each named where it matters.
+they are"). The measurements behind the defaults, in that section, come from 2-core VMs:
+AMD EPYC ones unless a paragraph names an Intel Xeon one.
 
 ## Method
 
