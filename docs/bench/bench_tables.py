@@ -4,6 +4,7 @@ true when the tables are regenerated."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -30,8 +31,10 @@ def _cut(line: str, starts: list[int]) -> list[str]:
     return [line[a:b].strip() for a, b in zip(starts, ends, strict=True)]
 
 
-def rows(name: str) -> list[Row]:
-    """Every data row of NAME.txt.  A table whose header has a rule of dashes under it is
+@functools.cache
+def rows(name: str) -> tuple[Row, ...]:
+    """Every data row of NAME.txt, read once (the page asks each table many times; the
+    rows are shared: do not change them).  A table whose header has a rule of dashes under it is
     cut at the rule's columns (a cell may hold single spaces: "allreduce 8 B"); one
     without, at runs of two or more spaces, its header being the first line that has
     such a run."""
@@ -61,7 +64,7 @@ def rows(name: str) -> list[Row]:
         # "(target 95%)" says what the two before it mean).
         if header is not None and 2 <= len(cells) <= len(header):
             out.append(dict(zip(header, cells, strict=False)))
-    return out
+    return tuple(out)
 
 
 def find(name: str, **match: str) -> Row:

@@ -172,6 +172,17 @@ def _paren(cell: str) -> float:
     return num(cell.split("(", 1)[1])
 
 
+def _cells2(backend: str = SHM) -> list[tuple[str, str, float]]:
+    """(op, size, speed vs MPI) of ``backend``'s 2-rank cells from 1 MB."""
+    return [(op, s, _speed("collectives-2", op, s, backend)) for op in OPS for s in BIG]
+
+
+def _behind2() -> str:
+    """The 2-rank cells from 1 MB where totalreduce over the rings trails MPI."""
+    return ", ".join(f"{op} {_size(s)} ({_x(v)})" for op, s, v in _cells2() if v < 1.0) \
+        or "none"
+
+
 def glance(name: str, n: str, ops: tuple[str, ...], sizes: tuple[str, ...]) -> str:
     """A table of every backend's speed vs MPI per op and size, out of ``name``."""
     backends = sorted({r["backend"] for r in rows(name)} - {"mpi"})
@@ -185,15 +196,14 @@ def glance(name: str, n: str, ops: tuple[str, ...], sizes: tuple[str, ...]) -> s
 
 
 def collectives_notes() -> str:
-    cells = [(op, s, _speed("collectives-2", op, s)) for op in OPS for s in BIG]
-    behind = [f"{op} {_size(s)} ({_x(v)})" for op, s, v in cells if v < 1.0]
-    gloo = [_speed("collectives-2", op, s, "gloo") for op in OPS for s in BIG]
+    ahead = sum(v >= 1.0 for _op, _s, v in _cells2())
+    gloo = [v for _op, _s, v in _cells2("gloo")]
     return f"""Speed against MPI from 1 MB, every backend (MPI's median time over the backend's):
 
 {glance("collectives-2", "2", OPS, BIG)}
 
 From 1 MB, totalreduce over the shared-memory rings is at or above MPI in
-{len(cells) - len(behind)} of {len(cells)} cells; below it in {", ".join(behind) or "none"}.
+{ahead} of {len(OPS) * len(BIG)} cells; below it in {_behind2()}.
 gloo runs at {span(gloo)}x MPI's speed over the same sizes."""
 
 
@@ -458,7 +468,7 @@ in samples/s ({span(lead)}x) turns into {span(to)}x dense's speed to 95 %."""
 
 def glance_notes() -> str:
     """The page's headline figures, each from the section that has its table."""
-    two = [_speed("collectives-2", op, s) for op in OPS for s in BIG]
+    two = [v for _op, _s, v in _cells2()]
     big = [_speed("collectives-2", op, s) for op in ("allreduce", "reducescatter")
            for s in ("64M", "256M")]
     lat = find("latency", n="2", op="allreduce 8 B", backend=SHM)
@@ -471,7 +481,7 @@ def glance_notes() -> str:
     return f"""- 2 ranks over shared memory, from 1 MB: at or above MPI's speed in
   {sum(v >= 1.0 for v in two)} of {len(two)} cells (op x size); allreduce and
   reducescatter at 64-256 MB {span(big)}x MPI; gloo's cells {span(
-        [_speed("collectives-2", op, s, "gloo") for op in OPS for s in BIG])}x MPI.
+        [v for _op, _s, v in _cells2("gloo")])}x MPI.
 - A blocking 8-byte allreduce: {lat["median us"]} us, {lat["time / mpi"]} MPI's time.
 - 1,000 tiny async allreduces, negotiated (cached and fused): {tiny["median us/op"]} us
   each, {tiny["speed vs mpi"]} MPI's speed.
@@ -488,8 +498,6 @@ def glance_notes() -> str:
 
 
 def weak_spots() -> str:
-    two = [(op, s, _speed("collectives-2", op, s)) for op in OPS for s in BIG]
-    behind = [f"{op} {_size(s)} ({_x(v)})" for op, s, v in two if v < 1.0]
     mid = [_speed("collectives-2", "allreduce", s) for s in ("1M", "4M", "16M")]
     four = [_speed("collectives-4", "allreduce", s, n="4") for s in ("1M", "4M", "16M")]
     lat = find("latency", n="2", op="allreduce 8 B", backend=SHM)
@@ -503,7 +511,7 @@ def weak_spots() -> str:
   peer to get a core. An allgather whose ranks' rows may differ is two such exchanges
   (the small-allgather table); `same_shape=True` makes it one. Batch small tensors
   (`grouped_allreduce`, the optimizer's buckets), or run many of them negotiated.
-- The 2-rank collectives below MPI from 1 MB: {", ".join(behind) or "none"}. Allreduce
+- The 2-rank collectives below MPI from 1 MB: {_behind2()}. Allreduce
   runs at {", ".join(_x(v) for v in mid)} MPI at 1, 4 and 16 MB; the floor table's bare
   exchanges, with no engine, show how much room copying through memory leaves there.
 - 4 ranks on 2 cores: allreduce at {", ".join(_x(v) for v in four)} MPI at 1, 4 and 16
