@@ -402,6 +402,23 @@ def single_exchanges(arg: dict) -> None:
     tr.shutdown()
 
 
+def repeated_broadcasts(arg: dict) -> None:
+    """One blocking broadcast from ``arg["root"]``, repeated: odd sizes, the values
+    changing every call, checked on every rank."""
+    tr.init()
+    rank = tr.rank()
+    root = arg["root"]
+    stats = current().engine.stats
+    before = stats()["express_repeats"]
+    for i in range(arg["steps"]):
+        want = np.arange(7, dtype=np.float64) * (i + 1)
+        mine = want.copy() if rank == root else np.zeros(7)
+        got = tr.broadcast(mine, root_rank=root, name="repeated")
+        assert np.array_equal(got, want), (i, got, want)
+    report(repeats=stats()["express_repeats"] - before)
+    tr.shutdown()
+
+
 def repeated_gathers(arg: dict) -> None:
     """Allgathers, alltoalls and broadcasts under a few names, dtypes and shapes, each
     repeated (a repeat reuses the plan its first call made), with each rank's rows and
@@ -583,7 +600,7 @@ def two_phase_gathers(arg: dict) -> None:
         _close(got, want, what)
         _close(parts[rank], kept, f"{what} (input)")
     report(calls=arg["steps"], repeats=stats()["express_repeats"] - before,
-           floating=stats()["floating_bytes"])
+           handed=stats()["express_repeats_handed_over"], floating=stats()["floating_bytes"])
     tr.shutdown()
 
 

@@ -598,6 +598,16 @@ def test_a_set_direct_bytes_bounds_allreduces_too() -> None:
         assert result.report(r)["direct"] == [1, 0], result.explain()
 
 
+@pytest.mark.parametrize("root", [0, 1])
+def test_a_repeated_broadcast_runs_from_its_repeat_on_the_root_too(root: int) -> None:
+    # At 2 ranks the root's call is one exchange (its data out, the peer's bodiless
+    # acknowledgement in) and the peer's READY comes first: the root's Repeat takes it
+    # and goes on, where handing every call over would still give right values.
+    result = run_ok(2, "smallpath_workers:repeated_broadcasts", {"steps": 200, "root": root},
+                    timeout=120)
+    assert result.report(root)["repeats"] > 0, result.explain()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 3])
 def test_repeated_gathers_and_broadcasts_reuse_plans_and_still_refuse_bad_calls(
@@ -636,6 +646,11 @@ def test_gathers_of_two_phases_run_each_phase_from_its_repeat(
         # Most of them on an idle host; a rank descheduled past its peers' patience sends
         # a call to the general path, so a loaded one runs fewer this way.
         assert sum(got["repeats"] for got in reports) > 0, reports
+    if async_rank is None:
+        # A rank pausing for up to 2 ms now and then: its peers' Repeats, whose spin is
+        # 200 us, handed some calls over mid-phase (their message out, the own block in
+        # place), and those ended right too.
+        assert sum(got["handed"] for got in reports) > 0, reports
 
 
 @pytest.mark.parametrize(("n", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])

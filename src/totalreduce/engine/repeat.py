@@ -111,6 +111,11 @@ _PUSH = 4
 # peer, step, piece, bytes and flags; the receive's port, step, piece and bytes; whether
 # it finishes the op's values (Recv.final, with a finalize).
 _Single = tuple[Port, int, int, int, int, int, Port, int, int, int, bool]
+# ... and of a one-exchange copy (Repeat._run_copied): the send's port, peer, lo, hi,
+# whether it reads the source, step, piece, bytes and flags, then the receive's port,
+# step, piece, lo, hi and bytes.
+_Copied = tuple[Port, int, int, int, bool, int, int, int, int, Port, int, int, int, int,
+                int]
 
 # A reduction's lent piece is copied out of the peer and summed a slice of this size at a
 # time (Repeat._take_summed), while the slice is still in the cache: 16 MB of 2 MiB
@@ -148,7 +153,7 @@ class Repeat:
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
                  "_huge_regions", "_agrees", "_agree_slow", "_peer_lends", "_scratch",
-                 "_single", "_spin", "_wait")
+                 "_single", "_copied", "_spin", "_wait")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -300,6 +305,7 @@ class Repeat:
             copied_last(template, chain.local_final)
         self._scratch = scratch if reduces else None
         self._single = self._one_exchange()
+        self._copied = self._one_copy()
 
     def _one_exchange(self) -> _Single | None:
         """Where every call is one reduction's exchange (:meth:`_run_single`): the whole
@@ -319,6 +325,24 @@ class Repeat:
         flags = FLAG_CREDITED | FLAG_READY if tell else FLAG_CREDITED
         return (port, peer, step, piece, nbytes, flags, in_port, in_step, in_piece,
                 in_bytes, recv.final and self._finalize is not None)
+
+    def _one_copy(self) -> _Copied | None:
+        """Where every call is one exchange of copies (:meth:`_run_copied`): a region sent
+        to one peer, never lent, and that peer's region copied in, with nothing else sent
+        or read and nothing finished locally but the own region from the source
+        (OpSpec.fresh): a 2-rank allgather, its sizes phase and its data's."""
+        if len(self._first) != 1 or len(self._steps) != 1 or self._tell_first \
+                or self._agrees or self._ufunc is not None or self._finalize is not None:
+            return None
+        port, peer, lo, hi, step, piece, nbytes, tell, from_source, _whole, lend, _rule = \
+            self._first[0]
+        source, in_port, in_step, in_piece, recv, in_bytes, unlocks, _in_whole, _bare = \
+            self._steps[0]
+        if lend is not None or source != peer or unlocks or recv.mode != COPY:
+            return None
+        flags = FLAG_CREDITED | FLAG_READY if tell else FLAG_CREDITED
+        return (port, peer, lo, hi, from_source, step, piece, nbytes, flags, in_port,
+                in_step, in_piece, recv.lo, recv.hi, in_bytes)
 
     def run(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
             ) -> OpFuture | bool:
@@ -341,6 +365,8 @@ class Repeat:
                 return False
             if self._single:
                 return self._run_single(work, key)
+            if self._copied:
+                return self._run_copied(work, key, source)
             return self._run(work, source, key)
         finally:
             driver.owner = None
@@ -619,6 +645,75 @@ class Repeat:
             if finalizes:
                 assert self._finalize is not None
                 self._finalize(work)
+        port_in.take(header)
+        self._express.repeats += 1
+        self._done.add(key)
+        return True
+
+    def _run_copied(self, work: np.ndarray, key: OpKey, source: np.ndarray | None
+                    ) -> OpFuture | bool:
+        """:meth:`_run_single` for a template of one exchange of copies (:meth:`_one_copy`)."""
+        loop = self._loop
+        floating = self._floating
+        ledger = self._ledger
+        serving = self._serving
+        if (loop.commands or loop.completions or loop.queued or floating.bodies
+                or floating.bytes or ledger.early.entries or serving.early_headers.entries
+                or not self._small.quiet(key)):
+            return self._run(work, source, key)
+        copied = self._copied
+        assert copied is not None
+        port, peer, lo, hi, from_source, step, piece, nbytes, flags, port_in, step_in, \
+            piece_in, lo_in, hi_in, nbytes_in = copied
+        credit = ledger.terms(peer, nbytes)
+        if credit < 0:
+            return False
+        epoch = serving.epoch
+        key0, key1 = key
+        sig, code, count = self._sig, self._code, self._count
+        body = None
+        if nbytes:
+            if from_source:
+                assert source is not None
+                at = self._source_at
+                body = source[lo - at:hi - at].data.cast("B")
+            else:
+                body = work[lo:hi].data.cast("B")
+        packed = pack_fields(MAGIC, KIND_DATA, code, flags, self._recipe, step, key0, key1,
+                             sig, piece, epoch & 0xFFFFFFFF, nbytes, count, credit)
+        if not port.post_now(packed, body):
+            ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
+            ledger.restore_owed(peer, credit)
+            return False
+        if self._fresh:
+            self._finish_local(work, source)
+        wait = self._express.wait_on
+        record = port_in.peek() or wait(port_in.peek)
+        ready: set[int] = set()
+        if record is not None and record[1] is None:
+            header = record[0]
+            if header.kind == _KIND_READY and header.name_key == key0 and header.seq == key1:
+                # The peer's READY ahead of its answer (a broadcast's: the root gets it
+                # before the acknowledgement), taken as _run takes one.
+                if header.credit:
+                    ledger.grant(peer, header.credit)
+                    self._unpark(peer)
+                ready.add(peer)
+                port_in.take(header)
+                record = port_in.peek() or wait(port_in.peek)
+        if record is None or record[1] is None \
+                or record[0][3:10] != (step_in, key0, key1, sig, piece_in, nbytes_in, count) \
+                or record[0][1] != code:
+            told = {peer} if flags & FLAG_READY else set()
+            return self._hand_over(work, source, key, epoch, ready, told, 0, 1, False)
+        header, got = record
+        assert got is not None
+        credit = header.credit
+        ledger.settle(peer, credit, header.flags, nbytes_in)
+        if credit:
+            self._unpark(peer)
+        if nbytes_in:
+            copy_bytes(work[lo_in:hi_in].data.cast("B"), got)
         port_in.take(header)
         self._express.repeats += 1
         self._done.add(key)

@@ -15,7 +15,7 @@ from ..engine.engine import Engine
 from ..engine.payload import OpFuture, OpKey, OpSpec
 from ..engine.repeat import Repeat
 from ..engine.schedule import Schedule
-from .call_names import Ident
+from .call_names import CallNames, Ident
 from .handle import Handle
 from .slow_rings import SlowRingChoice
 from .thresholds import LENT_WHEN_SLOW
@@ -34,6 +34,8 @@ class SchedulerParts:
     _peers: list[int]
     _slow_rings: SlowRingChoice
     _caller_waits: CallerWaits
+    _names: CallNames
+    _tag: str  # appended to every name: a process set's calls count apart
 
     if TYPE_CHECKING:  # SelfGuided's
         def _call(self, kind: str, name: str | None, phase: str = ""
