@@ -434,22 +434,31 @@ def test_the_slow_ring_choice_tries_both_ways_then_keeps_the_faster_and_looks_ag
         ways.append(left)
         choice.took(key, left, t)
     assert ways == [True, False, True, False]
-    # Then the faster way, and the slower one twice in a row every 32 choices.
+    # Then the faster way, and the slower one twice in a row after 32 choices; while it
+    # stays three times slower, after twice as many each time.
     ways = []
-    for _ in range(96):
+    for _ in range(257):
         left = choice.leave(key)
         ways.append(left)
         choice.took(key, left, 100e-6 if left else 300e-6)
-    assert [i for i, left in enumerate(ways) if not left] == [31, 32, 64, 65]
+    assert [i for i, left in enumerate(ways) if not left] == [31, 32, 64, 65, 129, 130]
     # The first of the two is not timed: a slow change of way does not count, the time
     # after it does, and a faster caller's thread wins from then on.
-    assert choice.leave(key)  # the 31st choice since the last pair
+    assert choice.leave(key)  # the 127th choice since the last pair
     choice.took(key, True, 100e-6)
     assert not choice.leave(key)
     choice.took(key, False, 10e-3)
     assert not choice.leave(key)
     choice.took(key, False, 50e-6)
     assert not choice.leave(key) and not choice.leave(key)
+    # Ways close in time (within 1.5x) are tried every 32 choices, however long that lasts.
+    close = SlowRingChoice.key("alltoall", 1 << 20)
+    ways = []
+    for _ in range(4 + 130):
+        left = choice.leave(close)
+        ways.append(left)
+        choice.took(close, left, 100e-6 if left else 120e-6)
+    assert [i for i, left in enumerate(ways[4:]) if not left] == [31, 32, 64, 65, 97, 98]
     # An op that left is timed through its finish, which still returns its result.
     other = SlowRingChoice.key("allgather", 4 << 20)
     assert choice.leave(other)

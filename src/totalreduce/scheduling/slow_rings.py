@@ -13,7 +13,8 @@ other, so that a change of the host's state is seen.  Each way's time is the lea
 its last few (an op only ever takes longer than it could: a late peer, a cold start).
 Once both are known the other way is tried twice in a row, the first untimed: it pays for
 the change (a 16 MiB broadcast lent amid ones through the rings took 2.2-2.3 ms, against
-1.1-1.2 lent one after another).
+1.1-1.2 lent one after another).  Those tries come less often while they keep finding the
+other way clearly slower.
 
 An op too big for the caller's thread runs on the loop either way, and there the choice
 is whether it lends its bodies while the rings are slow or copies them through the ring
@@ -40,6 +41,11 @@ _KEEP = 5
 # 1 MiB and up, a slower try costs a few hundred microseconds): as often as one lone try
 # every 16 was.
 _EXPLORE = 32
+# ... and where it is still the slower by _CLEARLY at its next try, twice as many, up to
+# _EXPLORE_MOST: on a VM where 1 MiB alltoalls took 0.19 ms on the caller's thread and
+# 0.63 on the loop, a pair of tries every 32 added 13 % to their mean.
+_EXPLORE_MOST = 1024
+_CLEARLY = 1.5
 # (kind, size class) pairs remembered: a few kinds times the sizes a job uses.
 _CLASSES = 128
 # Choices kept for SlowRingChoice.recent.
@@ -50,7 +56,7 @@ T = TypeVar("T")
 
 
 class _Times:
-    __slots__ = ("loop", "caller", "since", "last", "again")
+    __slots__ = ("loop", "caller", "since", "last", "again", "every", "faster")
 
     def __init__(self) -> None:
         self.loop: deque[float] = deque(maxlen=_KEEP)
@@ -58,6 +64,8 @@ class _Times:
         self.since = 0  # choices since the slower way was last tried
         self.last: bool | None = None  # the way the last op took (True: the loop)
         self.again = False  # the slower way, just tried, is taken once more
+        self.every = _EXPLORE  # choices between two tries of the slower way
+        self.faster: bool | None = None  # the faster way when it was last tried
 
 
 class SlowRingChoice:
@@ -81,7 +89,7 @@ class SlowRingChoice:
     def leave(self, key: _Key) -> bool:
         """Whether an op of ``key`` should go to the loop: the way with fewer times while
         either has under two (the loop first), else the faster, but the slower twice every
-        _EXPLORE choices."""
+        _EXPLORE choices (up to _EXPLORE_MOST while it stays clearly slower)."""
         with self._lock:
             left = self._choose(key)
             self.recent.append((key, left))
@@ -104,14 +112,19 @@ class SlowRingChoice:
         loop, caller = times.loop, times.caller
         if len(loop) < 2 or len(caller) < 2:
             return len(loop) <= len(caller)
-        faster = min(loop) < min(caller)
+        on_loop, on_caller = min(loop), min(caller)
+        faster = on_loop < on_caller
+        fast, slow = (on_loop, on_caller) if faster else (on_caller, on_loop)
         if times.again:
             times.again = False
             return not faster
         times.since += 1
-        if times.since >= _EXPLORE:
+        if times.since >= times.every:
             times.since = 0
             times.again = True
+            clearly = times.faster == faster and slow >= _CLEARLY * fast
+            times.every = min(2 * times.every, _EXPLORE_MOST) if clearly else _EXPLORE
+            times.faster = faster
             return not faster
         return faster
 
