@@ -111,11 +111,14 @@ _PUSH = 4
 # peer, step, piece, bytes and flags; the receive's port, step, piece and bytes; whether
 # it finishes the op's values (Recv.final, with a finalize).
 _Single = tuple[Port, int, int, int, int, int, Port, int, int, int, bool]
-# ... and of a one-exchange copy (Repeat._run_copied): the send's port, peer, lo, hi,
-# whether it reads the source, step, piece, bytes and flags, then the receive's port,
-# step, piece, lo, hi and bytes.
-_Copied = tuple[Port, int, int, int, bool, int, int, int, int, Port, int, int, int, int,
-                int]
+# ... and of any other template of one exchange (Repeat._run_one): the send's port, peer,
+# lo, hi, whether that is the whole buffer, whether it reads the source, step, piece,
+# bytes and flags; the receive's port, step, piece, lo, hi, whether that is the whole
+# buffer, and bytes; whether it reduces (else it copies), whether its left operand is the
+# source's (OpSpec.fresh), whether it finishes the op's values (Recv.final, with a
+# finalize), and whether the call finishes local regions (Schedule.local_final).
+_One = tuple[Port, int, int, int, bool, bool, int, int, int, int, Port, int, int, int, int,
+             bool, int, bool, bool, bool, bool]
 
 # A reduction's lent piece is copied out of the peer and summed a slice of this size at a
 # time (Repeat._take_summed), while the slice is still in the cache: 16 MB of 2 MiB
@@ -153,7 +156,7 @@ class Repeat:
                  "_fresh", "_source_at", "_needs_source", "_done", "_dtype", "_quiet",
                  "_reduce_into", "_sends", "_transport", "_lent", "_late", "_op_bytes",
                  "_huge_regions", "_agrees", "_agree_slow", "_peer_lends", "_scratch",
-                 "_single", "_copied", "_spin", "_wait")
+                 "_single", "_one", "_spin", "_wait")
 
     def __init__(self, template: OpSpec, chain: Chain, label_of: Callable[[int], str],
                  members: tuple[int, ...] | None, driver: Driver, loop: Loop,
@@ -305,7 +308,7 @@ class Repeat:
             copied_last(template, chain.local_final)
         self._scratch = scratch if reduces else None
         self._single = self._one_exchange()
-        self._copied = self._one_copy()
+        self._one = None if self._single else self._any_exchange()
 
     def _one_exchange(self) -> _Single | None:
         """Where every call is one reduction's exchange (:meth:`_run_single`): the whole
@@ -326,23 +329,32 @@ class Repeat:
         return (port, peer, step, piece, nbytes, flags, in_port, in_step, in_piece,
                 in_bytes, recv.final and self._finalize is not None)
 
-    def _one_copy(self) -> _Copied | None:
-        """Where every call is one exchange of copies (:meth:`_run_copied`): a region sent
-        to one peer, never lent, and that peer's region copied in, with nothing else sent
-        or read and nothing finished locally but the own region from the source
-        (OpSpec.fresh): a 2-rank allgather, its sizes phase and its data's."""
+    def _any_exchange(self) -> _One | None:
+        """Where every call is one exchange but not :meth:`_one_exchange`'s
+        (:meth:`_run_one`): a region sent to one peer, never lent, and that peer's region
+        summed or copied in, with nothing else sent or read, what its calls share.  At 2
+        ranks: a reducescatter, an allgather (its sizes phase and its data's), an
+        alltoall, a broadcast's root."""
+        # Never lent: a call copies its own block of a fresh buffer (_late's, which is
+        # for calls that lend) right after its message has gone.
         if len(self._first) != 1 or len(self._steps) != 1 or self._tell_first \
-                or self._agrees or self._ufunc is not None or self._finalize is not None:
+                or self._agrees:
             return None
-        port, peer, lo, hi, step, piece, nbytes, tell, from_source, _whole, lend, _rule = \
+        port, peer, lo, hi, step, piece, nbytes, tell, from_source, whole, lend, _rule = \
             self._first[0]
-        source, in_port, in_step, in_piece, recv, in_bytes, unlocks, _in_whole, _bare = \
+        source, in_port, in_step, in_piece, recv, in_bytes, unlocks, in_whole, _bare = \
             self._steps[0]
-        if lend is not None or source != peer or unlocks or recv.mode != COPY:
+        if lend is not None or source != peer or unlocks:
+            return None
+        reduces = recv.mode != COPY
+        if reduces and self._ufunc is None:
             return None
         flags = FLAG_CREDITED | FLAG_READY if tell else FLAG_CREDITED
-        return (port, peer, lo, hi, from_source, step, piece, nbytes, flags, in_port,
-                in_step, in_piece, recv.lo, recv.hi, in_bytes)
+        finalize = self._finalize
+        return (port, peer, lo, hi, whole, from_source, step, piece, nbytes, flags, in_port,
+                in_step, in_piece, recv.lo, recv.hi, in_whole, in_bytes, reduces,
+                reduces and self._fresh, recv.final and finalize is not None,
+                (finalize is not None or self._fresh) and bool(self._chain.local_final))
 
     def run(self, work: np.ndarray, key: OpKey, source: np.ndarray | None = None
             ) -> OpFuture | bool:
@@ -365,8 +377,8 @@ class Repeat:
                 return False
             if self._single:
                 return self._run_single(work, key)
-            if self._copied:
-                return self._run_copied(work, key, source)
+            if self._one:
+                return self._run_one(work, key, source)
             return self._run(work, source, key)
         finally:
             driver.owner = None
@@ -650,9 +662,15 @@ class Repeat:
         self._done.add(key)
         return True
 
-    def _run_copied(self, work: np.ndarray, key: OpKey, source: np.ndarray | None
-                    ) -> OpFuture | bool:
-        """:meth:`_run_single` for a template of one exchange of copies (:meth:`_one_copy`)."""
+    def _run_one(self, work: np.ndarray, key: OpKey, source: np.ndarray | None
+                 ) -> OpFuture | bool:
+        """:meth:`_run_single` for the other templates of one exchange
+        (:meth:`_any_exchange`), whose regions, source and copies that one leaves out (an
+        8-byte allreduce took 0.4 us longer through this): the two phases of an 8-byte
+        allgather of rows took 32 us this way against 41 through _run, a 1 KB
+        reducescatter 10.0 against 12.2.  A READY of the op ahead of the peer's message is
+        taken as _run takes one (a broadcast's root gets one before the acknowledgement);
+        anything else hands the op over as _run does."""
         loop = self._loop
         floating = self._floating
         ledger = self._ledger
@@ -661,46 +679,44 @@ class Repeat:
                 or floating.bytes or ledger.early.entries or serving.early_headers.entries
                 or not self._small.quiet(key)):
             return self._run(work, source, key)
-        copied = self._copied
-        assert copied is not None
-        port, peer, lo, hi, from_source, step, piece, nbytes, flags, port_in, step_in, \
-            piece_in, lo_in, hi_in, nbytes_in = copied
+        one = self._one
+        assert one is not None
+        port, peer, lo, hi, whole, from_source, step, piece, nbytes, flags, port_in, \
+            step_in, piece_in, lo_in, hi_in, whole_in, nbytes_in, reduces, left_source, \
+            finalizes, local = one
         credit = ledger.terms(peer, nbytes)
         if credit < 0:
             return False
         epoch = serving.epoch
         key0, key1 = key
         sig, code, count = self._sig, self._code, self._count
-        body = None
-        if nbytes:
-            if from_source:
-                assert source is not None
-                at = self._source_at
-                body = source[lo - at:hi - at].data.cast("B")
-            else:
-                body = work[lo:hi].data.cast("B")
+        if not nbytes:
+            body = None
+        elif from_source:
+            assert source is not None
+            at = self._source_at
+            body = source[lo - at:hi - at].data.cast("B")
+        else:
+            body = (work if whole else work[lo:hi]).data.cast("B")
         packed = pack_fields(MAGIC, KIND_DATA, code, flags, self._recipe, step, key0, key1,
                              sig, piece, epoch & 0xFFFFFFFF, nbytes, count, credit)
         if not port.post_now(packed, body):
             ledger.grant(peer, nbytes if nbytes > HEADER_SIZE else HEADER_SIZE)
             ledger.restore_owed(peer, credit)
             return False
-        if self._fresh:
+        if local:
             self._finish_local(work, source)
-        wait = self._express.wait_on
-        record = port_in.peek() or wait(port_in.peek)
+        record = port_in.peek() or self._express.wait_on(port_in.peek)
         ready: set[int] = set()
         if record is not None and record[1] is None:
             header = record[0]
             if header.kind == _KIND_READY and header.name_key == key0 and header.seq == key1:
-                # The peer's READY ahead of its answer (a broadcast's: the root gets it
-                # before the acknowledgement), taken as _run takes one.
                 if header.credit:
                     ledger.grant(peer, header.credit)
                     self._unpark(peer)
                 ready.add(peer)
                 port_in.take(header)
-                record = port_in.peek() or wait(port_in.peek)
+                record = port_in.peek() or self._express.wait_on(port_in.peek)
         if record is None or record[1] is None \
                 or record[0][3:10] != (step_in, key0, key1, sig, piece_in, nbytes_in, count) \
                 or record[0][1] != code:
@@ -713,7 +729,34 @@ class Repeat:
         if credit:
             self._unpark(peer)
         if nbytes_in:
-            copy_bytes(work[lo_in:hi_in].data.cast("B"), got)
+            part = work if whole_in else work[lo_in:hi_in]
+            if reduces:
+                ufunc = self._ufunc
+                assert ufunc is not None
+                left = part
+                if left_source:
+                    assert source is not None
+                    at = self._source_at
+                    left = source[lo_in - at:hi_in - at]
+                # reduce_into, inline (its checks made once for the template).
+                if self._reduce_into:
+                    reduce_into(ufunc, part, got, left)
+                else:
+                    quiet = self._quiet
+                    if quiet is None:
+                        ufunc(left, _frombuffer(got, self._dtype, hi_in - lo_in), out=part)
+                    else:
+                        token = quiet[0].set(quiet[1])
+                        try:
+                            ufunc(left, _frombuffer(got, self._dtype, hi_in - lo_in),
+                                  out=part)
+                        finally:
+                            quiet[0].reset(token)
+            else:
+                copy_bytes(part.data.cast("B"), got)
+            if finalizes:
+                assert self._finalize is not None
+                self._finalize(part)
         port_in.take(header)
         self._express.repeats += 1
         self._done.add(key)
