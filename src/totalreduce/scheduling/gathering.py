@@ -164,10 +164,10 @@ class GatheringOps(SchedulerParts):
         ran = sizes_repeat.run(rows, sizes_key, source)
         if ran is not True or ctrl_c.pending:
             self._repeat_ended(sizes_repeat, rows, sizes_key, source, ran)
-        if source is None:
-            got = self._allgather_kept(plan, arr, rows, data_key, name, out)
-            if got is not None:
-                return got
+        got = self._allgather_kept(plan, arr, rows, data_key, name, out) if source is None \
+            else self._alltoall_kept(plan, arr, rows, data_key, name, out)
+        if got is not None:
+            return got
         data_ident = Ident(data_key, name, self._label(kind, name, data_key[1]))
         if kind == "allgather":
             second, finish, state = self._allgather_data(plan, arr, rows, data_ident, 0, out)
@@ -220,6 +220,33 @@ class GatheringOps(SchedulerParts):
             self._repeat_ended(repeat, buf, key, source, ran)
         check_out_rows(out, total, rank, "allgather", name)
         return buf.reshape((total, *arr.shape[1:])) if out is None else out
+
+    def _alltoall_kept(self, plan: GatherPlan, arr: np.ndarray, rows: np.ndarray,
+                       key: OpKey, name: str | None, out: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`_allgather_kept` for an alltoall (``rows``: the rows from each rank),
+        below LENT_WHEN_SLOW (bigger ones ask the slow-ring choice, as _phases_now
+        does)."""
+        counts = tuple(rows.tolist())
+        with self._lock:
+            kept = plan.data(counts)
+        if kept is None:
+            return None
+        template, sent, bounds = kept
+        repeat = template.repeat
+        if repeat is None or bounds[-1] * arr.itemsize >= LENT_WHEN_SLOW:
+            return None
+        total = sum(counts)
+        rank = self.rank
+        buf = _result_buffer(out, total, bounds[-1], arr.dtype)
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        if not _own_in_place(sent, bounds, rank):
+            buf[bounds[rank]:bounds[rank + 1]] = flat[sent[rank]:sent[rank + 1]]
+        ran = repeat.run(buf, key, flat)
+        if ran is not True or ctrl_c.pending:
+            self._repeat_ended(repeat, buf, key, flat, ran)
+        check_out_rows(out, total, rank, "alltoall", name)
+        return (buf.reshape((total, *arr.shape[1:])) if out is None else out, rows.copy())
 
     def _sizes_repeat(self, plan: GatherPlan, kind: str, name: str | None,
                       rows: np.ndarray) -> Repeat | None:
