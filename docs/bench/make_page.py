@@ -1229,7 +1229,8 @@ second it lost: timed on both ranks, 1 MiB broadcasts took 0.57-0.68 ms lent aga
 0.11-0.17 ms through the ring, alltoalls 0.49-0.58 against 0.20-0.29 ms. So each way is
 timed while the rings are slow, per kind of op and power-of-two size, and the faster
 taken (scheduling/slow_rings.py: each tried twice first, then the slower tried again
-twice in a row, the first of the two untimed, every 32nd op).
+twice in a row, the first of the two untimed, after 32 ops, and after twice as many each
+time it is still 1.5x slower, up to 1024).
 With every ring taken for slow (`--set SLOW_RING_GBPS=1000`, old and new tree
 alternated twice), 1 MiB alltoalls went from 0.52-0.75 to 0.34-0.39 ms and 4 MiB ones from
 1.9-2.4 to 1.07-1.21 ms there. A blocking broadcast too big for the caller's thread
