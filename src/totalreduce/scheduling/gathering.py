@@ -201,16 +201,10 @@ class GatheringOps(SchedulerParts):
         the spec, closures and label that path builds for a call of any kind: with them,
         the two phases of an 8-byte allgather at 2 ranks took half again as long as
         their two exchanges."""
-        counts = tuple(rows.tolist())
-        with self._lock:
-            kept = plan.data(counts)
+        kept = self._kept_repeat(plan, rows)
         if kept is None:
             return None
-        template, _send, bounds = kept
-        repeat = template.repeat
-        if repeat is None:
-            return None
-        total = sum(counts)
+        template, repeat, _sent, bounds, total = kept
         rank = self.rank
         buf = _result_buffer(out, total, bounds[-1], arr.dtype)
         flat = np.ascontiguousarray(arr).reshape(-1)
@@ -227,16 +221,12 @@ class GatheringOps(SchedulerParts):
         """:meth:`_allgather_kept` for an alltoall (``rows``: the rows from each rank),
         below LENT_WHEN_SLOW (bigger ones ask the slow-ring choice, as _phases_now
         does)."""
-        counts = tuple(rows.tolist())
-        with self._lock:
-            kept = plan.data(counts)
+        kept = self._kept_repeat(plan, rows)
         if kept is None:
             return None
-        template, sent, bounds = kept
-        repeat = template.repeat
-        if repeat is None or bounds[-1] * arr.itemsize >= LENT_WHEN_SLOW:
+        _template, repeat, sent, bounds, total = kept
+        if bounds[-1] * arr.itemsize >= LENT_WHEN_SLOW:
             return None
-        total = sum(counts)
         rank = self.rank
         buf = _result_buffer(out, total, bounds[-1], arr.dtype)
         flat = np.ascontiguousarray(arr).reshape(-1)
@@ -247,6 +237,22 @@ class GatheringOps(SchedulerParts):
             self._repeat_ended(repeat, buf, key, flat, ran)
         check_out_rows(out, total, rank, "alltoall", name)
         return (buf.reshape((total, *arr.shape[1:])) if out is None else out, rows.copy())
+
+    def _kept_repeat(self, plan: GatherPlan, rows: np.ndarray
+                     ) -> tuple[OpTemplate, Repeat, tuple[int, ...], tuple[int, ...], int] | None:
+        """The data phase's template kept in ``plan`` for the ``rows`` its sizes phase
+        brought, where it has a Repeat: the template, the Repeat, the send and receive
+        bounds, and the result's rows."""
+        counts = tuple(rows.tolist())
+        with self._lock:
+            kept = plan.data(counts)
+        if kept is None:
+            return None
+        template, sent, bounds = kept
+        repeat = template.repeat
+        if repeat is None:
+            return None
+        return template, repeat, sent, bounds, sum(counts)
 
     def _sizes_repeat(self, plan: GatherPlan, kind: str, name: str | None,
                       rows: np.ndarray) -> Repeat | None:
