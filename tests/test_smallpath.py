@@ -201,16 +201,23 @@ def test_small_broadcasts_in_several_pieces_match_numpy(n: int) -> None:
 def test_a_broadcasts_last_rank_acknowledges_before_it_copies(n: int) -> None:
     # The root's call waits for that acknowledgement (algorithms/chain.py): sent after the
     # copy of a 512 KiB piece, it kept the root waiting as long again.
-    result = run_ok(n, "smallpath_workers:acks_before_copies", {}, timeout=120,
-                    env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
-    last = result.report(n - 1)["order"]
     # Calls whose Repeat handed them over before the first body (a peer late under load,
-    # or taking turns on the cores) went on the small path and are not counted.
-    assert last, result.explain()
-    assert all(kinds == ["post", "copy"] for kinds in last), result.explain()
-    for r in range(n - 1):  # the others send no empty message ahead of a copy
-        assert all(kinds != ["post", "copy"] for kinds in result.report(r)["order"]), \
-            result.explain()
+    # or taking turns on the cores) went on the small path and are not counted; at 3 ranks
+    # on 2 cores every call of a job sometimes did so (2 of about 14 runs of this file), so
+    # a job with none counted runs again, up to three times.
+    counted = 0
+    for _attempt in range(3):
+        result = run_ok(n, "smallpath_workers:acks_before_copies", {}, timeout=120,
+                        env={"TOTALREDUCE_SLOW_RING_GBPS": "0"})
+        last = result.report(n - 1)["order"]
+        assert all(kinds == ["post", "copy"] for kinds in last), result.explain()
+        for r in range(n - 1):  # the others send no empty message ahead of a copy
+            assert all(kinds != ["post", "copy"] for kinds in result.report(r)["order"]), \
+                result.explain()
+        counted += len(last)
+        if counted:
+            break
+    assert counted, result.explain()
 
 
 @pytest.mark.parametrize("n", [2, 3])
