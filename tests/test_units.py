@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import selectors
 import socket
 import threading
 import time
@@ -25,7 +26,7 @@ from totalreduce.rendezvous.auth import client_handshake, server_handshake
 from totalreduce.rendezvous.env import detect_launch
 from totalreduce.scheduling.selfguided import SelfGuided
 from totalreduce.scheduling.slow_rings import SlowRingChoice
-from totalreduce.transport.poller import GIVE_WAY_EVERY, POLL_SLOT, GiveWay, Poller
+from totalreduce.transport.poller import GIVE_WAY_EVERY, POLL_SLOT, WAIT_SLOT, GiveWay, Poller
 from totalreduce.transport.wire import HEADER_SIZE, Header, Kind, WireError, unpack_header
 
 
@@ -78,6 +79,39 @@ def test_a_wake_reaches_a_thread_asleep_in_select() -> None:
         assert returned.wait(10.0)
     finally:
         thread.join(10.0)
+        poller.close()
+
+
+def test_a_short_nap_waits_to_the_microsecond_and_still_sees_the_sockets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import totalreduce.transport.poller as poller_module
+
+    # epoll rounds a timeout up to whole milliseconds; a nap shorter than _FINE_NAP asks
+    # select() on the epoll descriptor for the exact time instead.
+    asked: list[float] = []
+    real_select = poller_module.select.select
+
+    def recording(r: list[int], w: list[int], x: list[int], timeout: float) -> object:
+        asked.append(timeout)
+        return real_select(r, w, x, timeout)
+
+    monkeypatch.setattr(poller_module.select, "select", recording)
+    poller = Poller([])
+    a, b = socket.socketpair()
+    try:
+        poller.selector.register(a, selectors.EVENT_READ, "peer")
+        assert poller.select(250e-6, WAIT_SLOT) == []  # nothing came: the nap ran out
+        assert asked and 0 < asked[-1] <= 250e-6
+        b.send(b"x")
+        events = poller.select(250e-6, WAIT_SLOT)
+        assert [(key.data, mask) for key, mask in events] == [("peer", selectors.EVENT_READ)]
+        assert a.recv(1) == b"x"
+        asked.clear()
+        poller.wake()  # a wake before the nap: no nap at all
+        assert poller.select(250e-6, WAIT_SLOT) == [] and not asked
+    finally:
+        a.close()
+        b.close()
         poller.close()
 
 

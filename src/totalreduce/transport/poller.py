@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import selectors
 import socket
 import time
@@ -32,6 +33,12 @@ _SPIN_SOCKET_EVERY = 16  # while spinning on rings, look at the sockets this sel
 # thread's submit then waits at most this long to be seen by a spinning thread.
 _SOCKET_PERIOD = 200e-6
 _RING_SLEEP = 0.02  # the longest nap with shared-memory peers
+# epoll takes its timeout in whole milliseconds, rounded up: a 200 us nap (a queued call's
+# grace, engine/loop.py) slept 1.08 ms, a 1.5 ms one 2.1 ms.  Naps shorter than this wait
+# on the epoll descriptor through select(), which takes microseconds (200 us: 0.27 ms).
+_FINE_NAP = 0.01
+# select() cannot watch a descriptor from this number on.
+_FD_SETSIZE = 1024
 
 POLL_SLOT = 0
 WAIT_SLOT = 1
@@ -106,6 +113,9 @@ class Poller:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        fileno = getattr(self.selector, "fileno", None)
+        fd = fileno() if fileno is not None else -1
+        self._fine_fd = fd if 0 <= fd < _FD_SETSIZE else -1
         # wake(), per slot: a thread spinning in select() sees it at its next look, where
         # the wake-up byte would wait for its next look at the sockets (_SOCKET_PERIOD);
         # the byte (a system call each side) goes only to a thread that sleeps.
@@ -167,6 +177,8 @@ class Poller:
             return events
         # The thread in wait() spins briefly only: the application may want the GIL.
         spin = self.spin if slot == POLL_SLOT else _SPIN
+        if timeout is not None and timeout < spin:
+            spin = timeout
         spin_until = time.monotonic() + spin
         relax = os.sched_yield if slot == POLL_SLOT and self.crowded else None
         while time.monotonic() < spin_until and not pending:
@@ -190,7 +202,7 @@ class Poller:
         self._asleep[slot] = True
         try:
             if not poked[slot] and not (rings and self.rings_ready()):
-                events = self.selector.select(timeout)
+                events = self._nap(timeout)
         finally:
             self._asleep[slot] = False
             poked[slot] = False  # the caller looks at what the poke was for next
@@ -199,6 +211,13 @@ class Poller:
             for link in stuck:
                 link.ask_for_room(False)
         return events
+
+    def _nap(self, timeout: float | None) -> list[tuple[Any, int]]:
+        """Block in the selector for up to ``timeout`` seconds, to the microsecond."""
+        if timeout is not None and 0 < timeout < _FINE_NAP and self._fine_fd >= 0:
+            ready, _, _ = select.select([self._fine_fd], [], [], timeout)
+            return self.selector.select(0) if ready else []
+        return self.selector.select(timeout)
 
     def _sockets_due(self) -> bool:
         """Whether a turn that could take ring records instead should look at the sockets:
