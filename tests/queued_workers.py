@@ -167,3 +167,58 @@ def agreed_slow_lending(arg: dict) -> None:
     tr.barrier()
     tr.shutdown()
     report(lent=lent, shares=shares, slow=slow)
+
+
+def grouped_with_slow_parts(arg: dict) -> None:
+    """A grouped async allreduce of four parts whose caller spends 2 ms before each part
+    (as fusing many small arrays can), its second call queued, while the peer, ahead by
+    20 ms, already runs the same call and its records lie in this rank's ring.  Reports
+    how many parts were still queued as each part began (the progress thread must hold
+    them until the call returns: a gap inside one call ends no burst) and how many turns
+    the progress thread took inside the call (it must wait out the grace, not spin on the
+    records meant for those parts).  Results against numpy."""
+    import threading
+
+    from totalreduce.engine import loop as loop_module
+    from totalreduce.scheduling.selfguided import SelfGuided
+
+    counts = [300_001, 200_003, 250_007, 400_009]  # float32: each part an op of its own
+    held: list[int] = []
+    turns = [0]
+    slow = [False]
+    working_copy = SelfGuided._working_copy
+    step = loop_module.Loop.step
+
+    def slow_copy(self: SelfGuided, arr: np.ndarray, inplace: bool) -> tuple[np.ndarray,
+                                                                              bool]:
+        if slow[0]:
+            held.append(len(loop.queued))
+            time.sleep(0.002)
+        return working_copy(self, arr, inplace)
+
+    def counted_step(self: loop_module.Loop, timeout: float | None, until: object = None,
+                     top: bool = False) -> None:
+        if slow[0] and threading.current_thread().name == "totalreduce-progress":
+            turns[0] += 1
+        step(self, timeout, until, top)  # type: ignore[arg-type]
+
+    SelfGuided._working_copy = slow_copy  # type: ignore[method-assign]
+    loop_module.Loop.step = counted_step  # type: ignore[method-assign]  # before init binds it
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    loop = current().engine.loop
+    for rnd in range(2):
+        ins = [[data(50 * rnd + k, r, (c,), np.float32) for r in range(n)]
+               for k, c in enumerate(counts)]
+        mine = [x[rank].copy() for x in ins]
+        tr.barrier()
+        if rnd and rank == 0:
+            time.sleep(0.02)  # the peer's records for these parts come first
+        slow[0] = bool(rnd) and rank == 0
+        handle = tr.grouped_allreduce_async_(mine, op=tr.Sum, name="slow.parts")
+        slow[0] = False
+        for k, got in enumerate(handle.wait()):
+            assert_same(got, reference_reduce(ins[k], "Sum"), f"round {rnd}: part {k}")
+    tr.barrier()
+    tr.shutdown()
+    report(held=held, turns=turns[0])

@@ -28,6 +28,17 @@ def test_queued_async_reductions_match_numpy_in_any_order(n: int, transport: str
             assert got["repeats"] >= 1, result.explain()
 
 
+def test_a_grouped_calls_own_work_between_parts_ends_no_burst() -> None:
+    result = run_ok(2, "queued_workers:grouped_with_slow_parts", {}, timeout=60)
+    got = result.report(0)
+    # Each part found every part before it still queued: no grace ran out inside the
+    # call, though 2 ms passed before each part (QUEUED_GRACE is 200 us).
+    assert got["held"] == [0, 1, 2, 3], result.explain()
+    # About 8 ms inside the call: a turn per grace is 40; spinning on the peer's records
+    # took thousands.
+    assert got["turns"] < 400, result.explain()
+
+
 def test_queued_calls_never_waited_for_end_at_shutdown() -> None:
     result = run_ok(2, "queued_workers:queued_at_shutdown", {}, timeout=60)
     for r in range(2):

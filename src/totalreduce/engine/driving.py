@@ -46,6 +46,10 @@ class Loop(Protocol):
         """How long the progress thread may wait for I/O without the lock before the
         loop's next check; None: it has queued work and must not wait."""
 
+    def holds(self) -> bool:
+        """Whether the wait is only a grace for queued calls, which the transport's news
+        cannot shorten (the progress thread then waits away from it)."""
+
     ended: bool  # the loop has closed for good
     waited: float  # set when a thread stops waiting (the loop's queued calls' grace)
 
@@ -227,8 +231,15 @@ class Driver:
             if not tick and can_wait:
                 idle = self._loop.idle_for()
                 if idle is not None:
-                    # Wait for I/O without the lock, so a caller can take over at any moment.
-                    transport.wait(idle)
+                    if self._loop.holds():
+                        # Out of the transport's reach: a peer's records for the calls
+                        # held would end each of its waits at once.
+                        with self._idle:
+                            self._idle.wait(idle)
+                    else:
+                        # Wait for I/O without the lock, so a caller can take over at any
+                        # moment.
+                        transport.wait(idle)
             self.lock.acquire()
             with self._driving:
                 if self._drivers and not self._loop.leaving():

@@ -51,7 +51,7 @@ from .handler import Handler
 from .inbox import Inbox
 from .job import JobState
 from .ledger import CreditLedger
-from .loop import BURST_GAP, Loop
+from .loop import BURST_GAP, Loop, Queuing
 from .mismatch_tracker import MismatchTracker
 from .optable import OpTable
 from .outbox import Outbox
@@ -171,8 +171,9 @@ class Engine:
         loop = self.loop
         queued = loop.queued
         now = time.monotonic()
-        # Not a burst: the calls before it start on the general path (loop.py).
-        slow = bool(queued) and now - queued[-1][5] > BURST_GAP
+        # Not a burst: the calls before it start on the general path (loop.py).  Inside a
+        # call that queues several, the gaps are that call's own work.
+        slow = bool(queued) and not loop.queuing and now - queued[-1][5] > BURST_GAP
         # The rest of a burst: the progress thread, woken for its first call, looks
         # again once the grace has passed (waking it for each cost the burst's submits
         # the GIL, and their gaps then ended bursts).
@@ -326,6 +327,11 @@ class Engine:
         """Whether this thread is inside :meth:`caller_waits` (it blocks on what it
         submits, so a small op may run to its end on it)."""
         return self._driver.waits_here()
+
+    def queuing_calls(self) -> Queuing:
+        """``with engine.queuing_calls():`` one call of this thread's queues several
+        parts: the progress thread holds the queued calls until it has returned."""
+        return self.loop.queuing_calls()
 
     def caller_waits(self) -> CallerWaits:
         """``with engine.caller_waits():`` this thread waits for each op it submits inside,

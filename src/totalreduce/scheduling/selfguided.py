@@ -626,6 +626,30 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         futures: list[OpFuture] = []
         outputs: list[tuple[list[int], np.ndarray, bool]] = []
         waits = self._engine.waits_here()
+        with self._engine.queuing_calls():
+            self._grouped_parts(arrs, parts, name, rop, priority, inplace, waits, futures,
+                                outputs)
+
+        def finish() -> list[np.ndarray]:
+            result: list[np.ndarray] = [np.empty(0)] * len(arrs)
+            for idx, work, writeback in outputs:
+                offset = 0
+                for i in idx:
+                    a = arrs[i]
+                    part = work[offset:offset + a.size].reshape(a.shape)
+                    offset += a.size
+                    if writeback:
+                        a[...] = part
+                    result[i] = a if inplace else part
+            return result
+
+        return FutureHandle(futures, finish, f"grouped_allreduce of {len(arrs)} arrays")
+
+    def _grouped_parts(self, arrs: list[np.ndarray], parts: list[list[int]],
+                       name: str | None, rop: Any, priority: int, inplace: bool,
+                       waits: bool, futures: list[OpFuture],
+                       outputs: list[tuple[list[int], np.ndarray, bool]]) -> None:
+        """Run, queue or submit each part of a grouped allreduce (see grouped_allreduce)."""
         for k, idx in enumerate(parts):
             gname = None if name is None else (name if len(parts) == 1 else f"{name}.{k}")
             dtype = arrs[idx[0]].dtype
@@ -658,21 +682,6 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
                     self._grouped.put(key, OpTemplate(spec))
             # _launch runs it here when this thread waits for it, else submits it.
             futures.extend(self._launch(spec, nothing, self._direct_ring).futures)
-
-        def finish() -> list[np.ndarray]:
-            result: list[np.ndarray] = [np.empty(0)] * len(arrs)
-            for idx, work, writeback in outputs:
-                offset = 0
-                for i in idx:
-                    a = arrs[i]
-                    part = work[offset:offset + a.size].reshape(a.shape)
-                    offset += a.size
-                    if writeback:
-                        a[...] = part
-                    result[i] = a if inplace else part
-            return result
-
-        return FutureHandle(futures, finish, f"grouped_allreduce of {len(arrs)} arrays")
 
     # --- reducescatter --------------------------------------------------------------
 
