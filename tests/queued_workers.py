@@ -222,3 +222,40 @@ def grouped_with_slow_parts(arg: dict) -> None:
     tr.barrier()
     tr.shutdown()
     report(held=held, turns=turns[0])
+
+
+def copying_calls_in_a_burst(arg: dict) -> None:
+    """Async allreduces, not in place, their second calls queued: each call's own work
+    before it queues (the copy of its input) takes 2 ms here, past the 200 us grace.
+    Reports how many calls were still queued as each queued (the progress thread must
+    hold them: the work inside a call is no gap in the burst).  Results against numpy."""
+    from totalreduce.scheduling.queued_calls import QueuedCalls
+
+    queue = QueuedCalls._queued
+    held: list[int] = []
+    slow = [False]
+
+    def slow_queue(self: QueuedCalls, plan: object, work: np.ndarray, kind: str,
+                   name: str | None) -> object:
+        if slow[0]:
+            held.append(len(current().engine.loop.queued))
+            time.sleep(0.002)
+        return queue(self, plan, work, kind, name)  # type: ignore[arg-type]
+
+    QueuedCalls._queued = slow_queue  # type: ignore[method-assign,assignment]
+    tr.init()
+    rank, n = tr.rank(), tr.size()
+    counts = [30_001, 5, 70_003, 1_001]
+    for rnd in range(2):
+        ins = [[data(70 * rnd + k, r, (c,), np.float64) for r in range(n)]
+               for k, c in enumerate(counts)]
+        tr.barrier()
+        slow[0] = bool(rnd) and rank == 0
+        handles = [tr.allreduce_async(x[rank], op=tr.Sum, name=f"copying.{k}")
+                   for k, x in enumerate(ins)]
+        slow[0] = False
+        for k, handle in enumerate(handles):
+            assert_same(handle.wait(), reference_reduce(ins[k], "Sum"), f"round {rnd}: {k}")
+    tr.barrier()
+    tr.shutdown()
+    report(held=held)

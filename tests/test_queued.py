@@ -39,6 +39,12 @@ def test_a_grouped_calls_own_work_between_parts_ends_no_burst() -> None:
     assert got["turns"] < 400, result.explain()
 
 
+def test_an_async_calls_copy_of_its_input_ends_no_burst() -> None:
+    result = run_ok(2, "queued_workers:copying_calls_in_a_burst", {}, timeout=60)
+    # Each call found the ones before it still queued, though each spent 2 ms first.
+    assert result.report(0)["held"] == [0, 1, 2, 3], result.explain()
+
+
 def test_queued_calls_never_waited_for_end_at_shutdown() -> None:
     result = run_ok(2, "queued_workers:queued_at_shutdown", {}, timeout=60)
     for r in range(2):
