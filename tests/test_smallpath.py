@@ -95,9 +95,12 @@ def test_a_repeated_call_made_differently_on_one_rank_fails_on_every_rank(
     whats = {"allreduce": ["op"], "broadcast": ["root"], "reducescatter": ["op"]
              }.get(kind, []) + [
         "dtype", "shape"]
+    # At 4 ranks on 2 cores a call's Repeat often declines (a peer slow to get a core):
+    # beside a busy process the lowest rank began 3-6 of 10 from it, and under the whole
+    # suite's load one rank once began none; twice the calls there.
     result = run_ok(n, "smallpath_workers:repeat_then_differ",
-                    {"kind": kind, "whats": whats, "repeats": 10}, timeout=150,
-                    transport=transport)
+                    {"kind": kind, "whats": whats, "repeats": 20 if n >= 4 else 10},
+                    timeout=150, transport=transport)
     for r in range(n):
         got = result.report(r)
         # The repeats began from the template's Repeat (at 4 ranks on 2 cores most are
