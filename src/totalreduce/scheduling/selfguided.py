@@ -623,12 +623,8 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
                     fused[a.dtype] = []
                     parts.append(fused[a.dtype])
                 fused[a.dtype].append(i)
-        futures: list[OpFuture] = []
-        outputs: list[tuple[list[int], np.ndarray, bool]] = []
-        waits = self._engine.waits_here()
         with self._engine.queuing_calls():
-            self._grouped_parts(arrs, parts, name, rop, priority, inplace, waits, futures,
-                                outputs)
+            futures, outputs = self._grouped_parts(arrs, parts, name, rop, priority, inplace)
 
         def finish() -> list[np.ndarray]:
             result: list[np.ndarray] = [np.empty(0)] * len(arrs)
@@ -646,10 +642,13 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
         return FutureHandle(futures, finish, f"grouped_allreduce of {len(arrs)} arrays")
 
     def _grouped_parts(self, arrs: list[np.ndarray], parts: list[list[int]],
-                       name: str | None, rop: Any, priority: int, inplace: bool,
-                       waits: bool, futures: list[OpFuture],
-                       outputs: list[tuple[list[int], np.ndarray, bool]]) -> None:
-        """Run, queue or submit each part of a grouped allreduce (see grouped_allreduce)."""
+                       name: str | None, rop: Any, priority: int, inplace: bool
+                       ) -> tuple[list[OpFuture], list[tuple[list[int], np.ndarray, bool]]]:
+        """Run, queue or submit each part of a grouped allreduce (see grouped_allreduce):
+        the parts' futures, and each part's arrays, buffer and whether it is copied back."""
+        futures: list[OpFuture] = []
+        outputs: list[tuple[list[int], np.ndarray, bool]] = []
+        waits = self._engine.waits_here()
         for k, idx in enumerate(parts):
             gname = None if name is None else (name if len(parts) == 1 else f"{name}.{k}")
             dtype = arrs[idx[0]].dtype
@@ -682,6 +681,7 @@ class SelfGuided(GatheringOps, BroadcastOps, QueuedCalls):
                     self._grouped.put(key, OpTemplate(spec))
             # _launch runs it here when this thread waits for it, else submits it.
             futures.extend(self._launch(spec, nothing, self._direct_ring).futures)
+        return futures, outputs
 
     # --- reducescatter --------------------------------------------------------------
 
